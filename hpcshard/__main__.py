@@ -1,0 +1,3 @@
+from hpcshard.cli import main
+
+main()

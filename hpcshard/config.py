@@ -1,0 +1,185 @@
+"""Typed training configuration, shared by the CLI (no torch) and the runtime.
+
+A job's own config subclasses `TrainConfig`, so one flat namespace of keys is set with
+`--set key=value`. Every bad value is a `ValueError` that names the value and what is
+accepted; the CLI turns it into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+from typing import Any
+
+SHARDING_MODES = ("auto", "hybrid", "full", "grad-op", "none")
+PRECISIONS = ("fp32", "bf16", "fp16")
+
+C = typing.TypeVar("C", bound="TrainConfig")
+
+
+def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
+
+
+def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
+    if value < 0 or (value == 0 and not zero_ok):
+        bound = ">= 0" if zero_ok else "> 0"
+        raise ValueError(f"{name}={value!r} is not valid; it must be {bound}")
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Settings every job has. A job's `Config` subclasses this and adds its own fields."""
+
+    steps: int = 200
+    """Optimizer steps to train."""
+    batch_size: int = 32
+    """Global batch in sequences per optimizer step, the same whatever the world size."""
+    micro_batch_size: int = 0
+    """Sequences per rank per forward pass; 0 means batch_size / world (no accumulation).
+    Gradient accumulation steps = batch_size / (micro_batch_size * world)."""
+    seq_len: int = 128
+    """Tokens per training sequence."""
+    lr: float = 3e-3
+    """Peak learning rate (AdamW)."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to lr * min_lr_ratio at the last step."""
+    warmup_steps: int = 20
+    """Linear warmup steps before the cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay, applied to matrices only (not biases, norms)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm (over all shards) to this; 0 disables clipping."""
+    seed: int = 0
+    """Seeds initialisation (world-size independent), data order and dropout."""
+    sharding: str = "auto"
+    """auto (hybrid on >1 node, else full) | hybrid (shard in a node, replicate across
+    nodes: HSDP) | full (shard over all ranks) | grad-op (full, but keep parameters
+    gathered between forward and backward) | none (replicate only, DDP-like)."""
+    precision: str = "fp32"
+    """fp32 | bf16 (bf16 compute, fp32 reduce) | fp16 (fp16 compute with a grad scaler)."""
+    ac: str = "none"
+    """Activation checkpointing: none | full (every block) | K (every K-th block)."""
+    block: str = ""
+    """Class name of the repeated block to shard; empty: found automatically."""
+    block_min_params: int = 0
+    """If > 0 (and block is empty), shard every module with at least this many parameters
+    instead of a repeated block."""
+    compile: bool = False
+    """torch.compile each block before sharding."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and optimizer state in host memory."""
+    log_every: int = 10
+    """Write a metrics record every N steps."""
+    eval_every: int = 50
+    """Evaluate on the held-out split every N steps (and at the end); 0 disables."""
+    eval_batches: int = 4
+    """Global batches per evaluation."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one device for MFU; 0 means look it up (known GPUs only)."""
+
+    def __post_init__(self) -> None:
+        _choice("sharding", self.sharding, SHARDING_MODES)
+        _choice("precision", self.precision, PRECISIONS)
+        if self.ac not in ("none", "full") and not (self.ac.isdigit() and int(self.ac) > 0):
+            raise ValueError(
+                f"ac={self.ac!r} is not valid; choose none, full, or a positive integer K "
+                "(checkpoint every K-th block)"
+            )
+        for name in ("steps", "batch_size", "seq_len", "lr", "log_every", "eval_batches"):
+            _positive(name, getattr(self, name))
+        for name in ("micro_batch_size", "warmup_steps", "weight_decay", "grad_clip",
+                     "eval_every", "block_min_params", "peak_tflops", "min_lr_ratio"):
+            _positive(name, getattr(self, name), zero_ok=True)
+
+    def accumulation(self, world: int) -> tuple[int, int]:
+        """(micro batch per rank, accumulation steps) for a world size, or ValueError."""
+        if self.batch_size % world:
+            raise ValueError(
+                f"batch_size={self.batch_size} does not divide over {world} ranks; "
+                f"use a multiple of {world}"
+            )
+        per_rank = self.batch_size // world
+        micro = self.micro_batch_size or per_rank
+        if per_rank % micro:
+            raise ValueError(
+                f"micro_batch_size={micro} does not divide the {per_rank} sequences per rank "
+                f"(batch_size={self.batch_size} over {world} ranks); use a divisor of {per_rank}"
+            )
+        return micro, per_rank // micro
+
+    def ac_every(self) -> int:
+        """0: no activation checkpointing; K: checkpoint blocks 0, K, 2K, ..."""
+        return {"none": 0, "full": 1}[self.ac] if self.ac in ("none", "full") else int(self.ac)
+
+
+def _parse_bool(text: str) -> bool:
+    low = text.lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected a boolean (true/false)")
+
+
+def _convert(text: str, kind: Any) -> Any:
+    """Turn a --set string into the field's declared type (int, float, str, bool, Optional)."""
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if text.lower() in ("none", "null", ""):
+            return None
+        return _convert(text, args[0])
+    if origin is typing.Literal:
+        choices = typing.get_args(kind)
+        if text not in choices:
+            raise ValueError(f"expected one of {', '.join(map(str, choices))}")
+        return text
+    if kind is bool:
+        return _parse_bool(text)
+    if kind in (int, float, str):
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"expected {kind.__name__}") from None
+    raise ValueError(f"fields of type {kind} cannot be set from the command line")
+
+
+def parse_sets(items: typing.Iterable[str]) -> dict[str, str]:
+    """`["a=1", "b=x"]` -> `{"a": "1", "b": "x"}`; a missing `=` is an error."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--set {item!r} is not key=value; write e.g. --set steps=100")
+        out[key.strip()] = value
+    return out
+
+
+def build_config(cls: type[C], sets: dict[str, str]) -> C:
+    """Instantiate a config dataclass from `--set` strings, checking keys and types."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls) if f.init}
+    values: dict[str, Any] = {}
+    for key, text in sets.items():
+        if key not in fields:
+            raise ValueError(
+                f"unknown --set key {key!r} for {cls.__name__}; valid keys: "
+                + ", ".join(sorted(fields))
+            )
+        try:
+            values[key] = _convert(text, hints[key])
+        except ValueError as err:
+            raise ValueError(f"--set {key}={text!r}: {err}") from None
+    return cls(**values)
+
+
+def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

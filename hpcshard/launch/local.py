@@ -1,0 +1,65 @@
+"""The local backend: N emulated nodes as local processes, the launcher Slurm will run.
+
+Each "node" is one `hpcshard.launch.node` process running torchrun for its ranks; they
+meet through a c10d rendezvous on loopback, exactly as nodes meet on a cluster.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from hpcshard.launch.node import NodeEnv
+
+# A node that failed takes the job down: the others get this long to notice (torchrun's
+# own rendezvous/collective timeouts) before they are terminated.
+PEER_GRACE_S = 30.0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_local(run_dir: Path, nodes: int, per_node: int) -> int:
+    """Run the job in `run_dir` on `nodes` x `per_node` local ranks; returns its exit code."""
+    port, run_id = free_port(), uuid.uuid4().hex[:12]
+    cores = os.cpu_count() or 1
+    procs = []
+    for rank in range(nodes):
+        node = NodeEnv(node_rank=rank, nnodes=nodes, per_node=per_node, rdzv_host="127.0.0.1",
+                       rdzv_port=port, run_id=run_id)
+        env = {**os.environ, **node.to_environ()}
+        # All emulated nodes share this host's cores.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, cores // (nodes * per_node))))
+        procs.append(subprocess.Popen([sys.executable, "-m", "hpcshard.launch.node", str(run_dir)],
+                                      env=env))
+    try:
+        return _wait_all(procs)
+    except KeyboardInterrupt:
+        for p in procs:
+            p.send_signal(signal.SIGINT)
+        return _wait_all(procs)
+
+
+def _wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
+    """First non-zero exit code wins; survivors of a failed job are stopped after a grace."""
+    failed_at: float | None = None
+    while True:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return next((c for c in codes if c), 0)  # type: ignore[return-value]
+        if failed_at is None and any(c for c in codes):
+            failed_at = time.monotonic()
+        if failed_at is not None and time.monotonic() - failed_at > PEER_GRACE_S:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+        time.sleep(0.2)

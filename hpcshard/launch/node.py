@@ -1,0 +1,81 @@
+"""The per-node launcher: read where this node sits, then run torchrun for it.
+
+The same code runs under the local backend (emulated nodes on one machine) and, later,
+inside a Slurm allocation; only `NodeEnv.from_environ` differs between them.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class NodeEnv:
+    """The one object that knows where this node sits in the job."""
+
+    node_rank: int
+    nnodes: int
+    per_node: int
+    rdzv_host: str
+    rdzv_port: int
+    run_id: str
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> NodeEnv:
+        """The local backend passes the node's identity as HPCSHARD_* variables."""
+        env = os.environ if environ is None else environ
+        return cls(node_rank=int(env["HPCSHARD_NODE_RANK"]), nnodes=int(env["HPCSHARD_NNODES"]),
+                   per_node=int(env["HPCSHARD_PER_NODE"]), rdzv_host=env["HPCSHARD_RDZV_HOST"],
+                   rdzv_port=int(env["HPCSHARD_RDZV_PORT"]), run_id=env["HPCSHARD_RUN_ID"])
+
+    def to_environ(self) -> dict[str, str]:
+        return {"HPCSHARD_NODE_RANK": str(self.node_rank), "HPCSHARD_NNODES": str(self.nnodes),
+                "HPCSHARD_PER_NODE": str(self.per_node), "HPCSHARD_RDZV_HOST": self.rdzv_host,
+                "HPCSHARD_RDZV_PORT": str(self.rdzv_port), "HPCSHARD_RUN_ID": self.run_id}
+
+
+def torchrun_argv(node: NodeEnv, run_dir: Path) -> list[str]:
+    """torchrun for one node: c10d rendezvous on the first node's host.
+
+    c10d ignores --node_rank and numbers agents by arrival, but each agent's workers get
+    contiguous ranks, so the mesh's shard dimension still stays inside one node.
+    """
+    return [
+        sys.executable, "-m", "torch.distributed.run",
+        f"--nnodes={node.nnodes}", f"--nproc_per_node={node.per_node}",
+        "--rdzv_backend=c10d", f"--rdzv_endpoint={node.rdzv_host}:{node.rdzv_port}",
+        f"--rdzv_id={node.run_id}", "--max_restarts=0",
+        "-m", "hpcshard.runtime.main", str(run_dir),
+    ]
+
+
+def run_node(node: NodeEnv, run_dir: Path) -> int:
+    """Run torchrun for this node and return its exit code.
+
+    INT and TERM are passed on to torchrun, which forwards them to its workers and
+    tears them down; the launcher itself never dies first and orphans the ranks.
+    """
+    env = dict(os.environ)
+    # torchrun would set 1 with a warning; on a CPU host, split the cores between ranks.
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // node.per_node)))
+    proc = subprocess.Popen(torchrun_argv(node, run_dir), env=env)
+
+    def forward(signum: int, _frame: object) -> None:
+        proc.send_signal(signum)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, forward)
+    return proc.wait()
+
+
+def main() -> int:
+    return run_node(NodeEnv.from_environ(), Path(sys.argv[1]))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

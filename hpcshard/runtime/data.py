@@ -1,0 +1,155 @@
+"""Token data: deterministic, distributed, resumable, and independent of the world size.
+
+A dataset is a flat 1-D token stream (bytes of text files, or a uint16/uint32 token file as
+nanoGPT-style pipelines write) cut into windows of seq_len + 1 tokens. The order is a
+seeded permutation per epoch, and step s takes the global batch perm[s*B:(s+1)*B]; each
+rank takes its contiguous slice of it. So the same steps see the same samples on 1 rank or
+on 64, and the whole position is two integers (epoch, offset): a checkpoint written on one
+shape resumes on another without skipping or repeating a sample.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+TOKEN_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
+
+
+@dataclass(frozen=True)
+class DataSplits:
+    """A job's data: the training stream and a held-out stream for evaluation."""
+
+    train: np.ndarray
+    eval: np.ndarray
+    vocab_size: int
+
+
+def stdlib_sources() -> list[Path]:
+    """The running Python's own standard-library `.py` files, sorted: text on every machine.
+
+    Third-party packages and the (huge, repetitive) test suite are left out so the data
+    does not change with what is installed.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
+    return sorted(p for p in root.rglob("*.py")
+                  if not set(p.relative_to(root).parts[:-1]) & skip)
+
+
+def text_files(path: str | Path, pattern: str = "*") -> list[Path]:
+    """A file, or the files under a directory that match `pattern`, sorted."""
+    root = Path(path)
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        raise ValueError(f"data path {str(root)!r} does not exist; give a text file or directory")
+    files = sorted(p for p in root.rglob(pattern) if p.is_file())
+    if not files:
+        raise ValueError(f"no files match {pattern!r} under {str(root)!r}")
+    return files
+
+
+def bytes_splits(files: list[Path], eval_every: int = 20) -> DataSplits:
+    """Bytes of the files as tokens (vocab 256). Every `eval_every`-th file is held out, so
+    the evaluation text is spread over the corpus rather than one corner of it."""
+    if len(files) < 2:
+        data = np.frombuffer(b"".join(p.read_bytes() for p in files), dtype=np.uint8)
+        cut = int(len(data) * (1 - 1 / eval_every))
+        return DataSplits(train=data[:cut], eval=data[cut:], vocab_size=256)
+    held = {i for i in range(len(files)) if i % eval_every == eval_every - 1}
+    train = b"".join(p.read_bytes() for i, p in enumerate(files) if i not in held)
+    test = b"".join(p.read_bytes() for i, p in enumerate(files) if i in held)
+    return DataSplits(train=np.frombuffer(train, dtype=np.uint8),
+                      eval=np.frombuffer(test, dtype=np.uint8), vocab_size=256)
+
+
+def token_file(path: str | Path, dtype: str = "uint16") -> np.ndarray:
+    """A flat binary token file (nanoGPT's train.bin), memory-mapped, never read whole."""
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"token dtype {dtype!r} is not valid; choose one of: {', '.join(TOKEN_DTYPES)}")
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"token file {str(p)!r} does not exist")
+    return np.memmap(p, dtype=TOKEN_DTYPES[dtype], mode="r")
+
+
+def unigram_entropy(tokens: np.ndarray, vocab_size: int, limit: int = 50_000_000) -> float:
+    """Entropy (nats/token) of the token frequencies: the loss of the best model that
+    ignores context. A language model that learns anything beats it."""
+    counts = np.bincount(np.asarray(tokens[:limit]), minlength=vocab_size).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
+def _windows(tokens: np.ndarray, seq_len: int, index: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = np.stack([np.asarray(tokens[i * seq_len: i * seq_len + seq_len + 1]) for i in index])
+    t = torch.from_numpy(rows.astype(np.int64))
+    return t[:, :-1], t[:, 1:]
+
+
+class GlobalBatches:
+    """The training batches of one rank, in a world-size independent order.
+
+    State is `(epoch, offset)`: the epoch's permutation is rebuilt from the seed, and
+    `offset` samples of it were consumed. A trailing partial batch of an epoch is dropped.
+    """
+
+    def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, micro: int,
+                 rank: int, world: int, seed: int) -> None:
+        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.micro, self.rank, self.world, self.seed = micro, rank, world, seed
+        self.samples = (len(tokens) - 1) // seq_len
+        if self.samples < batch_size:
+            raise ValueError(f"the training data has {self.samples} sequences of {seq_len + 1} "
+                             f"tokens, fewer than one batch ({batch_size}); lower batch_size or seq_len")
+        self.epoch, self.offset = 0, 0
+        self._perm: torch.Tensor | None = None
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.samples // self.batch_size
+
+    def _permutation(self) -> torch.Tensor:
+        if self._perm is None:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            self._perm = torch.randperm(self.samples, generator=gen)
+        return self._perm
+
+    def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches for the next optimizer step."""
+        if self.offset + self.batch_size > self.samples:
+            self.epoch, self.offset, self._perm = self.epoch + 1, 0, None
+        per_rank = self.batch_size // self.world
+        start = self.offset + self.rank * per_rank
+        mine = self._permutation()[start:start + per_rank].tolist()
+        self.offset += self.batch_size
+        return [_windows(self.tokens, self.seq_len, mine[i:i + self.micro])
+                for i in range(0, per_rank, self.micro)]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "offset": self.offset}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.offset, self._perm = int(state["epoch"]), int(state["offset"]), None
+
+
+def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, micro: int, rank: int,
+                 world: int, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `count` global batches of the held-out stream, in order, this rank's slice."""
+    samples = (len(tokens) - 1) // seq_len
+    count = min(count, samples // batch_size)
+    per_rank = batch_size // world
+    for b in range(count):
+        start = b * batch_size + rank * per_rank
+        for i in range(start, start + per_rank, micro):
+            yield _windows(tokens, seq_len, range(i, min(i + micro, start + per_rank)))
+
+
+def eval_batch_count(tokens: np.ndarray, seq_len: int, batch_size: int, count: int) -> int:
+    return min(count, ((len(tokens) - 1) // seq_len) // batch_size)

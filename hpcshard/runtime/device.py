@@ -1,0 +1,79 @@
+"""Device and collective backend: chosen here and nowhere else.
+
+cuda:LOCAL_RANK + nccl where GPUs exist, cpu + gloo otherwise. The rest of the runtime
+takes `DistEnv.device` and stays device-agnostic; the CUDA branch is kept this thin
+because CI has no GPU to run it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistEnv:
+    """Where this rank sits. Filled from torchrun's environment (RANK, LOCAL_RANK, ...)."""
+
+    rank: int
+    world: int
+    local_rank: int
+    per_node: int
+    device: torch.device
+    backend: str
+
+    @property
+    def nodes(self) -> int:
+        return self.world // self.per_node
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_device(local_rank: int) -> tuple[torch.device, str]:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+def init_distributed() -> DistEnv:
+    """Join the process group torchrun describes; a plain `python` run is a world of 1."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    device, backend = pick_device(local_rank)
+    if not dist.is_initialized():
+        if "MASTER_ADDR" in os.environ:
+            dist.init_process_group(backend, device_id=device if device.type == "cuda" else None)
+        else:  # single process without torchrun: an in-memory store is enough
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    return DistEnv(rank=rank, world=world, local_rank=local_rank, per_node=per_node,
+                   device=device, backend=backend)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: allocator peak on GPUs, resident-set peak on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+# Dense bf16 peak TFLOP/s per device, for MFU. Unknown devices (and CPUs) report no MFU
+# unless the job sets peak_tflops.
+PEAK_TFLOPS = {"A100": 312.0, "H100": 989.0, "H200": 989.0, "B200": 2250.0,
+               "L40S": 362.0, "A10G": 125.0, "V100": 125.0, "MI300X": 1307.0}
+
+
+def device_peak_tflops(device: torch.device) -> float:
+    if device.type != "cuda":
+        return 0.0
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), 0.0)

@@ -1,0 +1,93 @@
+"""The job API: a Python file (or module) that says how to build the model, the data and
+the loss from a typed config. The runtime does everything else.
+
+    from dataclasses import dataclass
+    from hpcshard.config import TrainConfig
+    from hpcshard.runtime import Job
+
+    @dataclass(kw_only=True)
+    class Config(TrainConfig):
+        dim: int = 256
+
+    job = Job(config=Config, model=build_model, data=build_data)
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from hpcshard.config import TrainConfig
+from hpcshard.runtime.data import DataSplits
+from hpcshard.runtime.shard import InitFn, reset_init
+
+
+def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy; logits are upcast so low-precision runs reduce in fp32."""
+    logits = model(x)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+def param_flops_per_token(cfg: Any, model: nn.Module) -> float:
+    """6 FLOPs per parameter per token (forward + backward), the usual MFU convention."""
+    return 6.0 * sum(p.numel() for p in model.parameters())
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    """What a job file defines as `job = Job(...)`."""
+
+    config: type[TrainConfig]
+    """The job's config dataclass (a TrainConfig subclass): its fields are the --set keys."""
+    model: Callable[[Any], nn.Module]
+    """Builds the model from the config. Called on the meta device: allocate nothing real."""
+    data: Callable[[Any], DataSplits]
+    """Returns the train and held-out token streams."""
+    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
+    """loss(model, inputs, targets) -> scalar."""
+    init: InitFn = reset_init
+    """init(root, name, module) initialises one module's own parameters and buffers in
+    place. Called once per module, on full-size tensors, under a seed of its name."""
+    flops_per_token: Callable[[Any, nn.Module], float] = param_flops_per_token
+    """Training FLOPs per token for MFU, given the config and the (meta) model."""
+
+
+def _import_file(path: Path) -> Any:
+    name = f"hpcshard_job_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pickle look classes up by module name
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_job(ref: str) -> Job:
+    """A job from a file path (`jobs/charlm.py`) or a module name (`mypkg.jobs.lm`)."""
+    path = Path(ref)
+    if ref.endswith(".py") or path.exists():
+        if not path.is_file():
+            raise ValueError(f"job file {ref!r} does not exist; give a .py file or a module name")
+        module = _import_file(path.resolve())
+    else:
+        try:
+            module = importlib.import_module(ref)
+        except ModuleNotFoundError as err:
+            raise ValueError(f"job {ref!r} is neither a file nor an importable module ({err})") from None
+    job = getattr(module, "job", None)
+    if not isinstance(job, Job):
+        found = [k for k, v in vars(module).items() if isinstance(v, Job)]
+        if len(found) != 1:
+            raise ValueError(f"{ref!r} defines no job; it needs a module-level "
+                             "`job = hpcshard.runtime.Job(config=..., model=..., data=...)`")
+        job = getattr(module, found[0])
+    return job

@@ -1,0 +1,65 @@
+"""Check a job before anything runs: `python -m hpcshard.runtime.preflight` reads
+{"job", "sets", "nodes", "gpus"} as JSON on stdin and prints the resolved config.
+
+The CLI runs this in a subprocess (the CLI itself never imports torch). It imports the job,
+builds its config from the --set values, builds the model on the meta device (no memory),
+finds the block to shard and opens the data, so a typo fails here in seconds instead of
+after hours in a queue. A user error prints one line and exits 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import traceback
+from typing import Any
+
+import torch
+
+from hpcshard.config import build_config
+from hpcshard.runtime.data import GlobalBatches
+from hpcshard.runtime.job import load_job
+from hpcshard.runtime.mesh import resolve_sharding
+from hpcshard.runtime.shard import find_blocks
+
+
+def preflight(request: dict[str, Any]) -> dict[str, Any]:
+    nodes, gpus = int(request["nodes"]), int(request["gpus"])
+    world = nodes * gpus
+    job = load_job(request["job"])
+    cfg = build_config(job.config, request["sets"])
+    micro, accum = cfg.accumulation(world)
+    with torch.device("meta"):
+        model = job.model(cfg)
+    blocks = find_blocks(model, cfg.block, cfg.block_min_params)
+    splits = job.data(cfg)
+    GlobalBatches(splits.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, micro=micro,
+                  rank=0, world=world, seed=cfg.seed)
+    return {
+        "config": dataclasses.asdict(cfg),
+        "sharding": resolve_sharding(cfg.sharding, nodes),
+        "block": type(blocks[0]).__name__,
+        "blocks": len(blocks),
+        "params": sum(p.numel() for p in model.parameters()),
+        "micro_batch": micro,
+        "accumulation": accum,
+        "train_tokens": len(splits.train),
+    }
+
+
+def main() -> int:
+    try:
+        result = preflight(json.load(sys.stdin))
+    except ValueError as err:
+        print(err, file=sys.stderr)
+        return 2
+    except Exception:  # the job's own code failed: its traceback is what the user needs
+        traceback.print_exc()
+        return 1
+    json.dump(result, sys.stdout)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

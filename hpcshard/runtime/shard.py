@@ -1,0 +1,189 @@
+"""FSDP2 sharding: find the repeated block, wrap it (AC, compile), `fully_shard` it, then
+materialise the meta-device model with the same values on every world size."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardPlan:
+    """How to shard one model: the answer to every FSDP2 question in one place."""
+
+    mode: str
+    """Resolved sharding mode: hybrid | full | grad-op | none."""
+    precision: str = "fp32"
+    """fp32 | bf16 | fp16: compute dtype; gradients are always reduced in fp32."""
+    block: str = ""
+    """Block class name; empty: auto-detect."""
+    block_min_params: int = 0
+    """Size-based wrapping when no block class is used."""
+    ac_every: int = 0
+    """0: no activation checkpointing; K: blocks 0, K, 2K, ... are checkpointed."""
+    compile: bool = False
+    """torch.compile each block."""
+    cpu_offload: bool = False
+    """CPUOffloadPolicy for parameters, gradients and optimizer state."""
+
+    def mp_policy(self) -> MixedPrecisionPolicy:
+        return MixedPrecisionPolicy(param_dtype=DTYPES[self.precision], reduce_dtype=torch.float32)
+
+    def offload_policy(self) -> OffloadPolicy:
+        # pin_memory needs an accelerator; on CPU-only hosts pinning is meaningless anyway.
+        return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
+
+
+def repeated_classes(model: nn.Module) -> dict[str, int]:
+    """Classes that fill a ModuleList (>= 2 children of one class), with their parameter counts."""
+    found: dict[str, int] = {}
+    for mod in model.modules():
+        if isinstance(mod, nn.ModuleList) and len(mod) >= 2:
+            kinds = {type(child).__name__ for child in mod}
+            if len(kinds) == 1:
+                found[kinds.pop()] = sum(p.numel() for p in mod.parameters())
+    return found
+
+
+def _size_based(model: nn.Module, min_params: int) -> list[nn.Module]:
+    """Innermost-first: a module is wrapped when its not-yet-wrapped parameters reach the bound."""
+    chosen: list[nn.Module] = []
+    covered: set[int] = set()
+
+    def visit(mod: nn.Module) -> None:
+        for child in mod.children():
+            visit(child)
+        if mod is model:
+            return
+        own = sum(p.numel() for p in mod.parameters() if id(p) not in covered)
+        if own >= min_params:
+            chosen.append(mod)
+            covered.update(id(p) for p in mod.parameters())
+
+    visit(model)
+    return chosen
+
+
+def find_blocks(model: nn.Module, block: str = "", min_params: int = 0) -> list[nn.Module]:
+    """The modules that get their own `fully_shard`, in model order."""
+    if block:
+        blocks = [m for m in model.modules() if type(m).__name__ == block]
+        if not blocks:
+            names = sorted({type(m).__name__ for m in model.modules()})
+            raise ValueError(f"block={block!r} is not a class in the model; classes in it: "
+                             + ", ".join(names))
+        return blocks
+    if min_params:
+        return _size_based(model, min_params)
+    found = repeated_classes(model)
+    if not found:
+        raise ValueError("no repeated block (a ModuleList of one class) found in the model; "
+                         "name one with --set block=ClassName or use --set block_min_params=N")
+    name = max(found, key=lambda k: found[k])
+    return [m for m in model.modules() if type(m).__name__ == name]
+
+
+def _replace_child(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    for parent in root.modules():
+        for name, child in parent.named_children():
+            if child is old:
+                setattr(parent, name, new)
+                return
+    raise AssertionError("block is not a child of the model")
+
+
+def shard_model(model: nn.Module, mesh: DeviceMesh, plan: ShardPlan) -> list[nn.Module]:
+    """Wrap and `fully_shard` every block, then the root. Returns the sharded blocks."""
+    blocks = find_blocks(model, plan.block, plan.block_min_params)
+    common = dict(mesh=mesh, mp_policy=plan.mp_policy(), offload_policy=plan.offload_policy())
+    sharded = []
+    for i, block in enumerate(blocks):
+        wrapped = block
+        if plan.ac_every and i % plan.ac_every == 0:
+            # The wrapper strips its prefix from state-dict keys, so AC on and off
+            # checkpoints are interchangeable.
+            wrapped = checkpoint_wrapper(block)
+            _replace_child(model, block, wrapped)
+        if plan.compile:
+            wrapped.compile()
+        # The last block's parameters are needed again right away by the backward pass,
+        # so resharding them after forward only costs an extra all-gather.
+        reshard = plan.mode != "grad-op" and i < len(blocks) - 1
+        fully_shard(wrapped, reshard_after_forward=reshard, **common)  # type: ignore[arg-type]
+        sharded.append(wrapped)
+    fully_shard(model, reshard_after_forward=plan.mode != "grad-op", **common)  # type: ignore[arg-type]
+    return sharded
+
+
+WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def canonical_name(name: str) -> str:
+    """A module's name without AC/compile wrapper parts, as in its state-dict keys."""
+    for part in WRAPPER_PARTS:
+        name = name.replace(part, "").replace(part.rstrip("."), "")
+    return name.rstrip(".")
+
+
+def module_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
+
+
+InitFn = Callable[[nn.Module, str, nn.Module], None]
+"""init(root, name, module): initialise one module's own tensors in place."""
+
+
+def reset_init(root: nn.Module, name: str, module: nn.Module) -> None:
+    """Default initialisation: each module's own `reset_parameters`."""
+    reset = getattr(module, "reset_parameters", None)
+    if callable(reset):
+        reset()
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, device: torch.device, seed: int,
+                init: InitFn = reset_init) -> None:
+    """Allocate a sharded meta-device model on `device` and initialise it.
+
+    Each module is initialised on full-size scratch tensors under a seed derived from its
+    name, and every rank keeps only its shard. The values therefore do not depend on the
+    world size or the mesh (1 rank and 4 ranks start identical), replicas are equal, and
+    at most one module's parameters exist unsharded at a time, never the whole model.
+    """
+    model.to_empty(device=device)
+    for name, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if not params and not any(True for _ in module.buffers(recurse=False)):
+            continue
+        sharded = {}
+        for pname, p in params.items():
+            sharded[pname] = p
+            full = torch.empty(p.shape, dtype=p.dtype, device=device)
+            module._parameters[pname] = nn.Parameter(full, requires_grad=p.requires_grad)
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            name = canonical_name(name)
+            torch.manual_seed(module_seed(seed, name))
+            init(model, name, module)
+        for pname, p in sharded.items():
+            full = module._parameters[pname]
+            assert full is not None
+            if isinstance(p, DTensor):
+                # src_data_rank=None: every rank computed the same full tensor, so each
+                # slices out its own shard without communication.
+                local = distribute_tensor(full.data, p.device_mesh, p.placements,
+                                          src_data_rank=None).to_local()
+                p.to_local().copy_(local)
+            else:
+                p.data.copy_(full.data)
+            module._parameters[pname] = p

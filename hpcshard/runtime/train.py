@@ -1,0 +1,193 @@
+"""The training loop every rank runs: mesh -> shard -> materialise -> train -> metrics."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
+
+from hpcshard.config import TrainConfig
+from hpcshard.runtime.data import GlobalBatches, eval_batch_count, eval_batches, unigram_entropy
+from hpcshard.runtime.device import DistEnv, device_peak_tflops
+from hpcshard.runtime.job import Job
+from hpcshard.runtime.mesh import build_mesh, resolve_sharding
+from hpcshard.runtime.metrics import Metrics
+from hpcshard.runtime.shard import ShardPlan, materialize, shard_model
+
+log = logging.getLogger("hpcshard")
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with decay on matrices only: biases and norm gains are not regularised."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    rest = [p for p in model.parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": rest, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+
+
+def lr_factor(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to 1, then cosine decay to min_lr_ratio at the last step."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Global gradient norm over every shard and replica, then clip to `max_norm`.
+
+    Sharded grads are DTensors, so per-shard norms come back `Partial`; `full_tensor()`
+    sums them across the mesh (one small all-reduce) before the clip coefficient is formed.
+    Clipping each rank's shard by its local norm would silently differ per rank.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+@dataclass
+class Summary:
+    step: int
+    loss: float
+    eval_loss: float | None
+    unigram_entropy: float
+
+
+class Trainer:
+    """One job on one rank. Build it, then `run()`; the pieces stay usable on their own."""
+
+    def __init__(self, job: Job, cfg: TrainConfig, env: DistEnv, run_dir: Path | None) -> None:
+        self.job, self.cfg, self.env, self.run_dir = job, cfg, env, run_dir
+        self.mode = resolve_sharding(cfg.sharding, env.nodes)
+        self.micro, self.accum = cfg.accumulation(env.world)
+        self.mesh = build_mesh(env.device.type, env.nodes, env.per_node, self.mode)
+        self.model = self._build_model()
+        self.params = list(self.model.parameters())
+        self.optimizer = build_optimizer(self.model, cfg)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, cfg))
+        # fp16 overflows without loss scaling; the sharded scaler agrees on inf/nan across
+        # ranks so every shard skips the same step.
+        self.scaler = ShardedGradScaler(env.device.type) if cfg.precision == "fp16" else None
+        splits = job.data(cfg)
+        self.splits = splits
+        self.batches = GlobalBatches(splits.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                                     micro=self.micro, rank=env.rank, world=env.world, seed=cfg.seed)
+        self.step = 0
+        # Dropout and any other in-step randomness: per rank, seeded, restorable.
+        torch.manual_seed(cfg.seed * 7919 + env.rank + 1)
+
+    def _build_model(self) -> nn.Module:
+        cfg = self.cfg
+        with torch.device("meta"):
+            model = self.job.model(cfg)
+        self.n_params = sum(p.numel() for p in model.parameters())
+        self.flops_per_token = self.job.flops_per_token(cfg, model)
+        plan = ShardPlan(mode=self.mode, precision=cfg.precision, block=cfg.block,
+                         block_min_params=cfg.block_min_params, ac_every=cfg.ac_every(),
+                         compile=cfg.compile, cpu_offload=cfg.cpu_offload)
+        self.blocks = shard_model(model, self.mesh, plan)
+        materialize(model, self.env.device, cfg.seed, self.job.init)
+        return model
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.env.device, non_blocking=True)
+
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One optimizer step over this rank's micro-batches; returns (loss, grad norm)."""
+        micro_batches = self.batches.next()
+        total = torch.zeros((), device=self.env.device)
+        for i, (x, y) in enumerate(micro_batches):
+            if self.mode == "hybrid" and len(micro_batches) > 1:
+                # HSDP: reduce-scatter inside the node on every micro-batch, but send the
+                # cross-node all-reduce only once per step: the slow links carry 1/accum.
+                assert isinstance(self.model, FSDPModule)
+                self.model.set_requires_all_reduce(i == len(micro_batches) - 1)
+            loss = self.job.loss(self.model, self._to_device(x), self._to_device(y))
+            loss = loss / len(micro_batches)
+            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += loss.detach()
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)
+        norm = clip_grad_norm_(self.params, self.cfg.grad_clip)
+        if self.scaler:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return total, norm
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over the first eval_batches global batches of the held-out split."""
+        cfg, env = self.cfg, self.env
+        if not eval_batch_count(self.splits.eval, cfg.seq_len, cfg.batch_size, cfg.eval_batches):
+            return float("nan")
+        self.model.eval()
+        total = torch.zeros(2, device=env.device)
+        for x, y in eval_batches(self.splits.eval, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                                 micro=self.micro, rank=env.rank, world=env.world,
+                                 count=cfg.eval_batches):
+            total[0] += self.job.loss(self.model, self._to_device(x), self._to_device(y)) * len(x)
+            total[1] += len(x)
+        self.model.train()
+        dist.all_reduce(total)
+        return (total[0] / total[1]).item()
+
+    def mean_over_ranks(self, value: torch.Tensor) -> float:
+        """A CPU-GPU sync point: only called on logging steps."""
+        value = value.detach().clone()
+        dist.all_reduce(value)
+        return value.item() / self.env.world
+
+    def run(self) -> Summary:
+        cfg, env = self.cfg, self.env
+        baseline = unigram_entropy(self.splits.train, self.splits.vocab_size)
+        peak = cfg.peak_tflops or device_peak_tflops(env.device)
+        metrics = Metrics(self.run_dir, env, total_steps=cfg.steps)
+        metrics.event("start", params=self.n_params, world=env.world, nodes=env.nodes,
+                      sharding=self.mode, mesh=list(self.mesh.shape), precision=cfg.precision,
+                      accumulation=self.accum, blocks=len(self.blocks),
+                      unigram_entropy=baseline, train_tokens=len(self.splits.train))
+        tokens_per_step = cfg.batch_size * cfg.seq_len
+        loss, eval_loss = float("nan"), None
+        last_t, last_step = time.perf_counter(), self.step
+        with metrics.progress(start=self.step) as bar:
+            while self.step < cfg.steps:
+                step_loss, norm = self.train_step()
+                bar.advance(self.step)
+                if self.step % cfg.log_every == 0 or self.step == cfg.steps:
+                    loss = self.mean_over_ranks(step_loss)
+                    now = time.perf_counter()
+                    tps = tokens_per_step * (self.step - last_step) / (now - last_t)
+                    metrics.record(self.step, loss=loss, lr=self.scheduler.get_last_lr()[0],
+                                   grad_norm=norm.item(), tokens_per_s=tps,
+                                   mfu=tps * self.flops_per_token / (peak * 1e12 * env.world)
+                                   if peak else None)
+                    bar.show(loss)
+                    last_t, last_step = time.perf_counter(), self.step
+                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                    eval_loss = self.evaluate()
+                    metrics.record(self.step, eval_loss=eval_loss)
+                    last_t = time.perf_counter()  # evaluation time is not training throughput
+        summary = Summary(step=self.step, loss=loss, eval_loss=eval_loss, unigram_entropy=baseline)
+        metrics.event("end", **vars(summary))
+        return summary
