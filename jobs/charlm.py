@@ -105,8 +105,9 @@ def init(root: nn.Module, name: str, module: nn.Module) -> None:
         residual = name.endswith((".proj", ".out"))
         std = 0.02 / math.sqrt(2 * root.n_layers) if residual else 0.02  # type: ignore[operator]
         nn.init.normal_(module.weight, 0.0, std)
-        if getattr(module, "bias", None) is not None:
-            nn.init.zeros_(module.bias)
+        bias = getattr(module, "bias", None)
+        if bias is not None:
+            nn.init.zeros_(bias)
     elif isinstance(module, nn.LayerNorm):
         module.reset_parameters()
 

@@ -75,9 +75,11 @@ class Metrics:
         if not self.interactive:
             yield Progress(None, start)
             return
+        def show(loss: float | None) -> str | None:
+            return None if loss is None or math.isnan(loss) else f"loss {loss:.3f}"
+
+        bar: Any
         with click.progressbar(length=self.total, label="training", file=sys.stderr,
-                               show_pos=True, show_eta=True,
-                               item_show_func=lambda v: None if v is None or math.isnan(v)
-                               else f"loss {v:.3f}") as bar:
+                               show_pos=True, show_eta=True, item_show_func=show) as bar:
             bar.update(start)
             yield Progress(bar, start)

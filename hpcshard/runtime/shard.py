@@ -11,7 +11,12 @@ import torch
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,8 +68,8 @@ def _size_based(model: nn.Module, min_params: int) -> list[nn.Module]:
     def visit(mod: nn.Module) -> None:
         for child in mod.children():
             visit(child)
-        if mod is model:
-            return
+        if mod is model or isinstance(mod, nn.ModuleList | nn.ModuleDict):
+            return  # containers have no forward for FSDP to hook
         own = sum(p.numel() for p in mod.parameters() if id(p) not in covered)
         if own >= min_params:
             chosen.append(mod)
@@ -105,7 +110,7 @@ def _replace_child(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
 def shard_model(model: nn.Module, mesh: DeviceMesh, plan: ShardPlan) -> list[nn.Module]:
     """Wrap and `fully_shard` every block, then the root. Returns the sharded blocks."""
     blocks = find_blocks(model, plan.block, plan.block_min_params)
-    common = dict(mesh=mesh, mp_policy=plan.mp_policy(), offload_policy=plan.offload_policy())
+    mp, offload = plan.mp_policy(), plan.offload_policy()
     sharded = []
     for i, block in enumerate(blocks):
         wrapped = block
@@ -119,9 +124,11 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, plan: ShardPlan) -> list[nn.
         # The last block's parameters are needed again right away by the backward pass,
         # so resharding them after forward only costs an extra all-gather.
         reshard = plan.mode != "grad-op" and i < len(blocks) - 1
-        fully_shard(wrapped, reshard_after_forward=reshard, **common)  # type: ignore[arg-type]
+        fully_shard(wrapped, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
+                    offload_policy=offload)
         sharded.append(wrapped)
-    fully_shard(model, reshard_after_forward=plan.mode != "grad-op", **common)  # type: ignore[arg-type]
+    fully_shard(model, mesh=mesh, reshard_after_forward=plan.mode != "grad-op", mp_policy=mp,
+                offload_policy=offload)
     return sharded
 
 

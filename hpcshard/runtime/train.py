@@ -88,6 +88,11 @@ class Trainer:
         self.splits = splits
         self.batches = GlobalBatches(splits.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
                                      micro=self.micro, rank=env.rank, world=env.world, seed=cfg.seed)
+        self.eval_count = eval_batch_count(splits.eval, cfg.seq_len, cfg.batch_size,
+                                           cfg.eval_batches) if cfg.eval_every else 0
+        if cfg.eval_every and not self.eval_count and env.is_main:
+            log.warning("the held-out split holds less than one batch (%d tokens); "
+                        "evaluation is off", len(splits.eval))
         self.step = 0
         # Dropout and any other in-step randomness: per rank, seeded, restorable.
         torch.manual_seed(cfg.seed * 7919 + env.rank + 1)
@@ -139,13 +144,11 @@ class Trainer:
     def evaluate(self) -> float:
         """Mean loss over the first eval_batches global batches of the held-out split."""
         cfg, env = self.cfg, self.env
-        if not eval_batch_count(self.splits.eval, cfg.seq_len, cfg.batch_size, cfg.eval_batches):
-            return float("nan")
         self.model.eval()
         total = torch.zeros(2, device=env.device)
         for x, y in eval_batches(self.splits.eval, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
                                  micro=self.micro, rank=env.rank, world=env.world,
-                                 count=cfg.eval_batches):
+                                 count=self.eval_count):
             total[0] += self.job.loss(self.model, self._to_device(x), self._to_device(y)) * len(x)
             total[1] += len(x)
         self.model.train()
@@ -184,7 +187,7 @@ class Trainer:
                                    if peak else None)
                     bar.show(loss)
                     last_t, last_step = time.perf_counter(), self.step
-                if cfg.eval_every and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                if self.eval_count and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     eval_loss = self.evaluate()
                     metrics.record(self.step, eval_loss=eval_loss)
                     last_t = time.perf_counter()  # evaluation time is not training throughput

@@ -1,0 +1,75 @@
+"""CLI behaviour that needs no job import: validation, errors, and what it loads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hpcshard.cli import main
+
+JOB = str(Path(__file__).resolve().parents[2] / "jobs" / "charlm.py")
+
+
+def test_import_cli_loads_no_torch() -> None:
+    code = ("import sys, hpcshard.cli; heavy = [m for m in ('torch', 'numpy', 'submitit') "
+            "if m in sys.modules]; print(heavy)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def invoke(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
+def assert_one_line_error(code: int, output: str, *needles: str) -> None:
+    assert code == 2, output
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 or (lines[0].startswith("Usage:") and lines[-1].startswith("Error:")), output
+    for needle in needles:
+        assert needle in output
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--nodes", "0"], ["'--nodes'", "0"]),
+    (["--gpus", "-1"], ["'--gpus'", "-1"]),
+    (["--backend", "mpi"], ["'mpi'", "local"]),
+])
+def test_bad_shape_options(args: list[str], needles: list[str], tmp_path: Path) -> None:
+    code, out = invoke("submit", *args, JOB, "--run-dir", str(tmp_path / "r"))
+    assert code == 2 and all(n in out for n in needles), out
+    assert not (tmp_path / "r").exists()
+
+
+def test_missing_job_file(tmp_path: Path) -> None:
+    code, out = invoke("submit", str(tmp_path / "nope.py"), "--run-dir", str(tmp_path / "r"))
+    assert_one_line_error(code, out, "nope.py", "does not exist")
+    assert not (tmp_path / "r").exists()
+
+
+def test_malformed_set(tmp_path: Path) -> None:
+    code, out = invoke("submit", JOB, "--run-dir", str(tmp_path / "r"), "--set", "steps")
+    assert_one_line_error(code, out, "'steps'", "key=value")
+
+
+def test_run_dir_not_writable(tmp_path: Path) -> None:
+    code, out = invoke("submit", JOB, "--run-dir", "/proc/hpcshard-test/run")
+    assert_one_line_error(code, out, "/proc/hpcshard-test/run", "not writable", "--run-dir")
+
+
+def test_existing_run_is_never_overwritten(tmp_path: Path) -> None:
+    run = tmp_path / "r"
+    run.mkdir()
+    (run / "spec.json").write_text("{}")
+    code, out = invoke("submit", JOB, "--run-dir", str(run))
+    assert_one_line_error(code, out, str(run), "not empty")
+    assert (run / "spec.json").read_text() == "{}"
+
+
+def test_help_lists_submit() -> None:
+    code, out = invoke("--help")
+    assert code == 0 and "submit" in out

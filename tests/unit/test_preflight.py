@@ -1,0 +1,50 @@
+"""The preflight the CLI runs before anything starts, called in-process."""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+import pytest
+
+from hpcshard.runtime.preflight import preflight
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = {"data": str(Path(sysconfig.get_paths()["stdlib"]) / "json")}
+
+
+def check(sets: dict[str, str], job: str = str(ROOT / "jobs" / "charlm.py"), nodes: int = 2,
+          gpus: int = 2) -> dict:
+    return preflight({"job": job, "sets": {**SMALL, **sets}, "nodes": nodes, "gpus": gpus})
+
+
+def test_resolves_config_block_and_shape() -> None:
+    res = check({"batch_size": "8"})
+    assert res["sharding"] == "hybrid" and res["block"] == "Block" and res["blocks"] == 4
+    assert res["config"]["batch_size"] == 8 and res["micro_batch"] == 2
+    assert 800_000 < res["params"] < 900_000
+
+
+@pytest.mark.parametrize("sets,needle", [
+    ({"block": "Decoder"}, "block='Decoder' is not a class"),
+    ({"sharding": "zero3"}, "sharding='zero3'"),
+    ({"precision": "int8"}, "precision='int8'"),
+    ({"n_heads": "3"}, "n_heads=3 does not divide dim=128"),
+    ({"batch_size": "6"}, "batch_size=6 does not divide over 4 ranks"),
+    ({"data": "/nonexistent/corpus"}, "'/nonexistent/corpus' does not exist"),
+])
+def test_user_errors(sets: dict[str, str], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        check(sets)
+
+
+def test_job_without_job_object(tmp_path: Path) -> None:
+    bad = tmp_path / "notajob.py"
+    bad.write_text("x = 1\n")
+    with pytest.raises(ValueError, match="defines no job"):
+        check({}, job=str(bad))
+
+
+def test_unimportable_module_name() -> None:
+    with pytest.raises(ValueError, match="neither a file nor an importable module"):
+        check({}, job="no_such_pkg.jobs.lm")

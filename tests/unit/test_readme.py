@@ -1,0 +1,22 @@
+"""The README's two commands are what a fresh machine runs; CI must run the same test line."""
+
+from __future__ import annotations
+
+import re
+
+from tests.conftest import ROOT
+
+
+def commands() -> list[str]:
+    return re.findall(r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text())[:2]
+
+
+def test_readme_starts_with_demo_and_test_commands() -> None:
+    demo, test = commands()
+    assert demo.startswith("pip install torch==2.13.0") and "hpcshard submit" in demo
+    assert test.startswith("pip install torch==2.13.0") and "pytest" in test
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    ci = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert commands()[1] in ci
