@@ -52,6 +52,14 @@ def test_one_rank_and_four_ranks_agree(one: dict[str, Any], four: dict[str, Any]
     assert one["init_hash"] == four["init_hash"]
     # Losses differ only by the order of floating-point reductions: 1e-5 relative.
     assert four["ref_losses"] == pytest.approx(one["ref_losses"], rel=1e-5)
+    # The clipped norm is the global one over all shards (clipping is active: norm > 1).
+    assert four["ref_norms"] == pytest.approx(one["ref_norms"], rel=1e-4)
+    assert one["ref_norms"][0] > 1.0
+
+
+def test_compiled_blocks_train_the_same(one: dict[str, Any]) -> None:
+    assert one["compile"]["compiled"]
+    assert one["compile"]["losses"] == pytest.approx(one["ref_losses"], rel=1e-5)
 
 
 @pytest.mark.parametrize("mode,placements,mesh,split", [

@@ -37,8 +37,14 @@ def trainer(env: Any, **sets: str) -> Trainer:
     return Trainer(JOB, build_config(JOB.config, {**BASE, **sets}), env, None)
 
 
-def losses(t: Trainer, steps: int) -> list[float]:
-    return [t.mean_over_ranks(t.train_step()[0]) for _ in range(steps)]
+def losses(t: Trainer, steps: int, norms: list[float] | None = None) -> list[float]:
+    out = []
+    for _ in range(steps):
+        loss, norm = t.train_step()
+        out.append(t.mean_over_ranks(loss))
+        if norms is not None:
+            norms.append(norm.item())
+    return out
 
 
 def placements(t: Trainer) -> dict[str, Any]:
@@ -82,8 +88,13 @@ def main() -> None:
 
     base = trainer(env)
     facts["init_hash"] = sum(float(v.double().sum()) for v in full_state(base).values())
-    facts["ref_losses"] = losses(base, 4)
+    facts["ref_norms"] = []
+    facts["ref_losses"] = losses(base, 4, facts["ref_norms"])
     if env.world == 1:
+        # torch.compile costs ~40 s cold on this CPU: run it once, on one rank.
+        t = trainer(env, compile="true")
+        facts["compile"] = {"losses": losses(t, 4),
+                            "compiled": all(b._compiled_call_impl is not None for b in t.blocks)}
         if env.is_main:
             out.write_text(json.dumps(facts))
         return
