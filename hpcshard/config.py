@@ -84,6 +84,19 @@ class TrainConfig:
     """Global batches per evaluation."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device for MFU; 0 means look it up (known GPUs only)."""
+    ckpt_every: int = 100
+    """Save a checkpoint every N steps; 0: only at the end and on a stop request."""
+    ckpt_minutes: float = 0.0
+    """Also save when this many minutes of wall time passed since the last save; 0: off."""
+    keep_last: int = 3
+    """Committed checkpoints to keep (at least 1: the newest is never deleted)."""
+    keep_every: int = 0
+    """Also keep every checkpoint whose step is a multiple of this; 0: off."""
+    async_save: bool = False
+    """Write checkpoints in a background thread; training blocks only for the staging copy."""
+    stop_signals: str = "USR2"
+    """Signals that request a stop at the next step boundary (comma-separated names).
+    Not USR1 by default: NCCL may use it."""
 
     def __post_init__(self) -> None:
         _choice("sharding", self.sharding, SHARDING_MODES)
@@ -96,8 +109,12 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "lr", "log_every", "eval_batches"):
             _positive(name, getattr(self, name))
         for name in ("micro_batch_size", "warmup_steps", "weight_decay", "grad_clip",
-                     "eval_every", "block_min_params", "peak_tflops", "min_lr_ratio"):
+                     "eval_every", "block_min_params", "peak_tflops", "min_lr_ratio",
+                     "ckpt_every", "ckpt_minutes", "keep_every"):
             _positive(name, getattr(self, name), zero_ok=True)
+
+        _positive("keep_last", self.keep_last)
+        signal_names(self.stop_signals)
 
     def accumulation(self, world: int) -> tuple[int, int]:
         """(micro batch per rank, accumulation steps) for a world size, or ValueError."""
@@ -118,6 +135,19 @@ class TrainConfig:
     def ac_every(self) -> int:
         """0: no activation checkpointing; K: checkpoint blocks 0, K, 2K, ..."""
         return {"none": 0, "full": 1}[self.ac] if self.ac in ("none", "full") else int(self.ac)
+
+
+def signal_names(text: str) -> list[str]:
+    """"USR2,TERM" -> ["SIGUSR2", "SIGTERM"], checked against the signals Python knows."""
+    import signal
+
+    names = [n.strip().upper() for n in text.split(",") if n.strip()]
+    names = [n if n.startswith("SIG") else f"SIG{n}" for n in names]
+    bad = [n for n in names if not hasattr(signal.Signals, n) or n in ("SIGKILL", "SIGSTOP")]
+    if bad or not names:
+        raise ValueError(f"stop_signals={text!r} is not valid; give signal names such as "
+                         "USR2 or USR2,TERM (not KILL or STOP)")
+    return names
 
 
 def _parse_bool(text: str) -> bool:

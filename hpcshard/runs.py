@@ -38,6 +38,8 @@ class RunSpec:
     """Where it runs: local."""
     name: str
     """Run name, shown by tools."""
+    max_requeues: int = 10
+    """Restarts after stop requests before the run gives up."""
     resolved: dict[str, Any] = field(default_factory=dict)
     """What the preflight found: the full config, sharding, block, parameters."""
     created: float = field(default_factory=time.time)
@@ -48,6 +50,19 @@ class RunSpec:
     @classmethod
     def read(cls, run_dir: Path) -> RunSpec:
         return cls(**json.loads((run_dir / SPEC).read_text()))
+
+
+def read_spec(run_dir: Path) -> RunSpec:
+    if not (run_dir / SPEC).is_file():
+        raise ValueError(f"{str(run_dir)!r} holds no run (no {SPEC}); start one with hpcshard submit")
+    return RunSpec.read(run_dir)
+
+
+def check_resume(run_dir: Path, resume: str) -> None:
+    """Fail early, without torch, on a --resume that names no usable checkpoint."""
+    from hpcshard import checkpoints
+
+    checkpoints.select(run_dir / checkpoints.CHECKPOINTS, resume)
 
 
 def job_ref(job: str) -> str:
@@ -71,10 +86,16 @@ def check_run_dir(path: Path) -> None:
         raise ValueError(f"run directory {str(path)!r} is a file; choose a directory path")
     if path.is_dir() and any(path.iterdir()):
         raise ValueError(f"run directory {str(path)!r} is not empty; choose a new --run-dir")
+    probe_writable(path)
+
+
+def probe_writable(path: Path) -> None:
+    """Create and remove a directory in `path` (or its nearest existing ancestor): a real
+    probe, since permission bits say nothing on read-only mounts or for root."""
     ancestor = path
     while not ancestor.exists():
         ancestor = ancestor.parent
-    try:  # a real probe: permission bits say nothing on read-only mounts or for root
+    try:
         tempfile.TemporaryDirectory(dir=ancestor).cleanup()
     except OSError as err:
         raise ValueError(f"run directory {str(path)!r} is not writable ({err.strerror} in "

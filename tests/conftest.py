@@ -1,25 +1,29 @@
-"""Test layers: tests/unit (fast, no processes), tests/dist (multi-rank torchrun on
+"""Test layers: tests/unit (fast, no processes), tests/distributed (multi-rank torchrun on
 CPU/gloo, and the CLI end to end), tests/slurm (the real local cluster). Each directory's
-tests carry its marker, so `pytest -m unit` runs one layer alone."""
+tests carry its layer's marker (unit, dist, slurm), so `pytest -m dist` runs one layer.
+(Not `tests/dist`: pytest skips directories named dist by default.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("unit", "dist", "slurm")
+LAYERS = {"unit": "unit", "distributed": "dist", "slurm": "slurm"}
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         layer = Path(str(item.fspath)).relative_to(ROOT / "tests").parts[0]
         if layer in LAYERS:
-            item.add_marker(getattr(pytest.mark, layer))
+            item.add_marker(getattr(pytest.mark, LAYERS[layer]))
 
 
 def quiet_env(**extra: str) -> dict[str, str]:
@@ -31,3 +35,28 @@ def hpcshard(*args: str, cwd: Path = ROOT, timeout: float = 600) -> subprocess.C
     """Run the real CLI in a subprocess, as a user would."""
     return subprocess.run([sys.executable, "-m", "hpcshard", *args], cwd=cwd, env=quiet_env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def hpcshard_bg(*args: str, cwd: Path = ROOT) -> subprocess.Popen[str]:
+    """Start the real CLI in the background (for preemption and fault injection)."""
+    return subprocess.Popen([sys.executable, "-m", "hpcshard", *args], cwd=cwd, env=quiet_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def step_records(run_dir: Path) -> list[dict]:
+    return [r for r in metrics(run_dir) if "loss" in r and "event" not in r]
+
+
+def wait_for(cond: Callable[[], object], timeout: float = 120, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)

@@ -13,8 +13,10 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
+from hpcshard import ledger
 from hpcshard.launch.node import NodeEnv
 
 # A node that failed takes the job down: the others get this long to notice (torchrun's
@@ -28,15 +30,35 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_local(run_dir: Path, nodes: int, per_node: int) -> int:
-    """Run the job in `run_dir` on `nodes` x `per_node` local ranks; returns its exit code."""
+def run_local(run_dir: Path, nodes: int, per_node: int, *, resume: str = "auto",
+              max_requeues: int = 10, on_attempt: Callable[[int, int], None] | None = None) -> int:
+    """Run the job in `run_dir` on `nodes` x `per_node` local ranks; returns its exit code.
+
+    An attempt that ends with REQUEUE_EXIT (stopped on request, checkpoint committed) is
+    started again the way Slurm requeues a job, up to `max_requeues` times; the new
+    attempt resumes from the newest checkpoint.
+    """
+    attempt = ledger.next_attempt(run_dir)
+    requeues = 0
+    while True:
+        code = _attempt(run_dir, nodes, per_node, attempt, resume)
+        if code != ledger.REQUEUE_EXIT or requeues >= max_requeues:
+            return code
+        requeues += 1
+        if on_attempt:
+            on_attempt(attempt + 1, requeues)
+        attempt, resume = attempt + 1, "auto"
+
+
+def _attempt(run_dir: Path, nodes: int, per_node: int, attempt: int, resume: str) -> int:
     port, run_id = free_port(), uuid.uuid4().hex[:12]
     cores = os.cpu_count() or 1
     procs = []
     for rank in range(nodes):
         node = NodeEnv(node_rank=rank, nnodes=nodes, per_node=per_node, rdzv_host="127.0.0.1",
                        rdzv_port=port, run_id=run_id)
-        env = {**os.environ, **node.to_environ()}
+        env = {**os.environ, **node.to_environ(), "HPCSHARD_ATTEMPT": str(attempt),
+               "HPCSHARD_RESUME": resume}
         # All emulated nodes share this host's cores.
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // (nodes * per_node))))
         procs.append(subprocess.Popen([sys.executable, "-m", "hpcshard.launch.node", str(run_dir)],
@@ -55,7 +77,9 @@ def _wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
-            return next((c for c in codes if c), 0)  # type: ignore[return-value]
+            # All nodes asking for a requeue is a requeue; any other failure wins over it.
+            failures = [c for c in codes if c and c != ledger.REQUEUE_EXIT]
+            return failures[0] if failures else next((c for c in codes if c), 0)  # type: ignore[return-value]
         if failed_at is None and any(c for c in codes):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > PEER_GRACE_S:

@@ -6,12 +6,15 @@ inside a Slurm allocation; only `NodeEnv.from_environ` differs between them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+
+from hpcshard import ledger
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,15 +53,37 @@ def torchrun_argv(node: NodeEnv, run_dir: Path) -> list[str]:
         f"--nnodes={node.nnodes}", f"--nproc_per_node={node.per_node}",
         "--rdzv_backend=c10d", f"--rdzv_endpoint={node.rdzv_host}:{node.rdzv_port}",
         f"--rdzv_id={node.run_id}", "--max_restarts=0",
-        "-m", "hpcshard.runtime.main", str(run_dir),
+        "-m", "hpcshard.entry", str(run_dir),
     ]
 
 
-def run_node(node: NodeEnv, run_dir: Path) -> int:
-    """Run torchrun for this node and return its exit code.
+def children(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc (Linux; works in containers without ps)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # exited while we looked
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
 
-    INT and TERM are passed on to torchrun, which forwards them to its workers and
-    tears them down; the launcher itself never dies first and orphans the ranks.
+
+def pid_file(run_dir: Path, node_rank: int) -> Path:
+    return run_dir / "launch" / f"node-{node_rank}.pid"
+
+
+def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = signal.SIGUSR2) -> int:
+    """Run torchrun for this node; return its exit code, or REQUEUE_EXIT when the ranks
+    stopped on request with their checkpoint committed.
+
+    INT and TERM go to torchrun, which forwards them to its workers and tears them down.
+    The stop signal does not: torchrun forwards only INT/TERM/HUP/QUIT (pytorch issue
+    154849) and an unhandled SIGUSR2 would kill torchrun itself. So the launcher takes it
+    and hands it to torchrun's children, the ranks, which stop at the next step boundary.
     """
     env = dict(os.environ)
     # torchrun would set 1 with a warning; on a CPU host, split the cores between ranks.
@@ -68,9 +93,25 @@ def run_node(node: NodeEnv, run_dir: Path) -> int:
     def forward(signum: int, _frame: object) -> None:
         proc.send_signal(signum)
 
+    def to_ranks(signum: int, _frame: object) -> None:
+        for pid in children(proc.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
-    return proc.wait()
+    signal.signal(stop_signal, to_ranks)
+    pids = pid_file(run_dir, node.node_rank)
+    pids.parent.mkdir(exist_ok=True)
+    pids.write_text(f"{os.getpid()}\n")
+    try:
+        code = proc.wait()
+    finally:
+        pids.unlink(missing_ok=True)
+    end = ledger.end_of(run_dir, int(os.environ.get("HPCSHARD_ATTEMPT", "0")))
+    if end is not None and end.get("reason") == "stop":
+        return ledger.REQUEUE_EXIT
+    return code
 
 
 def main() -> int:

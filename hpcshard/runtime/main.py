@@ -1,4 +1,4 @@
-"""Entry point of every rank: `torchrun ... -m hpcshard.runtime.main RUN_DIR`.
+"""What every rank runs (`torchrun ... -m hpcshard.entry RUN_DIR` calls `main`).
 
 RUN_DIR/spec.json (written by `hpcshard submit`) names the job and its --set values.
 A user error (a bad value the preflight could not see) exits 2 with one line; its
@@ -7,16 +7,21 @@ traceback goes to the rank's log file.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
+import socket
 import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
+from hpcshard import ledger
 from hpcshard.config import build_config
 from hpcshard.runtime.device import init_distributed
 from hpcshard.runtime.job import load_job
+from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.train import Trainer
 
 USER_ERROR = 2
@@ -39,24 +44,67 @@ def setup_logging(run_dir: Path, rank: int) -> None:
     log.propagate = False
 
 
+def check_writable(run_dir: Path) -> None:
+    """Refuse to start, before any training, where checkpoints could not be written."""
+    probe = run_dir / f".write-probe-{os.getpid()}"
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"run directory {run_dir} is not writable ({err.strerror}); "
+                         "checkpoints could not be saved: fix its permissions or mount") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     run_dir = Path(args[0])
     spec = json.loads((run_dir / "spec.json").read_text())
+    # Set by the launcher: which attempt this is, and what to resume from. Requeued
+    # attempts always resume "auto" (the newest checkpoint), whatever the first asked.
+    attempt = int(os.environ.get("HPCSHARD_ATTEMPT", "0"))
+    resume = os.environ.get("HPCSHARD_RESUME", "auto")
     env = init_distributed()
-    setup_logging(run_dir, env.rank)
     try:
+        check_writable(run_dir)
+        setup_logging(run_dir, env.rank)
         job = load_job(spec["job"])
         cfg = build_config(job.config, spec["sets"])
-        Trainer(job, cfg, env, run_dir).run()
+        stop = StopRequest(cfg.stop_signals).install()
+        trainer = Trainer(job, cfg, env, run_dir)
+        loaded = trainer.restore(resume)
+        if env.is_main:
+            ledger.append(run_dir, {"event": "start", "attempt": attempt, "world": env.world,
+                                    "nodes": env.nodes, "host": socket.gethostname(),
+                                    "resumed_step": loaded.step if loaded else None,
+                                    "resumed_from": loaded.path if loaded else None,
+                                    "skipped": loaded.skipped if loaded else []})
+        summary = trainer.run(stop)
     except ValueError as err:
         log.debug("user error", exc_info=True)
         if env.is_main:
             print(f"error: {err}", file=sys.stderr)
+            _end(run_dir, attempt, reason="error", error=str(err))
         return USER_ERROR
+    except BaseException as err:
+        if env.is_main:
+            _end(run_dir, attempt, reason="error", error=f"{type(err).__name__}: {err}")
+        raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if env.is_main:
+        _end(run_dir, attempt, reason=summary.reason, step=summary.step,
+             saved_step=summary.saved_step)
+    if summary.reason == "done" and summary.saved_step != summary.step:
+        (log.error if env.is_main else log.debug)(
+            "the final checkpoint (step %d) could not be saved; see the errors above", summary.step)
+        return 1
     return 0
+
+
+def _end(run_dir: Path, attempt: int, **fields: object) -> None:
+    with contextlib.suppress(OSError):  # an unwritable run dir must not hide the real error
+        ledger.append(run_dir, {"event": "end", "attempt": attempt, **fields})
 
 
 if __name__ == "__main__":

@@ -16,12 +16,14 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from hpcshard.config import TrainConfig
+from hpcshard.runtime.checkpoint import Checkpointer, Loaded, seed_rank
 from hpcshard.runtime.data import GlobalBatches, eval_batch_count, eval_batches, unigram_entropy
 from hpcshard.runtime.device import DistEnv, device_peak_tflops
 from hpcshard.runtime.job import Job
 from hpcshard.runtime.mesh import build_mesh, resolve_sharding
 from hpcshard.runtime.metrics import Metrics
 from hpcshard.runtime.shard import ShardPlan, materialize, shard_model
+from hpcshard.runtime.stop import StopRequest
 
 log = logging.getLogger("hpcshard")
 
@@ -65,6 +67,10 @@ class Summary:
     step: int
     loss: float
     eval_loss: float | None
+    reason: str
+    """done: all steps trained; stop: stopped on request at a step boundary."""
+    saved_step: int
+    """The newest committed checkpoint's step (-1: none)."""
     unigram_entropy: float
 
 
@@ -94,8 +100,9 @@ class Trainer:
             log.warning("the held-out split holds less than one batch (%d tokens); "
                         "evaluation is off", len(splits.eval))
         self.step = 0
+        self.ckpt = Checkpointer(self, run_dir) if run_dir is not None else None
         # Dropout and any other in-step randomness: per rank, seeded, restorable.
-        torch.manual_seed(cfg.seed * 7919 + env.rank + 1)
+        seed_rank(cfg.seed, env.rank)
 
     def _build_model(self) -> nn.Module:
         cfg = self.cfg
@@ -161,17 +168,39 @@ class Trainer:
         dist.all_reduce(value)
         return value.item() / self.env.world
 
-    def run(self) -> Summary:
+    def agree(self, *flags: bool) -> list[bool]:
+        """Any rank's flag counts for all: one tiny all-reduce per step boundary."""
+        t = torch.tensor([int(f) for f in flags], device=self.env.device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return [bool(v) for v in t.tolist()]
+
+    def restore(self, how: str = "auto") -> Loaded | None:
+        """Resume from a checkpoint (auto|never|STEP|PATH) before `run`."""
+        return self.ckpt.resume(how) if self.ckpt else None
+
+    def _boundary(self, stop: StopRequest | None) -> bool:
+        """Between steps: agree on stop / periodic save / async commit. True means stop."""
+        if self.ckpt is None:
+            return self.agree(bool(stop and stop.requested))[0]
+        writing = self.ckpt.pending is not None and not self.ckpt.pending[0].done()
+        stop_now, due, busy = self.agree(bool(stop and stop.requested), self.ckpt.due(), writing)
+        if self.ckpt.pending is not None and not busy:
+            self.ckpt.wait()  # every rank's background write is done: commit it now
+        if stop_now or due:
+            self.ckpt.save("stop" if stop_now else "periodic")
+        return stop_now
+
+    def run(self, stop: StopRequest | None = None) -> Summary:
         cfg, env = self.cfg, self.env
         baseline = unigram_entropy(self.splits.train, self.splits.vocab_size)
         peak = cfg.peak_tflops or device_peak_tflops(env.device)
         metrics = Metrics(self.run_dir, env, total_steps=cfg.steps)
         metrics.event("start", params=self.n_params, world=env.world, nodes=env.nodes,
                       sharding=self.mode, mesh=list(self.mesh.shape), precision=cfg.precision,
-                      accumulation=self.accum, blocks=len(self.blocks),
+                      accumulation=self.accum, blocks=len(self.blocks), first_step=self.step + 1,
                       unigram_entropy=baseline, train_tokens=len(self.splits.train))
         tokens_per_step = cfg.batch_size * cfg.seq_len
-        loss, eval_loss = float("nan"), None
+        loss, eval_loss, reason = float("nan"), None, "done"
         last_t, last_step = time.perf_counter(), self.step
         with metrics.progress(start=self.step) as bar:
             while self.step < cfg.steps:
@@ -191,6 +220,16 @@ class Trainer:
                     eval_loss = self.evaluate()
                     metrics.record(self.step, eval_loss=eval_loss)
                     last_t = time.perf_counter()  # evaluation time is not training throughput
-        summary = Summary(step=self.step, loss=loss, eval_loss=eval_loss, unigram_entropy=baseline)
+                if self.step < cfg.steps and self._boundary(stop):
+                    reason = "stop"
+                    break
+        saved = -1
+        if self.ckpt is not None:
+            if reason == "done":
+                self.ckpt.save("end")
+            self.ckpt.wait()
+            saved = self.ckpt.last_saved
+        summary = Summary(step=self.step, loss=loss, eval_loss=eval_loss, reason=reason,
+                          saved_step=saved, unigram_entropy=baseline)
         metrics.event("end", **vars(summary))
         return summary

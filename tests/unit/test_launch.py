@@ -19,4 +19,4 @@ def test_torchrun_command_for_one_node() -> None:
     for arg in ("--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d",
                 "--rdzv_endpoint=n1:29400", "--rdzv_id=abc", "--max_restarts=0"):
         assert arg in argv
-    assert argv[-3:] == ["-m", "hpcshard.runtime.main", "/runs/x"]
+    assert argv[-3:] == ["-m", "hpcshard.entry", "/runs/x"]

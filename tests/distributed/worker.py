@@ -12,6 +12,7 @@ import json
 import sys
 import sysconfig
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +56,10 @@ def placements(t: Trainer) -> dict[str, Any]:
     return {"placements": [repr(p) for p in w.placements], "mesh": list(w.device_mesh.shape),
             "mesh_dims": list(w.device_mesh.mesh_dim_names or ()),
             "local_rows": w.to_local().shape[0], "rows": w.shape[0]}
+
+
+def record_dtype(seen: list[str], _module: Any, _inputs: Any, output: torch.Tensor) -> None:
+    seen.append(str(output.dtype))
 
 
 def all_block_params_placed(t: Trainer, want: tuple[Any, ...]) -> bool:
@@ -109,7 +114,7 @@ def main() -> None:
     for precision in ("bf16", "fp16"):
         t = trainer(env, precision=precision)
         seen: list[str] = []  # the dtype a block computes in (sharded params stay fp32)
-        t.blocks[0].register_forward_hook(lambda m, i, o: seen.append(str(o.dtype)))
+        t.blocks[0].register_forward_hook(partial(record_dtype, seen))
         facts[precision] = {"losses": losses(t, 2), "compute_dtype": seen[0],
                             "master_dtype": str(t.blocks[0].get_parameter("qkv.weight").dtype)}
         if precision == "fp16":

@@ -1,0 +1,229 @@
+"""The checkpoint store on disk, without torch: layout, manifest, verification, retention.
+
+    RUN_DIR/checkpoints/
+        step-00000040/          committed: a DCP directory plus manifest.json
+            .metadata  __0_0.distcp  __1_0.distcp  ...  manifest.json
+        step-00000060.tmp/      being written, or left by a crash: never loaded
+        latest                  the name of the newest committed checkpoint
+
+A directory is a checkpoint only once rank 0 has written its manifest and renamed it from
+`.tmp` into place, after every rank finished writing. DCP's `.metadata` is a pickle, so a
+checkpoint someone else can write is code someone else can run: the loader refuses
+directories and files that are group- or world-writable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CHECKPOINTS = "checkpoints"
+MANIFEST = "manifest.json"
+LATEST = "latest"
+TMP_SUFFIX = ".tmp"
+FORMAT = 1
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    if not name.startswith("step-"):
+        return None
+    digits = name[5:].removesuffix(TMP_SUFFIX)
+    return int(digits) if digits.isdigit() else None
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename durable: the directory entry itself must reach the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write a small file so that readers see the old or the new content, never a mix."""
+    tmp = path.with_name(path.name + TMP_SUFFIX)
+    with tmp.open("w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+@dataclass
+class Checkpoint:
+    """One entry of RUN_DIR/checkpoints, committed or not."""
+
+    path: Path
+    step: int
+    manifest: dict[str, Any] = field(default_factory=dict)
+    problem: str = ""
+    """Why it cannot be loaded; empty when it is a valid committed checkpoint."""
+
+    @property
+    def committed(self) -> bool:
+        return not self.problem
+
+    @property
+    def bytes(self) -> int:
+        return int(self.manifest.get("bytes", 0))
+
+
+def unsafe_permissions(path: Path) -> str:
+    """A reason to refuse `path` (dir or file) if others than its owner can write it."""
+    mode = path.lstat().st_mode
+    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = "others" if mode & stat.S_IWOTH else "its group"
+        return (f"{path} is writable by {who} (mode {stat.filemode(mode)}); a checkpoint is "
+                f"a pickle that runs code when loaded: fix with `chmod go-w {path}`")
+    return ""
+
+
+def file_sizes(path: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_size for p in sorted(path.iterdir())
+            if p.is_file() and p.name != MANIFEST}
+
+
+def inspect(path: Path) -> Checkpoint:
+    """Read and verify one checkpoint directory against its manifest (sizes, not content)."""
+    step = parse_step(path.name)
+    ckpt = Checkpoint(path=path, step=-1 if step is None else step)
+    if path.name.endswith(TMP_SUFFIX):
+        ckpt.problem = "incomplete (never committed: a save was interrupted)"
+        return ckpt
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        ckpt.problem = "incomplete (no manifest)"
+        return ckpt
+    try:
+        ckpt.manifest = json.loads(manifest.read_text())
+    except (json.JSONDecodeError, OSError) as err:
+        ckpt.problem = f"corrupt manifest ({err})"
+        return ckpt
+    if step is None:
+        ckpt.step = int(ckpt.manifest.get("step", -1))
+    expected: dict[str, int] = ckpt.manifest.get("files", {})
+    found = file_sizes(path)
+    missing = sorted(set(expected) - set(found))
+    wrong = sorted(n for n in expected if n in found and found[n] != expected[n])
+    if missing:
+        ckpt.problem = f"missing files: {', '.join(missing)}"
+    elif wrong:
+        ckpt.problem = "size differs from the manifest: " + ", ".join(
+            f"{n} ({found[n]} != {expected[n]} bytes)" for n in wrong)
+    elif ckpt.manifest.get("step") != ckpt.step:
+        ckpt.problem = f"manifest says step {ckpt.manifest.get('step')}, directory says {ckpt.step}"
+    return ckpt
+
+
+def scan(root: Path) -> list[Checkpoint]:
+    """Every step-* entry under RUN_DIR/checkpoints, oldest first."""
+    if not root.is_dir():
+        return []
+    entries = [inspect(p) for p in root.iterdir() if p.is_dir() and parse_step(p.name) is not None]
+    return sorted(entries, key=lambda c: (c.step, c.path.name))
+
+
+def committed(root: Path) -> list[Checkpoint]:
+    return [c for c in scan(root) if c.committed]
+
+
+def check_safe(ckpt: Checkpoint) -> None:
+    """Refuse (ValueError) a checkpoint that others can write: its dirs and every file."""
+    for path in [ckpt.path.parent, ckpt.path, *sorted(ckpt.path.iterdir())]:
+        reason = unsafe_permissions(path)
+        if reason:
+            raise ValueError(f"refusing checkpoint {ckpt.path}: {reason}")
+
+
+def select(root: Path, resume: str) -> tuple[Checkpoint | None, list[Checkpoint]]:
+    """The checkpoint `resume` asks for, and the ones skipped on the way (newest first).
+
+    auto: the newest valid committed checkpoint (None when there is none);
+    never: None; STEP: that committed step; PATH: that checkpoint directory.
+    """
+    if resume == "never":
+        return None, []
+    if resume.isdigit():
+        valid = committed(root)
+        match = [c for c in valid if c.step == int(resume)]
+        if not match:
+            steps = ", ".join(str(c.step) for c in valid) or "none"
+            raise ValueError(f"resume={resume}: no committed checkpoint at step {resume} in "
+                             f"{root}; committed steps: {steps}")
+        return match[0], []
+    if resume != "auto":
+        ckpt = inspect(Path(resume))
+        if not ckpt.committed:
+            raise ValueError(f"resume={resume!r} is not a usable checkpoint: {ckpt.problem}; "
+                             "give a step-N directory with a manifest, a step number, auto or never")
+        return ckpt, []
+    skipped: list[Checkpoint] = []
+    for ckpt in reversed(scan(root)):
+        if ckpt.committed:
+            return ckpt, skipped
+        skipped.append(ckpt)
+    return None, skipped
+
+
+def clean_incomplete(root: Path) -> list[str]:
+    """Remove what interrupted saves and deletions left (`*.tmp`); returns their names."""
+    if not root.is_dir():
+        return []
+    stale = sorted(p for p in root.iterdir() if p.is_dir() and p.name.endswith(TMP_SUFFIX))
+    for p in stale:
+        shutil.rmtree(p, ignore_errors=True)
+    return [p.name for p in stale]
+
+
+def supersede(root: Path, after_step: int) -> list[str]:
+    """Move committed checkpoints newer than `after_step` into `superseded-TIME/`.
+
+    Resuming an older step starts a new timeline: its saves would collide with the old
+    timeline's names, and a later `auto` resume would jump back onto the old timeline.
+    They are moved aside, not deleted: they are still the user's data.
+    """
+    newer = [c for c in committed(root) if c.step > after_step]
+    if not newer:
+        return []
+    aside = root / f"superseded-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir(mode=0o750, exist_ok=True)
+    for c in newer:
+        os.replace(c.path, aside / c.path.name)
+    fsync_dir(root)
+    return [c.path.name for c in newer]
+
+
+def retire(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
+    """Delete committed checkpoints beyond the newest `keep_last` (keeping multiples of
+    `keep_every`). Called only after a commit, so the newest committed one always stays."""
+    keep_last = max(1, keep_last)
+    valid = committed(root)
+    doomed = [c for c in valid[:-keep_last]
+              if not (keep_every and c.step % keep_every == 0)]
+    for c in doomed:
+        # Rename first: a crash mid-delete leaves a .tmp the loader ignores, never a
+        # half-deleted directory that still looks committed.
+        trash = c.path.with_name(c.path.name + ".deleting" + TMP_SUFFIX)
+        os.replace(c.path, trash)
+        shutil.rmtree(trash, ignore_errors=True)
+    return [c.path for c in doomed]
+
+
+def age(seconds_since_epoch: float) -> str:
+    s = max(0, int(time.time() - seconds_since_epoch))
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s // size}{unit}"
+    return f"{s}s"

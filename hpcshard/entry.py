@@ -1,0 +1,30 @@
+"""The first code every rank runs (`torchrun ... -m hpcshard.entry RUN_DIR`), stdlib only.
+
+Importing torch takes seconds. A preemption notice that arrives in that window would kill
+the rank (SIGUSR2's default action is to terminate), so the handler goes in first and
+the notice is kept until the runtime's own stop handling takes over.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from types import FrameType
+
+EARLY: list[int] = []
+"""Signals received before the runtime installed its handlers."""
+
+
+def _early(signum: int, _frame: FrameType | None) -> None:
+    EARLY.append(signum)
+
+
+def main() -> int:
+    signal.signal(signal.SIGUSR2, _early)
+    from hpcshard.runtime.main import main as run
+
+    return run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

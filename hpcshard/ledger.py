@@ -1,0 +1,37 @@
+"""The attempts ledger: RUN_DIR/attempts.jsonl, one `start` and one `end` record per
+attempt (a start without an end is an attempt that was killed). Stdlib only: the launcher
+reads it to decide on a requeue, and the CLI to show what happened."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+LEDGER = "attempts.jsonl"
+REQUEUE_EXIT = 75
+"""Exit code meaning "stopped cleanly on request, checkpoint committed: requeue me"
+(EX_TEMPFAIL in sysexits.h: a temporary failure, try again later)."""
+
+
+def append(run_dir: Path, record: dict[str, Any]) -> None:
+    with (run_dir / LEDGER).open("a") as f:
+        f.write(json.dumps({"time": time.time(), **record}) + "\n")
+
+
+def read(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / LEDGER
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def end_of(run_dir: Path, attempt: int) -> dict[str, Any] | None:
+    """The `end` record of one attempt, or None if it never wrote one (it was killed)."""
+    ends = [r for r in read(run_dir) if r.get("event") == "end" and r.get("attempt") == attempt]
+    return ends[-1] if ends else None
+
+
+def next_attempt(run_dir: Path) -> int:
+    return 1 + max((int(r["attempt"]) for r in read(run_dir)), default=-1)

@@ -1,0 +1,314 @@
+"""DCP checkpoints with an atomic commit, async saves, and resume that falls back.
+
+Save: rank 0 clears a stale `step-N.tmp`; every rank writes its shards into it with
+`dcp.save` (replicated HSDP shards are written once, by one replica); rank 0 then writes
+the manifest, renames the directory into place, fsyncs, moves `latest` and retires old
+checkpoints. Nothing is ever saved into an existing directory: a crash mid-save into a
+complete checkpoint can leave new data under old metadata that loads silently.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from hpcshard import checkpoints as store
+from hpcshard.config import TrainConfig
+
+log = logging.getLogger("hpcshard")
+
+
+def config_hash(cfg: TrainConfig) -> str:
+    return hashlib.sha256(json.dumps(asdict(cfg), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def seed_rank(seed: int, rank: int) -> None:
+    """Seed every generator a job may draw from during training, per rank: torch (dropout),
+    Python's `random` and numpy's global RNG. Unseeded, their states are OS noise, and a
+    job that uses them could not resume exactly."""
+    value = seed * 7919 + rank + 1
+    torch.manual_seed(value)
+    random.seed(value)
+    np.random.seed(value % 2**32)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    if isinstance(tree, dict):
+        return [t for v in tree.values() for t in _tensors(v)]
+    if isinstance(tree, torch.Tensor):
+        return [tree.to_local() if hasattr(tree, "to_local") else tree]
+    return []
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """Every generator that can affect training on this rank."""
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                             "numpy": np.random.get_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+@dataclass
+class Loaded:
+    """What a resume found, for the log and the attempts ledger."""
+
+    step: int
+    path: str
+    skipped: list[tuple[str, str]]
+    world_changed: bool
+
+
+class Checkpointer:
+    """Saves and loads one trainer's full state under RUN_DIR/checkpoints."""
+
+    def __init__(self, trainer: Any, run_dir: Path) -> None:
+        self.t = trainer
+        self.root = run_dir / store.CHECKPOINTS
+        self.env = trainer.env
+        cfg: TrainConfig = trainer.cfg
+        self.cfg = cfg
+        # Async saves run their collectives on a gloo group of their own, so they never
+        # interleave with training's collectives on the default group.
+        self.group = dist.new_group(backend="gloo") if cfg.async_save else None
+        self.pending: tuple[Any, int, Path, float, str] | None = None
+        self.last_saved = -1
+        self.last_time = time.monotonic()
+        self.save_seconds: list[float] = []
+        self.last_bytes = 0
+
+    # -- what is saved --------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        t = self.t
+        model, optim = get_state_dict(t.model, t.optimizer)
+        progress = {"step": t.step, "data": t.batches.state_dict(),
+                    "scheduler": t.scheduler.state_dict(), "world": self.env.world}
+        if t.scaler is not None:
+            progress["scaler"] = t.scaler.state_dict()
+        # Per-rank values need per-rank keys: DCP deduplicates equal keys across ranks
+        # and would hand every rank one arbitrary rank's copy.
+        return {"model": model, "optim": optim, "progress": progress,
+                f"rng.rank{self.env.rank}": rng_state(self.env.device)}
+
+    def _apply(self, state: dict[str, Any], saved_world: int) -> None:
+        t = self.t
+        set_state_dict(t.model, t.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        progress = state["progress"]
+        t.step = int(progress["step"])
+        t.batches.load_state_dict(progress["data"])
+        t.scheduler.load_state_dict(progress["scheduler"])
+        if t.scaler is not None and "scaler" in progress:
+            t.scaler.load_state_dict(progress["scaler"])
+        key = f"rng.rank{self.env.rank}"
+        if key in state and self.env.rank < saved_world:
+            set_rng_state(state[key], self.env.device)
+
+    # -- save -----------------------------------------------------------------------
+
+    def due(self) -> bool:
+        """Is a periodic save due at this step (steps or wall-time trigger)? Rank-local:
+        the caller agrees on it with every rank before acting."""
+        cfg, step = self.cfg, self.t.step
+        if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            return True
+        return bool(cfg.ckpt_minutes) and time.monotonic() - self.last_time >= cfg.ckpt_minutes * 60
+
+    def save(self, reason: str) -> bool:
+        """Save the current step. Returns False (state and older checkpoints intact) when
+        the write failed, e.g. with no space left on the device."""
+        self.wait()
+        step = self.t.step
+        if step == self.last_saved:
+            return True
+        tmp = self.root / (store.step_name(step) + store.TMP_SUFFIX)
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True, mode=0o750)
+        dist.barrier()
+        start = time.perf_counter()
+        self.last_time = time.monotonic()
+        try:
+            if self.cfg.async_save:
+                future = dcp.async_save(self._state(), checkpoint_id=str(tmp),
+                                        process_group=self.group)
+                self.pending = (future, step, tmp, start, reason)
+                return True
+            dcp.save(self._state(), checkpoint_id=str(tmp))
+        except BaseException as err:  # CheckpointException is a BaseException
+            if isinstance(err, KeyboardInterrupt):
+                raise
+            return self._failed(step, tmp, err)
+        return self._commit(step, tmp, start, reason)
+
+    def wait(self) -> bool:
+        """Finish an async save: wait for every rank's write, then commit it."""
+        if self.pending is None:
+            return True
+        future, step, tmp, start, reason = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except BaseException as err:
+            if isinstance(err, KeyboardInterrupt):
+                raise
+            return self._failed(step, tmp, err)
+        return self._commit(step, tmp, start, reason)
+
+    def _failed(self, step: int, tmp: Path, err: BaseException) -> bool:
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        # Every rank sees the same failure; on a thousand ranks one line is enough.
+        (log.error if self.env.is_main else log.debug)(
+            "checkpoint at step %d FAILED: %s; training state and earlier checkpoints are "
+            "intact", step, self._describe(err))
+        log.debug("checkpoint failure", exc_info=err)
+        return False
+
+    def _describe(self, err: BaseException) -> str:
+        """One line for a failed save. DCP wraps every rank's traceback into one exception,
+        and torch.save reports a full disk as "unexpected pos N vs M", so the free space is
+        checked against the size of the last checkpoint."""
+        failures = getattr(err, "failures", None)  # CheckpointException: {rank: exception}
+        first = next(iter(failures.values())) if failures else err
+        if isinstance(first, tuple):  # (exception, formatted frames)
+            first = first[0]
+        text = f"{type(first).__name__}: {str(first).strip().splitlines()[0] if str(first).strip() else ''}"
+        need = self.last_bytes or sum(t.numel() * t.element_size() for t in
+                                      _tensors(self._state())) * self.env.world
+        free = shutil.disk_usage(self.root).free
+        if free < need:
+            return (f"no space left on the device holding {self.root} ({free / 1e6:.1f} MB free, "
+                    f"a checkpoint needs about {need / 1e6:.1f} MB) [{text}]")
+        return text
+
+    def _commit(self, step: int, tmp: Path, start: float, reason: str) -> bool:
+        """Rank 0 makes the checkpoint visible; every rank learns whether that worked."""
+        ok = torch.ones(1, device=self.env.device)
+        if self.env.is_main:
+            try:
+                self._publish(step, tmp, time.perf_counter() - start, reason)
+            except OSError as err:
+                log.error("checkpoint at step %d could not be committed (%s); earlier "
+                          "checkpoints are intact", step, err)
+                shutil.rmtree(tmp, ignore_errors=True)
+                ok.zero_()
+        dist.broadcast(ok, src=0)
+        if ok.item():
+            self.last_saved = step
+        return bool(ok.item())
+
+    def _publish(self, step: int, tmp: Path, seconds: float, reason: str) -> None:
+        for f in tmp.iterdir():  # shards may have been written under a loose umask
+            f.chmod(f.stat().st_mode & ~0o022)
+        files = store.file_sizes(tmp)
+        t, env = self.t, self.env
+        manifest = {"format": store.FORMAT, "step": step, "world": env.world, "nodes": env.nodes,
+                    "per_node": env.per_node, "mesh": list(t.mesh.shape), "sharding": t.mode,
+                    "config_hash": config_hash(self.cfg), "config": asdict(self.cfg),
+                    "torch": torch.__version__, "files": files, "bytes": sum(files.values()),
+                    "reason": reason, "save_seconds": round(seconds, 3), "time": time.time()}
+        store.write_atomic(tmp / store.MANIFEST, json.dumps(manifest, indent=1))
+        final = self.root / store.step_name(step)
+        if final.exists():  # never replace a committed checkpoint in place
+            raise FileExistsError(f"{final} already exists")
+        os.replace(tmp, final)
+        store.fsync_dir(self.root)
+        store.write_atomic(self.root / store.LATEST, final.name + "\n")
+        gone = store.retire(self.root, self.cfg.keep_last, self.cfg.keep_every)
+        self.save_seconds.append(seconds)
+        self.last_bytes = manifest["bytes"]
+        log.info("checkpoint step %d committed (%s, %.1f MB in %.2fs)%s", step, reason,
+                 manifest["bytes"] / 1e6, seconds,
+                 f"; retired {', '.join(p.name for p in gone)}" if gone else "")
+
+    # -- load -----------------------------------------------------------------------
+
+    def resume(self, how: str) -> Loaded | None:
+        """Load the checkpoint `how` names (auto|never|STEP|PATH); on auto, a checkpoint
+        that fails to load is skipped and the previous one tried."""
+        if self.env.is_main:
+            for stale in store.clean_incomplete(self.root):
+                log.warning("removed incomplete checkpoint %s (a save was interrupted)", stale)
+        dist.barrier()
+        skipped: list[tuple[str, str]] = []
+        while True:
+            chosen, passed = store.select(self.root, how)
+            skipped += [(c.path.name, c.problem) for c in passed]
+            if chosen is None:
+                for name, why in skipped:
+                    log.warning("skipped checkpoint %s: %s", name, why)
+                return None
+            store.check_safe(chosen)
+            try:
+                self._load(chosen)
+            except BaseException as err:
+                if isinstance(err, KeyboardInterrupt) or how != "auto":
+                    raise
+                skipped.append((chosen.path.name, f"failed to load ({type(err).__name__})"))
+                for c in passed:
+                    self._quarantine(c)
+                log.debug("load failure", exc_info=err)
+                self._quarantine(chosen)
+                continue
+            for name, why in skipped:
+                log.warning("skipped checkpoint %s: %s", name, why)
+            for c in passed:  # damaged and newer: it would collide with the next saves
+                self._quarantine(c)
+            if how != "auto":
+                self._supersede(chosen.step)
+            world = int(chosen.manifest.get("world", self.env.world))
+            log.info("resumed from %s (step %d, written by %d ranks as %s)", chosen.path,
+                     chosen.step, world, chosen.manifest.get("mesh"))
+            self.last_saved = chosen.step
+            return Loaded(step=chosen.step, path=str(chosen.path), skipped=skipped,
+                          world_changed=world != self.env.world)
+
+    def _load(self, ckpt: store.Checkpoint) -> None:
+        state = self._state()
+        saved_world = int(ckpt.manifest.get("world", self.env.world))
+        if self.env.rank >= saved_world:  # no RNG was saved for this rank
+            state.pop(f"rng.rank{self.env.rank}")
+        dcp.load(state, checkpoint_id=str(ckpt.path))
+        self._apply(state, saved_world)
+
+    def _supersede(self, step: int) -> None:
+        dist.barrier()
+        if self.env.is_main:
+            moved = store.supersede(self.root, step)
+            if moved:
+                log.warning("resuming step %d starts a new timeline: moved the newer "
+                            "checkpoints %s aside into %s/superseded-*", step, ", ".join(moved),
+                            self.root)
+        dist.barrier()
+
+    def _quarantine(self, ckpt: store.Checkpoint) -> None:
+        """A damaged checkpoint is renamed away (kept for inspection) so that no later
+        attempt trips on it and no new save collides with its name."""
+        dist.barrier()
+        if self.env.is_main and ckpt.path.parent == self.root and ckpt.path.exists():
+            os.replace(ckpt.path, ckpt.path.with_name(ckpt.path.name + ".corrupt"))
+        dist.barrier()

@@ -1,0 +1,46 @@
+"""Stop requests: a signal on any rank becomes a decision every rank takes together.
+
+The handler only sets a flag (signal handlers must not run collectives). At each step
+boundary the ranks all-reduce the flag, so a notice delivered to one rank, or to some
+nodes only, stops all of them at the same step.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from types import FrameType
+
+from hpcshard.config import signal_names
+
+log = logging.getLogger("hpcshard")
+
+
+class StopRequest:
+    def __init__(self, names: str) -> None:
+        self.signals = [getattr(signal, n) for n in signal_names(names)]
+        self.received: str | None = None
+        self.at = 0.0
+
+    def install(self) -> StopRequest:
+        from hpcshard.entry import EARLY
+
+        for sig in self.signals:
+            signal.signal(sig, self._handle)
+        for signum in EARLY:  # a notice that came while torch was still loading
+            if signum in self.signals:
+                self._handle(signum, None)
+        return self
+
+    def _handle(self, signum: int, _frame: FrameType | None) -> None:
+        if self.received is None:
+            self.received, self.at = signal.Signals(signum).name, time.time()
+
+    @property
+    def requested(self) -> bool:
+        return self.received is not None
+
+    def restore(self) -> None:
+        for sig in self.signals:
+            signal.signal(sig, signal.SIG_DFL)

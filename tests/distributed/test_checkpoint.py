@@ -1,0 +1,268 @@
+"""Checkpoints under real preemption and real faults, 2 nodes x 2 ranks on CPU/gloo,
+through the CLI and the local backend (the same launcher Slurm runs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import warnings
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+from hpcshard import checkpoints as store
+from hpcshard import ledger
+from hpcshard.ledger import REQUEUE_EXIT
+from tests.conftest import ROOT, hpcshard, hpcshard_bg, metrics, step_records, wait_for
+
+STEPS = 16
+
+
+def sets(**kv: object) -> list[str]:
+    out = []
+    # A global batch of 24 divides over 1, 2, 4 and 6 ranks: every shape sees the same batches.
+    for k, v in {"log_every": 1, "eval_every": 0, "batch_size": 24, **kv}.items():
+        out += ["--set", f"{k}={v}"]
+    return out
+
+
+def committed(run: Path) -> dict[int, Path]:
+    return {c.step: c.path for c in store.committed(run / store.CHECKPOINTS)}
+
+
+def load(path: Path) -> dict[str, Any]:
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": yes
+        warnings.simplefilter("ignore")
+        return _load_state_dict_from_keys(checkpoint_id=str(path))
+
+
+def assert_bitwise_equal(a: Any, b: Any, where: str = "") -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_bitwise_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, tuple | list):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_bitwise_equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), f"{where} differs"
+    else:
+        assert a == b, where
+
+
+def trained_to(run: Path, step: int) -> bool:
+    return any(r["step"] >= step for r in step_records(run))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The reference: no preemption, a checkpoint after every step, all kept."""
+    run = tmp_path_factory.mktemp("ckpt") / "uninterrupted"
+    proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
+                    *sets(steps=STEPS, ckpt_every=1, keep_last=1000, eval_every=STEPS))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    return run
+
+
+def test_three_preemptions_resume_bitwise_with_nothing_recomputed(uninterrupted: Path,
+                                                                  tmp_path: Path) -> None:
+    run = tmp_path / "preempted"
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
+                       str(run), *sets(steps=STEPS, ckpt_every=4, async_save="true", keep_last=100))
+    reached = 0
+    for attempt in range(3):
+        # Preempt once this attempt has trained two steps of its own.
+        wait_for(partial(trained_to, run, reached + 2), 180, f"attempt {attempt} to train")
+        if attempt == 1:  # a notice that reaches one rank only still stops every rank
+            os.kill(rank_pids()[0], signal.SIGUSR2)
+        else:
+            assert hpcshard("preempt", str(run)).returncode == 0
+        wait_for(partial(ledger.end_of, run, attempt), 120, f"attempt {attempt} to stop")
+        reached = ledger.end_of(run, attempt)["step"]  # type: ignore[index]
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    assert out.count("requeued as attempt") == 3
+
+    records = ledger.read(run)
+    starts = [r for r in records if r["event"] == "start"]
+    ends = [r for r in records if r["event"] == "end"]
+    assert [e["reason"] for e in ends] == ["stop", "stop", "stop", "done"]
+    for prev, start in zip(ends, starts[1:], strict=False):
+        # Zero steps recomputed: the stop saved the step it reached, the next attempt
+        # starts right after it.
+        assert prev["saved_step"] == prev["step"] == start["resumed_step"]
+    steps = [r["step"] for r in step_records(run)]
+    assert steps == list(range(1, STEPS + 1))  # every step trained exactly once
+
+    # Every checkpoint of the preempted run (the stops after 0, 1 and 2 cycles, the async
+    # periodic ones, the end after 3 cycles) equals the uninterrupted run's, bit for bit:
+    # weights, optimizer state, schedule, data position and per-rank RNG.
+    reference = committed(uninterrupted)
+    mine = committed(run)
+    assert STEPS in mine and {e["step"] for e in ends[:3]} <= set(mine)
+    for step, path in mine.items():
+        assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
+
+
+def test_export_loads_into_a_plain_model_with_the_same_eval_loss(uninterrupted: Path,
+                                                                 tmp_path: Path) -> None:
+    out = tmp_path / "model.pt"
+    proc = hpcshard("ckpt", "export", str(uninterrupted), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr
+    assert hpcshard("ckpt", "export", str(uninterrupted), "--out", str(out)).returncode == 2
+
+    from hpcshard.config import build_config
+    from hpcshard.runtime.data import eval_batches
+    from hpcshard.runtime.job import load_job
+
+    job = load_job(str(ROOT / "jobs" / "charlm.py"))
+    cfg = build_config(job.config, json.loads((uninterrupted / "spec.json").read_text())["sets"])
+    model = job.model(cfg)
+    model.load_state_dict(torch.load(out), strict=True)
+    model.eval()
+    splits = job.data(cfg)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for x, y in eval_batches(splits.eval, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                                 micro=cfg.batch_size, rank=0, world=1, count=cfg.eval_batches):
+            total += job.loss(model, x, y).item() * len(x)
+            count += len(x)
+    sharded = [r["eval_loss"] for r in metrics(uninterrupted) if "eval_loss" in r][-1]
+    assert total / count == pytest.approx(sharded, rel=1e-5)
+
+
+@pytest.mark.parametrize("shape", [("1", "2"), ("1", "1"), ("3", "2")])
+def test_resume_on_another_shape_continues_the_same_samples(uninterrupted: Path, tmp_path: Path,
+                                                            shape: tuple[str, str]) -> None:
+    run = tmp_path / "reshaped"
+    shutil.copytree(uninterrupted, run)
+    proc = hpcshard("resume", str(run), "--nodes", shape[0], "--gpus", shape[1], "--resume", "8")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    start = ledger.read(run)[-2]
+    assert start["resumed_step"] == 8 and start["world"] == int(shape[0]) * int(shape[1])
+    mine = [r for r in metrics(run)]
+    last_start = max(i for i, r in enumerate(mine) if r.get("event") == "start")
+    resumed = {r["step"]: r["loss"] for r in mine[last_start:] if "loss" in r and "event" not in r}
+    reference = {r["step"]: r["loss"] for r in step_records(uninterrupted)}
+    # Steps 9..16 see the same global batches: a skipped or repeated sample would move
+    # the loss far more than the reduction order of another world size does.
+    assert sorted(resumed) == list(range(9, STEPS + 1))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(reference[step], rel=2e-4), step
+    progress = load(committed(run)[STEPS])["progress"]
+    assert progress["data"] == load(committed(uninterrupted)[STEPS])["progress"]["data"]
+    # Replicated HSDP shards are written once: 2x2 writes the same bytes as 1x1 or 3x2.
+    size = store.inspect(committed(run)[STEPS]).bytes
+    assert size == pytest.approx(store.inspect(committed(uninterrupted)[STEPS]).bytes, rel=0.02)
+
+
+def test_damaged_newest_checkpoints_are_skipped_and_the_previous_used(uninterrupted: Path,
+                                                                      tmp_path: Path) -> None:
+    run = tmp_path / "damaged"
+    shutil.copytree(uninterrupted, run)
+    ckpts = committed(run)
+    newest, second, third = ckpts[STEPS], ckpts[STEPS - 1], ckpts[STEPS - 2]
+    shard = next(newest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated: caught by the manifest sizes
+    meta = second / ".metadata"
+    meta.write_bytes(b"\0" * meta.stat().st_size)  # same size, garbage: caught by the load
+    proc = hpcshard("resume", str(run), "--set", f"steps={STEPS + 1}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    start = ledger.read(run)[-2]
+    assert start["resumed_step"] == STEPS - 2 and start["resumed_from"] == str(third)
+    reasons = dict(start["skipped"])
+    assert "size differs" in reasons[newest.name] and "failed to load" in reasons[second.name]
+    log = (run / "logs" / "rank-0.log").read_text()
+    assert f"skipped checkpoint {newest.name}" in log and f"skipped checkpoint {second.name}" in log
+    # Both damaged ones are renamed aside (kept for inspection) and never tried again; the
+    # new timeline re-creates their step names without colliding.
+    assert second.with_name(second.name + ".corrupt").is_dir()
+    assert newest.with_name(newest.name + ".corrupt").is_dir()
+    assert sorted(committed(run))[-3:] == [STEPS - 1, STEPS, STEPS + 1]
+
+
+def rank_pids() -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"hpcshard.entry" in cmd and b"torch.distributed.run" not in cmd:
+            pids.append(int(entry))
+    return pids
+
+
+def test_rank_killed_mid_save_resumes_from_the_previous_commit(tmp_path: Path) -> None:
+    run = tmp_path / "killed"
+    # A bigger model so that a save takes long enough to be caught in the middle.
+    big = sets(steps=8, ckpt_every=2, dim=384, n_layers=6, n_heads=6, batch_size=4)
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
+                       str(run), *big)
+    partial = run / store.CHECKPOINTS / (store.step_name(4) + store.TMP_SUFFIX)
+    wait_for(lambda: 2 in committed(run), 240, "the first commit")
+    wait_for(partial.exists, 120, "the second save to start")
+    victim = rank_pids()[-1]
+    os.kill(victim, 9)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode not in (0, REQUEUE_EXIT), out[-3000:]
+    assert sorted(committed(run)) == [2]  # the interrupted save never became a checkpoint
+
+    proc2 = hpcshard("resume", str(run), *sets(steps=4))
+    assert proc2.returncode == 0, proc2.stdout[-3000:] + proc2.stderr[-3000:]
+    assert ledger.read(run)[-2]["resumed_step"] == 2
+    log = (run / "logs" / "rank-0.log").read_text()
+    # The partial directory is reported and removed: by the surviving ranks when their
+    # save failed, or at the next start if nobody survived to do it.
+    assert (f"removed incomplete checkpoint {partial.name}" in log
+            or "checkpoint at step 4 FAILED" in log)
+    assert not partial.exists() and sorted(committed(run)) == [2, 4]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 16 MiB filesystem: room for one 11 MB checkpoint, not for a second beside it."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)]).returncode:
+        pytest.fail("cannot mount a tmpfs (the ENOSPC test needs root)")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_no_space_left_fails_the_save_cleanly(small_disk: Path) -> None:
+    run = small_disk / "run"
+    proc = hpcshard("submit", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
+                    *sets(steps=4, ckpt_every=2, keep_last=1))
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    log = (run / "logs" / "rank-0.log").read_text()
+    assert "checkpoint at step 4 FAILED: no space left on the device holding" in log
+    assert "training state and earlier checkpoints are intact" in log
+    assert "Traceback" not in log.split("FAILED", 1)[1].split("\n")[0]  # one line
+    assert sorted(committed(run)) == [2]
+    assert [p.name for p in (run / store.CHECKPOINTS).iterdir() if p.is_dir()] == [store.step_name(2)]
+    assert load(committed(run)[2])["progress"]["step"] == 2  # still loads
+
+
+def test_read_only_run_dir_refuses_to_start(tmp_path: Path, small_disk: Path) -> None:
+    run = small_disk / "run"
+    run.mkdir()
+    (run / "spec.json").write_text(json.dumps({"job": str(ROOT / "jobs" / "charlm.py"), "sets": {},
+                                               "nodes": 1, "gpus": 1, "backend": "local", "name": "x"}))
+    subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True)
+    proc = hpcshard("resume", str(run))
+    assert proc.returncode == 2
+    assert "is not writable" in proc.stderr and "Read-only file system" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1

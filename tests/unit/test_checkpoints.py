@@ -1,0 +1,176 @@
+"""The checkpoint store's rules, on directories laid out as the runtime writes them."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hpcshard import checkpoints as store
+from hpcshard.cli import main
+
+
+def make(root: Path, step: int, *, commit: bool = True, files: dict[str, int] | None = None) -> Path:
+    files = files or {".metadata": 10, "__0_0.distcp": 100, "__1_0.distcp": 100}
+    name = store.step_name(step) + ("" if commit else store.TMP_SUFFIX)
+    path = root / name
+    path.mkdir(parents=True, mode=0o750)
+    for fname, size in files.items():
+        (path / fname).write_bytes(b"x" * size)
+        (path / fname).chmod(0o640)
+    if commit:
+        manifest = {"step": step, "world": 4, "mesh": [2, 2], "files": files,
+                    "bytes": sum(files.values()), "time": 0, "reason": "periodic"}
+        (path / store.MANIFEST).write_text(json.dumps(manifest))
+    return path
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    r = tmp_path / "run" / store.CHECKPOINTS
+    r.mkdir(parents=True, mode=0o750)
+    (tmp_path / "run").chmod(0o750)
+    return r
+
+
+def test_auto_takes_the_newest_committed(root: Path) -> None:
+    for s in (10, 20, 30):
+        make(root, s)
+    make(root, 40, commit=False)
+    chosen, skipped = store.select(root, "auto")
+    assert chosen is not None and chosen.step == 30
+    assert [(c.step, c.problem.split(" ")[0]) for c in skipped] == [(40, "incomplete")]
+
+
+@pytest.mark.parametrize("damage,reason", [
+    (lambda p: (p / "__1_0.distcp").write_bytes(b"x" * 7), "size differs from the manifest"),
+    (lambda p: (p / "__0_0.distcp").unlink(), "missing files: __0_0.distcp"),
+    (lambda p: (p / store.MANIFEST).unlink(), "incomplete (no manifest)"),
+    (lambda p: (p / store.MANIFEST).write_text("{not json"), "corrupt manifest"),
+])
+def test_a_damaged_newest_falls_back_to_the_previous(root: Path, damage, reason: str) -> None:
+    make(root, 10)
+    damage(make(root, 20))
+    chosen, skipped = store.select(root, "auto")
+    assert chosen is not None and chosen.step == 10
+    assert skipped[0].step == 20 and reason in skipped[0].problem
+
+
+def test_resume_step_and_path(root: Path) -> None:
+    make(root, 10)
+    p20 = make(root, 20)
+    assert store.select(root, "10")[0].step == 10  # type: ignore[union-attr]
+    assert store.select(root, str(p20))[0].step == 20  # type: ignore[union-attr]
+    assert store.select(root, "never") == (None, [])
+    with pytest.raises(ValueError, match="no committed checkpoint at step 15.*committed steps: 10, 20"):
+        store.select(root, "15")
+    with pytest.raises(ValueError, match="is not a usable checkpoint"):
+        store.select(root, str(root / "elsewhere"))
+
+
+def test_retention_keeps_last_k_and_multiples(root: Path) -> None:
+    for s in range(10, 70, 10):
+        make(root, s)
+    gone = store.retire(root, keep_last=2, keep_every=20)
+    assert sorted(p.name for p in gone) == [store.step_name(s) for s in (10, 30)]
+    assert [c.step for c in store.committed(root)] == [20, 40, 50, 60]
+    store.retire(root, keep_last=0)  # the newest committed one is never deleted
+    assert [c.step for c in store.committed(root)] == [60]
+
+
+def test_retention_never_counts_incomplete_ones(root: Path) -> None:
+    make(root, 10)
+    make(root, 20, commit=False)
+    store.retire(root, keep_last=1)
+    assert [c.step for c in store.committed(root)] == [10]
+
+
+def test_incomplete_directories_are_cleaned(root: Path) -> None:
+    make(root, 10)
+    make(root, 20, commit=False)
+    assert store.clean_incomplete(root) == [store.step_name(20) + store.TMP_SUFFIX]
+    assert [p.name for p in root.iterdir()] == [store.step_name(10)]
+
+
+def test_checkpoints_others_can_write_are_refused(root: Path) -> None:
+    path = make(root, 10)
+    store.check_safe(store.inspect(path))
+    (path / "__0_0.distcp").chmod(0o666)
+    with pytest.raises(ValueError, match=r"__0_0.distcp is writable by others.*chmod go-w"):
+        store.check_safe(store.inspect(path))
+    (path / "__0_0.distcp").chmod(0o640)
+    path.chmod(0o770)
+    with pytest.raises(ValueError, match="writable by its group"):
+        store.check_safe(store.inspect(path))
+
+
+def test_write_atomic_replaces(tmp_path: Path) -> None:
+    target = tmp_path / "latest"
+    store.write_atomic(target, "a")
+    store.write_atomic(target, "b")
+    assert target.read_text() == "b" and os.listdir(tmp_path) == ["latest"]
+
+
+def test_cli_resume_unknown_step_lists_the_steps(root: Path) -> None:
+    run = root.parent
+    (run / "spec.json").write_text(json.dumps({"job": "x.py", "sets": {}, "nodes": 1, "gpus": 1,
+                                               "backend": "local", "name": "x"}))
+    make(root, 10)
+    make(root, 20)
+    result = CliRunner().invoke(main, ["resume", str(run), "--resume", "7"])
+    assert result.exit_code == 2
+    assert "no committed checkpoint at step 7" in result.output and "10, 20" in result.output
+
+
+def test_cli_ckpt_list(root: Path) -> None:
+    make(root, 10)
+    make(root, 20, commit=False)
+    result = CliRunner().invoke(main, ["ckpt", "list", str(root.parent)])
+    assert result.exit_code == 0
+    lines = result.output.splitlines()
+    assert "committed" in lines[1] and "0.0MB" in lines[1] and "[2, 2]" in lines[1]
+    assert "invalid" in lines[2] and "incomplete" in lines[2]
+
+
+def test_cli_resume_of_a_directory_without_a_run(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["resume", str(tmp_path)])
+    assert result.exit_code == 2 and "holds no run" in result.output
+
+
+def test_cli_preempt_without_a_running_launcher(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["preempt", str(tmp_path)])
+    assert result.exit_code == 2 and "nothing to preempt" in result.output
+
+
+def test_resuming_an_older_step_moves_the_newer_timeline_aside(root: Path) -> None:
+    for s in (10, 20, 30):
+        make(root, s)
+    assert store.supersede(root, 10) == [store.step_name(20), store.step_name(30)]
+    assert [c.step for c in store.committed(root)] == [10]
+    (aside,) = root.glob("superseded-*")
+    assert sorted(p.name for p in aside.iterdir()) == [store.step_name(20), store.step_name(30)]
+    assert store.supersede(root, 10) == []
+
+
+def test_periodic_triggers_by_steps_and_by_wall_time(tmp_path: Path) -> None:
+    import time
+    from types import SimpleNamespace
+
+    import torch
+
+    from hpcshard.config import TrainConfig
+    from hpcshard.runtime.checkpoint import Checkpointer
+    from hpcshard.runtime.device import DistEnv
+
+    env = DistEnv(rank=0, world=1, local_rank=0, per_node=1, device=torch.device("cpu"), backend="gloo")
+    trainer = SimpleNamespace(env=env, cfg=TrainConfig(ckpt_every=4, ckpt_minutes=0.001), step=3)
+    ckpt = Checkpointer(trainer, tmp_path)
+    assert not ckpt.due()
+    trainer.step = 4
+    assert ckpt.due()
+    trainer.step = 5
+    time.sleep(0.07)  # 0.001 minutes = 60 ms
+    assert ckpt.due()
