@@ -165,7 +165,7 @@ def test_resume_on_another_shape_continues_the_same_samples(uninterrupted: Path,
     assert progress["data"] == load(committed(uninterrupted)[STEPS])["progress"]["data"]
     # Replicated HSDP shards are written once: 2x2 writes the same bytes as 1x1 or 3x2.
     size = store.inspect(committed(run)[STEPS]).bytes
-    assert size == pytest.approx(store.inspect(committed(uninterrupted)[STEPS]).bytes, rel=0.02)
+    assert size == pytest.approx(store.inspect(committed(uninterrupted)[STEPS]).bytes, rel=0.05)
 
 
 def test_damaged_newest_checkpoints_are_skipped_and_the_previous_used(uninterrupted: Path,
