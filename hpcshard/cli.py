@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -15,7 +16,7 @@ import click
 
 from hpcshard import __version__, checkpoints
 from hpcshard.config import parse_sets, signal_names
-from hpcshard.ledger import REQUEUE_EXIT
+from hpcshard.ledger import REQUEUE_EXIT, next_attempt
 from hpcshard.runs import (
     RunSpec,
     check_resume,
@@ -28,8 +29,9 @@ from hpcshard.runs import (
     probe_writable,
     read_spec,
 )
+from hpcshard.sbatch import SbatchRequest
 
-BACKENDS = ("auto", "local")
+BACKENDS = ("auto", "local", "slurm")
 
 
 class UserError(click.ClickException):
@@ -49,8 +51,42 @@ def main() -> None:
 
 
 def pick_backend(backend: str) -> str:
-    """`auto` is the local backend until a Slurm backend is configured."""
-    return "local" if backend == "auto" else backend
+    """`auto`: Slurm when its commands are here and a controller answers, else local."""
+    if backend != "auto":
+        return backend
+    from hpcshard import slurm
+
+    return "slurm" if slurm.available() else "local"
+
+
+def slurm_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """sbatch settings (Slurm backend only)."""
+    opts = [
+        click.option("--time", default="01:00:00", show_default=True,
+                     help="Time limit per attempt (Slurm formats: MM, HH:MM:SS, D-HH:MM:SS)."),
+        click.option("--partition", default="", help="Slurm partition [default: the cluster's]."),
+        click.option("--account", default="", help="Slurm account."),
+        click.option("--qos", default="", help="Slurm QOS."),
+        click.option("--constraint", default="", help="Slurm node constraint."),
+        click.option("--cpus-per-task", type=click.IntRange(min=0), default=0,
+                     help="CPUs per node for its launcher and ranks [default: Slurm's]."),
+        click.option("--mem", default="", help="Memory per node, e.g. 200G [default: Slurm's]."),
+        click.option("--signal-lead", type=click.IntRange(min=1), default=120, show_default=True,
+                     help="Seconds before the time limit that the job is told to checkpoint."),
+        click.option("--no-requeue", is_flag=True, help="Never requeue (no --requeue in sbatch)."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
+def sbatch_request(spec: RunSpec, run_dir: Path, opts: dict[str, Any]) -> SbatchRequest:
+    return SbatchRequest(job_name=spec.name, nodes=spec.nodes, gpus_per_node=spec.gpus,
+                         time=opts["time"], partition=opts["partition"], account=opts["account"],
+                         qos=opts["qos"], constraint=opts["constraint"],
+                         cpus_per_task=opts["cpus_per_task"], mem=opts["mem"],
+                         signal_lead_s=opts["signal_lead"], requeue=not opts["no_requeue"],
+                         run_dir=run_dir.resolve())
 
 
 def _shape_options(default: int | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -82,11 +118,46 @@ RESUME = click.option("--resume", "resume", default="auto", show_default=True,
 @click.option("--name", help="Run name [default: the job's name].")
 @click.option("--max-requeues", type=click.IntRange(min=0), default=10, show_default=True,
               help="Restarts after stop requests (preemptions) before the run gives up.")
+@click.option("--follow", is_flag=True, help="Slurm: show rank 0's log until the job ends.")
+@slurm_options
 @RESUME
 @SETS
 def submit(job: str, nodes: int, gpus: int, backend: str, run_dir: Path | None,
-           name: str | None, max_requeues: int, resume: str, sets: tuple[str, ...]) -> None:
+           name: str | None, max_requeues: int, follow: bool, resume: str,
+           sets: tuple[str, ...], **slurm_opts: Any) -> None:
     """Run JOB (a job file or module) on NODES x GPUS ranks."""
+    spec, run_dir, req = _prepare(job, nodes, gpus, backend, run_dir, name, max_requeues, resume,
+                                  sets, slurm_opts)
+    create_run_dir(run_dir)
+    if spec.backend == "slurm":
+        assert req is not None
+        _submit_slurm(spec, run_dir, req, resume, follow)
+    _launch(spec, run_dir, resume)
+
+
+@main.command("render")
+@click.argument("job")
+@_shape_options(1)
+@click.option("--run-dir", type=click.Path(path_type=Path), help="As for submit.")
+@click.option("--name", help="Run name [default: the job's name].")
+@slurm_options
+@SETS
+def render_cmd(job: str, nodes: int, gpus: int, run_dir: Path | None, name: str | None,
+               sets: tuple[str, ...], **slurm_opts: Any) -> None:
+    """Print the sbatch script that `submit --backend slurm` would submit (nothing runs)."""
+    from hpcshard import slurm
+
+    spec, run_dir, req = _prepare(job, nodes, gpus, "slurm", run_dir, name, 0, "auto", sets,
+                                  slurm_opts, check_cluster=False)
+    assert req is not None
+    click.echo(slurm.sbatch_text(req, run_dir.resolve()), nl=False)
+
+
+def _prepare(job: str, nodes: int, gpus: int, backend: str, run_dir: Path | None,
+             name: str | None, max_requeues: int, resume: str, sets: tuple[str, ...],
+             slurm_opts: dict[str, Any], check_cluster: bool = True,
+             ) -> tuple[RunSpec, Path, SbatchRequest | None]:
+    """Validate everything and build the request; nothing is created or submitted."""
     try:
         ref = job_ref(job)
         run_dir = run_dir or default_run_dir(job)
@@ -96,14 +167,89 @@ def submit(job: str, nodes: int, gpus: int, backend: str, run_dir: Path | None,
         spec = RunSpec(job=ref, sets=parse_sets(sets), nodes=nodes, gpus=gpus,
                        backend=pick_backend(backend), name=name or Path(job).stem,
                        max_requeues=max_requeues)
+        req = None
+        if spec.backend == "slurm":
+            req = sbatch_request(spec, run_dir, slurm_opts)
+            req.validate()
+            if check_cluster:
+                from hpcshard import slurm
+
+                slurm.check_request(req)
+                _warn_storage(run_dir, nodes)
         spec.resolved = preflight(spec)
     except ValueError as err:
         fail(err)
     except RuntimeError as err:
         click.echo(str(err), err=True)
         sys.exit(1)
-    create_run_dir(run_dir)
-    _launch(spec, run_dir, resume)
+    return spec, run_dir, req
+
+
+def _warn_storage(run_dir: Path, nodes: int) -> None:
+    node_local = ("/tmp", "/var/tmp", "/dev/shm", "/scratch/local")
+    if nodes > 1 and str(run_dir.resolve()).startswith(node_local):
+        click.echo(f"warning: {run_dir} looks node-local; with {nodes} nodes every node must see "
+                   "the same run directory (checkpoints, logs): put it on shared storage", err=True)
+
+
+def _submit_slurm(spec: RunSpec, run_dir: Path, req: SbatchRequest, resume: str,
+                  follow: bool) -> NoReturn:
+    from hpcshard import slurm
+    from hpcshard.launch.slurm import node_main
+
+    _warn_lead_time(run_dir, req)
+    spec.write(run_dir)
+    try:
+        job_id = slurm.submit(req, run_dir.resolve(), node_main, str(run_dir.resolve()), spec.gpus,
+                              next_attempt(run_dir), spec.max_requeues, resume)
+    except ValueError as err:
+        fail(err)
+    spec.jobs.append(job_id)
+    spec.write(run_dir)
+    click.echo(f"submitted job {job_id}: {spec.nodes} node(s) x {spec.gpus} GPU(s), "
+               f"sharding {spec.resolved['sharding']}")
+    click.echo(f"run directory: {run_dir}")
+    click.echo(f"logs: {run_dir / 'logs'}/rank-N.log, {run_dir / 'submitit'}/{job_id}_N_log.out")
+    click.echo(f"follow: hpcshard submit ... --follow, or tail -f {run_dir / 'logs' / 'rank-0.log'}")
+    if not follow:
+        sys.exit(0)
+    sys.exit(_follow(run_dir, job_id))
+
+
+def _warn_lead_time(run_dir: Path, req: SbatchRequest) -> None:
+    """The notice must leave time to save: compare with the last save this run measured."""
+    last = checkpoints.committed(run_dir / checkpoints.CHECKPOINTS)
+    seconds = last[-1].manifest.get("save_seconds", 0) if last else 0
+    if seconds and req.signal_lead_s < seconds * 1.5:
+        click.echo(f"warning: --signal-lead {req.signal_lead_s}s is short: the last checkpoint of "
+                   f"this run took {seconds:.0f}s to save", err=True)
+
+
+FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+                "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
+
+
+def _follow(run_dir: Path, job_id: str) -> int:
+    """Print rank 0's log as it grows until Slurm says the job is over (requeues included)."""
+    import time
+
+    from hpcshard import slurm
+
+    log, pos, state = run_dir / "logs" / "rank-0.log", 0, ""
+    while True:
+        if log.exists():
+            with log.open() as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos = f.tell()
+            if chunk:
+                click.echo(chunk, nl=False)
+        state = slurm.job_state(job_id).get("JobState", "")
+        if state in FINAL_STATES or not state:
+            break
+        time.sleep(1.0)
+    click.echo(f"job {job_id}: {state or 'no longer known to Slurm'}")
+    return 0 if state == "COMPLETED" else 1
 
 
 @main.command()
@@ -185,6 +331,36 @@ def preempt(run_dir: Path, signame: str) -> None:
         fail(ValueError(f"no running launcher in {run_dir} (nothing to preempt); "
                         "is the run still going?"))
     click.echo(f"sent {sig.name} to {sent} node launcher(s) of {run_dir}")
+
+
+@main.command()
+@click.argument("target")
+def status(target: str) -> None:
+    """Slurm state and training progress of a run (RUN_DIR, or a Slurm JOB id)."""
+    from hpcshard import slurm
+    from hpcshard.status import report
+
+    try:
+        run_dir = _run_dir_of(target)
+        spec = read_spec(run_dir)
+    except ValueError as err:
+        fail(err)
+    state = slurm.job_state(spec.jobs[-1]) if spec.backend == "slurm" and spec.jobs else None
+    for line in report(run_dir, asdict(spec), state):
+        click.echo(line)
+
+
+def _run_dir_of(target: str) -> Path:
+    """A run directory as given, or the one a Slurm job id writes its log into."""
+    path = Path(target)
+    if path.is_dir() or not target.isdigit():
+        return path
+    from hpcshard import slurm
+
+    out = slurm.job_state(target).get("StdOut", "")
+    if not out:
+        raise ValueError(f"Slurm does not know job {target}; give the run directory instead")
+    return Path(out).parent.parent  # RUN_DIR/logs/slurm-%j.out
 
 
 @main.group()

@@ -40,6 +40,8 @@ class RunSpec:
     """Run name, shown by tools."""
     max_requeues: int = 10
     """Restarts after stop requests before the run gives up."""
+    jobs: list[str] = field(default_factory=list)
+    """Slurm job ids submitted for this run, oldest first."""
     resolved: dict[str, Any] = field(default_factory=dict)
     """What the preflight found: the full config, sharding, block, parameters."""
     created: float = field(default_factory=time.time)

@@ -27,14 +27,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def quiet_env(**extra: str) -> dict[str, str]:
-    """Two cores shared by up to four ranks: one thread each, and no warning about it."""
-    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **extra}
+    """Two cores shared by up to four ranks: one thread each, and no warning about it.
+    No SLURM_CONF unless a test asks: `--backend auto` then means the local backend."""
+    env = {k: v for k, v in os.environ.items() if k != "SLURM_CONF"}
+    return {**env, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **extra}
 
 
-def hpcshard(*args: str, cwd: Path = ROOT, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def hpcshard(*args: str, cwd: Path = ROOT, timeout: float = 600,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run the real CLI in a subprocess, as a user would."""
-    return subprocess.run([sys.executable, "-m", "hpcshard", *args], cwd=cwd, env=quiet_env(),
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "hpcshard", *args], cwd=cwd,
+                          env=quiet_env(**(env or {})), capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def hpcshard_bg(*args: str, cwd: Path = ROOT) -> subprocess.Popen[str]:

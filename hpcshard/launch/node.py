@@ -88,7 +88,11 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = signal.SIGUSR2) ->
     env = dict(os.environ)
     # torchrun would set 1 with a warning; on a CPU host, split the cores between ranks.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // node.per_node)))
-    proc = subprocess.Popen(torchrun_argv(node, run_dir), env=env)
+    # Slurm's --signal goes to every process of the step, torchrun included, and an
+    # unhandled SIGUSR2 kills it mid-save. Ignored dispositions survive exec: torchrun
+    # ignores the notice, and each rank's entry point installs its own handler first thing.
+    proc = subprocess.Popen(torchrun_argv(node, run_dir), env=env,
+                            preexec_fn=lambda: signal.signal(stop_signal, signal.SIG_IGN))
 
     def forward(signum: int, _frame: object) -> None:
         proc.send_signal(signum)

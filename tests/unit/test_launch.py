@@ -20,3 +20,28 @@ def test_torchrun_command_for_one_node() -> None:
                 "--rdzv_endpoint=n1:29400", "--rdzv_id=abc", "--max_restarts=0"):
         assert arg in argv
     assert argv[-3:] == ["-m", "hpcshard.entry", "/runs/x"]
+
+
+def test_nodelist_expansion() -> None:
+    from hpcshard.launch.slurm import expand_nodelist
+
+    assert expand_nodelist("n[1-2],gpu[01-03,07],login") == [
+        "n1", "n2", "gpu01", "gpu02", "gpu03", "gpu07", "login"]
+    assert expand_nodelist("rack[1-2]-n[8-9]") == ["rack1-n8", "rack1-n9", "rack2-n8", "rack2-n9"]
+    assert expand_nodelist("node007") == ["node007"]
+
+
+def test_slurm_env_gives_the_node_its_place_and_rendezvous() -> None:
+    from hpcshard.launch.slurm import SlurmEnv, rdzv_port
+
+    env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NODEID": "1",
+           "SLURM_GPUS_ON_NODE": "8"}
+    slurm = SlurmEnv.from_environ(env)
+    assert (slurm.nodes, slurm.node_id, slurm.restart_count, slurm.gpus_on_node) == (
+        ["gpu07", "gpu08"], 1, 0, 8)
+    node = slurm.node_env(8)
+    assert (node.node_rank, node.nnodes, node.rdzv_host) == (1, 2, "gpu07")
+    requeued = SlurmEnv.from_environ({**env, "SLURM_RESTART_COUNT": "2"}).node_env(8)
+    assert requeued.rdzv_port != node.rdzv_port and requeued.run_id == "4242-2"
+    ports = {rdzv_port(str(j), 0) for j in range(1000, 1100)}
+    assert len(ports) == 100 and all(20000 <= p < 30000 for p in ports)

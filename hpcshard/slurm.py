@@ -1,0 +1,117 @@
+"""Talking to Slurm from the login node: what the cluster offers, and submission through
+submitit with hpcshard's own sbatch text. submitit is imported only when it is needed."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcshard.sbatch import SbatchRequest, parse_time, render
+
+
+def available() -> bool:
+    """Slurm's client commands are here and a controller answers."""
+    if not shutil.which("sbatch"):
+        return False
+    proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=15)
+    return proc.returncode == 0 and "UP" in proc.stdout
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    default: bool
+    nodes: int
+    gpus_per_node: int
+
+
+def partitions() -> dict[str, Partition]:
+    """From sinfo: partition, node count, and GPUs per node (gres gpu:N)."""
+    out = subprocess.run(["sinfo", "-h", "-o", "%P|%D|%G"], capture_output=True, text=True,
+                         check=True).stdout
+    found: dict[str, Partition] = {}
+    for line in out.splitlines():
+        name, count, gres = line.split("|")
+        gpus = re.search(r"gpu(?::[^:,(]+)?:(\d+)", gres)
+        part = Partition(name=name.rstrip("*"), default=name.endswith("*"), nodes=int(count),
+                         gpus_per_node=int(gpus.group(1)) if gpus else 0)
+        prev = found.get(part.name)  # one line per node state: add the counts up
+        found[part.name] = part if prev is None else Partition(
+            part.name, part.default or prev.default, prev.nodes + part.nodes,
+            max(prev.gpus_per_node, part.gpus_per_node))
+    return found
+
+
+def check_request(req: SbatchRequest) -> str:
+    """Refuse shapes the partition cannot run; returns the partition used."""
+    parts = partitions()
+    name = req.partition or next((p.name for p in parts.values() if p.default), "")
+    if name not in parts:
+        raise ValueError(f"--partition {req.partition!r} does not exist; partitions: "
+                         + ", ".join(sorted(parts)))
+    part = parts[name]
+    if req.nodes > part.nodes:
+        raise ValueError(f"--nodes {req.nodes} is more than partition {name!r} has ({part.nodes})")
+    if req.gpus_per_node > part.gpus_per_node:
+        raise ValueError(f"--gpus {req.gpus_per_node} per node is more than the nodes of partition "
+                         f"{name!r} have ({part.gpus_per_node}); use --gpus {part.gpus_per_node} or fewer")
+    return name
+
+
+def executor(req: SbatchRequest, run_dir: Path) -> Any:
+    """A submitit SlurmExecutor whose sbatch text is hpcshard's rendered template, so that
+    submitit still tracks the job and its per-task logs."""
+    import submitit
+
+    class Executor(submitit.SlurmExecutor):  # type: ignore[misc]
+        def _make_submission_file_text(self, command: str, uid: str) -> str:
+            return render(req, command, Path(self.folder))
+
+    ex = Executor(folder=run_dir / "submitit")
+    # Only for submitit's bookkeeping (tasks to track, its timeout guess): the text is ours.
+    ex.update_parameters(nodes=req.nodes, ntasks_per_node=1,
+                         time=math.ceil(parse_time(req.time) / 60))
+    return ex
+
+
+def sbatch_text(req: SbatchRequest, run_dir: Path) -> str:
+    """Exactly what `submit` would hand to sbatch."""
+    ex = executor(req, run_dir)
+    return str(ex._make_submission_file_text(ex._submitit_command_str, "render"))
+
+
+def submit(req: SbatchRequest, run_dir: Path, fn: Any, *args: Any) -> str:
+    """Submit and return the job id; sbatch's own message on refusal (ValueError)."""
+    import submitit
+
+    ex = executor(req, run_dir)
+    try:
+        job = ex.submit(fn, *args)
+    except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as err:
+        text = getattr(err, "stderr", None) or getattr(err, "output", None) or str(err)
+        if isinstance(text, bytes):
+            text = text.decode(errors="replace")
+        lines = [line for line in str(text).splitlines() if line.strip()]
+        raise ValueError(f"sbatch refused the job: {lines[-1] if lines else err}") from None
+    return str(job.job_id)
+
+
+def job_state(job_id: str) -> dict[str, str]:
+    """`scontrol show job` as a dict (works without accounting; finished jobs stay visible
+    for MinJobAge). Empty when Slurm no longer knows the job."""
+    proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                          text=True, env={**os.environ, "SLURM_TIME_FORMAT": "standard"})
+    if proc.returncode:
+        return {}
+    fields = {}
+    for token in proc.stdout.split():
+        key, sep, value = token.partition("=")
+        if sep:
+            fields[key] = value
+    return fields

@@ -1,0 +1,101 @@
+"""What `hpcshard status` shows: Slurm's view of the job and the run directory's view of the
+training (progress, checkpoints, one row per attempt). Stdlib only."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcshard import checkpoints, ledger
+
+
+def _metrics(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class Attempt:
+    number: int
+    start: float
+    end: float | None
+    reason: str
+    loaded: int | None
+    saved: int | None
+    reached: int | None
+    lost: int | None
+
+
+def attempts(run_dir: Path) -> list[Attempt]:
+    """One row per attempt. Steps lost: trained in this attempt but not in a checkpoint the
+    next attempt loaded (a hard kill loses the steps since the last save)."""
+    records = ledger.read(run_dir)
+    steps = [(r["time"], r["step"]) for r in _metrics(run_dir) if "loss" in r and "event" not in r]
+    starts = [r for r in records if r["event"] == "start"]
+    rows = []
+    for i, s in enumerate(starts):
+        until = starts[i + 1]["time"] if i + 1 < len(starts) else float("inf")
+        end = next((r for r in records if r["event"] == "end" and r["attempt"] == s["attempt"]), None)
+        reached = max((st for t, st in steps if s["time"] <= t < until), default=None)
+        next_loaded = starts[i + 1].get("resumed_step") if i + 1 < len(starts) else None
+        kept = next_loaded if i + 1 < len(starts) else (end or {}).get("saved_step")
+        lost = None if reached is None else max(0, reached - (kept or 0))
+        rows.append(Attempt(number=s["attempt"], start=s["time"], end=(end or {}).get("time"),
+                            reason=(end or {}).get("reason",
+                                                   "killed" if i + 1 < len(starts) else "running?"),
+                            loaded=s.get("resumed_step"), saved=(end or {}).get("saved_step"),
+                            reached=reached, lost=lost))
+    return rows
+
+
+def _clock(t: float | None) -> str:
+    return time.strftime("%H:%M:%S", time.localtime(t)) if t else "-"
+
+
+def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | None) -> list[str]:
+    lines = [f"run {spec.get('name')}: {spec.get('nodes')} node(s) x {spec.get('gpus')} GPU(s), "
+             f"backend {spec.get('backend')}, {run_dir}"]
+    if slurm_state is not None:
+        job, get = spec["jobs"][-1], slurm_state.get
+        lines.append(f"slurm job {job}: {get('JobState', 'no longer known to Slurm')}, restarts "
+                     f"{get('Restarts', '?')}, nodes {get('NodeList', '-')}, run time {get('RunTime', '-')}")
+    records = _metrics(run_dir)
+    train = [r for r in records if "loss" in r and "event" not in r]
+    total = (spec.get("resolved") or {}).get("config", {}).get("steps", "?")
+    if train:
+        last = train[-1]
+        tps = last.get("tokens_per_s")
+        lines.append(f"progress: step {last['step']}/{total}, loss {last['loss']:.4f}"
+                     + (f", {tps:,.0f} tokens/s" if tps else ""))
+    evals = [r for r in records if r.get("eval_loss") is not None and "event" not in r]
+    if evals:
+        lines.append(f"eval: loss {evals[-1]['eval_loss']:.4f} at step {evals[-1]['step']}")
+    done = checkpoints.committed(run_dir / checkpoints.CHECKPOINTS)
+    if done:
+        c = done[-1]
+        saved_in, age = c.manifest.get("save_seconds", 0), checkpoints.age(c.manifest.get("time", 0))
+        lines.append(f"checkpoint: step {c.step} ({c.bytes / 1e6:.1f} MB, saved in {saved_in:.2f}s, "
+                     f"{age} ago)")
+    else:
+        lines.append("checkpoint: none committed yet")
+    rows = attempts(run_dir)
+    if rows:
+        lines.append(f"attempts ({len(rows)}):")
+        lines.append(f"  {'#':>3} {'start':>8} {'end':>8}  {'end reason':<10} {'loaded':>6} {'reached':>7} "
+                     f"{'saved':>6} {'lost':>5}")
+        for a in rows:
+            lines.append(f"  {a.number:>3} {_clock(a.start):>8} {_clock(a.end):>8}  {a.reason:<10} "
+                         f"{_fmt(a.loaded):>6} {_fmt(a.reached):>7} {_fmt(a.saved):>6} {_fmt(a.lost):>5}")
+    for r in ledger.read(run_dir):
+        if r["event"] == "gave_up":
+            lines.append(f"gave up: {r['reason']}")
+    return lines
+
+
+def _fmt(v: int | None) -> str:
+    return "-" if v is None else str(v)

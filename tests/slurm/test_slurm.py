@@ -1,0 +1,114 @@
+"""hpcshard on a real Slurm: 2 nodes x 2 (fake) GPUs, torchrun on every node, preemption
+by a higher-priority partition, time limits, hard requeues."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hpcshard import checkpoints as store
+from hpcshard import ledger
+from tests.conftest import hpcshard, step_records, wait_for
+from tests.distributed.test_checkpoint import assert_bitwise_equal, committed, load, sets, trained_to
+from tests.slurm.conftest import restarts, slurm, wait_state
+
+DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
+
+
+def submit(cluster: dict[str, str], run: Path, *args: str) -> str:
+    proc = hpcshard("submit", "--backend", "slurm", "--nodes", "2", "--gpus", "2", "jobs/charlm.py",
+                    "--run-dir", str(run), *args, env=cluster)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return str(json.loads((run / "spec.json").read_text())["jobs"][-1])
+
+
+def test_demo_runs_as_four_ranks_on_two_nodes(cluster: dict[str, str], tmp_path: Path) -> None:
+    run = tmp_path / "demo"
+    job = submit(cluster, run, "--time", "10:00", *sets(steps=8, eval_every=8))
+    assert wait_state(job, DONE) == "COMPLETED"
+    start = next(r for r in ledger.read(run) if r["event"] == "start")
+    assert (start["world"], start["nodes"]) == (4, 2)
+    meta = json.loads((run / store.CHECKPOINTS / store.step_name(8) / store.MANIFEST).read_text())
+    assert meta["mesh"] == [2, 2] and meta["sharding"] == "hybrid"  # replicate across nodes
+    hosts = {p.read_text().split()[0] for p in (run / "submitit").glob(f"{job}_*_log.out")}
+    assert hosts  # one task per node, each ran its own torchrun
+    status = hpcshard("status", str(run), env=cluster)
+    assert status.returncode == 0, status.stderr
+    assert "COMPLETED" in status.stdout and "step 8/8" in status.stdout
+
+
+def test_preemption_checkpoints_requeues_and_resumes_bitwise(cluster: dict[str, str],
+                                                             tmp_path: Path) -> None:
+    ref = tmp_path / "reference"
+    proc = hpcshard("submit", "--backend", "local", "--nodes", "2", "--gpus", "2", "jobs/charlm.py",
+                    "--run-dir", str(ref), *sets(steps=24, ckpt_every=4))
+    assert proc.returncode == 0, proc.stdout[-2000:]
+
+    run = tmp_path / "preempted"
+    job = submit(cluster, run, "--time", "10:00", *sets(steps=24, ckpt_every=4))
+    wait_for(lambda: trained_to(run, 6), 240, "training to start")
+    # A job in the high partition needs every GPU: Slurm preempts (requeues) ours.
+    slurm("sbatch", "-p", "high", "-N2", "--gpus-per-node=2", "--wrap", "sleep 2")
+    assert wait_state(job, DONE, 400) == "COMPLETED"
+    assert restarts(job) == 1
+
+    records = ledger.read(run)
+    ends = [r for r in records if r["event"] == "end"]
+    starts = [r for r in records if r["event"] == "start"]
+    assert [e["reason"] for e in ends] == ["stop", "done"]
+    assert any(r["event"] == "requeue" for r in records)
+    assert starts[1]["resumed_step"] == ends[0]["saved_step"] == ends[0]["step"]  # nothing recomputed
+    assert [r["step"] for r in step_records(run)] == list(range(1, 25))
+    assert_bitwise_equal(load(committed(run)[24]), load(committed(ref)[24]), "final")
+
+
+def test_time_limit_checkpoints_before_the_limit_and_requeues(cluster: dict[str, str],
+                                                              tmp_path: Path) -> None:
+    run = tmp_path / "timed"
+    # 2 minutes per attempt with the notice 80 s before the end (Slurm sends it early by a
+    # few seconds and enforces the limit late by ~20): two attempts to do the work.
+    job = submit(cluster, run, "--time", "2", "--signal-lead", "80",
+                 *sets(steps=130, log_every=10, ckpt_every=1000))
+    assert wait_state(job, DONE, 600) == "COMPLETED"
+    records = ledger.read(run)
+    ends = [r for r in records if r["event"] == "end"]
+    assert len(ends) >= 2 and ends[-1]["reason"] == "done" and ends[-1]["step"] == 130
+    assert all(e["reason"] == "stop" and e["saved_step"] == e["step"] for e in ends[:-1])
+    status = hpcshard("status", str(run), env=cluster)
+    assert status.stdout.count("stop") >= len(ends) - 1  # the ledger shows every attempt
+
+
+def test_hard_requeue_without_notice_resumes_from_the_last_periodic_checkpoint(
+        cluster: dict[str, str], tmp_path: Path) -> None:
+    run = tmp_path / "hard"
+    job = submit(cluster, run, "--time", "10:00", *sets(steps=40, ckpt_every=5))
+    wait_for(lambda: 10 in committed(run) and trained_to(run, 12), 240, "a periodic checkpoint")
+    before = max(committed(run))
+    slurm("scontrol", "requeue", job)  # no notice: Slurm kills the tasks outright
+    assert wait_state(job, DONE, 400) == "COMPLETED"
+    starts = [r for r in ledger.read(run) if r["event"] == "start"]
+    assert len(starts) == 2
+    # The newest periodic checkpoint at the kill (one more may have committed meanwhile).
+    assert starts[1]["resumed_step"] in (before, before + 5)
+    assert [r["reason"] for r in ledger.read(run) if r["event"] == "end"] == ["done"]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--gpus", "3"], "more than the nodes of partition 'low' have (2)"),
+    (["--nodes", "3"], "more than partition 'low' has (2)"),
+    (["--partition", "gpu-huge"], "'gpu-huge' does not exist; partitions: high, low"),
+    (["--time", "1h"], "is not a Slurm time limit"),
+    (["--time", "2", "--signal-lead", "200"], "not shorter than the time limit"),
+    (["--account", "nosuchaccount", "--qos", "x\ny"], "contains a newline"),
+])
+def test_bad_requests_are_refused_before_submission(cluster: dict[str, str], tmp_path: Path,
+                                                    args: list[str], needle: str) -> None:
+    run = tmp_path / "never"
+    base = ["submit", "--backend", "slurm", "--nodes", "2", "--gpus", "2", "jobs/charlm.py",
+            "--run-dir", str(run)]
+    # later options win: the bad one overrides the base shape
+    proc = hpcshard(*base, *args, env=cluster)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert needle in proc.stderr and not run.exists()

@@ -1,0 +1,111 @@
+"""The rendered sbatch script: golden files, hostile values, and the request's checks."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from hpcshard.sbatch import SbatchRequest, parse_time, render
+
+GOLDEN = Path(__file__).with_name("golden")
+REFRESH = "refresh with: HPCSHARD_REFRESH_GOLDEN=1 python -m pytest tests/unit/test_sbatch.py"
+HOSTILE = ["a'; echo pwned", "$(touch /tmp/hpcshard-pwned)", "`id`", "x  y z", "ünï ☃", 'q"uo"te']
+COMMAND = "/usr/bin/python3 -u -m submitit.core._submit '/runs/x/submitit'"
+
+
+def request(**kw: object) -> SbatchRequest:
+    base: dict[str, object] = dict(job_name="charlm", nodes=2, gpus_per_node=8, time="04:00:00",
+                                   partition="gpu", account="ml", qos="high", constraint="h100",
+                                   cpus_per_task=64, mem="900G", run_dir=Path("/runs/x"),
+                                   env={"NCCL_DEBUG": "WARN"}, setup=["module load cuda/12.4"])
+    return SbatchRequest(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def unquoted(line: str) -> str:
+    """The characters of a shell line that are outside single and double quotes."""
+    out, quote = [], ""
+    for ch in line:
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+def check_golden(name: str, text: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("HPCSHARD_REFRESH_GOLDEN"):
+        path.write_text(text)
+    assert path.exists(), f"no golden file {path}; {REFRESH}"
+    assert text == path.read_text(), f"{name} changed; if intended, {REFRESH}"
+
+
+def test_default_template_golden() -> None:
+    check_golden("default.sbatch", render(request(), COMMAND, Path("/runs/x/submitit")))
+
+
+def test_hostile_values_golden_and_only_quoted() -> None:
+    hostile = request(job_name=HOSTILE[0], partition=HOSTILE[2], account=HOSTILE[1],
+                      qos=HOSTILE[3], constraint=HOSTILE[4], mem=HOSTILE[5],
+                      run_dir=Path("/runs/" + HOSTILE[0] + " " + HOSTILE[1]),
+                      env={"A": HOSTILE[1], "B": HOSTILE[0], "C": HOSTILE[2]}, setup=[])
+    text = render(hostile, COMMAND, Path("/runs/s"))
+    check_golden("hostile.sbatch", text)
+    # Outside of quotes, nothing of any hostile value remains on any line.
+    for line in text.splitlines():
+        bare = unquoted(line)
+        for fragment in ("$(", "`", "; echo", "pwned", "☃", 'q"uo'):
+            assert fragment not in bare, line
+    # And bash, running the environment block, executes none of it.
+    env_block = "\n".join(line for line in text.splitlines() if line.startswith("export "))
+    out = subprocess.run(["bash", "-c", env_block + '\nprintf "%s|%s|%s" "$A" "$B" "$C"'],
+                         capture_output=True, text=True, check=True)
+    assert out.stdout == f"{HOSTILE[1]}|{HOSTILE[0]}|{HOSTILE[2]}"
+    assert not Path("/tmp/hpcshard-pwned").exists()
+
+
+def test_newlines_cannot_break_out_of_a_directive() -> None:
+    for field in ("job_name", "partition", "account", "qos", "constraint", "mem"):
+        with pytest.raises(ValueError, match="contains a newline"):
+            render(request(**{field: "ok\n#SBATCH --wrap=evil"}), COMMAND, Path("/x"))
+
+
+@pytest.mark.parametrize("text,seconds", [("30", 1800), ("1:30", 90), ("04:00:00", 14400),
+                                          ("2-00", 172800), ("1-02:03", 93780),
+                                          ("1-00:00:10", 86410)])
+def test_slurm_time_formats(text: str, seconds: int) -> None:
+    assert parse_time(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["1h", "", "10m", "1:2:3:4", "-5"])
+def test_bad_time_names_the_formats(bad: str) -> None:
+    with pytest.raises(ValueError, match="MM, HH:MM:SS or D-HH:MM:SS"):
+        parse_time(bad)
+
+
+def test_lead_time_must_fit_in_the_limit() -> None:
+    with pytest.raises(ValueError, match="not shorter than the time limit"):
+        request(time="2", signal_lead_s=120).validate()
+
+
+def test_unknown_template_lists_the_search_path(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="'site.j2' not found; searched: .*templates"):
+        render(request(template="site.j2"), COMMAND, Path("/x"))
+
+
+def test_site_template_overrides_one_block(tmp_path: Path) -> None:
+    (tmp_path / "site.j2").write_text('{% extends "sbatch.j2" %}{% block environment %}'
+                                      "module load site/1.0{% endblock %}")
+    text = render(request(template="site.j2"), COMMAND, Path("/x"), search_path=[tmp_path])
+    assert "module load site/1.0" in text and "NCCL_DEBUG" not in text and "#SBATCH --nodes=2" in text
+
+
+def test_missing_variable_is_an_error_not_empty(tmp_path: Path) -> None:
+    (tmp_path / "bad.j2").write_text("#!/bin/bash\n#SBATCH --x={{ undefined_thing }}\n")
+    with pytest.raises(ValueError, match="'bad.j2'.*undefined_thing"):
+        render(request(template="bad.j2"), COMMAND, Path("/x"), search_path=[tmp_path])
