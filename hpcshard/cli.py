@@ -3,9 +3,6 @@ only, never torch at import (a test enforces it), so `hpcshard --help` is instan
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -14,8 +11,10 @@ from typing import Any, NoReturn
 
 import click
 
-from hpcshard import __version__, checkpoints
-from hpcshard.config import parse_sets, signal_names
+from hpcshard import __version__, checkpoints, ops
+from hpcshard.cliutil import fail, user_errors
+from hpcshard.config import parse_sets
+from hpcshard.launch.slurm import POLICIES
 from hpcshard.ledger import REQUEUE_EXIT, next_attempt
 from hpcshard.runs import (
     RunSpec,
@@ -32,16 +31,6 @@ from hpcshard.runs import (
 from hpcshard.sbatch import SbatchRequest
 
 BACKENDS = ("auto", "local", "slurm")
-
-
-class UserError(click.ClickException):
-    """Bad input: one line, exit code 2, nothing started."""
-
-    exit_code = 2
-
-
-def fail(err: Exception) -> NoReturn:
-    raise UserError(str(err)) from None
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -73,7 +62,10 @@ def slurm_options(f: Callable[..., Any]) -> Callable[..., Any]:
         click.option("--mem", default="", help="Memory per node, e.g. 200G [default: Slurm's]."),
         click.option("--signal-lead", type=click.IntRange(min=1), default=120, show_default=True,
                      help="Seconds before the time limit that the job is told to checkpoint."),
-        click.option("--no-requeue", is_flag=True, help="Never requeue (no --requeue in sbatch)."),
+        click.option("--requeue-policy", type=click.Choice(POLICIES), default="requeue",
+                     show_default=True,
+                     help="After a clean stop: requeue the job, chain a continuation job "
+                     "(for sites that forbid requeue), or none."),
     ]
     for opt in reversed(opts):
         f = opt(f)
@@ -85,7 +77,8 @@ def sbatch_request(spec: RunSpec, run_dir: Path, opts: dict[str, Any]) -> Sbatch
                          time=opts["time"], partition=opts["partition"], account=opts["account"],
                          qos=opts["qos"], constraint=opts["constraint"],
                          cpus_per_task=opts["cpus_per_task"], mem=opts["mem"],
-                         signal_lead_s=opts["signal_lead"], requeue=not opts["no_requeue"],
+                         signal_lead_s=opts["signal_lead"],
+                         requeue=opts["requeue_policy"] == "requeue",
                          run_dir=run_dir.resolve())
 
 
@@ -158,7 +151,7 @@ def _prepare(job: str, nodes: int, gpus: int, backend: str, run_dir: Path | None
              slurm_opts: dict[str, Any], check_cluster: bool = True,
              ) -> tuple[RunSpec, Path, SbatchRequest | None]:
     """Validate everything and build the request; nothing is created or submitted."""
-    try:
+    with user_errors():
         ref = job_ref(job)
         run_dir = run_dir or default_run_dir(job)
         check_run_dir(run_dir)
@@ -166,7 +159,8 @@ def _prepare(job: str, nodes: int, gpus: int, backend: str, run_dir: Path | None
             check_resume(run_dir, resume)
         spec = RunSpec(job=ref, sets=parse_sets(sets), nodes=nodes, gpus=gpus,
                        backend=pick_backend(backend), name=name or Path(job).stem,
-                       max_requeues=max_requeues)
+                       max_requeues=max_requeues,
+                       requeue_policy=slurm_opts.get("requeue_policy", "requeue"))
         req = None
         if spec.backend == "slurm":
             req = sbatch_request(spec, run_dir, slurm_opts)
@@ -177,11 +171,6 @@ def _prepare(job: str, nodes: int, gpus: int, backend: str, run_dir: Path | None
                 slurm.check_request(req)
                 _warn_storage(run_dir, nodes)
         spec.resolved = preflight(spec)
-    except ValueError as err:
-        fail(err)
-    except RuntimeError as err:
-        click.echo(str(err), err=True)
-        sys.exit(1)
     return spec, run_dir, req
 
 
@@ -198,10 +187,12 @@ def _submit_slurm(spec: RunSpec, run_dir: Path, req: SbatchRequest, resume: str,
     from hpcshard.launch.slurm import node_main
 
     _warn_lead_time(run_dir, req)
+    spec.slurm = {**asdict(req), "run_dir": str(req.run_dir)}
     spec.write(run_dir)
     try:
         job_id = slurm.submit(req, run_dir.resolve(), node_main, str(run_dir.resolve()), spec.gpus,
-                              next_attempt(run_dir), spec.max_requeues, resume)
+                              next_attempt(run_dir), spec.max_requeues, resume,
+                              "requeue" if req.requeue else spec.requeue_policy)
     except ValueError as err:
         fail(err)
     spec.jobs.append(job_id)
@@ -225,31 +216,19 @@ def _warn_lead_time(run_dir: Path, req: SbatchRequest) -> None:
                    f"this run took {seconds:.0f}s to save", err=True)
 
 
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
-
-
 def _follow(run_dir: Path, job_id: str) -> int:
     """Print rank 0's log as it grows until Slurm says the job is over (requeues included)."""
-    import time
-
     from hpcshard import slurm
 
-    log, pos, state = run_dir / "logs" / "rank-0.log", 0, ""
-    while True:
-        if log.exists():
-            with log.open() as f:
-                f.seek(pos)
-                chunk = f.read()
-                pos = f.tell()
-            if chunk:
-                click.echo(chunk, nl=False)
-        state = slurm.job_state(job_id).get("JobState", "")
-        if state in FINAL_STATES or not state:
-            break
-        time.sleep(1.0)
-    click.echo(f"job {job_id}: {state or 'no longer known to Slurm'}")
-    return 0 if state == "COMPLETED" else 1
+    final: dict[str, str] = {}
+
+    def over() -> bool:
+        final.update(slurm.job_state(job_id) or {"JobState": ""})
+        return final["JobState"] in ops.FINAL_STATES or not final["JobState"]
+
+    ops.follow_log(run_dir / "logs" / "rank-0.log", over)
+    click.echo(f"job {job_id}: {final['JobState'] or 'no longer known to Slurm'}")
+    return 0 if final["JobState"] == "COMPLETED" else 1
 
 
 @main.command()
@@ -260,18 +239,22 @@ def _follow(run_dir: Path, job_id: str) -> int:
 def resume(run_dir: Path, nodes: int | None, gpus: int | None, resume: str,
            sets: tuple[str, ...]) -> None:
     """Continue the run in RUN_DIR from its newest checkpoint, on any shape."""
-    try:
+    with user_errors():
         spec = read_spec(run_dir)
         probe_writable(run_dir)
         check_resume(run_dir, resume)
         spec.nodes, spec.gpus = nodes or spec.nodes, gpus or spec.gpus
         spec.sets = {**spec.sets, **parse_sets(sets)}
+        req = None
+        if spec.backend == "slurm":  # the same sbatch settings, on the (new) shape
+            from hpcshard import slurm
+
+            req = SbatchRequest(**{**spec.slurm, "nodes": spec.nodes, "gpus_per_node": spec.gpus,
+                                   "run_dir": run_dir.resolve()})
+            slurm.check_request(req)
         spec.resolved = preflight(spec)
-    except ValueError as err:
-        fail(err)
-    except RuntimeError as err:
-        click.echo(str(err), err=True)
-        sys.exit(1)
+    if req is not None:
+        _submit_slurm(spec, run_dir, req, resume, follow=False)
     _launch(spec, run_dir, resume)
 
 
@@ -307,99 +290,8 @@ def _report(run_dir: Path, code: int) -> None:
                f"metrics in {run_dir / 'metrics.jsonl'}, logs in {run_dir / 'logs'}")
 
 
-@main.command()
-@click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--signal", "signame", default="USR2", show_default=True,
-              help="The notice to send; the job's stop_signals decide what it listens to.")
-def preempt(run_dir: Path, signame: str) -> None:
-    """Send a preemption notice to the run in RUN_DIR (local backend), as Slurm would.
-
-    The ranks agree to stop at the next step boundary, commit a checkpoint and exit;
-    the launcher then requeues the run, which resumes where it stopped.
-    """
-    try:
-        sig = getattr(signal, signal_names(signame)[0])
-    except ValueError as err:
-        fail(err)
-    launchers = sorted((run_dir / "launch").glob("node-*.pid"))
-    sent = 0
-    for pid_path in launchers:
-        with contextlib.suppress(ProcessLookupError, ValueError, FileNotFoundError):
-            os.kill(int(pid_path.read_text()), sig)
-            sent += 1
-    if not sent:
-        fail(ValueError(f"no running launcher in {run_dir} (nothing to preempt); "
-                        "is the run still going?"))
-    click.echo(f"sent {sig.name} to {sent} node launcher(s) of {run_dir}")
-
-
-@main.command()
-@click.argument("target")
-def status(target: str) -> None:
-    """Slurm state and training progress of a run (RUN_DIR, or a Slurm JOB id)."""
-    from hpcshard import slurm
-    from hpcshard.status import report
-
-    try:
-        run_dir = _run_dir_of(target)
-        spec = read_spec(run_dir)
-    except ValueError as err:
-        fail(err)
-    state = slurm.job_state(spec.jobs[-1]) if spec.backend == "slurm" and spec.jobs else None
-    for line in report(run_dir, asdict(spec), state):
-        click.echo(line)
-
-
-def _run_dir_of(target: str) -> Path:
-    """A run directory as given, or the one a Slurm job id writes its log into."""
-    path = Path(target)
-    if path.is_dir() or not target.isdigit():
-        return path
-    from hpcshard import slurm
-
-    out = slurm.job_state(target).get("StdOut", "")
-    if not out:
-        raise ValueError(f"Slurm does not know job {target}; give the run directory instead")
-    return Path(out).parent.parent  # RUN_DIR/logs/slurm-%j.out
-
-
-@main.group()
-def ckpt() -> None:
-    """Inspect and export checkpoints."""
-
-
-@ckpt.command("list")
-@click.argument("run_dir", type=click.Path(path_type=Path))
-def ckpt_list(run_dir: Path) -> None:
-    """Every checkpoint of RUN_DIR: step, status, size, world, age."""
-    entries = checkpoints.scan(run_dir / checkpoints.CHECKPOINTS)
-    if not entries:
-        click.echo(f"no checkpoints in {run_dir / checkpoints.CHECKPOINTS}")
-        return
-    click.echo(f"{'step':>8}  {'status':<10} {'size':>10}  {'world':>5}  {'mesh':<8} {'age':>5}  reason")
-    for c in entries:
-        m = c.manifest
-        status = "committed" if c.committed else "invalid"
-        click.echo(f"{c.step:>8}  {status:<10} {c.bytes / 1e6:>8.1f}MB  {m.get('world', '-'):>5}  "
-                   f"{str(m.get('mesh', '-')):<8} {checkpoints.age(m['time']) if 'time' in m else '-':>5}  "
-                   f"{m.get('reason', c.problem)}")
-
-
-@ckpt.command("export")
-@click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--step", type=click.IntRange(min=0), help="Checkpoint step [default: newest].")
-@click.option("--out", type=click.Path(path_type=Path), required=True,
-              help="File to write: .safetensors, or .pt/.pth/.bin for torch.save.")
-def ckpt_export(run_dir: Path, step: int | None, out: Path) -> None:
-    """Write a full, unsharded model state dict from a checkpoint of RUN_DIR."""
-    from hpcshard.runtime.export import export  # torch: only for this command
-
-    try:
-        read_spec(run_dir)
-        ckpt = export(run_dir, step, out)
-    except ValueError as err:
-        fail(err)
-    click.echo(f"wrote {out} from {ckpt.path} (step {ckpt.step})")
+for command in (ops.preempt, ops.status, ops.logs, ops.cancel, ops.ls, ops.plot, ops.ckpt):
+    main.add_command(command)
 
 
 if __name__ == "__main__":

@@ -40,8 +40,12 @@ class RunSpec:
     """Run name, shown by tools."""
     max_requeues: int = 10
     """Restarts after stop requests before the run gives up."""
+    requeue_policy: str = "requeue"
+    """Slurm: after a clean stop, requeue | chain (a continuation job) | none."""
     jobs: list[str] = field(default_factory=list)
     """Slurm job ids submitted for this run, oldest first."""
+    slurm: dict[str, Any] = field(default_factory=dict)
+    """The sbatch request (Slurm backend), reused by `hpcshard resume`."""
     resolved: dict[str, Any] = field(default_factory=dict)
     """What the preflight found: the full config, sharding, block, parameters."""
     created: float = field(default_factory=time.time)

@@ -62,6 +62,7 @@ class SbatchRequest:
     mem: str = ""
     """Memory per node, e.g. 200G; empty lets Slurm decide."""
     requeue: bool = True
+    """--requeue in sbatch (off for the chain and none policies)."""
     signal: str = "USR2"
     """The preemption notice; the ranks checkpoint on it."""
     signal_lead_s: int = 120

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 
 from hpcshard.config import TrainConfig
 from hpcshard.runtime import Job
-from hpcshard.runtime.data import DataSplits, bytes_splits, stdlib_sources, text_files, token_file
+from hpcshard.runtime.data import DataConfig, DataSplits, load_splits
 
 
 @dataclass(kw_only=True)
-class Config(TrainConfig):
+class Config(TrainConfig, DataConfig):
     """The demo's defaults take a few minutes on 2 CPU cores."""
 
     steps: int = 300
@@ -36,18 +36,6 @@ class Config(TrainConfig):
     """Attention heads (must divide dim)."""
     dropout: float = 0.0
     """Dropout after attention and MLP."""
-    data: str = ""
-    """A text file or directory read as bytes; empty: the stdlib's .py sources."""
-    pattern: str = "*"
-    """Glob for files under `data` when it is a directory."""
-    tokens: str = ""
-    """A flat binary token file for training instead of text."""
-    tokens_eval: str = ""
-    """Held-out token file (with `tokens`); empty: the last 5% of `tokens`."""
-    token_dtype: str = "uint16"
-    """uint16 | uint32, the element type of the token files."""
-    vocab_size: int = 256
-    """Vocabulary size; 256 for bytes, the tokenizer's size for token files."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -113,15 +101,7 @@ def init(root: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def data(cfg: Config) -> DataSplits:
-    if cfg.tokens:
-        train = token_file(cfg.tokens, cfg.token_dtype)
-        if cfg.tokens_eval:
-            return DataSplits(train=train, eval=token_file(cfg.tokens_eval, cfg.token_dtype),
-                              vocab_size=cfg.vocab_size)
-        cut = int(len(train) * 0.95)
-        return DataSplits(train=train[:cut], eval=train[cut:], vocab_size=cfg.vocab_size)
-    files = text_files(cfg.data, cfg.pattern) if cfg.data else stdlib_sources()
-    return bytes_splits(files)
+    return load_splits(cfg)
 
 
 def flops_per_token(cfg: Config, model: nn.Module) -> float:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from hpcshard.config import TrainConfig
 from hpcshard.runtime import Job
-from hpcshard.runtime.data import DataSplits, bytes_splits, stdlib_sources, text_files, token_file
+from hpcshard.runtime.data import DataConfig, DataSplits, load_splits
 from hpcshard.runtime.shard import canonical_name
 
 try:
@@ -51,7 +51,7 @@ ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 
 
 @dataclass(kw_only=True)
-class Config(TrainConfig):
+class Config(TrainConfig, DataConfig):
     """The defaults train a 0.1M-parameter Llama on bytes in about 30 s on 2 CPU cores, to a
     held-out loss near 2.4 nats/byte (context-free byte frequencies give 3.2)."""
 
@@ -75,18 +75,6 @@ class Config(TrainConfig):
     vocab_size then come from the file (setting them too is an error)."""
     attn_implementation: str = "sdpa"
     """sdpa | eager: transformers' attention kernel (both run on CPU and GPU)."""
-    data: str = ""
-    """A text file or directory read as bytes; empty: the stdlib's .py sources."""
-    pattern: str = "*"
-    """Glob for files under `data` when it is a directory."""
-    tokens: str = ""
-    """A flat binary token file for training instead of text."""
-    tokens_eval: str = ""
-    """Held-out token file (with `tokens`); empty: the last 5% of `tokens`."""
-    token_dtype: str = "uint16"
-    """uint16 | uint32, the element type of the token files."""
-    vocab_size: int = 256
-    """Vocabulary size; at least 256 for bytes, the tokenizer's size for token files."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -270,16 +258,7 @@ def init(root: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def data(cfg: Config) -> DataSplits:
-    if cfg.tokens:
-        train = token_file(cfg.tokens, cfg.token_dtype)
-        vocab = int(hf_config(cfg).vocab_size)  # config_json's, if given
-        if cfg.tokens_eval:
-            return DataSplits(train=train, eval=token_file(cfg.tokens_eval, cfg.token_dtype),
-                              vocab_size=vocab)
-        cut = int(len(train) * 0.95)
-        return DataSplits(train=train[:cut], eval=train[cut:], vocab_size=vocab)
-    files = text_files(cfg.data, cfg.pattern) if cfg.data else stdlib_sources()
-    return bytes_splits(files)
+    return load_splits(cfg, vocab_size=int(hf_config(cfg).vocab_size))  # config_json's, if given
 
 
 def flops_per_token(cfg: Config, model: nn.Module) -> float:

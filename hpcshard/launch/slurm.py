@@ -3,14 +3,17 @@ rendezvous, and what submitit runs on every node."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpcshard import ledger
+from hpcshard.checkpoints import write_atomic
 from hpcshard.launch.node import NodeEnv, run_node
 
 
@@ -88,26 +91,76 @@ def requeue(job_id: str) -> str:
     return proc.stderr.strip() if proc.returncode else ""
 
 
+POLICIES = ("requeue", "chain", "none")
+
+
+def chain(run_dir: Path, job_id: str, attempt: int) -> str:
+    """Submit a continuation of this job that starts when it ends (`afterany`): the same
+    script and submitit pickle under a new job id. Returns the new id."""
+    folder = run_dir / "submitit"
+    proc = subprocess.run(["sbatch", "--parsable", f"--dependency=afterany:{job_id}",
+                           str(folder / f"{job_id}_submission.sh")], capture_output=True, text=True)
+    if proc.returncode:
+        raise RuntimeError(proc.stderr.strip() or "sbatch failed")
+    new = proc.stdout.strip().split(";")[0]
+    shutil.copy(folder / f"{job_id}_submitted.pkl", folder / f"{new}_submitted.pkl")
+    (run_dir / "launch").mkdir(exist_ok=True)
+    (run_dir / "launch" / f"job-{new}.attempt").write_text(f"{attempt}\n")
+    spec_path = run_dir / "spec.json"
+    spec = json.loads(spec_path.read_text())
+    spec["jobs"] = [*spec.get("jobs", []), new]
+    write_atomic(spec_path, json.dumps(spec, indent=2) + "\n")
+    return new
+
+
+def superseded(run_dir: Path, job_id: str) -> bool:
+    """Only the run's newest job may train: a stale requeue or a second continuation
+    exits at once instead of racing it for the checkpoints."""
+    jobs = json.loads((run_dir / "spec.json").read_text()).get("jobs", [])
+    return bool(jobs) and jobs[-1] != job_id
+
+
 def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int,
-              resume: str = "auto") -> int:
+              resume: str = "auto", policy: str = "requeue") -> int:
     """What submitit runs in each task: one per node. Returns the node's exit code."""
     slurm = SlurmEnv.from_environ()
-    attempt = first_attempt + slurm.restart_count
+    run = Path(run_dir)
+    if superseded(run, slurm.job_id):
+        print(f"hpcshard: job {slurm.job_id} is not the run's newest job; exiting", file=sys.stderr)
+        return 0
+    chained = run / "launch" / f"job-{slurm.job_id}.attempt"
+    attempt = (int(chained.read_text()) if chained.exists() else first_attempt) + slurm.restart_count
     os.environ["HPCSHARD_ATTEMPT"] = str(attempt)
-    os.environ["HPCSHARD_RESUME"] = resume if slurm.restart_count == 0 else "auto"
+    fresh = slurm.restart_count == 0 and not chained.exists()
+    os.environ["HPCSHARD_RESUME"] = resume if fresh else "auto"
     # submitit installed its own SIGUSR2 handler (checkpoint, then requeue from global rank
     # 0 with its own timeout bookkeeping). run_node replaces it: the notice goes to the ranks.
-    code = run_node(slurm.node_env(per_node), Path(run_dir))
+    code = run_node(slurm.node_env(per_node), run)
     if code == ledger.REQUEUE_EXIT and slurm.node_id == 0:
-        if slurm.restart_count < max_requeues:
-            err = requeue(slurm.job_id)
-            ledger.append(Path(run_dir), {"event": "requeue", "attempt": attempt, "job": slurm.job_id,
-                                          "error": err or None})
-            print(f"hpcshard: requeued job {slurm.job_id}" + (f" (scontrol: {err})" if err else ""),
-                  file=sys.stderr, flush=True)
-        else:
-            ledger.append(Path(run_dir), {"event": "gave_up", "attempt": attempt,
-                                          "reason": f"requeue cap reached ({max_requeues})"})
-            print(f"hpcshard: not requeued: the cap of {max_requeues} requeues is reached; "
-                  f"continue with `hpcshard resume {run_dir}`", file=sys.stderr, flush=True)
+        _continue(run, slurm, attempt, max_requeues, policy)
     return code
+
+
+def _continue(run: Path, slurm: SlurmEnv, attempt: int, max_requeues: int, policy: str) -> None:
+    done = sum(1 for r in ledger.read(run) if r["event"] in ("requeue", "chain"))
+    if policy == "none" or done >= max_requeues:
+        why = "the requeue policy is none" if policy == "none" else f"the cap of {max_requeues} is reached"
+        ledger.append(run, {"event": "gave_up", "attempt": attempt, "reason": why})
+        print(f"hpcshard: not continued: {why}; continue with `hpcshard resume {run}`",
+              file=sys.stderr, flush=True)
+        return
+    if policy == "chain":
+        try:
+            new = chain(run, slurm.job_id, attempt + 1)
+        except (OSError, RuntimeError) as err:
+            ledger.append(run, {"event": "gave_up", "attempt": attempt, "reason": f"chain failed: {err}"})
+            return
+        ledger.append(run, {"event": "chain", "attempt": attempt, "job": slurm.job_id, "next": new})
+        print(f"hpcshard: continuation job {new} submitted (afterany:{slurm.job_id})",
+              file=sys.stderr, flush=True)
+        return
+    refused = requeue(slurm.job_id)
+    ledger.append(run, {"event": "requeue", "attempt": attempt, "job": slurm.job_id,
+                        "error": refused or None})
+    print(f"hpcshard: requeued job {slurm.job_id}" + (f" (scontrol: {refused})" if refused else ""),
+          file=sys.stderr, flush=True)

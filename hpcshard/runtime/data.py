@@ -21,6 +21,38 @@ import torch
 TOKEN_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
 
 
+@dataclass(kw_only=True)
+class DataConfig:
+    """Where a job's tokens come from: a config mixin (`class Config(TrainConfig, DataConfig)`)
+    whose fields become --set keys, read by `load_splits`."""
+
+    data: str = ""
+    """A text file or directory read as bytes; empty: the stdlib's .py sources."""
+    pattern: str = "*"
+    """Glob for files under `data` when it is a directory."""
+    tokens: str = ""
+    """A flat binary token file for training instead of text."""
+    tokens_eval: str = ""
+    """Held-out token file (with `tokens`); empty: the last 5% of `tokens`."""
+    token_dtype: str = "uint16"
+    """uint16 | uint32, the element type of the token files."""
+    vocab_size: int = 256
+    """Vocabulary size; 256 for bytes (at least), the tokenizer's size for token files."""
+
+
+def load_splits(cfg: DataConfig, vocab_size: int | None = None) -> DataSplits:
+    """Token files when `tokens` is set, else the bytes of `data` (or the stdlib sources)."""
+    if cfg.tokens:
+        train = token_file(cfg.tokens, cfg.token_dtype)
+        vocab = vocab_size or cfg.vocab_size
+        if cfg.tokens_eval:
+            return DataSplits(train=train, eval=token_file(cfg.tokens_eval, cfg.token_dtype),
+                              vocab_size=vocab)
+        cut = int(len(train) * 0.95)
+        return DataSplits(train=train[:cut], eval=train[cut:], vocab_size=vocab)
+    return bytes_splits(text_files(cfg.data, cfg.pattern) if cfg.data else stdlib_sources())
+
+
 @dataclass(frozen=True)
 class DataSplits:
     """A job's data: the training stream and a held-out stream for evaluation."""

@@ -37,6 +37,15 @@ def test_demo_runs_as_four_ranks_on_two_nodes(cluster: dict[str, str], tmp_path:
     status = hpcshard("status", str(run), env=cluster)
     assert status.returncode == 0, status.stderr
     assert "COMPLETED" in status.stdout and "step 8/8" in status.stdout
+    logs = hpcshard("logs", job, env=cluster)  # by Slurm job id
+    assert logs.returncode == 0 and "checkpoint step 8 committed" in logs.stdout
+
+    # `resume` resubmits with the run's own sbatch settings and continues from step 8.
+    resumed = hpcshard("resume", str(run), "--set", "steps=10", env=cluster)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    job2 = str(json.loads((run / "spec.json").read_text())["jobs"][-1])
+    assert job2 != job and wait_state(job2, DONE) == "COMPLETED"
+    assert ledger.read(run)[-2]["resumed_step"] == 8 and 10 in committed(run)
 
 
 def test_preemption_checkpoints_requeues_and_resumes_bitwise(cluster: dict[str, str],
@@ -112,3 +121,25 @@ def test_bad_requests_are_refused_before_submission(cluster: dict[str, str], tmp
     proc = hpcshard(*base, *args, env=cluster)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert needle in proc.stderr and not run.exists()
+
+
+def test_chain_policy_continues_in_one_new_job_where_requeue_is_forbidden(
+        cluster: dict[str, str], tmp_path: Path) -> None:
+    run = tmp_path / "chained"
+    job = submit(cluster, run, "--time", "10:00", "--requeue-policy", "chain",
+                 *sets(steps=24, ckpt_every=4))
+    assert "#SBATCH --no-requeue" in (run / "submitit" / f"{job}_submission.sh").read_text()
+    wait_for(lambda: trained_to(run, 6), 240, "training to start")
+    slurm("sbatch", "-p", "high", "-N2", "--gpus-per-node=2", "--wrap", "sleep 2")
+    jobs = lambda: json.loads((run / "spec.json").read_text())["jobs"]  # noqa: E731
+    wait_for(lambda: len(jobs()) == 2, 120, "the continuation job")
+    follow_up = jobs()[-1]
+    assert wait_state(follow_up, DONE, 400) == "COMPLETED"
+    assert restarts(job) == 0  # the original was never requeued
+    records = ledger.read(run)
+    ends = [r for r in records if r["event"] == "end"]
+    starts = [r for r in records if r["event"] == "start"]
+    assert [e["reason"] for e in ends] == ["stop", "done"] and [s["attempt"] for s in starts] == [0, 1]
+    assert [r["next"] for r in records if r["event"] == "chain"] == [follow_up]
+    assert starts[1]["resumed_step"] == ends[0]["saved_step"] == ends[0]["step"]
+    assert [r["step"] for r in step_records(run)] == list(range(1, 25))

@@ -1,0 +1,81 @@
+"""status, ls, logs, plot, cancel on a run directory laid out as a preempted run leaves it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hpcshard.cli import main
+from hpcshard.runs import RunSpec
+from hpcshard.status import attempts
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    """Two attempts: stopped cleanly at step 6, then killed at step 9 after a save at 8,
+    then a third that resumed from 8 and finished at 12."""
+    run_dir = tmp_path / "runs" / "charlm-1"
+    (run_dir / "logs").mkdir(parents=True)
+    RunSpec(job="jobs/charlm.py", sets={}, nodes=2, gpus=2, backend="local", name="charlm",
+            resolved={"config": {"steps": 12}}).write(run_dir)
+    t = 1000.0
+    metrics = [{"step": s, "time": t + s, "loss": 5.0 - s * 0.2, "tokens_per_s": 1e4} for s in range(1, 13)]
+    metrics.append({"step": 12, "time": t + 12.5, "eval_loss": 2.9})
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(m) for m in metrics) + "\n")
+    ledger = [
+        {"event": "start", "attempt": 0, "time": t, "resumed_step": None},
+        {"event": "end", "attempt": 0, "time": t + 6.5, "reason": "stop", "step": 6, "saved_step": 6},
+        {"event": "start", "attempt": 1, "time": t + 6.6, "resumed_step": 6},
+        {"event": "start", "attempt": 2, "time": t + 9.5, "resumed_step": 8},
+        {"event": "end", "attempt": 2, "time": t + 13, "reason": "done", "step": 12, "saved_step": 12},
+    ]
+    (run_dir / "attempts.jsonl").write_text("\n".join(json.dumps(r) for r in ledger) + "\n")
+    (run_dir / "logs" / "rank-0.log").write_text("hello from rank 0\n")
+    return run_dir
+
+
+def test_attempts_count_the_steps_each_lost(run: Path) -> None:
+    rows = attempts(run)
+    assert [(a.number, a.reason, a.loaded, a.reached, a.lost) for a in rows] == [
+        (0, "stop", None, 6, 0), (1, "killed", 6, 9, 1), (2, "done", 8, 12, 0)]
+
+
+def test_status_shows_progress_and_the_ledger(run: Path) -> None:
+    out = CliRunner().invoke(main, ["status", str(run)])
+    assert out.exit_code == 0, out.output
+    assert "step 12/12" in out.output and "eval: loss 2.9000" in out.output
+    assert "killed" in out.output and "checkpoint: none committed yet" in out.output
+
+
+def test_ls_lists_runs(run: Path) -> None:
+    out = CliRunner().invoke(main, ["ls", str(run.parent)])
+    assert out.exit_code == 0 and "charlm-1" in out.output and "12/12" in out.output
+    assert "done" in out.output
+
+
+def test_logs_prints_a_rank_and_names_the_ones_there(run: Path) -> None:
+    assert CliRunner().invoke(main, ["logs", str(run)]).output == "hello from rank 0\n"
+    bad = CliRunner().invoke(main, ["logs", str(run), "--rank", "3"])
+    assert bad.exit_code == 2 and "rank-0" in bad.output
+
+
+def test_plot_writes_a_png(run: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = CliRunner().invoke(main, ["plot", str(run), "--out", str(tmp_path / "p.png")])
+    assert out.exit_code == 0, out.output
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    out = CliRunner().invoke(main, ["plot", str(run)])
+    assert out.exit_code == 2 and "pip install 'hpcshard[plot]'" in out.output
+
+
+def test_cancel_without_a_running_launcher(run: Path) -> None:
+    out = CliRunner().invoke(main, ["cancel", str(run)])
+    assert out.exit_code == 2 and "nothing to cancel" in out.output
