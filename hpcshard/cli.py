@@ -3,6 +3,7 @@ only, never torch at import (a test enforces it), so `hpcshard --help` is instan
 
 from __future__ import annotations
 
+import shutil
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -124,7 +125,7 @@ def submit(job: str, nodes: int, gpus: int, backend: str, run_dir: Path | None,
     create_run_dir(run_dir)
     if spec.backend == "slurm":
         assert req is not None
-        _submit_slurm(spec, run_dir, req, resume, follow)
+        _submit_slurm(spec, run_dir, req, resume, follow, fresh=True)
     _launch(spec, run_dir, resume)
 
 
@@ -182,7 +183,8 @@ def _warn_storage(run_dir: Path, nodes: int) -> None:
 
 
 def _submit_slurm(spec: RunSpec, run_dir: Path, req: SbatchRequest, resume: str,
-                  follow: bool) -> NoReturn:
+                  follow: bool, fresh: bool = False) -> NoReturn:
+    """Submit; if sbatch refuses, a run directory made for this submission goes again."""
     from hpcshard import slurm
     from hpcshard.launch.slurm import node_main
 
@@ -194,6 +196,8 @@ def _submit_slurm(spec: RunSpec, run_dir: Path, req: SbatchRequest, resume: str,
                               next_attempt(run_dir), spec.max_requeues, resume,
                               "requeue" if req.requeue else spec.requeue_policy)
     except ValueError as err:
+        if fresh:
+            shutil.rmtree(run_dir, ignore_errors=True)
         fail(err)
     spec.jobs.append(job_id)
     spec.write(run_dir)

@@ -3,11 +3,15 @@ submitit with hpcshard's own sbatch text. submitit is imported only when it is n
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
 import shutil
 import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,8 +37,15 @@ class Partition:
 
 def partitions() -> dict[str, Partition]:
     """From sinfo: partition, node count, and GPUs per node (gres gpu:N)."""
-    out = subprocess.run(["sinfo", "-h", "-o", "%P|%D|%G"], capture_output=True, text=True,
-                         check=True).stdout
+    if not shutil.which("sinfo"):
+        raise ValueError("Slurm's client commands are not installed here (no sinfo on PATH); "
+                         "submit from a login node, or use --backend local")
+    proc = subprocess.run(["sinfo", "-h", "-o", "%P|%D|%G"], capture_output=True, text=True)
+    if proc.returncode:
+        detail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no output"
+        raise ValueError(f"Slurm does not answer (sinfo: {detail}); check that the controller runs "
+                         "and SLURM_CONF points at its slurm.conf, or use --backend local")
+    out = proc.stdout
     found: dict[str, Partition] = {}
     for line in out.splitlines():
         name, count, gres = line.split("|")
@@ -86,19 +97,41 @@ def sbatch_text(req: SbatchRequest, run_dir: Path) -> str:
     return str(ex._make_submission_file_text(ex._submitit_command_str, "render"))
 
 
+@contextlib.contextmanager
+def _stderr_captured() -> Iterator[list[str]]:
+    """submitit runs sbatch without capturing its stderr: catch it at the file descriptor, so
+    a refusal is reported once, in hpcshard's own error line."""
+    captured: list[str] = []
+    with tempfile.TemporaryFile(mode="w+") as sink:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            captured.extend(line for line in sink.read().splitlines() if line.strip())
+
+
 def submit(req: SbatchRequest, run_dir: Path, fn: Any, *args: Any) -> str:
     """Submit and return the job id; sbatch's own message on refusal (ValueError)."""
     import submitit
 
     ex = executor(req, run_dir)
-    try:
-        job = ex.submit(fn, *args)
-    except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as err:
-        text = getattr(err, "stderr", None) or getattr(err, "output", None) or str(err)
-        if isinstance(text, bytes):
-            text = text.decode(errors="replace")
-        lines = [line for line in str(text).splitlines() if line.strip()]
-        raise ValueError(f"sbatch refused the job: {lines[-1] if lines else err}") from None
+    failure: BaseException | None = None
+    with _stderr_captured() as said:
+        try:
+            job = ex.submit(fn, *args)
+        except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as err:
+            failure = err
+    if failure is not None:
+        lines = said or [str(failure)]
+        raise ValueError(f"sbatch refused the job: {lines[-1]}") from None
+    for line in said:  # sbatch's warnings on success still reach the user
+        print(line, file=sys.stderr)
     return str(job.job_id)
 
 

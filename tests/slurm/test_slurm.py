@@ -26,7 +26,13 @@ def submit(cluster: dict[str, str], run: Path, *args: str) -> str:
 
 def test_demo_runs_as_four_ranks_on_two_nodes(cluster: dict[str, str], tmp_path: Path) -> None:
     run = tmp_path / "demo"
-    job = submit(cluster, run, "--time", "10:00", *sets(steps=8, eval_every=8))
+    proc = hpcshard("submit", "--backend", "slurm", "--nodes", "2", "--gpus", "2", "jobs/charlm.py",
+                    "--run-dir", str(run), "--time", "10:00", "--follow", *sets(steps=8, eval_every=8),
+                    env=cluster)
+    job = str(json.loads((run / "spec.json").read_text())["jobs"][-1])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"submitted job {job}" in proc.stdout and f"job {job}: COMPLETED" in proc.stdout
+    assert "step 8/8" in proc.stdout  # --follow showed rank 0's log as it grew
     assert wait_state(job, DONE) == "COMPLETED"
     start = next(r for r in ledger.read(run) if r["event"] == "start")
     assert (start["world"], start["nodes"]) == (4, 2)
@@ -102,6 +108,18 @@ def test_hard_requeue_without_notice_resumes_from_the_last_periodic_checkpoint(
     # The newest periodic checkpoint at the kill (one more may have committed meanwhile).
     assert starts[1]["resumed_step"] in (before, before + 5)
     assert [r["reason"] for r in ledger.read(run) if r["event"] == "end"] == ["done"]
+
+
+def test_sbatch_refusal_is_one_line_with_slurms_message(cluster: dict[str, str],
+                                                        tmp_path: Path) -> None:
+    run = tmp_path / "refused"
+    proc = hpcshard("submit", "--backend", "slurm", "--nodes", "2", "--gpus", "2", "jobs/charlm.py",
+                    "--run-dir", str(run), "--constraint", "nosuchfeature", env=cluster)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith("warning:")]
+    assert len(errors) == 1 and errors[0].startswith("Error: sbatch refused the job: ")
+    assert "Invalid feature specification" in errors[0]  # Slurm's own words, once
+    assert not run.exists()
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -73,3 +73,11 @@ def test_existing_run_is_never_overwritten(tmp_path: Path) -> None:
 def test_help_lists_submit() -> None:
     code, out = invoke("--help")
     assert code == 0 and "submit" in out
+
+
+def test_slurm_backend_without_slurm_is_one_clear_line(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # no sinfo, sbatch, scontrol here
+    code, out = invoke("submit", "--backend", "slurm", JOB, "--run-dir", str(tmp_path / "r"))
+    assert_one_line_error(code, out, "no sinfo on PATH", "--backend local")
+    assert not (tmp_path / "r").exists()

@@ -109,3 +109,19 @@ def test_missing_variable_is_an_error_not_empty(tmp_path: Path) -> None:
     (tmp_path / "bad.j2").write_text("#!/bin/bash\n#SBATCH --x={{ undefined_thing }}\n")
     with pytest.raises(ValueError, match="'bad.j2'.*undefined_thing"):
         render(request(template="bad.j2"), COMMAND, Path("/x"), search_path=[tmp_path])
+
+
+def test_submit_warns_when_the_lead_time_is_shorter_than_the_last_save(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from hpcshard import checkpoints as store
+    from hpcshard.cli import _warn_lead_time
+
+    ckpt = tmp_path / store.CHECKPOINTS / store.step_name(10)
+    ckpt.mkdir(parents=True)
+    (ckpt / store.MANIFEST).write_text(json.dumps({"step": 10, "files": {}, "save_seconds": 200.0}))
+    _warn_lead_time(tmp_path, request(signal_lead_s=120))
+    assert "--signal-lead 120s is short: the last checkpoint of this run took 200s" in capsys.readouterr().err
+    _warn_lead_time(tmp_path, request(signal_lead_s=600))
+    assert capsys.readouterr().err == ""
