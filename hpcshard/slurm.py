@@ -141,10 +141,24 @@ def job_state(job_id: str) -> dict[str, str]:
     proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
                           text=True, env={**os.environ, "SLURM_TIME_FORMAT": "standard"})
     if proc.returncode:
-        return {}
+        return _sacct_state(job_id)
     fields = {}
     for token in proc.stdout.split():
         key, sep, value = token.partition("=")
         if sep:
             fields[key] = value
     return fields
+
+
+def _sacct_state(job_id: str) -> dict[str, str]:
+    """Jobs older than MinJobAge are gone from scontrol; accounting, where a site runs it,
+    still knows them. Without slurmdbd, sacct exits non-zero: then nobody knows."""
+    if not shutil.which("sacct"):
+        return {}
+    proc = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,Elapsed,NodeList"],
+                          capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    if proc.returncode or not lines:
+        return {}
+    state, elapsed, nodes = (lines[-1].split("|") + ["", "", ""])[:3]
+    return {"JobState": state.split()[0] if state else "", "RunTime": elapsed, "NodeList": nodes}

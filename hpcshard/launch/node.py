@@ -112,6 +112,9 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = signal.SIGUSR2) ->
         code = proc.wait()
     finally:
         pids.unlink(missing_ok=True)
+        # No ranks left to tell. A Python handler would be reset to "terminate" while the
+        # interpreter shuts down, and a late notice would then kill this task (-12).
+        signal.signal(stop_signal, signal.SIG_IGN)
     end = ledger.end_of(run_dir, int(os.environ.get("HPCSHARD_ATTEMPT", "0")))
     if end is not None and end.get("reason") == "stop":
         return ledger.REQUEUE_EXIT

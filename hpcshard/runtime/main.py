@@ -64,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     attempt = int(os.environ.get("HPCSHARD_ATTEMPT", "0"))
     resume = os.environ.get("HPCSHARD_RESUME", "auto")
     env = init_distributed()
+    stop: StopRequest | None = None
     try:
         check_writable(run_dir)
         setup_logging(run_dir, env.rank)
@@ -90,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
             _end(run_dir, attempt, reason="error", error=f"{type(err).__name__}: {err}")
         raise
     finally:
+        if stop is not None:
+            stop.ignore_from_now()
         if dist.is_initialized():
             dist.destroy_process_group()
     if env.is_main:

@@ -41,6 +41,9 @@ class StopRequest:
     def requested(self) -> bool:
         return self.received is not None
 
-    def restore(self) -> None:
+    def ignore_from_now(self) -> None:
+        """The work is over: a late notice means nothing now. Ignore it rather than keep a
+        Python handler, because CPython resets those to the default action (terminate)
+        while the interpreter shuts down, and a notice in that window kills the rank."""
         for sig in self.signals:
-            signal.signal(sig, signal.SIG_DFL)
+            signal.signal(sig, signal.SIG_IGN)

@@ -266,3 +266,16 @@ def test_read_only_run_dir_refuses_to_start(tmp_path: Path, small_disk: Path) ->
     assert proc.returncode == 2
     assert "is not writable" in proc.stderr and "Read-only file system" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_requeue_cap_ends_with_a_committed_checkpoint_and_says_how_to_go_on(tmp_path: Path) -> None:
+    run = tmp_path / "capped"
+    proc = hpcshard_bg("submit", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
+                       "--max-requeues", "0", *sets(steps=200))
+    wait_for(partial(trained_to, run, 3), 180, "training")
+    assert hpcshard("preempt", str(run)).returncode == 0
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == REQUEUE_EXIT, out[-2000:]
+    assert f"continue with: hpcshard resume {run}" in out
+    end = ledger.read(run)[-1]
+    assert end["reason"] == "stop" and end["saved_step"] == end["step"] in committed(run)

@@ -82,14 +82,15 @@ def test_preemption_checkpoints_requeues_and_resumes_bitwise(cluster: dict[str, 
 def test_time_limit_checkpoints_before_the_limit_and_requeues(cluster: dict[str, str],
                                                               tmp_path: Path) -> None:
     run = tmp_path / "timed"
-    # 2 minutes per attempt with the notice 80 s before the end (Slurm sends it early by a
-    # few seconds and enforces the limit late by ~20): two attempts to do the work.
-    job = submit(cluster, run, "--time", "2", "--signal-lead", "80",
-                 *sets(steps=130, log_every=10, ckpt_every=1000))
+    # 3 minutes per attempt with the notice 100 s before the end (Slurm sends it a few
+    # seconds early and enforces the limit ~20 s late; start-up takes 15-25 s here): about
+    # 50 s of training per attempt, so the 200 steps (~60 s) need two attempts or more.
+    job = submit(cluster, run, "--time", "3", "--signal-lead", "100",
+                 *sets(steps=200, log_every=10, ckpt_every=1000))
     assert wait_state(job, DONE, 600) == "COMPLETED"
     records = ledger.read(run)
     ends = [r for r in records if r["event"] == "end"]
-    assert len(ends) >= 2 and ends[-1]["reason"] == "done" and ends[-1]["step"] == 130
+    assert len(ends) >= 2 and ends[-1]["reason"] == "done" and ends[-1]["step"] == 200
     assert all(e["reason"] == "stop" and e["saved_step"] == e["step"] for e in ends[:-1])
     status = hpcshard("status", str(run), env=cluster)
     assert status.stdout.count("stop") >= len(ends) - 1  # the ledger shows every attempt
@@ -161,3 +162,16 @@ def test_chain_policy_continues_in_one_new_job_where_requeue_is_forbidden(
     assert [r["next"] for r in records if r["event"] == "chain"] == [follow_up]
     assert starts[1]["resumed_step"] == ends[0]["saved_step"] == ends[0]["step"]
     assert [r["step"] for r in step_records(run)] == list(range(1, 25))
+
+
+def test_requeue_cap_gives_up_with_a_clear_final_state(cluster: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    run = tmp_path / "capped"
+    job = submit(cluster, run, "--time", "10:00", "--max-requeues", "0", *sets(steps=200))
+    wait_for(lambda: trained_to(run, 3), 240, "training to start")
+    slurm("sbatch", "-p", "high", "-N2", "--gpus-per-node=2", "--wrap", "sleep 2")
+    wait_for(lambda: any(r["event"] == "gave_up" for r in ledger.read(run)), 120, "the give-up")
+    wait_state(job, DONE | {"PENDING"}, 120)
+    assert restarts(job) == 0
+    status = hpcshard("status", str(run), env=cluster)
+    assert "gave up: the cap of 0 is reached" in status.stdout

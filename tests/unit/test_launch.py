@@ -2,6 +2,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from hpcshard.launch.node import NodeEnv, torchrun_argv
 
 
@@ -45,3 +47,31 @@ def test_slurm_env_gives_the_node_its_place_and_rendezvous() -> None:
     assert requeued.rdzv_port != node.rdzv_port and requeued.run_id == "4242-2"
     ports = {rdzv_port(str(j), 0) for j in range(1000, 1100)}
     assert len(ports) == 100 and all(20000 <= p < 30000 for p in ports)
+
+
+def test_job_state_falls_back_to_sacct_when_scontrol_forgot(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcshard import slurm
+
+    (tmp_path / "scontrol").write_text("#!/bin/sh\necho 'Invalid job id specified' >&2\nexit 1\n")
+    (tmp_path / "sacct").write_text("#!/bin/sh\necho 'CANCELLED by 0|00:03:10|n[1-2]'\n")
+    for name in ("scontrol", "sacct"):
+        (tmp_path / name).chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert slurm.job_state("77") == {"JobState": "CANCELLED", "RunTime": "00:03:10", "NodeList": "n[1-2]"}
+    (tmp_path / "sacct").write_text("#!/bin/sh\necho 'accounting storage is disabled' >&2\nexit 1\n")
+    assert slurm.job_state("77") == {}
+
+
+def test_a_late_notice_cannot_kill_a_finished_rank() -> None:
+    import signal
+
+    from hpcshard.runtime.stop import StopRequest
+
+    stop = StopRequest("USR2").install()
+    try:
+        stop.ignore_from_now()
+        # Ignored, not a Python handler: CPython resets handlers to "terminate" at shutdown.
+        assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGUSR2, signal.SIG_DFL)
