@@ -50,13 +50,15 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write a small file so that readers see the old or the new content, never a mix."""
+def write_atomic(path: Path, text: str, mode: int = 0o640) -> None:
+    """Write a small file so that readers see the old or the new content, never a mix.
+    The mode is set explicitly: a group-writable umask must not make it refusable."""
     tmp = path.with_name(path.name + TMP_SUFFIX)
     with tmp.open("w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+    os.chmod(tmp, mode)
     os.replace(tmp, path)
     fsync_dir(path.parent)
 
@@ -147,7 +149,8 @@ def check_safe(ckpt: Checkpoint) -> None:
             raise ValueError(f"refusing checkpoint {ckpt.path}: {reason}")
 
 
-def select(root: Path, resume: str) -> tuple[Checkpoint | None, list[Checkpoint]]:
+def select(root: Path, resume: str, exclude: frozenset[Path] = frozenset(),
+           ) -> tuple[Checkpoint | None, list[Checkpoint]]:
     """The checkpoint `resume` asks for, and the ones skipped on the way (newest first).
 
     auto: the newest valid committed checkpoint (None when there is none);
@@ -171,9 +174,10 @@ def select(root: Path, resume: str) -> tuple[Checkpoint | None, list[Checkpoint]
         return ckpt, []
     skipped: list[Checkpoint] = []
     for ckpt in reversed(scan(root)):
-        if ckpt.committed:
+        if ckpt.committed and ckpt.path not in exclude:
             return ckpt, skipped
-        skipped.append(ckpt)
+        if ckpt.path not in exclude:
+            skipped.append(ckpt)
     return None, skipped
 
 

@@ -245,6 +245,9 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, resume: str,
     """Continue the run in RUN_DIR from its newest checkpoint, on any shape."""
     with user_errors():
         spec = read_spec(run_dir)
+        if not ops.finished(spec, run_dir):
+            raise ValueError(f"{run_dir} is still running; stop it first (hpcshard preempt "
+                             f"{run_dir} saves and stops; hpcshard cancel stops now)")
         probe_writable(run_dir)
         check_resume(run_dir, resume)
         spec.nodes, spec.gpus = nodes or spec.nodes, gpus or spec.gpus

@@ -53,12 +53,19 @@ def preempt(run_dir: Path, signame: str) -> None:
     """
     try:
         sig = getattr(signal, signal_names(signame)[0])
+        spec = read_spec(run_dir)
     except ValueError as err:
         fail(err)
+    if spec.backend == "slurm" and spec.jobs:
+        # The launchers run on compute nodes: their pids mean nothing here. Slurm delivers
+        # the signal to every process of the job's steps, as its own notice does.
+        _scancel(["--signal", sig.name.removeprefix("SIG"), spec.jobs[-1]])
+        click.echo(f"sent {sig.name} to Slurm job {spec.jobs[-1]} ({run_dir})")
+        return
     launchers = sorted((run_dir / "launch").glob("node-*.pid"))
     sent = 0
     for pid_path in launchers:
-        with contextlib.suppress(ProcessLookupError, ValueError, FileNotFoundError):
+        with contextlib.suppress(ProcessLookupError, PermissionError, ValueError, FileNotFoundError):
             os.kill(int(pid_path.read_text()), sig)
             sent += 1
     if not sent:
@@ -123,6 +130,15 @@ def ckpt_export(run_dir: Path, step: int | None, out: Path) -> None:
     click.echo(f"wrote {out} from {ckpt.path} (step {ckpt.step})")
 
 
+def _scancel(args: list[str]) -> None:
+    try:
+        proc = subprocess.run(["scancel", *args], capture_output=True, text=True)
+    except OSError as err:
+        fail(ValueError(f"cannot run scancel ({err.strerror}); run this where Slurm's commands are"))
+    if proc.returncode:
+        fail(ValueError(f"scancel {' '.join(args)}: {proc.stderr.strip()}"))
+
+
 def follow_log(log: Path, done: object, interval: float = 1.0) -> None:
     """Print `log` as it grows until `done()` is true (then print what is left)."""
     pos = 0
@@ -140,11 +156,21 @@ def follow_log(log: Path, done: object, interval: float = 1.0) -> None:
         time.sleep(interval)
 
 
-def _finished(spec: RunSpec, run_dir: Path) -> bool:
+def finished(spec: RunSpec, run_dir: Path) -> bool:
+    """Nothing of this run is running: its Slurm job is over, or no local launcher lives
+    (a pid file left by a launcher killed with -9 does not count)."""
     state = _slurm_state(spec)
     if state is not None:
         return state.get("JobState", "") in FINAL_STATES or not state
-    return not any((run_dir / "launch").glob("node-*.pid"))
+    for pid_path in (run_dir / "launch").glob("node-*.pid"):
+        try:
+            os.kill(int(pid_path.read_text()), 0)
+        except (ProcessLookupError, ValueError, FileNotFoundError):
+            continue
+        except PermissionError:
+            return False  # alive, someone else's
+        return False
+    return True
 
 
 @click.command()
@@ -159,7 +185,7 @@ def logs(target: str, rank: int, follow: bool) -> None:
         ranks = sorted(p.stem for p in (run_dir / "logs").glob("rank-*.log"))
         fail(ValueError(f"no log for rank {rank} in {run_dir / 'logs'}; there are: "
                         f"{', '.join(ranks) or 'none yet'}"))
-    follow_log(log, (lambda: True) if not follow else (lambda: _finished(spec, run_dir)))
+    follow_log(log, (lambda: True) if not follow else (lambda: finished(spec, run_dir)))
 
 
 @click.command()
@@ -168,14 +194,12 @@ def cancel(target: str) -> None:
     """Stop a run now, without a checkpoint (see `preempt` for a clean stop)."""
     run_dir, spec = _spec_of(target)
     if spec.backend == "slurm" and spec.jobs:
-        proc = subprocess.run(["scancel", spec.jobs[-1]], capture_output=True, text=True)
-        if proc.returncode:
-            fail(ValueError(f"scancel {spec.jobs[-1]}: {proc.stderr.strip()}"))
+        _scancel([spec.jobs[-1]])
         click.echo(f"cancelled Slurm job {spec.jobs[-1]} ({run_dir})")
         return
     pids = sorted((run_dir / "launch").glob("node-*.pid"))
     for pid_path in pids:
-        with contextlib.suppress(ProcessLookupError, ValueError, FileNotFoundError):
+        with contextlib.suppress(ProcessLookupError, PermissionError, ValueError, FileNotFoundError):
             os.kill(int(pid_path.read_text()), signal.SIGTERM)
     if not pids:
         fail(ValueError(f"no running launcher in {run_dir}; nothing to cancel"))

@@ -23,7 +23,10 @@ def available() -> bool:
     """Slurm's client commands are here and a controller answers."""
     if not shutil.which("sbatch"):
         return False
-    proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=15)
+    try:
+        proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=15)
+    except (OSError, subprocess.SubprocessError):  # missing, or a controller that hangs
+        return False
     return proc.returncode == 0 and "UP" in proc.stdout
 
 
@@ -138,6 +141,8 @@ def submit(req: SbatchRequest, run_dir: Path, fn: Any, *args: Any) -> str:
 def job_state(job_id: str) -> dict[str, str]:
     """`scontrol show job` as a dict (works without accounting; finished jobs stay visible
     for MinJobAge). Empty when Slurm no longer knows the job."""
+    if not shutil.which("scontrol"):
+        return _sacct_state(job_id)
     proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
                           text=True, env={**os.environ, "SLURM_TIME_FORMAT": "standard"})
     if proc.returncode:

@@ -137,12 +137,15 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     # 0 with its own timeout bookkeeping). run_node replaces it: the notice goes to the ranks.
     code = run_node(slurm.node_env(per_node), run)
     if code == ledger.REQUEUE_EXIT and slurm.node_id == 0:
-        _continue(run, slurm, attempt, max_requeues, policy)
+        _continue(run, slurm, attempt, first_attempt, max_requeues, policy)
     return code
 
 
-def _continue(run: Path, slurm: SlurmEnv, attempt: int, max_requeues: int, policy: str) -> None:
-    done = sum(1 for r in ledger.read(run) if r["event"] in ("requeue", "chain"))
+def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_requeues: int,
+              policy: str) -> None:
+    # Continuations since this submission: `hpcshard resume` starts a fresh count.
+    done = sum(1 for r in ledger.read(run)
+               if r["event"] in ("requeue", "chain") and r["attempt"] >= first_attempt)
     if policy == "none" or done >= max_requeues:
         why = "the requeue policy is none" if policy == "none" else f"the cap of {max_requeues} is reached"
         ledger.append(run, {"event": "gave_up", "attempt": attempt, "reason": why})

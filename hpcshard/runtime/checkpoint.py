@@ -46,6 +46,16 @@ def seed_rank(seed: int, rank: int) -> None:
     np.random.seed(value % 2**32)
 
 
+def _one_line(err: BaseException) -> str:
+    """The first line of the first rank's error (DCP wraps all ranks' tracebacks)."""
+    failures = getattr(err, "failures", None)
+    first = next(iter(failures.values())) if failures else err
+    if isinstance(first, tuple):
+        first = first[0]
+    text = str(first).strip().splitlines()
+    return f"{type(first).__name__}: {text[0] if text else ''}"
+
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, dict):
         return [t for v in tree.values() for t in _tensors(v)]
@@ -145,10 +155,20 @@ class Checkpointer:
         if step == self.last_saved:
             return True
         tmp = self.root / (store.step_name(step) + store.TMP_SUFFIX)
+        ready = torch.ones(1, device=self.env.device)
+        mkdir_error: OSError | None = None
         if self.env.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True, mode=0o750)
-        dist.barrier()
+            try:
+                self._make_private_dir(self.root)
+                shutil.rmtree(tmp, ignore_errors=True)
+                self._make_private_dir(tmp)
+            except OSError as err:  # a quota, a read-only remount: a failed save, not a crash
+                ready.zero_()
+                mkdir_error = err
+        dist.broadcast(ready, src=0)
+        if not ready.item():
+            return self._failed(step, tmp, mkdir_error or
+                                OSError("rank 0 could not create the checkpoint directory"))
         start = time.perf_counter()
         self.last_time = time.monotonic()
         try:
@@ -178,6 +198,12 @@ class Checkpointer:
             return self._failed(step, tmp, err)
         return self._commit(step, tmp, start, reason)
 
+    @staticmethod
+    def _make_private_dir(path: Path) -> None:
+        """0750 whatever the umask: the loader refuses group-writable checkpoints."""
+        path.mkdir(exist_ok=True, mode=0o750)
+        path.chmod(0o750)
+
     def _failed(self, step: int, tmp: Path, err: BaseException) -> bool:
         if self.env.is_main:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -192,11 +218,7 @@ class Checkpointer:
         """One line for a failed save. DCP wraps every rank's traceback into one exception,
         and torch.save reports a full disk as "unexpected pos N vs M", so the free space is
         checked against the size of the last checkpoint."""
-        failures = getattr(err, "failures", None)  # CheckpointException: {rank: exception}
-        first = next(iter(failures.values())) if failures else err
-        if isinstance(first, tuple):  # (exception, formatted frames)
-            first = first[0]
-        text = f"{type(first).__name__}: {str(first).strip().splitlines()[0] if str(first).strip() else ''}"
+        text = _one_line(err)
         need = self.last_bytes or sum(t.numel() * t.element_size() for t in
                                       _tensors(self._state())) * self.env.world
         free = shutil.disk_usage(self.root).free
@@ -248,36 +270,50 @@ class Checkpointer:
     # -- load -----------------------------------------------------------------------
 
     def resume(self, how: str) -> Loaded | None:
-        """Load the checkpoint `how` names (auto|never|STEP|PATH); on auto, a checkpoint
-        that fails to load is skipped and the previous one tried."""
-        if self.env.is_main:
-            for stale in store.clean_incomplete(self.root):
-                log.warning("removed incomplete checkpoint %s (a save was interrupted)", stale)
-        dist.barrier()
+        """Load the checkpoint `how` names (auto|never|STEP|PATH).
+
+        Rank 0 reads the directory and tells every rank what to load: on a shared
+        filesystem another host's listing can lag behind (NFS attribute caching), and
+        ranks that loaded different steps would train a mix. On auto, a checkpoint that
+        fails to load is skipped for the previous one; damaged ones are renamed aside only
+        once an older one has loaded, and if none loads the job stops with the reason
+        (a changed model, say) instead of silently training from scratch.
+        """
         skipped: list[tuple[str, str]] = []
+        failed: list[tuple[store.Checkpoint, str]] = []
         while True:
-            chosen, passed = store.select(self.root, how)
-            skipped += [(c.path.name, c.problem) for c in passed]
-            if chosen is None:
-                for name, why in skipped:
-                    log.warning("skipped checkpoint %s: %s", name, why)
+            path, passed, error = self._decide(how, frozenset(c.path for c, _ in failed))
+            if error:
+                raise ValueError(error)
+            skipped += passed
+            if path is None:
+                if failed:
+                    ckpt, why = failed[0]
+                    raise ValueError(f"no checkpoint in {self.root} could be loaded; the newest, "
+                                     f"{ckpt.path.name}, failed with: {why}{self._config_note(ckpt)}")
+                self._log_skipped(skipped)
+                if how == "never":
+                    self._supersede(-1)
                 return None
+            chosen = store.inspect(Path(path))
             store.check_safe(chosen)
             try:
                 self._load(chosen)
             except BaseException as err:
-                if isinstance(err, KeyboardInterrupt) or how != "auto":
+                if isinstance(err, KeyboardInterrupt):
                     raise
-                skipped.append((chosen.path.name, f"failed to load ({type(err).__name__})"))
-                for c in passed:
-                    self._quarantine(c)
+                why = _one_line(err)
                 log.debug("load failure", exc_info=err)
-                self._quarantine(chosen)
+                if how != "auto":
+                    raise ValueError(f"checkpoint {chosen.path} failed to load: {why}"
+                                     f"{self._config_note(chosen)}") from None
+                failed.append((chosen, why))
+                skipped.append((chosen.path.name, f"failed to load ({why})"))
                 continue
-            for name, why in skipped:
-                log.warning("skipped checkpoint %s: %s", name, why)
-            for c in passed:  # damaged and newer: it would collide with the next saves
-                self._quarantine(c)
+            self._log_skipped(skipped)
+            # Damaged and newer than what loaded: renamed aside, or they would collide with
+            # the next saves of this timeline.
+            self._quarantine([Path(self.root / name) for name, _ in skipped])
             if how != "auto":
                 self._supersede(chosen.step)
             world = int(chosen.manifest.get("world", self.env.world))
@@ -286,6 +322,33 @@ class Checkpointer:
             self.last_saved = chosen.step
             return Loaded(step=chosen.step, path=str(chosen.path), skipped=skipped,
                           world_changed=world != self.env.world)
+
+    def _decide(self, how: str, exclude: frozenset[Path],
+                ) -> tuple[str | None, list[tuple[str, str]], str]:
+        """Rank 0 cleans up interrupted saves and picks; every rank gets the same answer."""
+        answer: list[Any] = [None]
+        if self.env.is_main:
+            try:
+                for stale in store.clean_incomplete(self.root):
+                    log.warning("removed incomplete checkpoint %s (a save was interrupted)", stale)
+                chosen, passed = store.select(self.root, how, exclude)
+                answer = [(str(chosen.path) if chosen else None,
+                           [(c.path.name, c.problem) for c in passed], "")]
+            except ValueError as err:
+                answer = [(None, [], str(err))]
+        dist.broadcast_object_list(answer, src=0)
+        path, passed, error = answer[0]
+        return path, list(passed), error
+
+    def _log_skipped(self, skipped: list[tuple[str, str]]) -> None:
+        if self.env.is_main:
+            for name, why in skipped:
+                log.warning("skipped checkpoint %s: %s", name, why)
+
+    def _config_note(self, ckpt: store.Checkpoint) -> str:
+        saved = ckpt.manifest.get("config", {})
+        changed = sorted(k for k, v in asdict(self.cfg).items() if k in saved and saved[k] != v)
+        return f" (config differs from the checkpoint's in: {', '.join(changed)})" if changed else ""
 
     def _load(self, ckpt: store.Checkpoint) -> None:
         state = self._state()
@@ -305,10 +368,13 @@ class Checkpointer:
                             self.root)
         dist.barrier()
 
-    def _quarantine(self, ckpt: store.Checkpoint) -> None:
-        """A damaged checkpoint is renamed away (kept for inspection) so that no later
-        attempt trips on it and no new save collides with its name."""
+    def _quarantine(self, paths: list[Path]) -> None:
+        """Damaged checkpoints are renamed `.corrupt` (kept for inspection), so that no
+        later attempt trips on them and no new save collides with their names."""
         dist.barrier()
-        if self.env.is_main and ckpt.path.parent == self.root and ckpt.path.exists():
-            os.replace(ckpt.path, ckpt.path.with_name(ckpt.path.name + ".corrupt"))
+        if self.env.is_main:
+            for path in paths:
+                if path.parent == self.root and path.is_dir() and not path.name.endswith(store.TMP_SUFFIX):
+                    os.replace(path, path.with_name(path.name + ".corrupt"))
         dist.barrier()
+

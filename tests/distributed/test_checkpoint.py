@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import warnings
 from collections.abc import Iterator
 from functools import partial
@@ -22,7 +23,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 from hpcshard import checkpoints as store
 from hpcshard import ledger
 from hpcshard.ledger import REQUEUE_EXIT
-from tests.conftest import ROOT, hpcshard, hpcshard_bg, metrics, step_records, wait_for
+from tests.conftest import ROOT, hpcshard, hpcshard_bg, metrics, quiet_env, step_records, wait_for
 
 STEPS = 16
 
@@ -279,3 +280,45 @@ def test_requeue_cap_ends_with_a_committed_checkpoint_and_says_how_to_go_on(tmp_
     assert f"continue with: hpcshard resume {run}" in out
     end = ledger.read(run)[-1]
     assert end["reason"] == "stop" and end["saved_step"] == end["step"] in committed(run)
+
+
+def test_a_group_writable_umask_still_resumes(tmp_path: Path) -> None:
+    """umask 0002 is common on clusters: nothing hpcshard writes may become refusable."""
+    run = tmp_path / "umask"
+    cmd = [sys.executable, "-m", "hpcshard", "submit", "--gpus", "2", "jobs/charlm.py",
+           "--run-dir", str(run), *sets(steps=2)]
+    umask002 = partial(os.umask, 0o002)
+    first = subprocess.run(cmd, cwd=ROOT, env=quiet_env(), capture_output=True, text=True,
+                           preexec_fn=umask002, timeout=300)
+    assert first.returncode == 0, first.stdout[-2000:]
+    for path in [run / store.CHECKPOINTS, *committed(run)[2].iterdir()]:
+        assert not path.stat().st_mode & 0o022, path
+    again = subprocess.run([sys.executable, "-m", "hpcshard", "resume", str(run), *sets(steps=3)],
+                           cwd=ROOT, env=quiet_env(), capture_output=True, text=True,
+                           preexec_fn=umask002, timeout=300)
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert ledger.read(run)[-2]["resumed_step"] == 2
+
+
+def test_a_checkpoint_that_no_longer_fits_the_model_stops_the_job(uninterrupted: Path,
+                                                                  tmp_path: Path) -> None:
+    run = tmp_path / "changed"
+    shutil.copytree(uninterrupted, run)
+    before = sorted(p.name for p in (run / store.CHECKPOINTS).iterdir())
+    proc = hpcshard("resume", str(run), "--gpus", "2", "--nodes", "1", "--set", "dim=64")
+    assert proc.returncode != 0
+    out = proc.stdout + proc.stderr
+    assert "could be loaded" in out and "config differs from the checkpoint's in: dim" in out
+    # Nothing renamed, nothing trained from scratch.
+    assert sorted(p.name for p in (run / store.CHECKPOINTS).iterdir()) == before
+    assert ledger.read(run)[-1]["reason"] == "error"
+
+
+def test_resume_never_moves_the_old_timeline_aside(uninterrupted: Path, tmp_path: Path) -> None:
+    run = tmp_path / "fresh"
+    shutil.copytree(uninterrupted, run)
+    proc = hpcshard("resume", str(run), "--resume", "never", *sets(steps=2, ckpt_every=1))
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    assert sorted(committed(run)) == [1, 2]
+    (aside,) = (run / store.CHECKPOINTS).glob("superseded-*")
+    assert len(list(aside.iterdir())) == STEPS

@@ -169,7 +169,9 @@ def test_requeue_cap_gives_up_with_a_clear_final_state(cluster: dict[str, str],
     run = tmp_path / "capped"
     job = submit(cluster, run, "--time", "10:00", "--max-requeues", "0", *sets(steps=200))
     wait_for(lambda: trained_to(run, 3), 240, "training to start")
-    slurm("sbatch", "-p", "high", "-N2", "--gpus-per-node=2", "--wrap", "sleep 2")
+    # `hpcshard preempt` on a Slurm run goes through Slurm (scancel --signal), not local pids.
+    preempt = hpcshard("preempt", str(run), env=cluster)
+    assert preempt.returncode == 0 and f"Slurm job {job}" in preempt.stdout
     wait_for(lambda: any(r["event"] == "gave_up" for r in ledger.read(run)), 120, "the give-up")
     wait_state(job, DONE | {"PENDING"}, 120)
     assert restarts(job) == 0

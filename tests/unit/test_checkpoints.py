@@ -142,6 +142,10 @@ def test_cli_resume_of_a_directory_without_a_run(tmp_path: Path) -> None:
 
 def test_cli_preempt_without_a_running_launcher(tmp_path: Path) -> None:
     result = CliRunner().invoke(main, ["preempt", str(tmp_path)])
+    assert result.exit_code == 2 and "holds no run" in result.output
+    (tmp_path / "spec.json").write_text(json.dumps({"job": "x.py", "sets": {}, "nodes": 1,
+                                                    "gpus": 1, "backend": "local", "name": "x"}))
+    result = CliRunner().invoke(main, ["preempt", str(tmp_path)])
     assert result.exit_code == 2 and "nothing to preempt" in result.output
 
 
@@ -174,3 +178,25 @@ def test_periodic_triggers_by_steps_and_by_wall_time(tmp_path: Path) -> None:
     trainer.step = 5
     time.sleep(0.07)  # 0.001 minutes = 60 ms
     assert ckpt.due()
+
+
+def test_resume_refuses_a_run_that_is_still_going(root: Path) -> None:
+    run = root.parent
+    (run / "spec.json").write_text(json.dumps({"job": "x.py", "sets": {}, "nodes": 1, "gpus": 1,
+                                               "backend": "local", "name": "x"}))
+    (run / "launch").mkdir()
+    (run / "launch" / "node-0.pid").write_text(f"{os.getpid()}\n")  # alive: this very process
+    result = CliRunner().invoke(main, ["resume", str(run)])
+    assert result.exit_code == 2 and "still running" in result.output
+    (run / "launch" / "node-0.pid").write_text("999999999\n")  # left by a launcher killed -9
+    result = CliRunner().invoke(main, ["resume", str(run)])
+    assert "still running" not in result.output
+
+
+def test_write_atomic_ignores_a_group_writable_umask(tmp_path: Path) -> None:
+    old = os.umask(0o002)
+    try:
+        store.write_atomic(tmp_path / "manifest.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "manifest.json").stat().st_mode & 0o777 == 0o640
