@@ -24,6 +24,7 @@ from hpcshard.runs import (
     create_run_dir,
     default_run_dir,
     job_ref,
+    job_stem,
     last_record,
     preflight,
     probe_writable,
@@ -159,7 +160,7 @@ def _prepare(job: str, nodes: int, gpus: int, backend: str, run_dir: Path | None
         if resume not in ("auto", "never"):
             check_resume(run_dir, resume)
         spec = RunSpec(job=ref, sets=parse_sets(sets), nodes=nodes, gpus=gpus,
-                       backend=pick_backend(backend), name=name or Path(job).stem,
+                       backend=pick_backend(backend), name=name or job_stem(job),
                        max_requeues=max_requeues,
                        requeue_policy=slurm_opts.get("requeue_policy", "requeue"))
         req = None

@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -19,7 +20,8 @@ import click
 from hpcshard import checkpoints
 from hpcshard.cliutil import fail, run_dir_of
 from hpcshard.config import signal_names
-from hpcshard.runs import RunSpec, read_spec
+from hpcshard.runs import RunSpec, read_metrics, read_spec, train_records
+from hpcshard.status import attempts, report
 
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                 "BOOT_FAIL", "DEADLINE", "PREEMPTED"}
@@ -78,16 +80,8 @@ def preempt(run_dir: Path, signame: str) -> None:
 @click.argument("target")
 def status(target: str) -> None:
     """Slurm state and training progress of a run (RUN_DIR, or a Slurm JOB id)."""
-    from hpcshard import slurm
-    from hpcshard.status import report
-
-    try:
-        run_dir = run_dir_of(target)
-        spec = read_spec(run_dir)
-    except ValueError as err:
-        fail(err)
-    state = slurm.job_state(spec.jobs[-1]) if spec.backend == "slurm" and spec.jobs else None
-    for line in report(run_dir, asdict(spec), state):
+    run_dir, spec = _spec_of(target)
+    for line in report(run_dir, asdict(spec), _slurm_state(spec)):
         click.echo(line)
 
 
@@ -139,11 +133,11 @@ def _scancel(args: list[str]) -> None:
         fail(ValueError(f"scancel {' '.join(args)}: {proc.stderr.strip()}"))
 
 
-def follow_log(log: Path, done: object, interval: float = 1.0) -> None:
+def follow_log(log: Path, done: Callable[[], bool], interval: float = 1.0) -> None:
     """Print `log` as it grows until `done()` is true (then print what is left)."""
     pos = 0
     while True:
-        finished = done()  # type: ignore[operator]
+        finished = done()
         if log.exists():
             with log.open() as f:
                 f.seek(pos)
@@ -220,9 +214,7 @@ def ls(root: Path, limit: int) -> None:
     for run_dir in runs:
         spec = RunSpec.read(run_dir)
         total = spec.resolved.get("config", {}).get("steps", "?")
-        from hpcshard.status import _metrics, attempts
-
-        train = [r for r in _metrics(run_dir) if "loss" in r and "event" not in r]
+        train = train_records(read_metrics(run_dir))
         rows = attempts(run_dir)
         state = rows[-1].reason if rows else "new"
         step = f"{train[-1]['step'] if train else 0}/{total}"
@@ -236,7 +228,6 @@ def ls(root: Path, limit: int) -> None:
 @click.option("--out", type=click.Path(path_type=Path), help="PNG to write [default: RUN_DIR/plot.png].")
 def plot(run_dir: Path, out: Path | None) -> None:
     """Loss and tokens/s over steps, with attempt boundaries marked, as a PNG."""
-    from hpcshard.status import _metrics, attempts
 
     try:
         read_spec(run_dir)
@@ -248,8 +239,8 @@ def plot(run_dir: Path, out: Path | None) -> None:
         fail(err)
     except ImportError:
         fail(ValueError("plot needs matplotlib: pip install 'hpcshard[plot]'"))
-    records = _metrics(run_dir)
-    train = [r for r in records if "loss" in r and "event" not in r]
+    records = read_metrics(run_dir)
+    train = train_records(records)
     if not train:
         fail(ValueError(f"{run_dir} has no training metrics yet"))
     evals = [r for r in records if r.get("eval_loss") is not None and "event" not in r]

@@ -81,9 +81,13 @@ def job_ref(job: str) -> str:
     return job
 
 
+def job_stem(job: str) -> str:
+    """`jobs/charlm.py` -> charlm, `pkg.jobs.lm` -> lm: a run's default name."""
+    return Path(job).stem if job.endswith(".py") else job.rsplit(".", 1)[-1]
+
+
 def default_run_dir(job: str) -> Path:
-    stem = Path(job).stem if job.endswith(".py") else job.rsplit(".", 1)[-1]
-    return Path("runs") / f"{stem}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return Path("runs") / f"{job_stem(job)}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def check_run_dir(path: Path) -> None:
@@ -129,14 +133,20 @@ def preflight(spec: RunSpec) -> dict[str, Any]:
     return dict(json.loads(proc.stdout))
 
 
-def last_record(run_dir: Path, key: str) -> dict[str, Any] | None:
-    """The newest metrics record that has `key` (e.g. "loss" or "eval_loss")."""
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """Every record of RUN_DIR/metrics.jsonl, oldest first (none yet: empty)."""
     path = run_dir / "metrics.jsonl"
     if not path.exists():
-        return None
-    found = None
-    for line in path.read_text().splitlines():
-        rec = json.loads(line)
-        if rec.get(key) is not None:
-            found = rec
-    return found
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def train_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The per-step training records (not evaluations, not start/end events)."""
+    return [r for r in records if "loss" in r and "event" not in r]
+
+
+def last_record(run_dir: Path, key: str) -> dict[str, Any] | None:
+    """The newest step record that has `key` (e.g. "loss" or "eval_loss")."""
+    found = [r for r in read_metrics(run_dir) if r.get(key) is not None and "event" not in r]
+    return found[-1] if found else None

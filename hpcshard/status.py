@@ -3,20 +3,13 @@ training (progress, checkpoints, one row per attempt). Stdlib only."""
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from hpcshard import checkpoints, ledger
-
-
-def _metrics(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from hpcshard.runs import read_metrics, train_records
 
 
 @dataclass
@@ -35,7 +28,7 @@ def attempts(run_dir: Path) -> list[Attempt]:
     """One row per attempt. Steps lost: trained in this attempt but not in a checkpoint the
     next attempt loaded (a hard kill loses the steps since the last save)."""
     records = ledger.read(run_dir)
-    steps = [(r["time"], r["step"]) for r in _metrics(run_dir) if "loss" in r and "event" not in r]
+    steps = [(r["time"], r["step"]) for r in train_records(read_metrics(run_dir))]
     starts = [r for r in records if r["event"] == "start"]
     rows = []
     for i, s in enumerate(starts):
@@ -64,8 +57,8 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
         job, get = spec["jobs"][-1], slurm_state.get
         lines.append(f"slurm job {job}: {get('JobState', 'no longer known to Slurm')}, restarts "
                      f"{get('Restarts', '?')}, nodes {get('NodeList', '-')}, run time {get('RunTime', '-')}")
-    records = _metrics(run_dir)
-    train = [r for r in records if "loss" in r and "event" not in r]
+    records = read_metrics(run_dir)
+    train = train_records(records)
     total = (spec.get("resolved") or {}).get("config", {}).get("steps", "?")
     if train:
         last = train[-1]

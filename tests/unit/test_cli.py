@@ -81,3 +81,10 @@ def test_slurm_backend_without_slurm_is_one_clear_line(tmp_path: Path,
     code, out = invoke("submit", "--backend", "slurm", JOB, "--run-dir", str(tmp_path / "r"))
     assert_one_line_error(code, out, "no sinfo on PATH", "--backend local")
     assert not (tmp_path / "r").exists()
+
+
+def test_run_name_and_run_dir_take_the_same_stem() -> None:
+    from hpcshard.runs import default_run_dir, job_stem
+
+    assert job_stem("jobs/charlm.py") == "charlm" and job_stem("pkg.jobs.lm") == "lm"
+    assert default_run_dir("pkg.jobs.lm").name.startswith("lm-")
