@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import click
 
-from hpcshard import __version__, checkpoints, ops
+from hpcshard import __version__, checkpoints, doctor, ops, site, sitecmd
 from hpcshard.cliutil import fail, user_errors
 from hpcshard.config import parse_sets
 from hpcshard.launch.slurm import POLICIES
@@ -32,7 +32,7 @@ from hpcshard.runs import (
 )
 from hpcshard.sbatch import SbatchRequest
 
-BACKENDS = ("auto", "local", "slurm")
+BACKENDS = site.BACKENDS
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -51,37 +51,43 @@ def pick_backend(backend: str) -> str:
 
 
 def slurm_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """sbatch settings (Slurm backend only)."""
+    """sbatch settings (Slurm backend). Unset options come from the profile and the
+    configuration files (`hpcshard config show`), then from the built-in defaults."""
     opts = [
-        click.option("--time", default="01:00:00", show_default=True,
-                     help="Time limit per attempt (Slurm formats: MM, HH:MM:SS, D-HH:MM:SS)."),
-        click.option("--partition", default="", help="Slurm partition [default: the cluster's]."),
-        click.option("--account", default="", help="Slurm account."),
-        click.option("--qos", default="", help="Slurm QOS."),
-        click.option("--constraint", default="", help="Slurm node constraint."),
-        click.option("--cpus-per-task", type=click.IntRange(min=0), default=0,
-                     help="CPUs per node for its launcher and ranks [default: Slurm's]."),
-        click.option("--mem", default="", help="Memory per node, e.g. 200G [default: Slurm's]."),
-        click.option("--signal-lead", type=click.IntRange(min=1), default=120, show_default=True,
-                     help="Seconds before the time limit that the job is told to checkpoint."),
-        click.option("--requeue-policy", type=click.Choice(POLICIES), default="requeue",
-                     show_default=True,
+        click.option("--profile", help="Site profile (`hpcshard profiles list`) [default: the "
+                     "configuration's `profile`]."),
+        click.option("--time", help="Time limit per attempt (MM, HH:MM:SS, D-HH:MM:SS) "
+                     "[default: the profile's, else 01:00:00]."),
+        click.option("--partition", help="Slurm partition [default: the profile's, else the cluster's]."),
+        click.option("--account", help="Slurm account."),
+        click.option("--qos", help="Slurm QOS."),
+        click.option("--constraint", help="Slurm node constraint."),
+        click.option("--cpus-per-gpu", type=click.IntRange(min=0),
+                     help="CPUs per GPU; the node's launcher gets them all [default: the profile's]."),
+        click.option("--mem", help="Memory per node, e.g. 200G [default: the profile's, else Slurm's]."),
+        click.option("--signal-lead", type=click.IntRange(min=1),
+                     help="Seconds before the time limit that the job is told to checkpoint "
+                     "[default: the profile's, else 120]."),
+        click.option("--requeue-policy", type=click.Choice(POLICIES),
                      help="After a clean stop: requeue the job, chain a continuation job "
-                     "(for sites that forbid requeue), or none."),
+                     "(for sites that forbid requeue), or none [default: the profile's, else requeue]."),
     ]
     for opt in reversed(opts):
         f = opt(f)
     return f
 
 
-def sbatch_request(spec: RunSpec, run_dir: Path, opts: dict[str, Any]) -> SbatchRequest:
-    return SbatchRequest(job_name=spec.name, nodes=spec.nodes, gpus_per_node=spec.gpus,
-                         time=opts["time"], partition=opts["partition"], account=opts["account"],
-                         qos=opts["qos"], constraint=opts["constraint"],
-                         cpus_per_task=opts["cpus_per_task"], mem=opts["mem"],
-                         signal_lead_s=opts["signal_lead"],
-                         requeue=opts["requeue_policy"] == "requeue",
-                         run_dir=run_dir.resolve())
+CLI_SETTINGS = {"gpus": "gpus_per_node", "backend": "backend", "max_requeues": "max_requeues",
+                "time": "time", "partition": "partition", "account": "account", "qos": "qos",
+                "constraint": "constraint", "cpus_per_gpu": "cpus_per_gpu", "mem": "mem",
+                "signal_lead": "signal_lead", "requeue_policy": "requeue_policy"}
+"""Command-line options that are settings: the top layer of the configuration."""
+
+
+def settings(profile: str | None, opts: dict[str, Any]) -> site.Resolved:
+    """The merged configuration: built-in < site < user < project < these options."""
+    cli = {CLI_SETTINGS[k]: v for k, v in opts.items() if k in CLI_SETTINGS}
+    return site.resolve(site.load(), profile, cli)
 
 
 def _shape_options(default: int | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -105,24 +111,24 @@ RESUME = click.option("--resume", "resume", default="auto", show_default=True,
 
 @main.command()
 @click.argument("job")
-@_shape_options(1)
-@click.option("--backend", type=click.Choice(BACKENDS), default="auto", show_default=True,
-              help="local: N emulated nodes on this machine.")
+@_shape_options(None)
+@click.option("--backend", type=click.Choice(BACKENDS),
+              help="local: N emulated nodes on this machine [default: the profile's, else auto: "
+              "Slurm when a controller answers].")
 @click.option("--run-dir", type=click.Path(path_type=Path),
               help="Where the run writes config, logs, metrics, checkpoints [default: runs/JOB-TIME].")
 @click.option("--name", help="Run name [default: the job's name].")
-@click.option("--max-requeues", type=click.IntRange(min=0), default=10, show_default=True,
-              help="Restarts after stop requests (preemptions) before the run gives up.")
+@click.option("--max-requeues", type=click.IntRange(min=0),
+              help="Restarts after stop requests (preemptions) before the run gives up "
+              "[default: the profile's, else 10].")
 @click.option("--follow", is_flag=True, help="Slurm: show rank 0's log until the job ends.")
 @slurm_options
 @RESUME
 @SETS
-def submit(job: str, nodes: int, gpus: int, backend: str, run_dir: Path | None,
-           name: str | None, max_requeues: int, follow: bool, resume: str,
-           sets: tuple[str, ...], **slurm_opts: Any) -> None:
+def submit(job: str, nodes: int | None, run_dir: Path | None, name: str | None, follow: bool,
+           resume: str, sets: tuple[str, ...], profile: str | None, **opts: Any) -> None:
     """Run JOB (a job file or module) on NODES x GPUS ranks."""
-    spec, run_dir, req = _prepare(job, nodes, gpus, backend, run_dir, name, max_requeues, resume,
-                                  sets, slurm_opts)
+    spec, run_dir, req = _prepare(job, nodes or 1, run_dir, name, resume, sets, profile, opts)
     create_run_dir(run_dir)
     if spec.backend == "slurm":
         assert req is not None
@@ -132,40 +138,42 @@ def submit(job: str, nodes: int, gpus: int, backend: str, run_dir: Path | None,
 
 @main.command("render")
 @click.argument("job")
-@_shape_options(1)
+@_shape_options(None)
 @click.option("--run-dir", type=click.Path(path_type=Path), help="As for submit.")
 @click.option("--name", help="Run name [default: the job's name].")
 @slurm_options
 @SETS
-def render_cmd(job: str, nodes: int, gpus: int, run_dir: Path | None, name: str | None,
-               sets: tuple[str, ...], **slurm_opts: Any) -> None:
+def render_cmd(job: str, nodes: int | None, run_dir: Path | None, name: str | None,
+               sets: tuple[str, ...], profile: str | None, **opts: Any) -> None:
     """Print the sbatch script that `submit --backend slurm` would submit (nothing runs)."""
     from hpcshard import slurm
 
-    spec, run_dir, req = _prepare(job, nodes, gpus, "slurm", run_dir, name, 0, "auto", sets,
-                                  slurm_opts, check_cluster=False)
+    spec, run_dir, req = _prepare(job, nodes or 1, run_dir, name, "auto", sets, profile,
+                                  {**opts, "backend": "slurm"}, check_cluster=False)
     assert req is not None
     click.echo(slurm.sbatch_text(req, run_dir.resolve()), nl=False)
 
 
-def _prepare(job: str, nodes: int, gpus: int, backend: str, run_dir: Path | None,
-             name: str | None, max_requeues: int, resume: str, sets: tuple[str, ...],
-             slurm_opts: dict[str, Any], check_cluster: bool = True,
-             ) -> tuple[RunSpec, Path, SbatchRequest | None]:
+def _prepare(job: str, nodes: int, run_dir: Path | None, name: str | None, resume: str,
+             sets: tuple[str, ...], profile: str | None, opts: dict[str, Any],
+             check_cluster: bool = True) -> tuple[RunSpec, Path, SbatchRequest | None]:
     """Validate everything and build the request; nothing is created or submitted."""
     with user_errors():
+        res = settings(profile, opts)
+        v = res.values
         ref = job_ref(job)
-        run_dir = run_dir or default_run_dir(job)
+        run_dir = run_dir or default_run_dir(job, site.storage_root(res))
         check_run_dir(run_dir)
         if resume not in ("auto", "never"):
             check_resume(run_dir, resume)
-        spec = RunSpec(job=ref, sets=parse_sets(sets), nodes=nodes, gpus=gpus,
-                       backend=pick_backend(backend), name=name or job_stem(job),
-                       max_requeues=max_requeues,
-                       requeue_policy=slurm_opts.get("requeue_policy", "requeue"))
+        spec = RunSpec(job=ref, sets=parse_sets(sets), nodes=nodes, gpus=v["gpus_per_node"],
+                       backend=pick_backend(v["backend"]), name=name or job_stem(job),
+                       max_requeues=v["max_requeues"], requeue_policy=v["requeue_policy"],
+                       profile=res.profile)
         req = None
         if spec.backend == "slurm":
-            req = sbatch_request(spec, run_dir, slurm_opts)
+            req = SbatchRequest.from_settings(res, job_name=spec.name, nodes=spec.nodes,
+                                              gpus=spec.gpus, run_dir=run_dir)
             req.validate()
             if check_cluster:
                 from hpcshard import slurm
@@ -298,7 +306,8 @@ def _report(run_dir: Path, code: int) -> None:
                f"metrics in {run_dir / 'metrics.jsonl'}, logs in {run_dir / 'logs'}")
 
 
-for command in (ops.preempt, ops.status, ops.logs, ops.cancel, ops.ls, ops.plot, ops.ckpt):
+for command in (ops.preempt, ops.status, ops.logs, ops.cancel, ops.ls, ops.plot, ops.ckpt,
+                sitecmd.config, sitecmd.profiles, sitecmd.templates, doctor.doctor):
     main.add_command(command)
 
 

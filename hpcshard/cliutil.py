@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -45,3 +45,11 @@ def run_dir_of(target: str) -> Path:
     if not out:
         raise ValueError(f"Slurm does not know job {target}; give the run directory instead")
     return Path(out).parent.parent  # RUN_DIR/logs/slurm-%j.out
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Columns as wide as their widest cell; the last column runs free."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers) - 1)]
+    for row in [headers, *rows]:
+        cells = [f"{str(c):<{w}}" for c, w in zip(row, widths, strict=False)]
+        click.echo("  ".join([*cells, str(row[-1])]).rstrip())

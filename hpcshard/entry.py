@@ -7,6 +7,7 @@ the notice is kept until the runtime's own stop handling takes over.
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 from types import FrameType
@@ -19,8 +20,13 @@ def _early(signum: int, _frame: FrameType | None) -> None:
     EARLY.append(signum)
 
 
+def notice() -> signal.Signals:
+    """The launcher's stop signal (the site profile's preemption notice), USR2 by default."""
+    return signal.Signals[os.environ.get("HPCSHARD_STOP_SIGNAL", "SIGUSR2")]
+
+
 def main() -> int:
-    signal.signal(signal.SIGUSR2, _early)
+    signal.signal(notice(), _early)
     from hpcshard.runtime.main import main as run
 
     return run()

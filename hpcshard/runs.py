@@ -42,6 +42,8 @@ class RunSpec:
     """Restarts after stop requests before the run gives up."""
     requeue_policy: str = "requeue"
     """Slurm: after a clean stop, requeue | chain (a continuation job) | none."""
+    profile: str = ""
+    """The site profile the run was submitted with (empty: none)."""
     jobs: list[str] = field(default_factory=list)
     """Slurm job ids submitted for this run, oldest first."""
     slurm: dict[str, Any] = field(default_factory=dict)
@@ -86,8 +88,9 @@ def job_stem(job: str) -> str:
     return Path(job).stem if job.endswith(".py") else job.rsplit(".", 1)[-1]
 
 
-def default_run_dir(job: str) -> Path:
-    return Path("runs") / f"{job_stem(job)}-{time.strftime('%Y%m%d-%H%M%S')}"
+def default_run_dir(job: str, root: Path = Path("runs")) -> Path:
+    """ROOT/JOB-TIME; the root is the profile's storage_root."""
+    return root / f"{job_stem(job)}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
 def check_run_dir(path: Path) -> None:

@@ -13,9 +13,13 @@ import shlex
 import signal
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jinja2
+import jinja2.meta
+
+if TYPE_CHECKING:
+    from hpcshard.site import Resolved
 
 BUILTIN_TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 DEFAULT_TEMPLATE = "sbatch.j2"
@@ -68,11 +72,35 @@ class SbatchRequest:
     signal_lead_s: int = 120
     """Seconds before the time limit that the notice comes (it must cover a save)."""
     run_dir: Path = Path(".")
+    modules: list[str] = field(default_factory=list)
+    """Environment modules loaded first (quoted)."""
     env: dict[str, str] = field(default_factory=dict)
     """Variables exported before the launch (quoted)."""
     setup: list[str] = field(default_factory=list)
-    """Shell lines run before the launch (a site's `module load ...`): not quoted."""
+    """Shell lines run before the launch (a site's own): not quoted."""
+    container: dict[str, Any] = field(default_factory=dict)
+    """runtime (pyxis|apptainer), image, mounts, workdir, options; empty: no container."""
+    python: str = ""
+    """The interpreter on the compute nodes; empty: the one submitting."""
     template: str = DEFAULT_TEMPLATE
+    template_dirs: list[str] = field(default_factory=list)
+    """Site template directories, searched before the built-in ones."""
+    vars: dict[str, Any] = field(default_factory=dict)
+    """A site template's own variables (from the profile)."""
+
+    @classmethod
+    def from_settings(cls, res: Resolved, *, job_name: str, nodes: int, gpus: int,
+                      run_dir: Path) -> SbatchRequest:
+        """The request a profile (merged with the files and options) describes."""
+        v = res.values
+        return cls(job_name=job_name, nodes=nodes, gpus_per_node=gpus, time=v["time"],
+                   partition=v["partition"], account=v["account"], qos=v["qos"],
+                   constraint=v["constraint"], cpus_per_task=v["cpus_per_gpu"] * gpus,
+                   mem=v["mem"], signal=v["signal"], signal_lead_s=v["signal_lead"],
+                   requeue=v["requeue_policy"] == "requeue", run_dir=run_dir.resolve(),
+                   modules=v["modules"], env=v["env"], setup=v["setup"],
+                   container=v["container"], python=v["python"], template=v["template"],
+                   template_dirs=[str(d) for d in res.template_dirs], vars=v["vars"])
 
     def validate(self) -> None:
         for name in ("job_name", "time", "partition", "account", "qos", "constraint", "mem"):
@@ -89,39 +117,92 @@ class SbatchRequest:
         for key in self.env:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise ValueError(f"environment variable name {key!r} is not valid")
+        for name in ("image", "workdir"):
+            _single_line(f"container.{name}", str(self.container.get(name, "")))
+        for value in [*self.modules, *self.container.get("mounts", []),
+                      *self.container.get("options", [])]:
+            _single_line("a module, mount or container option", value)
 
 
-def environment(search_path: list[Path] | None = None) -> jinja2.Environment:
+def search_path(template_dirs: list[str] | list[Path]) -> list[Path]:
+    return [*(Path(d) for d in template_dirs), BUILTIN_TEMPLATES]
+
+
+def environment(template_dirs: list[str] | list[Path] | None = None) -> jinja2.Environment:
     """Templates from the site directories first, then the built-in ones."""
-    dirs = [*(search_path or []), BUILTIN_TEMPLATES]
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader([str(d) for d in dirs]),
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
-                             autoescape=False)
+    loader = jinja2.FileSystemLoader([str(d) for d in search_path(template_dirs or [])])
+    env = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined,
+                             keep_trailing_newline=True, autoescape=False)
     env.filters["q"] = lambda value: shlex.quote(str(value))
     return env
 
 
-def render(req: SbatchRequest, command: str, folder: Path,
-           search_path: list[Path] | None = None) -> str:
+def template_names(template_dirs: list[str] | list[Path]) -> list[tuple[str, Path, bool]]:
+    """(name, file, shadowed) for every template on the search path, first found wins."""
+    seen: set[str] = set()
+    out = []
+    for folder in search_path(template_dirs):
+        if not folder.is_dir():
+            continue
+        for path in sorted(folder.rglob("*.j2")):
+            name = path.relative_to(folder).as_posix()
+            out.append((name, path, name in seen))
+            seen.add(name)
+    return out
+
+
+def load_template(env: jinja2.Environment, name: str) -> tuple[jinja2.Template, set[str]]:
+    """The template, and every variable it (or a template it extends or includes) reads.
+    ValueError for a missing template (naming the search path) or a syntax error (file
+    and line)."""
+    used: set[str] = set()
+    pending, done = [name], set()
+    try:
+        while pending:
+            current = pending.pop()
+            if current in done:
+                continue
+            done.add(current)
+            assert env.loader is not None
+            source, filename, _ = env.loader.get_source(env, current)
+            tree = env.parse(source, current, filename)
+            used |= jinja2.meta.find_undeclared_variables(tree)
+            pending.extend(t for t in jinja2.meta.find_referenced_templates(tree) if t)
+        return env.get_template(name), used
+    except jinja2.TemplateNotFound as err:
+        dirs = ", ".join(str(d) for d in env.loader.searchpath)  # type: ignore[union-attr]
+        via = "" if err.name == name else f" (needed by template {name!r})"
+        raise ValueError(f"template {err.name!r}{via} not found; searched: {dirs}") from None
+    except jinja2.TemplateSyntaxError as err:
+        raise ValueError(f"template {err.filename or err.name} line {err.lineno}: syntax error: "
+                         f"{err.message}") from None
+
+
+def render(req: SbatchRequest, command: str, folder: Path) -> str:
     """The sbatch text. `command` and `folder` are submitit's: the srun line runs
     `submitit.core._submit` in every task, which calls hpcshard's per-node launcher."""
     req.validate()
     from submitit.core.utils import JobPaths  # small; keeps its log layout for `logs`
 
     paths = JobPaths(folder=folder)  # no ids: the %j_%t patterns submitit itself uses
+    container = {"runtime": "", "image": "", "mounts": [], "workdir": "", "options": [],
+                 **req.container}
     values: dict[str, Any] = {
-        **asdict(req),
+        **asdict(req), **req.vars, "container": container,
         "directives": {k: getattr(req, k) for k in ("partition", "account", "qos", "constraint")},
         "stdout": str(req.run_dir / "logs" / "slurm-%j.out"),
         "stderr": str(req.run_dir / "logs" / "slurm-%j.err"),
         "task_stdout": str(paths.stdout), "task_stderr": str(paths.stderr),
         "submitit_folder": str(folder), "command": command,
     }
+    env = environment(req.template_dirs)
+    template, used = load_template(env, req.template)
+    missing = sorted(used - set(values) - set(env.globals))
+    if missing:
+        raise ValueError(f"template {req.template!r} ({template.filename}) uses "
+                         f"{', '.join(map(repr, missing))}, which no setting or profile defines; "
+                         "define it under the profile's [profiles.NAME.vars], or drop it from the template")
     try:
-        template = environment(search_path).get_template(req.template)
         return template.render(**values)
-    except jinja2.TemplateNotFound as err:
-        dirs = ", ".join(str(d) for d in [*(search_path or []), BUILTIN_TEMPLATES])
-        raise ValueError(f"template {err.name!r} not found; searched: {dirs}") from None
-    except jinja2.UndefinedError as err:
-        raise ValueError(f"template {req.template!r}: {err.message}") from None
+    except jinja2.UndefinedError as err:  # e.g. an attribute of a variable that is missing
+        raise ValueError(f"template {req.template!r} ({template.filename}): {err.message}") from None

@@ -7,6 +7,7 @@ import contextlib
 import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,15 @@ class Partition:
     default: bool
     nodes: int
     gpus_per_node: int
+    max_time_s: int | None = None
+    """The partition's MaxTime; None: unlimited."""
+
+
+def _limit(text: str) -> int | None:
+    try:
+        return parse_time(text)
+    except ValueError:  # infinite, UNLIMITED, n/a
+        return None
 
 
 def partitions() -> dict[str, Partition]:
@@ -43,7 +53,7 @@ def partitions() -> dict[str, Partition]:
     if not shutil.which("sinfo"):
         raise ValueError("Slurm's client commands are not installed here (no sinfo on PATH); "
                          "submit from a login node, or use --backend local")
-    proc = subprocess.run(["sinfo", "-h", "-o", "%P|%D|%G"], capture_output=True, text=True)
+    proc = subprocess.run(["sinfo", "-h", "-o", "%P|%D|%G|%l"], capture_output=True, text=True)
     if proc.returncode:
         detail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no output"
         raise ValueError(f"Slurm does not answer (sinfo: {detail}); check that the controller runs "
@@ -51,14 +61,14 @@ def partitions() -> dict[str, Partition]:
     out = proc.stdout
     found: dict[str, Partition] = {}
     for line in out.splitlines():
-        name, count, gres = line.split("|")
+        name, count, gres, limit = line.split("|")
         gpus = re.search(r"gpu(?::[^:,(]+)?:(\d+)", gres)
         part = Partition(name=name.rstrip("*"), default=name.endswith("*"), nodes=int(count),
-                         gpus_per_node=int(gpus.group(1)) if gpus else 0)
+                         gpus_per_node=int(gpus.group(1)) if gpus else 0, max_time_s=_limit(limit))
         prev = found.get(part.name)  # one line per node state: add the counts up
         found[part.name] = part if prev is None else Partition(
             part.name, part.default or prev.default, prev.nodes + part.nodes,
-            max(prev.gpus_per_node, part.gpus_per_node))
+            max(prev.gpus_per_node, part.gpus_per_node), part.max_time_s)
     return found
 
 
@@ -87,7 +97,7 @@ def executor(req: SbatchRequest, run_dir: Path) -> Any:
         def _make_submission_file_text(self, command: str, uid: str) -> str:
             return render(req, command, Path(self.folder))
 
-    ex = Executor(folder=run_dir / "submitit")
+    ex = Executor(folder=run_dir / "submitit", python=shlex.quote(req.python) if req.python else None)
     # Only for submitit's bookkeeping (tasks to track, its timeout guess): the text is ours.
     ex.update_parameters(nodes=req.nodes, ntasks_per_node=1,
                          time=math.ceil(parse_time(req.time) / 60))

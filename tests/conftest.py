@@ -26,6 +26,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(getattr(pytest.mark, LAYERS[layer]))
 
 
+@pytest.fixture(autouse=True)
+def no_site_config(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """This machine's own site and user files must not change what a test sees; tests that
+    want a configuration set HPCSHARD_SITE / XDG_CONFIG_HOME themselves."""
+    monkeypatch.setenv("HPCSHARD_SITE", "")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.getbasetemp() / "no-user-config"))
+
+
 def quiet_env(**extra: str) -> dict[str, str]:
     """Two cores shared by up to four ranks: one thread each, and no warning about it.
     No SLURM_CONF unless a test asks: `--backend auto` then means the local backend."""

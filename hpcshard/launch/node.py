@@ -42,7 +42,7 @@ class NodeEnv:
                 "HPCSHARD_RDZV_PORT": str(self.rdzv_port), "HPCSHARD_RUN_ID": self.run_id}
 
 
-def torchrun_argv(node: NodeEnv, run_dir: Path) -> list[str]:
+def torchrun_argv(node: NodeEnv, run_dir: Path, module: str = "hpcshard.entry") -> list[str]:
     """torchrun for one node: c10d rendezvous on the first node's host.
 
     c10d ignores --node_rank and numbers agents by arrival, but each agent's workers get
@@ -53,7 +53,7 @@ def torchrun_argv(node: NodeEnv, run_dir: Path) -> list[str]:
         f"--nnodes={node.nnodes}", f"--nproc_per_node={node.per_node}",
         "--rdzv_backend=c10d", f"--rdzv_endpoint={node.rdzv_host}:{node.rdzv_port}",
         f"--rdzv_id={node.run_id}", "--max_restarts=0",
-        "-m", "hpcshard.entry", str(run_dir),
+        "-m", module, str(run_dir),
     ]
 
 
@@ -76,7 +76,8 @@ def pid_file(run_dir: Path, node_rank: int) -> Path:
     return run_dir / "launch" / f"node-{node_rank}.pid"
 
 
-def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = signal.SIGUSR2) -> int:
+def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = signal.SIGUSR2,
+             module: str = "hpcshard.entry") -> int:
     """Run torchrun for this node; return its exit code, or REQUEUE_EXIT when the ranks
     stopped on request with their checkpoint committed.
 
@@ -91,7 +92,7 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = signal.SIGUSR2) ->
     # Slurm's --signal goes to every process of the step, torchrun included, and an
     # unhandled SIGUSR2 kills it mid-save. Ignored dispositions survive exec: torchrun
     # ignores the notice, and each rank's entry point installs its own handler first thing.
-    proc = subprocess.Popen(torchrun_argv(node, run_dir), env=env,
+    proc = subprocess.Popen(torchrun_argv(node, run_dir, module), env=env,
                             preexec_fn=lambda: signal.signal(stop_signal, signal.SIG_IGN))
 
     def forward(signum: int, _frame: object) -> None:

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -133,9 +134,13 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     os.environ["HPCSHARD_ATTEMPT"] = str(attempt)
     fresh = slurm.restart_count == 0 and not chained.exists()
     os.environ["HPCSHARD_RESUME"] = resume if fresh else "auto"
+    # The profile's notice (--signal in the sbatch script): the ranks listen for it too.
+    name = json.loads((run / "spec.json").read_text()).get("slurm", {}).get("signal", "USR2")
+    notice = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
+    os.environ["HPCSHARD_STOP_SIGNAL"] = notice.name
     # submitit installed its own SIGUSR2 handler (checkpoint, then requeue from global rank
     # 0 with its own timeout bookkeeping). run_node replaces it: the notice goes to the ranks.
-    code = run_node(slurm.node_env(per_node), run)
+    code = run_node(slurm.node_env(per_node), run, stop_signal=notice)
     if code == ledger.REQUEUE_EXIT and slurm.node_id == 0:
         _continue(run, slurm, attempt, first_attempt, max_requeues, policy)
     return code

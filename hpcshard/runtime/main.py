@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from hpcshard import ledger
 from hpcshard.config import build_config
+from hpcshard.entry import notice
 from hpcshard.runtime.device import init_distributed
 from hpcshard.runtime.job import load_job
 from hpcshard.runtime.stop import StopRequest
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(run_dir, env.rank)
         job = load_job(spec["job"])
         cfg = build_config(job.config, spec["sets"])
-        stop = StopRequest(cfg.stop_signals).install()
+        stop = StopRequest(f"{cfg.stop_signals},{notice().name}").install()
         trainer = Trainer(job, cfg, env, run_dir)
         loaded = trainer.restore(resume)
         if env.is_main:

@@ -101,14 +101,14 @@ def test_unknown_template_lists_the_search_path(tmp_path: Path) -> None:
 def test_site_template_overrides_one_block(tmp_path: Path) -> None:
     (tmp_path / "site.j2").write_text('{% extends "sbatch.j2" %}{% block environment %}'
                                       "module load site/1.0{% endblock %}")
-    text = render(request(template="site.j2"), COMMAND, Path("/x"), search_path=[tmp_path])
+    text = render(request(template="site.j2", template_dirs=[str(tmp_path)]), COMMAND, Path("/x"))
     assert "module load site/1.0" in text and "NCCL_DEBUG" not in text and "#SBATCH --nodes=2" in text
 
 
 def test_missing_variable_is_an_error_not_empty(tmp_path: Path) -> None:
     (tmp_path / "bad.j2").write_text("#!/bin/bash\n#SBATCH --x={{ undefined_thing }}\n")
     with pytest.raises(ValueError, match="'bad.j2'.*undefined_thing"):
-        render(request(template="bad.j2"), COMMAND, Path("/x"), search_path=[tmp_path])
+        render(request(template="bad.j2", template_dirs=[str(tmp_path)]), COMMAND, Path("/x"))
 
 
 def test_submit_warns_when_the_lead_time_is_shorter_than_the_last_save(

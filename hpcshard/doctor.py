@@ -1,0 +1,377 @@
+"""`hpcshard doctor`: check a site and a profile before anyone wastes an allocation.
+
+Each check is one row: what was checked, pass/FAIL (or skip, when an earlier failure makes
+it meaningless), what was found, and for a failure the fix. Checks that need the compute
+nodes submit a tiny probe job (one node, a minute) with the profile's partition, account
+and QOS: it writes into the storage root, loads the profile's modules, looks for the
+container runtime and asks Slurm to requeue it; the login node then reads what it wrote.
+`--smoke` runs a multi-node all-reduce through the same path a training job takes.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from hpcshard import site
+from hpcshard.cliutil import table, user_errors
+from hpcshard.runs import probe_writable
+from hpcshard.sbatch import SbatchRequest, parse_time, render
+
+if TYPE_CHECKING:
+    from hpcshard.slurm import Partition
+
+SLURM_COMMANDS = ("sbatch", "squeue", "scontrol", "sinfo")
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
+         "BOOT_FAIL", "DEADLINE"}
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    """pass, FAIL or skip."""
+    detail: str
+    fix: str = ""
+
+
+class Doctor:
+    def __init__(self, res: site.Resolved, wait: float, min_free_gb: float) -> None:
+        self.res, self.v = res, res.values
+        self.wait, self.min_free_gb = wait, min_free_gb
+        self.checks: list[Check] = []
+        self.partition: Partition | None = None
+        self.probe_dir: Path | None = None
+
+    # -- bookkeeping --------------------------------------------------------------------
+    def add(self, name: str, ok: bool, detail: str, fix: str = "") -> bool:
+        self.checks.append(Check(name, "pass" if ok else "FAIL", detail, "" if ok else fix))
+        return ok
+
+    def skip(self, name: str, why: str) -> None:
+        self.checks.append(Check(name, "skip", why))
+
+    def where(self, key: str) -> str:
+        """Where to change a setting: the file (and section) it came from."""
+        source = self.res.source(key)
+        if source == "built-in":
+            profile = f"[profiles.{self.res.profile}]" if self.res.profile else "[defaults]"
+            return f"set {key} in {profile} of the site file"
+        return f"set {key} in {source}" if source != "command line" else f"change --{key.replace('_', '-')}"
+
+    @property
+    def failed(self) -> bool:
+        return any(c.status == "FAIL" for c in self.checks)
+
+    # -- the checks -----------------------------------------------------------------------
+    def run(self, smoke: bool) -> list[Check]:
+        self.template()
+        slurm_ok = self.slurm_commands() and self.controller()
+        storage_ok = self.storage()
+        if slurm_ok:
+            part_ok = self.partition_checks()
+            self.requeue_config()
+            self.pyxis()
+            why = ("needs the partition checks to pass" if not part_ok else
+                   "needs a usable storage root")
+            if part_ok and storage_ok:
+                self.probe()
+            else:
+                for name in self.probe_checks():
+                    self.skip(name, why)
+            if smoke:
+                if part_ok and storage_ok:
+                    self.smoke()
+                else:
+                    self.skip("all-reduce", why)
+        else:
+            for name in ("partition", "gpus per node", "time limit", *self.probe_checks()):
+                self.skip(name, "needs Slurm")
+        return self.checks
+
+    def probe_checks(self) -> list[str]:
+        """What the probe job finds out."""
+        names = ["storage from compute", "modules", "requeue"]
+        if self.v["container"].get("runtime") == "apptainer":
+            names.append("container runtime (compute)")
+        return names
+
+    def template(self) -> None:
+        req = self.request("hpcshard-doctor", 1, Path("/doctor/run"))
+        try:
+            render(req, "python -u -m submitit.core._submit /doctor/run/submitit",
+                   Path("/doctor/run/submitit"))
+        except ValueError as err:
+            self.add("template", False, str(err), "fix the template, or " + self.where("template"))
+            return
+        self.add("template", True, f"{req.template} renders ({len(req.template_dirs)} site "
+                 "template director" + ("y" if len(req.template_dirs) == 1 else "ies") + ")")
+
+    def slurm_commands(self) -> bool:
+        missing = [c for c in SLURM_COMMANDS if not shutil.which(c)]
+        return self.add("slurm commands", not missing,
+                        f"not on PATH: {', '.join(missing)}" if missing else ", ".join(SLURM_COMMANDS),
+                        "install Slurm's client commands (Debian: slurm-client) or run doctor on a "
+                        "login node; without Slurm, set backend = 'local'")
+
+    def controller(self) -> bool:
+        try:
+            proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20)
+            out = (proc.stdout + proc.stderr).strip()
+        except subprocess.TimeoutExpired:
+            out, proc = "scontrol ping hung for 20 s", None
+        ok = proc is not None and proc.returncode == 0 and "UP" in out
+        return self.add("controller", ok, out.splitlines()[-1] if out else "no answer",
+                        "start slurmctld, or point SLURM_CONF at the cluster's slurm.conf")
+
+    def partition_checks(self) -> bool:
+        from hpcshard import slurm
+
+        try:
+            parts = slurm.partitions()
+        except ValueError as err:
+            return self.add("partition", False, str(err), "check that sinfo works here")
+        name = self.v["partition"] or next((p.name for p in parts.values() if p.default), "")
+        if name not in parts:
+            self.add("partition", False, f"{name!r} does not exist",
+                     self.where("partition") + f" to one of: {', '.join(sorted(parts))}")
+            self.skip("gpus per node", "needs a valid partition")
+            self.skip("time limit", "needs a valid partition")
+            return False
+        part = parts[name]
+        self.partition = part
+        shown = name if self.v["partition"] else f"{name} (the cluster's default)"
+        self.add("partition", True, f"{shown}: {part.nodes} node(s)")
+        want = self.v["gpus_per_node"]
+        gpus_ok = self.add("gpus per node", want <= part.gpus_per_node,
+                           f"profile asks {want}, {name} nodes have {part.gpus_per_node}",
+                           self.where("gpus_per_node") + f" to {part.gpus_per_node} or fewer")
+        longest = max(parse_time(self.v["time"]), parse_time(self.v["max_time"] or "0"))
+        if part.max_time_s is None:
+            self.add("time limit", True, f"{name} has no MaxTime")
+        else:
+            self.add("time limit", longest <= part.max_time_s,
+                     f"profile allows {_hms(longest)}, {name} MaxTime is {_hms(part.max_time_s)}",
+                     self.where("max_time" if self.v["max_time"] else "time")
+                     + f" to {_hms(part.max_time_s)} or less")
+        return gpus_ok
+
+    def requeue_config(self) -> None:
+        proc = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True)
+        config = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
+        config = {k.strip(): v.strip() for k, v in config.items()}
+        policy = self.v["requeue_policy"]
+        default = config.get("JobRequeue", "1")
+        self.add("requeue policy", True, f"{policy} (cluster JobRequeue={default}: jobs are "
+                 f"{'' if default == '1' else 'not '}requeueable by default; hpcshard passes "
+                 "--requeue itself)")
+
+    def pyxis(self) -> None:
+        runtime = self.v["container"].get("runtime", "")
+        if runtime != "pyxis":
+            return
+        proc = subprocess.run(["srun", "--help"], capture_output=True, text=True)
+        self.add("container runtime", "--container-image" in proc.stdout + proc.stderr,
+                 "srun " + ("has" if "--container-image" in proc.stdout else "lacks")
+                 + " --container-image (the pyxis plugin)",
+                 "install pyxis and enroot on the cluster, or remove [container] from the profile")
+
+    def storage(self) -> bool:
+        root = site.storage_root(self.res).resolve()
+        fix_where = self.where("storage_root")
+        if not root.is_dir():
+            return self.add("storage root", False, f"{root} does not exist",
+                            f"create it (mkdir -p {shlex.quote(str(root))}) or {fix_where}")
+        try:
+            probe_writable(root)
+        except ValueError:
+            return self.add("storage root", False, f"{root} is not writable",
+                            f"make it writable for this user or {fix_where}")
+        free = shutil.disk_usage(root).free / 2**30
+        if free < self.min_free_gb:
+            return self.add("storage root", False, f"{root}: {free:.1f} GiB free",
+                            f"free space (checkpoints need at least {self.min_free_gb:g} GiB) or "
+                            f"{fix_where}")
+        return self.add("storage root", True, f"{root}: writable, {free:.0f} GiB free")
+
+    def probe(self) -> None:
+        """One tiny job: it writes into the storage root, loads the modules, looks for the
+        container runtime, and (requeue policy) asks Slurm to requeue it."""
+        root = site.storage_root(self.res).resolve()
+        probe = root / f".hpcshard-doctor-{uuid.uuid4().hex[:8]}"
+        probe.mkdir()
+        self.probe_dir = probe
+        requeue = self.v["requeue_policy"] == "requeue"
+        runtime = self.v["container"].get("runtime", "")
+        d = shlex.quote(str(probe))
+        lines = ["#!/bin/bash", f"d={d}",
+                 'if [ -e "$d/first" ]; then hostname > "$d/restarted"; exit 0; fi']
+        if self.v["modules"]:
+            mods = " ".join(shlex.quote(m) for m in self.v["modules"])
+            lines.append(f'(module load {mods}) > "$d/modules.log" 2>&1; echo $? > "$d/modules.rc"')
+        if runtime == "apptainer":
+            lines.append('(command -v apptainer || command -v singularity) > "$d/container" 2>&1; '
+                         'echo $? > "$d/container.rc"')
+        lines.append('hostname > "$d/host.tmp" && mv "$d/host.tmp" "$d/first"')
+        if requeue:
+            lines += ['scontrol requeue "$SLURM_JOB_ID" > "$d/requeue.log" 2>&1; '
+                      'echo $? > "$d/requeue.rc"', "sleep 120"]
+        script = probe / "probe.sh"
+        script.write_text("\n".join(lines) + "\n")
+        argv = ["sbatch", "--parsable", "--job-name=hpcshard-doctor", "--nodes=1", "--ntasks=1",
+                "--time=5", f"--output={probe}/probe-%j.out", f"--gpus-per-node={self.v['gpus_per_node']}",
+                "--requeue" if requeue else "--no-requeue"]
+        argv += [f"--{k}={self.v[k]}" for k in ("partition", "account", "qos", "constraint") if self.v[k]]
+        proc = subprocess.run([*argv, str(script)], capture_output=True, text=True)
+        if proc.returncode:
+            why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
+            self.add("storage from compute", False, f"sbatch refused the probe job: {why}",
+                     "check partition, account and qos with your admins")
+            return
+        job = proc.stdout.strip().split(";")[0]
+        want = "requeue.rc" if requeue else "first"
+        state = self._wait_for(job, lambda: (probe / want).exists())
+        subprocess.run(["scancel", job], capture_output=True)
+        if not (probe / "first").exists():
+            if state in FINAL:
+                self.add("storage from compute", False, f"probe job {job} ended {state} but its files "
+                         f"are not in {probe}", self.where("storage_root")
+                         + " to a file system that the compute nodes and this node share")
+            else:
+                self.add("storage from compute", False, f"probe job {job} did not run within "
+                         f"{self.wait:.0f} s ({state})", "rerun with a longer --wait, or a partition "
+                         "with idle nodes")
+            return
+        host = (probe / "first").read_text().strip()
+        self.add("storage from compute", True, f"probe job {job} on {host} wrote {root}")
+        self._module_result(probe)
+        if runtime == "apptainer":
+            found = (probe / "container").read_text().strip() if (probe / "container").exists() else ""
+            self.add("container runtime (compute)", bool(found) and _rc(probe / "container.rc") == 0,
+                     f"apptainer on {host}: {found or 'not found'}",
+                     "install apptainer on the compute nodes, or remove [container] from the profile")
+        if requeue:
+            rc = _rc(probe / "requeue.rc")
+            said = (probe / "requeue.log").read_text().strip() if (probe / "requeue.log").exists() else ""
+            self.add("requeue", rc == 0, "scontrol requeue accepted" if rc == 0 else
+                     f"scontrol requeue failed: {said or 'no answer'}",
+                     self.where("requeue_policy") + " to 'chain' (a continuation job per stop)")
+        else:
+            self.skip("requeue", f"requeue_policy is {self.v['requeue_policy']}")
+
+    def _module_result(self, probe: Path) -> None:
+        if not self.v["modules"]:
+            self.skip("modules", "the profile loads none")
+            return
+        rc = _rc(probe / "modules.rc")
+        log = (probe / "modules.log").read_text().strip() if (probe / "modules.log").exists() else ""
+        self.add("modules", rc == 0, f"module load {' '.join(self.v['modules'])}: "
+                 + ("ok" if rc == 0 else (log.splitlines() or ['exit ' + str(rc)])[-1]),
+                 "fix the module names (module avail), or " + self.where("modules"))
+
+    def _wait_for(self, job: str, done: Callable[[], bool], extra: float = 0) -> str:
+        from hpcshard import slurm
+
+        deadline = time.monotonic() + self.wait + extra
+        state = "PENDING"
+        while not done() and time.monotonic() < deadline:
+            info = slurm.job_state(job)
+            state = info.get("JobState", "")
+            if state in FINAL:
+                time.sleep(1)  # files written just before the end may land a moment later
+                break
+            if state == "PENDING":
+                state = f"PENDING, reason {info.get('Reason', '?')}"
+            time.sleep(0.5)
+        return state
+
+    def smoke(self) -> None:
+        from hpcshard import slurm
+        from hpcshard.launch.smoke import node_main
+
+        part = self.partition
+        nodes = min(2, part.nodes if part else 1)
+        gpus = self.v["gpus_per_node"]
+        root = site.storage_root(self.res).resolve()
+        run_dir = (self.probe_dir or root / f".hpcshard-doctor-{uuid.uuid4().hex[:8]}") / "smoke"
+        (run_dir / "logs").mkdir(parents=True)
+        req = self.request("hpcshard-doctor-smoke", nodes, run_dir)
+        req.time, req.signal_lead_s, req.requeue = "10", 60, False
+        try:
+            job = slurm.submit(req, run_dir, node_main, str(run_dir), gpus)
+        except ValueError as err:
+            self.add("all-reduce", False, str(err), "check the profile's partition and template")
+            return
+        result = run_dir / "smoke.json"
+        state = self._wait_for(job, result.exists, extra=300)
+        if not result.exists():
+            subprocess.run(["scancel", job], capture_output=True)
+            log = run_dir / "submitit" / f"{job}_0_log.err"
+            tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
+            self.add("all-reduce", False, f"job {job} ({state}) wrote no result"
+                     + (f": {tail[0]}" if tail else ""), f"read {log}")
+            return
+        out = json.loads(result.read_text())
+        self.add("all-reduce", out["ok"], f"{out['world']} ranks on {','.join(out['hosts'])} "
+                 f"({out['backend']}): {out['megabytes']} MB in {out['median_s'] * 1e3:.0f} ms, "
+                 f"bus bandwidth {out['busbw_gbs']:.2f} GB/s",
+                 "the sum was wrong: check the network settings (env) of the profile")
+
+    def request(self, name: str, nodes: int, run_dir: Path) -> SbatchRequest:
+        return SbatchRequest.from_settings(self.res, job_name=name, nodes=nodes,
+                                           gpus=self.v["gpus_per_node"], run_dir=run_dir)
+
+    def cleanup(self) -> None:
+        if self.probe_dir is not None:
+            shutil.rmtree(self.probe_dir, ignore_errors=True)
+
+
+def _rc(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _hms(seconds: int) -> str:
+    days, rest = divmod(seconds, 86400)
+    text = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return f"{days}-{text}" if days else text
+
+
+@click.command()
+@click.option("--profile", help="Site profile to check [default: the configuration's `profile`].")
+@click.option("--smoke", is_flag=True, help="Also run a 2-node all-reduce through the profile's template.")
+@click.option("--wait", type=click.FloatRange(min=1), default=120, show_default=True,
+              help="Seconds to wait for the probe job to start.")
+@click.option("--min-free", type=click.FloatRange(min=0), default=5, show_default=True,
+              help="GiB the storage root must have free.")
+def doctor(profile: str | None, smoke: bool, wait: float, min_free: float) -> None:
+    """Check that this site and a profile can run jobs: Slurm, partition, GPUs, storage
+    (seen from the compute nodes), modules, container runtime, requeue. Exit 1 on any failure."""
+    with user_errors():
+        res = site.resolve(site.load(), profile)
+    click.echo(f"profile: {res.profile or '- (no profile: built-in defaults and files)'}")
+    doc = Doctor(res, wait, min_free)
+    try:
+        checks = doc.run(smoke)
+    finally:
+        doc.cleanup()
+    table(("result", "check", "detail"), [(c.status, c.name, c.detail) for c in checks])
+    failures = [c for c in checks if c.status == "FAIL"]
+    if failures:
+        click.echo("\nto fix:")
+        for c in failures:
+            click.echo(f"  {c.name}: {c.fix}")
+        raise SystemExit(1)
+    click.echo("\nall checks passed")
