@@ -30,7 +30,7 @@ from hpcshard.runs import (
     probe_writable,
     read_spec,
 )
-from hpcshard.sbatch import SbatchRequest
+from hpcshard.sbatch import SbatchRequest, render
 
 BACKENDS = site.BACKENDS
 
@@ -174,7 +174,7 @@ def _prepare(job: str, nodes: int, run_dir: Path | None, name: str | None, resum
         if spec.backend == "slurm":
             req = SbatchRequest.from_settings(res, job_name=spec.name, nodes=spec.nodes,
                                               gpus=spec.gpus, run_dir=run_dir)
-            req.validate()
+            render(req, "true", run_dir / "submitit")  # the template, before anything is made
             if check_cluster:
                 from hpcshard import slurm
 
@@ -267,6 +267,7 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, resume: str,
 
             req = SbatchRequest(**{**spec.slurm, "nodes": spec.nodes, "gpus_per_node": spec.gpus,
                                    "run_dir": run_dir.resolve()})
+            render(req, "true", run_dir / "submitit")
             slurm.check_request(req)
         spec.resolved = preflight(spec)
     if req is not None:

@@ -45,17 +45,17 @@ def _slurm_state(spec: RunSpec) -> dict[str, str] | None:
 
 @click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@click.option("--signal", "signame", default="USR2", show_default=True,
-              help="The notice to send; the job's stop_signals decide what it listens to.")
-def preempt(run_dir: Path, signame: str) -> None:
+@click.option("--signal", "signame",
+              help="The notice to send [default: the run's (its profile's `signal`), else USR2].")
+def preempt(run_dir: Path, signame: str | None) -> None:
     """Send a preemption notice to the run in RUN_DIR (local backend), as Slurm would.
 
     The ranks agree to stop at the next step boundary, commit a checkpoint and exit;
     the launcher then requeues the run, which resumes where it stopped.
     """
     try:
-        sig = getattr(signal, signal_names(signame)[0])
         spec = read_spec(run_dir)
+        sig = getattr(signal, signal_names(signame or spec.slurm.get("signal", "USR2"))[0])
     except ValueError as err:
         fail(err)
     if spec.backend == "slurm" and spec.jobs:

@@ -109,7 +109,7 @@ SETTINGS: dict[str, Setting] = {
     "time": Setting("str", "01:00:00", "Default time limit per attempt.", _time),
     "max_time": Setting("str", "", "Longest --time the profile accepts; empty: no limit.", _time),
     "modules": Setting("list", [], "Environment modules loaded first (`module load ...`)."),
-    "env": Setting("env", {}, "Variables exported in the job (NCCL/network settings)."),
+    "env": Setting("env", {}, "Variables exported in the job (NCCL/network settings).", _env_names),
     "setup": Setting("list", [], "Shell lines run after modules and env (e.g. source a venv)."),
     "container": Setting("container", {}, "Run every node's launcher in a container: "
                          "runtime (pyxis|apptainer), image, mounts, workdir, options."),

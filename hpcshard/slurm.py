@@ -83,8 +83,9 @@ def check_request(req: SbatchRequest) -> str:
     if req.nodes > part.nodes:
         raise ValueError(f"--nodes {req.nodes} is more than partition {name!r} has ({part.nodes})")
     if req.gpus_per_node > part.gpus_per_node:
-        raise ValueError(f"--gpus {req.gpus_per_node} per node is more than the nodes of partition "
-                         f"{name!r} have ({part.gpus_per_node}); use --gpus {part.gpus_per_node} or fewer")
+        raise ValueError(f"{req.gpus_per_node} GPUs per node (--gpus, or the profile's gpus_per_node) "
+                         f"is more than the nodes of partition {name!r} have ({part.gpus_per_node}); "
+                         f"use --gpus {part.gpus_per_node} or fewer")
     return name
 
 

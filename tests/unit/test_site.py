@@ -1,0 +1,296 @@
+"""Site configuration: the five layers and their provenance, profiles, the template search
+path, and every kind of bad input (one line, exit 2, naming the file and the fix)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hpcshard import site
+from hpcshard.cli import main
+from hpcshard.sbatch import SbatchRequest, render
+
+JOB = str(Path(__file__).resolve().parents[2] / "jobs" / "charlm.py")
+COMMAND = "/usr/bin/python3 -u -m submitit.core._submit /r/submitit"
+
+
+@pytest.fixture
+def layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
+    """A site file, a user file (through XDG_CONFIG_HOME) and a project directory."""
+    files = {"site": tmp_path / "etc" / "site.toml",
+             "user": tmp_path / "xdg" / "hpcshard" / "config.toml",
+             "project": tmp_path / "project" / "hpcshard.toml"}
+    for path in files.values():
+        path.parent.mkdir(parents=True)
+    monkeypatch.setenv("HPCSHARD_SITE", str(files["site"]))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.chdir(files["project"].parent)
+    files["site"].write_text("")
+    return files
+
+
+def invoke(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, list(args))
+    return result.exit_code, result.output
+
+
+def one_line_error(code: int, output: str, *needles: str) -> None:
+    assert code == 2, output
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("Error:"), output
+    for needle in needles:
+        assert needle in output, output
+
+
+def test_five_layers_later_wins_and_each_value_knows_its_source(layers: dict[str, Path]) -> None:
+    layers["site"].write_text('profile = "gpu"\n[defaults]\naccount = "site-acct"\nqos = "site-qos"\n'
+                              'env = { A = "site", B = "site" }\n'
+                              '[profiles.gpu]\npartition = "site-part"\ngpus_per_node = 8\n'
+                              'mem = "site-mem"\nconstraint = "site-c"\ntime = "02:00:00"\n')
+    layers["user"].write_text('[defaults]\nqos = "user-qos"\nmem = "user-mem"\nenv = { B = "user" }\n'
+                              '[profiles.gpu]\nconstraint = "user-c"\n')
+    layers["project"].write_text('[defaults]\nconstraint = "project-c"\nmem = "project-mem"\n')
+    res = site.resolve(site.load(), cli={"mem": "cli-mem", "qos": None})
+    v = res.values
+    assert res.profile == "gpu"
+    assert (v["account"], v["qos"], v["partition"], v["constraint"], v["mem"]) == \
+        ("site-acct", "user-qos", "site-part", "project-c", "cli-mem")
+    assert v["env"] == {"A": "site", "B": "user"}  # tables merge key by key
+    assert v["time"] == "02:00:00" and v["gpus_per_node"] == 8 and v["signal"] == "USR2"
+    site_file, user_file = str(layers["site"]), str(layers["user"])
+    assert res.source("account") == f"site {site_file} [defaults]"
+    assert res.source("partition") == f"site {site_file} [profiles.gpu]"
+    assert res.source("qos") == f"user {user_file} [defaults]"
+    assert res.source("constraint") == f"project {layers['project']} [defaults]"
+    assert res.source("mem") == "command line"
+    assert res.source("env.A") == f"site {site_file} [defaults]"
+    assert res.source("env.B") == f"user {user_file} [defaults]"
+    assert res.source("signal") == "built-in"
+
+
+def test_within_a_layer_the_profile_beats_the_defaults(layers: dict[str, Path]) -> None:
+    layers["site"].write_text('[defaults]\npartition = "cpu"\n[profiles.a]\npartition = "gpu"\n')
+    assert site.resolve(site.load(), "a").values["partition"] == "gpu"
+    assert site.resolve(site.load()).values["partition"] == "cpu"  # no profile chosen
+
+
+def test_the_default_profile_comes_from_the_last_file_that_names_one(layers: dict[str, Path]) -> None:
+    layers["site"].write_text('profile = "a"\n[profiles.a]\nqos = "qa"\n[profiles.b]\nqos = "qb"\n')
+    layers["user"].write_text('profile = "b"\n')
+    assert site.resolve(site.load()).values["qos"] == "qb"
+    assert site.resolve(site.load(), "a").values["qos"] == "qa"  # --profile wins
+
+
+def test_config_show_prints_every_value_with_its_source(layers: dict[str, Path]) -> None:
+    layers["site"].write_text('profile = "p"\n[profiles.p]\npartition = "gpu"\n'
+                              'env = { NCCL_IB_HCA = "mlx5" }\n')
+    layers["project"].write_text('[defaults]\ntime = "00:30:00"\n')
+    code, out = invoke("config", "show")
+    assert code == 0, out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert rows["partition"].split()[1] == "gpu"
+    assert f"site {layers['site']} [profiles.p]" in rows["partition"]
+    assert rows["time"].split()[1] == "00:30:00" and f"project {layers['project']}" in rows["time"]
+    assert "mlx5" in rows["env.NCCL_IB_HCA"]
+    assert rows["signal"].split()[1:] == ["USR2", "built-in"]
+    assert "profile: p" in out
+
+
+def test_user_file_follows_xdg_and_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("XDG_CONFIG_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / ".config" / "hpcshard").mkdir(parents=True)
+    (tmp_path / ".config" / "hpcshard" / "config.toml").write_text('[defaults]\nqos = "home"\n')
+    assert site.resolve(site.load(cwd=tmp_path)).values["qos"] == "home"
+
+
+def test_an_empty_hpcshard_site_means_no_site_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCSHARD_SITE", "")
+    assert [layer.kind for layer in site.load()] == ["built-in"]
+
+
+@pytest.mark.parametrize("text,needles", [
+    ('[profiles.a]\npartition = "gpu"\ngpus = 4\n', ["[profiles.a]", "unknown key 'gpus'", "gpus_per_node"]),
+    ('partition = "gpu"\n', ["unknown key 'partition'", "[defaults] or [profiles.NAME]"]),
+    ('[profiles.a]\ngpus_per_node = "8"\n', ["gpus_per_node must be an integer", "'8'"]),
+    ('[profiles.a]\nmodules = "cuda"\n', ["modules must be a list of strings"]),
+    ('[profiles.a]\ntime = "forever"\n', ["time = 'forever'", "HH:MM:SS"]),
+    ('[profiles.a]\nrequeue_policy = "sometimes"\n', ["requeue_policy", "requeue, chain, none"]),
+    ('[profiles.a]\nsignal = "KILL"\n', ["signal = 'KILL'"]),
+    ('[profiles.a]\ncontainer = { runtime = "docker", image = "x" }\n',
+     ["container.runtime", "pyxis, apptainer"]),
+    ('[profiles.a]\ncontainer = { runtime = "pyxis" }\n', ["container.image is missing"]),
+    ('[profiles.a]\ncontainer = { runtime = "pyxis", image = "x", binds = [] }\n',
+     ["container.binds", "mounts"]),
+    ('[profiles.a]\nenv = { "BAD-NAME" = "1" }\n', ["'BAD-NAME' is not a valid environment variable"]),
+    ('[profiles.a]\nenv = { X = true }\n', ["env.X must be a string or number"]),
+    ('[profiles.a]\nvars = { partition = "x" }\n', ["'partition' is already a template variable"]),
+    ('[profiles.a]\npartition = "gpu"\npartition = "cpu"\n', ["not valid TOML", "line 3"]),
+    ('[profiles.a\n', ["not valid TOML", "line 1, column"]),
+])
+def test_bad_site_files_are_one_line_naming_file_and_key(layers: dict[str, Path], text: str,
+                                                         needles: list[str]) -> None:
+    layers["site"].write_text(text)
+    code, out = invoke("render", JOB, "--profile", "a")
+    one_line_error(code, out, str(layers["site"]), *needles)
+
+
+def test_a_missing_profile_lists_the_ones_that_exist(layers: dict[str, Path]) -> None:
+    layers["site"].write_text("[profiles.a100]\n[profiles.h100]\n")
+    code, out = invoke("render", JOB, "--profile", "v100")
+    one_line_error(code, out, "profile 'v100' does not exist; profiles: a100, h100")
+    layers["user"].write_text('profile = "gone"\n')
+    code, out = invoke("render", JOB)
+    one_line_error(code, out, "profile 'gone'", f"named by user {layers['user']}", "a100, h100")
+
+
+def test_hpcshard_site_pointing_nowhere_is_an_error(layers: dict[str, Path],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCSHARD_SITE", str(layers["site"].parent / "nope.toml"))
+    code, out = invoke("config", "show")
+    one_line_error(code, out, "HPCSHARD_SITE=", "nope.toml", "no such file")
+
+
+def test_max_time_caps_the_requested_time(layers: dict[str, Path]) -> None:
+    layers["site"].write_text('[profiles.debug]\ntime = "00:10:00"\nmax_time = "00:30:00"\n')
+    code, out = invoke("render", JOB, "--profile", "debug", "--time", "02:00:00")
+    one_line_error(code, out, "time 02:00:00 (from command line) is longer than the 00:30:00",
+                   "profile 'debug'", "--time")
+    code, out = invoke("render", JOB, "--profile", "debug", "--time", "00:20:00")
+    assert code == 0 and "#SBATCH --time=00:20:00" in out
+
+
+def test_profile_values_reach_the_rendered_script(layers: dict[str, Path], tmp_path: Path) -> None:
+    layers["site"].write_text(f'''
+[defaults]
+storage_root = "{tmp_path}/shared/$HPCSHARD_TEST_USER"
+[profiles.h100]
+partition = "gpu-h100"
+account = "ml"
+gpus_per_node = 4
+cpus_per_gpu = 12
+modules = ["cuda/12.4", "nccl/2.21"]
+env = {{ NCCL_IB_HCA = "mlx5_0,mlx5_1", NCCL_IB_TIMEOUT = 22 }}
+setup = ["source /opt/venv/bin/activate"]
+signal = "USR1"
+signal_lead = 300
+requeue_policy = "chain"
+''')
+    os.environ["HPCSHARD_TEST_USER"] = "alice"
+    try:
+        code, out = invoke("render", JOB, "--nodes", "2", "--profile", "h100")
+    finally:
+        del os.environ["HPCSHARD_TEST_USER"]
+    assert code == 0, out
+    for line in ("#SBATCH --partition=gpu-h100", "#SBATCH --account=ml", "#SBATCH --gpus-per-node=4",
+                 "#SBATCH --cpus-per-task=48", "module load cuda/12.4 nccl/2.21",
+                 "export NCCL_IB_HCA=mlx5_0,mlx5_1", "export NCCL_IB_TIMEOUT=22",
+                 "source /opt/venv/bin/activate", "#SBATCH --signal=USR1@300", "#SBATCH --no-requeue",
+                 f"#SBATCH --output={tmp_path}/shared/alice/charlm-"):
+        assert line in out, line
+    code, out = invoke("render", JOB, "--profile", "h100", "--gpus", "2", "--cpus-per-gpu", "4")
+    assert "#SBATCH --gpus-per-node=2" in out and "#SBATCH --cpus-per-task=8" in out
+
+
+def site_template(layers: dict[str, Path], name: str, text: str, profile: str = "") -> None:
+    folder = layers["site"].parent / "templates"
+    folder.mkdir(exist_ok=True)
+    (folder / name).write_text(text)
+    layers["site"].write_text(f'template_dirs = ["templates"]\n[profiles.p]\ntemplate = "{name}"\n{profile}')
+
+
+def test_a_site_template_overrides_one_block_and_shadows_nothing_else(layers: dict[str, Path]) -> None:
+    site_template(layers, "site.j2", '{% extends "sbatch.j2" %}\n{% block launch %}'
+                  "echo {{ reservation | q }}\n{{ super() }}{% endblock %}",
+                  'vars = { reservation = "big day" }\n')
+    code, out = invoke("render", JOB, "--profile", "p")
+    assert code == 0, out
+    assert "echo 'big day'\n# one launcher per node" in out and "#SBATCH --nodes=1" in out
+    code, out = invoke("templates", "list", "--profile", "p")
+    assert code == 0 and "*  site.j2" in out and "sbatch.j2" in out
+    code, out = invoke("templates", "show", "site.j2", "--profile", "p")
+    assert code == 0 and "{% block launch %}" in out and str(layers["site"].parent) in out
+
+
+def test_a_site_template_of_the_same_name_shadows_the_built_in_one(layers: dict[str, Path]) -> None:
+    folder = layers["site"].parent / "templates"
+    folder.mkdir()
+    (folder / "sbatch.j2").write_text("#!/bin/bash\n# site's own\n{{ command }}\n")
+    layers["site"].write_text('template_dirs = ["templates"]\n')
+    code, out = invoke("render", JOB)
+    assert code == 0 and "# site's own" in out
+    code, out = invoke("templates", "list")
+    assert "shadowed" in out
+
+
+@pytest.mark.parametrize("text,needles", [
+    ("#!/bin/bash\n{{ reservation }}\n", ["uses 'reservation'", "no setting or profile defines",
+                                          "[profiles.NAME.vars]"]),
+    ("#!/bin/bash\n\n{% if nodes %}\n", ["line 3", "syntax error", "site.j2"]),
+    ('{% extends "base-missing.j2" %}', ["'base-missing.j2' (needed by template 'site.j2') not found",
+                                         "searched:"]),
+])
+def test_broken_site_templates_are_one_line_errors(layers: dict[str, Path], text: str,
+                                                   needles: list[str]) -> None:
+    site_template(layers, "site.j2", text)
+    code, out = invoke("render", JOB, "--profile", "p")
+    one_line_error(code, out, *needles)
+
+
+def test_a_missing_template_lists_the_search_path(layers: dict[str, Path]) -> None:
+    layers["site"].write_text('template_dirs = ["tpl"]\n[profiles.p]\ntemplate = "nope.j2"\n')
+    code, out = invoke("render", JOB, "--profile", "p")
+    one_line_error(code, out, "'nope.j2' not found", str(layers["site"].parent / "tpl"), "templates")
+
+
+def test_profiles_list_and_show(layers: dict[str, Path]) -> None:
+    layers["site"].write_text('profile = "a"\n[profiles.a]\ndescription = "A100 nodes"\n'
+                              'partition = "gpu"\ngpus_per_node = 8\nmax_time = "2-00:00:00"\n'
+                              '[profiles.dbg]\npartition = "debug"\n')
+    layers["user"].write_text('[profiles.a]\naccount = "me"\n')
+    code, out = invoke("profiles", "list")
+    assert code == 0, out
+    line_a = next(line for line in out.splitlines() if " a " in line)
+    assert line_a.startswith("*") and "gpu" in line_a and "8 GPU/node" in line_a and "A100 nodes" in line_a
+    assert str(layers["user"]) in line_a and "(max 2-00:00:00)" in line_a
+    code, out = invoke("profiles", "show", "a")
+    assert code == 0 and f"user {layers['user']} [profiles.a]" in out
+    code, out = invoke("profiles", "show", "zzz")
+    one_line_error(code, out, "'zzz' does not exist; profiles: a, dbg")
+
+
+def test_request_from_settings_matches_the_profile(layers: dict[str, Path]) -> None:
+    layers["site"].write_text('[profiles.p]\ncontainer = { runtime = "apptainer", image = "/img/pt.sif", '
+                              'mounts = ["/shared"] }\npython = "/opt/py env/bin/python"\n')
+    res = site.resolve(site.load(), "p")
+    req = SbatchRequest.from_settings(res, job_name="j", nodes=2, gpus=2, run_dir=Path("/r"))
+    text = render(req, COMMAND, Path("/r/submitit"))
+    assert "HPCSHARD_WRAP=(apptainer exec --nv --bind /shared /img/pt.sif)" in text
+    from hpcshard.slurm import executor
+
+    assert executor(req, Path("/r"))._submitit_command_str.startswith("'/opt/py env/bin/python' -u -m")
+
+
+def test_doctor_without_slurm_names_the_failure_and_its_fix(layers: dict[str, Path],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    layers["site"].write_text(f'[defaults]\nstorage_root = "{layers["site"].parent}"\n')
+    monkeypatch.setenv("PATH", str(layers["site"].parent))  # no sbatch, squeue, ...
+    code, out = invoke("doctor")
+    assert code == 1, out
+    assert "FAIL    slurm commands        not on PATH: sbatch, squeue, scontrol, sinfo" in out
+    assert "skip    partition             needs Slurm" in out
+    assert "pass    storage root" in out and "pass    template" in out
+    assert "slurm commands: install Slurm's client commands" in out
+
+
+def test_doctor_names_a_missing_storage_root(layers: dict[str, Path],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    layers["site"].write_text('[profiles.p]\nstorage_root = "/nonexistent/runs"\n')
+    monkeypatch.setenv("PATH", str(layers["site"].parent))
+    code, out = invoke("doctor", "--profile", "p")
+    assert code == 1 and "FAIL    storage root          /nonexistent/runs does not exist" in out
+    assert f"create it (mkdir -p /nonexistent/runs) or set storage_root in site {layers['site']} " \
+           "[profiles.p]" in out
