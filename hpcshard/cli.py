@@ -265,8 +265,10 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, resume: str,
         if spec.backend == "slurm":  # the same sbatch settings, on the (new) shape
             from hpcshard import slurm
 
-            req = SbatchRequest(**{**spec.slurm, "nodes": spec.nodes, "gpus_per_node": spec.gpus,
-                                   "run_dir": run_dir.resolve()})
+            old = spec.slurm
+            per_gpu = old.get("cpus_per_task", 0) // max(1, old.get("gpus_per_node", 1))
+            req = SbatchRequest(**{**old, "nodes": spec.nodes, "gpus_per_node": spec.gpus,
+                                   "cpus_per_task": per_gpu * spec.gpus, "run_dir": run_dir.resolve()})
             render(req, "true", run_dir / "submitit")
             slurm.check_request(req)
         spec.resolved = preflight(spec)

@@ -52,6 +52,8 @@ class Doctor:
         self.checks: list[Check] = []
         self.partition: Partition | None = None
         self.probe_dir: Path | None = None
+        self.keep = False
+        """Keep the probe's directory: its logs explain a failure."""
 
     # -- bookkeeping --------------------------------------------------------------------
     def add(self, name: str, ok: bool, detail: str, fix: str = "") -> bool:
@@ -69,13 +71,9 @@ class Doctor:
             return f"set {key} in {profile} of the site file"
         return f"set {key} in {source}" if source != "command line" else f"change --{key.replace('_', '-')}"
 
-    @property
-    def failed(self) -> bool:
-        return any(c.status == "FAIL" for c in self.checks)
-
     # -- the checks -----------------------------------------------------------------------
     def run(self, smoke: bool) -> list[Check]:
-        self.template()
+        template_ok = self.template()
         slurm_ok = self.slurm_commands() and self.controller()
         storage_ok = self.storage()
         if slurm_ok:
@@ -84,13 +82,15 @@ class Doctor:
             self.pyxis()
             why = ("needs the partition checks to pass" if not part_ok else
                    "needs a usable storage root")
-            if part_ok and storage_ok:
+            if not template_ok:
+                why = "needs a template that renders"
+            if part_ok and storage_ok and template_ok:
                 self.probe()
             else:
                 for name in self.probe_checks():
                     self.skip(name, why)
             if smoke:
-                if part_ok and storage_ok:
+                if part_ok and storage_ok and template_ok:
                     self.smoke()
                 else:
                     self.skip("all-reduce", why)
@@ -102,19 +102,18 @@ class Doctor:
     def probe_checks(self) -> list[str]:
         """What the probe job finds out."""
         names = ["storage from compute", "modules", "requeue"]
-        if self.v["container"].get("runtime") == "apptainer":
-            names.append("container runtime (compute)")
+        if self.v["container"].get("runtime"):
+            names.append("container (compute)")
         return names
 
-    def template(self) -> None:
+    def template(self) -> bool:
         req = self.request("hpcshard-doctor", 1, Path("/doctor/run"))
         try:
             render(req, "python -u -m submitit.core._submit /doctor/run/submitit",
                    Path("/doctor/run/submitit"))
         except ValueError as err:
-            self.add("template", False, str(err), "fix the template, or " + self.where("template"))
-            return
-        self.add("template", True, f"{req.template} renders ({len(req.template_dirs)} site "
+            return self.add("template", False, str(err), "fix the template, or " + self.where("template"))
+        return self.add("template", True, f"{req.template} renders ({len(req.template_dirs)} site "
                  "template director" + ("y" if len(req.template_dirs) == 1 else "ies") + ")")
 
     def slurm_commands(self) -> bool:
@@ -205,34 +204,35 @@ class Doctor:
         return self.add("storage root", True, f"{root}: writable, {free:.0f} GiB free")
 
     def probe(self) -> None:
-        """One tiny job: it writes into the storage root, loads the modules, looks for the
-        container runtime, and (requeue policy) asks Slurm to requeue it."""
+        """One tiny job rendered from the profile's own template (directives, environment,
+        container, launch): its job step writes into the storage root, sees whether it runs
+        in the container, and asks Slurm to requeue it from where a launcher would."""
         root = site.storage_root(self.res).resolve()
         probe = root / f".hpcshard-doctor-{uuid.uuid4().hex[:8]}"
-        probe.mkdir()
+        (probe / "logs").mkdir(parents=True)
         self.probe_dir = probe
         requeue = self.v["requeue_policy"] == "requeue"
-        runtime = self.v["container"].get("runtime", "")
         d = shlex.quote(str(probe))
         lines = ["#!/bin/bash", f"d={d}",
-                 'if [ -e "$d/first" ]; then hostname > "$d/restarted"; exit 0; fi']
-        if self.v["modules"]:
-            mods = " ".join(shlex.quote(m) for m in self.v["modules"])
-            lines.append(f'(module load {mods}) > "$d/modules.log" 2>&1; echo $? > "$d/modules.rc"')
-        if runtime == "apptainer":
-            lines.append('(command -v apptainer || command -v singularity) > "$d/container" 2>&1; '
-                         'echo $? > "$d/container.rc"')
-        lines.append('hostname > "$d/host.tmp" && mv "$d/host.tmp" "$d/first"')
+                 'if [ -e "$d/first" ]; then hostname > "$d/restarted"; exit 0; fi',
+                 'env | grep -E "^(APPTAINER_CONTAINER|SINGULARITY_CONTAINER|PYXIS_[A-Z_]*)=" '
+                 '> "$d/container"',
+                 'hostname > "$d/host.tmp" && mv "$d/host.tmp" "$d/first"']
         if requeue:
             lines += ['scontrol requeue "$SLURM_JOB_ID" > "$d/requeue.log" 2>&1; '
                       'echo $? > "$d/requeue.rc"', "sleep 120"]
         script = probe / "probe.sh"
         script.write_text("\n".join(lines) + "\n")
-        argv = ["sbatch", "--parsable", "--job-name=hpcshard-doctor", "--nodes=1", "--ntasks=1",
-                "--time=5", f"--output={probe}/probe-%j.out", f"--gpus-per-node={self.v['gpus_per_node']}",
-                "--requeue" if requeue else "--no-requeue"]
-        argv += [f"--{k}={self.v[k]}" for k in ("partition", "account", "qos", "constraint") if self.v[k]]
-        proc = subprocess.run([*argv, str(script)], capture_output=True, text=True)
+        req = self.request("hpcshard-doctor", 1, probe)
+        req.time, req.signal_lead_s, req.requeue = "5", 60, requeue
+        if req.modules:  # loaded in a subshell of the batch script, to see whether they load
+            mods = " ".join(shlex.quote(m) for m in req.modules)
+            req.setup = [f'(module load {mods}) > {d}/modules.log 2>&1; echo $? > {d}/modules.rc',
+                         *req.setup]
+            req.modules = []
+        batch = probe / "probe.sbatch"
+        batch.write_text(render(req, f"bash {shlex.quote(str(script))}", probe))
+        proc = subprocess.run(["sbatch", "--parsable", str(batch)], capture_output=True, text=True)
         if proc.returncode:
             why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
             self.add("storage from compute", False, f"sbatch refused the probe job: {why}",
@@ -243,31 +243,46 @@ class Doctor:
         state = self._wait_for(job, lambda: (probe / want).exists())
         subprocess.run(["scancel", job], capture_output=True)
         if not (probe / "first").exists():
-            if state in FINAL:
-                self.add("storage from compute", False, f"probe job {job} ended {state} but its files "
-                         f"are not in {probe}", self.where("storage_root")
-                         + " to a file system that the compute nodes and this node share")
-            else:
-                self.add("storage from compute", False, f"probe job {job} did not run within "
-                         f"{self.wait:.0f} s ({state})", "rerun with a longer --wait, or a partition "
-                         "with idle nodes")
+            self._probe_failed(job, state, probe)
             return
         host = (probe / "first").read_text().strip()
         self.add("storage from compute", True, f"probe job {job} on {host} wrote {root}")
         self._module_result(probe)
-        if runtime == "apptainer":
-            found = (probe / "container").read_text().strip() if (probe / "container").exists() else ""
-            self.add("container runtime (compute)", bool(found) and _rc(probe / "container.rc") == 0,
-                     f"apptainer on {host}: {found or 'not found'}",
-                     "install apptainer on the compute nodes, or remove [container] from the profile")
+        runtime = self.v["container"].get("runtime", "")
+        if runtime:
+            seen = (probe / "container").read_text().split() if (probe / "container").exists() else []
+            self.add("container (compute)", runtime == "pyxis" or bool(seen),
+                     f"{runtime}: the job step ran" + (f" in the image ({seen[0]})" if seen else ""),
+                     "the job step ran outside the image: check the template's container block")
         if requeue:
             rc = _rc(probe / "requeue.rc")
             said = (probe / "requeue.log").read_text().strip() if (probe / "requeue.log").exists() else ""
-            self.add("requeue", rc == 0, "scontrol requeue accepted" if rc == 0 else
-                     f"scontrol requeue failed: {said or 'no answer'}",
-                     self.where("requeue_policy") + " to 'chain' (a continuation job per stop)")
+            where = " inside the container" if runtime else ""
+            self.add("requeue", rc == 0, f"scontrol requeue{where} accepted" if rc == 0 else
+                     f"scontrol requeue{where} failed: {said.splitlines()[-1] if said else 'no answer'}",
+                     ("make Slurm's client commands and munge socket visible in the image, or "
+                      if runtime else "") + self.where("requeue_policy")
+                     + " to 'chain' (a continuation job per stop)")
         else:
             self.skip("requeue", f"requeue_policy is {self.v['requeue_policy']}")
+
+    def _probe_failed(self, job: str, state: str, probe: Path) -> None:
+        if state not in FINAL:
+            self.add("storage from compute", False, f"probe job {job} did not run within "
+                     f"{self.wait:.0f} s ({state})", "rerun with a longer --wait, or a partition "
+                     "with idle nodes")
+            return
+        logs = [*probe.glob(f"{job}_0_log.err"), probe / "logs" / f"slurm-{job}.err"]
+        said = [line for log in logs if log.exists() for line in log.read_text().splitlines()
+                if line.strip()]
+        if said:  # the logs are here, so the storage is shared: the step itself failed
+            self.add("storage from compute", False, f"probe job {job} ended {state}: {said[-1]}",
+                     f"read {probe}/*.err (kept); check the template's container and launch blocks")
+            self.keep = True
+            return
+        self.add("storage from compute", False, f"probe job {job} ended {state} but nothing it "
+                 f"wrote is in {probe}", self.where("storage_root")
+                 + " to a file system that the compute nodes and this node share")
 
     def _module_result(self, probe: Path) -> None:
         if not self.v["modules"]:
@@ -332,7 +347,7 @@ class Doctor:
                                            gpus=self.v["gpus_per_node"], run_dir=run_dir)
 
     def cleanup(self) -> None:
-        if self.probe_dir is not None:
+        if self.probe_dir is not None and not self.keep:
             shutil.rmtree(self.probe_dir, ignore_errors=True)
 
 

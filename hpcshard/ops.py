@@ -201,10 +201,17 @@ def cancel(target: str) -> None:
 
 
 @click.command("ls")
-@click.argument("root", type=click.Path(path_type=Path), default=Path("runs"))
+@click.argument("root", type=click.Path(path_type=Path), required=False)
 @click.option("-n", "limit", type=click.IntRange(min=1), default=20, show_default=True)
-def ls(root: Path, limit: int) -> None:
-    """Recent runs under ROOT (default ./runs), newest first."""
+def ls(root: Path | None, limit: int) -> None:
+    """Recent runs under ROOT (default: the profile's storage_root, else ./runs), newest first."""
+    if root is None:
+        from hpcshard import site
+
+        try:
+            root = site.storage_root(site.resolve(site.load()))
+        except ValueError as err:
+            fail(err)
     runs = sorted((p.parent for p in root.glob("*/spec.json")), key=lambda p: p.stat().st_mtime,
                   reverse=True)[:limit]
     if not runs:

@@ -129,8 +129,12 @@ def search_path(template_dirs: list[str] | list[Path]) -> list[Path]:
 
 
 def environment(template_dirs: list[str] | list[Path] | None = None) -> jinja2.Environment:
-    """Templates from the site directories first, then the built-in ones."""
-    loader = jinja2.FileSystemLoader([str(d) for d in search_path(template_dirs or [])])
+    """Templates from the site directories first, then the built-in ones; `builtin/NAME`
+    is always the built-in one (a site's own sbatch.j2 extends "builtin/sbatch.j2")."""
+    loader = jinja2.ChoiceLoader([
+        jinja2.FileSystemLoader([str(d) for d in search_path(template_dirs or [])]),
+        jinja2.PrefixLoader({"builtin": jinja2.FileSystemLoader(str(BUILTIN_TEMPLATES))}),
+    ])
     env = jinja2.Environment(loader=loader, undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, autoescape=False)
     env.filters["q"] = lambda value: shlex.quote(str(value))
@@ -157,6 +161,7 @@ def load_template(env: jinja2.Environment, name: str) -> tuple[jinja2.Template, 
     and line)."""
     used: set[str] = set()
     pending, done = [name], set()
+    dirs = ", ".join(str(d) for d in env.loader.loaders[0].searchpath)  # type: ignore[union-attr]
     try:
         while pending:
             current = pending.pop()
@@ -167,15 +172,24 @@ def load_template(env: jinja2.Environment, name: str) -> tuple[jinja2.Template, 
             source, filename, _ = env.loader.get_source(env, current)
             tree = env.parse(source, current, filename)
             used |= jinja2.meta.find_undeclared_variables(tree)
-            pending.extend(t for t in jinja2.meta.find_referenced_templates(tree) if t)
+            parents = [t for t in jinja2.meta.find_referenced_templates(tree) if t]
+            if current in parents:
+                raise ValueError(f"template {current!r} ({filename}) extends or includes itself; a "
+                                 f'site template of the same name extends "builtin/{current}"')
+            pending.extend(parents)
         return env.get_template(name), used
     except jinja2.TemplateNotFound as err:
-        dirs = ", ".join(str(d) for d in env.loader.searchpath)  # type: ignore[union-attr]
         via = "" if err.name == name else f" (needed by template {name!r})"
         raise ValueError(f"template {err.name!r}{via} not found; searched: {dirs}") from None
     except jinja2.TemplateSyntaxError as err:
         raise ValueError(f"template {err.filename or err.name} line {err.lineno}: syntax error: "
                          f"{err.message}") from None
+
+
+def site_settings() -> dict[str, Any]:
+    from hpcshard.site import SETTINGS
+
+    return SETTINGS
 
 
 def render(req: SbatchRequest, command: str, folder: Path) -> str:
@@ -198,6 +212,11 @@ def render(req: SbatchRequest, command: str, folder: Path) -> str:
     env = environment(req.template_dirs)
     template, used = load_template(env, req.template)
     missing = sorted(used - set(values) - set(env.globals))
+    settings_only = [m for m in missing if m in site_settings()]
+    if settings_only:
+        raise ValueError(f"template {req.template!r} ({template.filename}) uses "
+                         f"{', '.join(map(repr, settings_only))}: a setting, but not one a template "
+                         f"receives; templates get: {', '.join(sorted(values))}")
     if missing:
         raise ValueError(f"template {req.template!r} ({template.filename}) uses "
                          f"{', '.join(map(repr, missing))}, which no setting or profile defines; "

@@ -247,7 +247,7 @@ def read_layer(kind: str, path: Path) -> Layer:
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name):
             raise ValueError(f"{path}: profile name {name!r} is not valid; use letters, digits, . _ -")
         checked[name] = {k: _check_setting(f"{path} [profiles.{name}]", k, v) for k, v in body.items()}
-    base = path.parent
+    base = path.resolve().parent
     return Layer(kind, path, profile, tuple(_expand(d, base) for d in dirs), defaults, checked)
 
 
@@ -373,14 +373,20 @@ def _who(res: Resolved) -> str:
 
 
 def storage_root(res: Resolved) -> Path:
-    return Path(os.path.expandvars(os.path.expanduser(res.values["storage_root"])))
+    text = res.values["storage_root"]
+    path = os.path.expandvars(os.path.expanduser(text))
+    unset = re.findall(r"\$\{?(\w+)", path)
+    if unset:
+        raise ValueError(f"storage_root {text!r} (from {res.source('storage_root')}) names "
+                         f"${unset[0]}, which is not set here; set it, or give --run-dir")
+    return Path(path)
 
 
 def show_value(value: Any) -> str:
     if isinstance(value, list):
-        return ", ".join(value) if value else "-"
+        return "; ".join(value) if value else "-"
     if isinstance(value, dict):
-        return ", ".join(f"{k}={v}" for k, v in value.items()) if value else "-"
+        return " ".join(f"{k}={show_value(v)}" for k, v in value.items()) if value else "-"
     return str(value) if value != "" else "-"
 
 

@@ -69,6 +69,7 @@ def main() -> None:
             dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)
             if env.is_main:
                 print(f"step {step} loss {loss.item():.4f} grad_norm {norm.item():.3f}", flush=True)
+    dist.barrier()  # every rank done with its collectives before the group goes away
     dist.destroy_process_group()
 
 

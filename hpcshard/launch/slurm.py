@@ -88,7 +88,10 @@ class SlurmEnv:
 def requeue(job_id: str) -> str:
     """Ask Slurm to requeue this job; a job that reaches its time limit is never requeued by
     Slurm itself (it ends TIMEOUT), so the job must do it before the limit."""
-    proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    try:
+        proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    except OSError as err:  # e.g. inside a container without Slurm's client commands
+        return f"scontrol: {err.strerror}; the launcher's environment (its container) needs Slurm's client"
     return proc.stderr.strip() if proc.returncode else ""
 
 

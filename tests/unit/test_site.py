@@ -3,7 +3,6 @@ path, and every kind of bad input (one line, exit 2, naming the file and the fix
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -163,7 +162,8 @@ def test_max_time_caps_the_requested_time(layers: dict[str, Path]) -> None:
     assert code == 0 and "#SBATCH --time=00:20:00" in out
 
 
-def test_profile_values_reach_the_rendered_script(layers: dict[str, Path], tmp_path: Path) -> None:
+def test_profile_values_reach_the_rendered_script(layers: dict[str, Path], tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     layers["site"].write_text(f'''
 [defaults]
 storage_root = "{tmp_path}/shared/$HPCSHARD_TEST_USER"
@@ -179,11 +179,8 @@ signal = "USR1"
 signal_lead = 300
 requeue_policy = "chain"
 ''')
-    os.environ["HPCSHARD_TEST_USER"] = "alice"
-    try:
-        code, out = invoke("render", JOB, "--nodes", "2", "--profile", "h100")
-    finally:
-        del os.environ["HPCSHARD_TEST_USER"]
+    monkeypatch.setenv("HPCSHARD_TEST_USER", "alice")
+    code, out = invoke("render", JOB, "--nodes", "2", "--profile", "h100")
     assert code == 0, out
     for line in ("#SBATCH --partition=gpu-h100", "#SBATCH --account=ml", "#SBATCH --gpus-per-node=4",
                  "#SBATCH --cpus-per-task=48", "module load cuda/12.4 nccl/2.21",
@@ -224,6 +221,33 @@ def test_a_site_template_of_the_same_name_shadows_the_built_in_one(layers: dict[
     assert code == 0 and "# site's own" in out
     code, out = invoke("templates", "list")
     assert "shadowed" in out
+
+
+def test_a_site_sbatch_j2_extends_the_built_in_one_by_its_builtin_name(layers: dict[str, Path]) -> None:
+    folder = layers["site"].parent / "templates"
+    folder.mkdir()
+    layers["site"].write_text('template_dirs = ["templates"]\n')
+    (folder / "sbatch.j2").write_text('{% extends "sbatch.j2" %}{% block container %}# mine\n{% endblock %}')
+    code, out = invoke("render", JOB)
+    one_line_error(code, out, "'sbatch.j2'", "extends or includes itself", 'extends "builtin/sbatch.j2"')
+    (folder / "sbatch.j2").write_text('{% extends "builtin/sbatch.j2" %}{% block container %}# mine\n'
+                                      "{% endblock %}")
+    code, out = invoke("render", JOB)
+    assert code == 0 and "# mine" in out and "#SBATCH --nodes=1" in out, out
+
+
+def test_a_storage_root_naming_an_unset_variable_is_an_error(layers: dict[str, Path]) -> None:
+    layers["site"].write_text('[defaults]\nstorage_root = "/shared/$HPCSHARD_UNSET_VAR/runs"\n')
+    code, out = invoke("render", JOB)
+    one_line_error(code, out, "storage_root '/shared/$HPCSHARD_UNSET_VAR/runs'", "[defaults]",
+                   "$HPCSHARD_UNSET_VAR, which is not set here")
+
+
+def test_a_template_using_a_setting_it_does_not_receive_says_so(layers: dict[str, Path]) -> None:
+    site_template(layers, "site.j2", "#!/bin/bash\n{{ storage_root }}\n")
+    code, out = invoke("render", JOB, "--profile", "p")
+    one_line_error(code, out, "uses 'storage_root': a setting, but not one a template receives",
+                   "templates get:", "partition")
 
 
 @pytest.mark.parametrize("text,needles", [
