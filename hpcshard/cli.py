@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import click
 
-from hpcshard import __version__, checkpoints, doctor, ops, site, sitecmd
+from hpcshard import __version__, checkpoints, doctor, ops, plancmd, site, sitecmd
 from hpcshard.cliutil import fail, user_errors
 from hpcshard.config import parse_sets
 from hpcshard.launch.slurm import POLICIES
@@ -310,7 +310,7 @@ def _report(run_dir: Path, code: int) -> None:
 
 
 for command in (ops.preempt, ops.status, ops.logs, ops.cancel, ops.ls, ops.plot, ops.ckpt,
-                sitecmd.config, sitecmd.profiles, sitecmd.templates, doctor.doctor):
+                sitecmd.config, sitecmd.profiles, sitecmd.templates, doctor.doctor, plancmd.plan):
     main.add_command(command)
 
 

@@ -215,8 +215,7 @@ class Doctor:
         d = shlex.quote(str(probe))
         lines = ["#!/bin/bash", f"d={d}",
                  'if [ -e "$d/first" ]; then hostname > "$d/restarted"; exit 0; fi',
-                 'env | grep -E "^(APPTAINER_CONTAINER|SINGULARITY_CONTAINER|PYXIS_[A-Z_]*)=" '
-                 '> "$d/container"',
+                 'stat -c %d:%i / > "$d/root.step"',
                  'hostname > "$d/host.tmp" && mv "$d/host.tmp" "$d/first"']
         if requeue:
             lines += ['scontrol requeue "$SLURM_JOB_ID" > "$d/requeue.log" 2>&1; '
@@ -225,11 +224,14 @@ class Doctor:
         script.write_text("\n".join(lines) + "\n")
         req = self.request("hpcshard-doctor", 1, probe)
         req.time, req.signal_lead_s, req.requeue = "5", 60, requeue
-        if req.modules:  # loaded in a subshell of the batch script, to see whether they load
+        # The batch shell records its root (the step compares: a container has another one)
+        # and whether the modules load: again in a subshell, after the template's own load,
+        # so the output is the probe's while the job keeps what the template loaded.
+        check = [f"stat -c %d:%i / > {d}/root.batch"]
+        if req.modules:
             mods = " ".join(shlex.quote(m) for m in req.modules)
-            req.setup = [f'(module load {mods}) > {d}/modules.log 2>&1; echo $? > {d}/modules.rc',
-                         *req.setup]
-            req.modules = []
+            check.append(f"(module load {mods}) > {d}/modules.log 2>&1; echo $? > {d}/modules.rc")
+        req.setup = [*check, *req.setup]
         batch = probe / "probe.sbatch"
         batch.write_text(render(req, f"bash {shlex.quote(str(script))}", probe))
         proc = subprocess.run(["sbatch", "--parsable", str(batch)], capture_output=True, text=True)
@@ -250,10 +252,14 @@ class Doctor:
         self._module_result(probe)
         runtime = self.v["container"].get("runtime", "")
         if runtime:
-            seen = (probe / "container").read_text().split() if (probe / "container").exists() else []
-            self.add("container (compute)", runtime == "pyxis" or bool(seen),
-                     f"{runtime}: the job step ran" + (f" in the image ({seen[0]})" if seen else ""),
-                     "the job step ran outside the image: check the template's container block")
+            roots = [(probe / f).read_text().strip() if (probe / f).exists() else "?"
+                     for f in ("root.batch", "root.step")]
+            inside = "?" not in roots and roots[0] != roots[1]
+            self.add("container (compute)", inside, f"{runtime}: the job step ran "
+                     + ("in the image (its own root file system)" if inside else
+                        "on the host's root file system"),
+                     "the launch line does not use the container: keep \"${HPCSHARD_SRUN_ARGS[@]}\" "
+                     "\"${HPCSHARD_WRAP[@]}\" in the template's launch block")
         if requeue:
             rc = _rc(probe / "requeue.rc")
             said = (probe / "requeue.log").read_text().strip() if (probe / "requeue.log").exists() else ""
@@ -376,6 +382,7 @@ def doctor(profile: str | None, smoke: bool, wait: float, min_free: float) -> No
     (seen from the compute nodes), modules, container runtime, requeue. Exit 1 on any failure."""
     with user_errors():
         res = site.resolve(site.load(), profile)
+        site.storage_root(res)  # an unset $VAR in it is bad input, not a failed check
     click.echo(f"profile: {res.profile or '- (no profile: built-in defaults and files)'}")
     doc = Doctor(res, wait, min_free)
     try:

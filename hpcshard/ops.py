@@ -203,13 +203,14 @@ def cancel(target: str) -> None:
 @click.command("ls")
 @click.argument("root", type=click.Path(path_type=Path), required=False)
 @click.option("-n", "limit", type=click.IntRange(min=1), default=20, show_default=True)
-def ls(root: Path | None, limit: int) -> None:
+@click.option("--profile", help="List the storage root of this profile [default: the configured one].")
+def ls(root: Path | None, limit: int, profile: str | None) -> None:
     """Recent runs under ROOT (default: the profile's storage_root, else ./runs), newest first."""
     if root is None:
         from hpcshard import site
 
         try:
-            root = site.storage_root(site.resolve(site.load()))
+            root = site.storage_root(site.resolve(site.load(), profile))
         except ValueError as err:
             fail(err)
     runs = sorted((p.parent for p in root.glob("*/spec.json")), key=lambda p: p.stat().st_mtime,

@@ -225,3 +225,9 @@ def render(req: SbatchRequest, command: str, folder: Path) -> str:
         return template.render(**values)
     except jinja2.UndefinedError as err:  # e.g. an attribute of a variable that is missing
         raise ValueError(f"template {req.template!r} ({template.filename}): {err.message}") from None
+    except RecursionError:
+        raise ValueError(f"template {req.template!r} ({template.filename}) extends or includes "
+                         "templates in a cycle; break the cycle") from None
+    except Exception as err:  # the template's own expressions: {{ x / 0 }}, a bad filter call
+        raise ValueError(f"template {req.template!r} ({template.filename}) failed while "
+                         f"rendering: {type(err).__name__}: {err}") from None

@@ -48,12 +48,14 @@ def _time(value: str) -> None:
         parse_time(value)
 
 
-def _signal(value: str) -> None:
-    from hpcshard.config import signal_names
+STOP_SIGNALS = ("USR1", "USR2")
 
-    if "," in value:
-        raise ValueError("name one signal (Slurm sends one), e.g. USR2, USR1 or TERM")
-    signal_names(value)
+
+def _signal(value: str) -> None:
+    if value not in STOP_SIGNALS:
+        raise ValueError("use USR1 or USR2: torchrun takes TERM, INT, HUP and QUIT for itself "
+                         "(it tears the ranks down on them, mid-save), and other signals mean "
+                         "something else to the processes of a job")
 
 
 def _choice(options: tuple[str, ...]) -> Callable[[str], None]:
@@ -77,7 +79,11 @@ def _env_names(value: dict[str, Any]) -> None:
 
 
 def _var_names(value: dict[str, Any]) -> None:
-    for key in value:
+    for key, v in value.items():
+        items = v if isinstance(v, list) else [v]
+        if not all(isinstance(x, str | int | float | bool) for x in items):
+            raise ValueError(f"vars.{key} must be a string, number, boolean or a list of them "
+                             f"(not {type(v).__name__}): the run directory stores it as JSON")
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
             raise ValueError(f"{key!r} is not a valid template variable name")
         if key in SETTINGS or key in TEMPLATE_NAMES:
@@ -186,6 +192,8 @@ def _check_setting(where: str, key: str, value: Any) -> Any:
         value = {k: str(v) for k, v in value.items()}
     if setting.kind == "container":
         value = _check_container(where, value)
+    if key == "signal":  # usr2, SIGUSR2 -> USR2, as Slurm and the launcher spell it
+        value = value.upper().removeprefix("SIG")
     try:
         if setting.check is not None:
             setting.check(value)
@@ -219,6 +227,8 @@ def read_layer(kind: str, path: Path) -> Layer:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as err:
         raise ValueError(f"{path}: not valid TOML: {err}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path}: not UTF-8 text (byte {err.start}); save it as UTF-8") from None
     except OSError as err:
         raise ValueError(f"{path}: cannot be read ({err.strerror}); fix it or point "
                          "HPCSHARD_SITE elsewhere") from None

@@ -194,3 +194,19 @@ def materialize(model: nn.Module, device: torch.device, seed: int,
             else:
                 p.data.copy_(full.data)
             module._parameters[pname] = p
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def state_bytes(params: list[nn.Parameter], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Bytes this rank holds of the parameters, their gradients and the optimizer state
+    (the sharded local tensors: what `hpcshard plan` predicts)."""
+    return {
+        "params": sum(_local_bytes(p) for p in params),
+        "grads": sum(_local_bytes(p.grad) for p in params if p.grad is not None),
+        "optimizer": sum(_local_bytes(v) for state in optimizer.state.values()
+                         for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0),
+    }

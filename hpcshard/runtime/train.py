@@ -22,7 +22,7 @@ from hpcshard.runtime.device import DistEnv, device_peak_tflops
 from hpcshard.runtime.job import Job
 from hpcshard.runtime.mesh import build_mesh, resolve_sharding
 from hpcshard.runtime.metrics import Metrics
-from hpcshard.runtime.shard import ShardPlan, materialize, shard_model
+from hpcshard.runtime.shard import ShardPlan, materialize, shard_model, state_bytes
 from hpcshard.runtime.stop import StopRequest
 
 log = logging.getLogger("hpcshard")
@@ -100,6 +100,7 @@ class Trainer:
             log.warning("the held-out split holds less than one batch (%d tokens); "
                         "evaluation is off", len(splits.eval))
         self.step = 0
+        self.state_bytes: dict[str, int] | None = None
         self.ckpt = Checkpointer(self, run_dir) if run_dir is not None else None
         # Dropout and any other in-step randomness: per rank, seeded, restorable.
         seed_rank(cfg.seed, env.rank)
@@ -143,6 +144,8 @@ class Trainer:
         else:
             self.optimizer.step()
         self.scheduler.step()
+        if self.state_bytes is None:  # what this rank holds, for `hpcshard plan` to compare
+            self.state_bytes = state_bytes(self.params, self.optimizer)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return total, norm
@@ -204,7 +207,10 @@ class Trainer:
         last_t, last_step = time.perf_counter(), self.step
         with metrics.progress(start=self.step) as bar:
             while self.step < cfg.steps:
+                first = self.state_bytes is None
                 step_loss, norm = self.train_step()
+                if first and self.state_bytes is not None:
+                    metrics.event("memory", **self.state_bytes)
                 bar.advance(self.step)
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                     loss = self.mean_over_ranks(step_loss)

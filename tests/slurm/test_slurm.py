@@ -65,7 +65,7 @@ def test_preemption_checkpoints_requeues_and_resumes_bitwise(cluster: dict[str, 
     job = submit(cluster, run, "--time", "10:00", *sets(steps=24, ckpt_every=4))
     wait_for(lambda: trained_to(run, 6), 240, "training to start")
     # A job in the high partition needs every GPU: Slurm preempts (requeues) ours.
-    slurm("sbatch", "-p", "high", "-N2", "--gpus-per-node=2", "--wrap", "sleep 2")
+    slurm("sbatch", "-p", "high", "-N2", "--gpus-per-node=2", "-o", "/dev/null", "--wrap", "sleep 2")
     assert wait_state(job, DONE, 400) == "COMPLETED"
     assert restarts(job) == 1
 
@@ -84,13 +84,14 @@ def test_time_limit_checkpoints_before_the_limit_and_requeues(cluster: dict[str,
     run = tmp_path / "timed"
     # 3 minutes per attempt with the notice 100 s before the end (Slurm sends it a few
     # seconds early and enforces the limit ~20 s late; start-up takes 15-25 s here): about
-    # 50 s of training per attempt, so the 200 steps (~60 s) need two attempts or more.
+    # 50 s of training per attempt. 200 steps took 60 s on a busy machine and under 50 s on
+    # an idle one (then no notice ever came): 400 steps need two attempts or more.
     job = submit(cluster, run, "--time", "3", "--signal-lead", "100",
-                 *sets(steps=200, log_every=10, ckpt_every=1000))
+                 *sets(steps=400, log_every=10, ckpt_every=1000))
     assert wait_state(job, DONE, 600) == "COMPLETED"
     records = ledger.read(run)
     ends = [r for r in records if r["event"] == "end"]
-    assert len(ends) >= 2 and ends[-1]["reason"] == "done" and ends[-1]["step"] == 200
+    assert len(ends) >= 2 and ends[-1]["reason"] == "done" and ends[-1]["step"] == 400
     assert all(e["reason"] == "stop" and e["saved_step"] == e["step"] for e in ends[:-1])
     status = hpcshard("status", str(run), env=cluster)
     assert status.stdout.count("stop") >= len(ends) - 1  # the ledger shows every attempt
@@ -149,7 +150,7 @@ def test_chain_policy_continues_in_one_new_job_where_requeue_is_forbidden(
                  *sets(steps=24, ckpt_every=4))
     assert "#SBATCH --no-requeue" in (run / "submitit" / f"{job}_submission.sh").read_text()
     wait_for(lambda: trained_to(run, 6), 240, "training to start")
-    slurm("sbatch", "-p", "high", "-N2", "--gpus-per-node=2", "--wrap", "sleep 2")
+    slurm("sbatch", "-p", "high", "-N2", "--gpus-per-node=2", "-o", "/dev/null", "--wrap", "sleep 2")
     jobs = lambda: json.loads((run / "spec.json").read_text())["jobs"]  # noqa: E731
     wait_for(lambda: len(jobs()) == 2, 120, "the continuation job")
     follow_up = jobs()[-1]

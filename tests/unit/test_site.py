@@ -3,6 +3,7 @@ path, and every kind of bad input (one line, exit 2, naming the file and the fix
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -318,3 +319,71 @@ def test_doctor_names_a_missing_storage_root(layers: dict[str, Path],
     assert code == 1 and "FAIL    storage root          /nonexistent/runs does not exist" in out
     assert f"create it (mkdir -p /nonexistent/runs) or set storage_root in site {layers['site']} " \
            "[profiles.p]" in out
+
+
+@pytest.mark.parametrize("text,needles", [
+    ('[profiles.a]\nsignal = "TERM"\n', ["signal = 'TERM'", "USR1 or USR2", "torchrun"]),
+    ('[profiles.a]\nsignal = "CHLD"\n', ["signal = 'CHLD'", "USR1 or USR2"]),
+    ('[profiles.a]\nvars = { when = 2026-01-01 }\n', ["vars.when", "string, number, boolean"]),
+])
+def test_values_the_launch_cannot_carry_are_refused(layers: dict[str, Path], text: str,
+                                                     needles: list[str]) -> None:
+    layers["site"].write_text(text)
+    code, out = invoke("render", JOB, "--profile", "a")
+    one_line_error(code, out, str(layers["site"]), *needles)
+
+
+def test_signal_names_are_normalised(layers: dict[str, Path]) -> None:
+    layers["site"].write_text('[profiles.a]\nsignal = "sigusr1"\n')
+    assert site.resolve(site.load(), "a").values["signal"] == "USR1"
+
+
+def test_a_site_file_that_is_not_utf8_names_the_file(layers: dict[str, Path]) -> None:
+    layers["site"].write_bytes('[profiles.a]\ndescription = "café"\n'.encode("latin-1"))
+    code, out = invoke("profiles", "list")
+    one_line_error(code, out, str(layers["site"]), "not UTF-8")
+
+
+@pytest.mark.parametrize("text,needles", [
+    ("#!/bin/bash\n{{ nodes / 0 }}\n", ["'site.j2'", "division by zero"]),
+    ('{% include "b.j2" %}', ["'site.j2'", "cycle"]),
+])
+def test_templates_that_fail_while_rendering_are_one_line(layers: dict[str, Path], text: str,
+                                                          needles: list[str]) -> None:
+    site_template(layers, "site.j2", text)
+    (layers["site"].parent / "templates" / "b.j2").write_text('{% include "site.j2" %}')
+    code, out = invoke("render", JOB, "--profile", "p")
+    one_line_error(code, out, *needles)
+
+
+def test_doctor_with_a_storage_root_naming_an_unset_variable_is_one_line(
+        layers: dict[str, Path]) -> None:
+    layers["site"].write_text('[defaults]\nstorage_root = "/shared/$HPCSHARD_UNSET_VAR"\n')
+    code, out = invoke("doctor")
+    one_line_error(code, out, "$HPCSHARD_UNSET_VAR, which is not set here")
+
+
+def test_hostile_values_in_modules_and_container_stay_quoted(layers: dict[str, Path]) -> None:
+    from tests.unit.test_sbatch import HOSTILE, unquoted
+
+    q = json.dumps  # JSON strings are TOML basic strings
+    layers["site"].write_text(f"""
+[profiles.p]
+modules = [{q(HOSTILE[0])}, {q(HOSTILE[1])}]
+python = {q(HOSTILE[1])}
+[profiles.p.container]
+runtime = "apptainer"
+image = {q(HOSTILE[1])}
+mounts = [{q(HOSTILE[2])}, {q(HOSTILE[3])}]
+workdir = {q(HOSTILE[0])}
+options = [{q(HOSTILE[5])}]
+""")
+    res = site.resolve(site.load(), "p")
+    req = SbatchRequest.from_settings(res, job_name="j", nodes=1, gpus=1, run_dir=Path("/r"))
+    from hpcshard.slurm import executor
+
+    ex = executor(req, Path("/r"))
+    text = render(req, ex._submitit_command_str, Path("/r/submitit"))
+    for line in text.splitlines():
+        for fragment in ("$(", "`", "; echo", "pwned"):
+            assert fragment not in unquoted(line), line

@@ -1,0 +1,167 @@
+"""`hpcshard plan`: will it fit, and how should it be sharded? (login node: torch is
+imported only when the command runs, to build the model on the meta device)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hpcshard.cliutil import table, user_errors
+from hpcshard.config import parse_sets
+
+UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+MEM_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20,
+             "GIB": 2**30, "TIB": 2**40}
+MODES = ("hybrid", "full", "grad-op", "none")
+PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def parse_count(text: str, what: str) -> int:
+    """70B, 7.5M, 120000 -> a positive count; ValueError naming the accepted units."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([KMBGT]?)\s*", text.upper())
+    if not m:
+        raise ValueError(f"{what} {text!r} is not a count; use a number with an optional K, M, B "
+                         "(or G) or T suffix, e.g. 70B or 350M")
+    value = float(m.group(1)) * UNITS[m.group(2)]
+    if value < 1:
+        raise ValueError(f"{what} {text!r} must be at least 1")
+    return int(value)
+
+
+def parse_memory(text: str, option: str = "--gpu-mem") -> int:
+    """80GiB, 80GB, 80G (GiB), 24000MiB -> bytes; ValueError naming the accepted units."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*(?:([KMGT])(I?B)?|(B))?\s*", text.upper())
+    if not m:
+        raise ValueError(f"{option} {text!r} does not parse; use e.g. 80GiB, 80GB or 24000MiB")
+    prefix, suffix, plain = m.group(2), m.group(3), m.group(4)
+    unit = "B" if plain else f"{prefix or 'G'}{suffix or 'IB'}"
+    value = float(m.group(1)) * MEM_UNITS[unit]
+    if value <= 0:
+        raise ValueError(f"{option} {text!r} must be more than zero")
+    return int(value)
+
+
+def parse_ac(text: str) -> int:
+    """none -> 0, full -> 1, K -> every K-th block."""
+    if text in ("none", "full"):
+        return {"none": 0, "full": 1}[text]
+    if text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ValueError(f"--ac {text!r} is not valid; use none, full, or K (every K-th block)")
+
+
+@click.command()
+@click.argument("job", required=False)
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True)
+@click.option("--gpus", type=click.IntRange(min=1), default=8, show_default=True, help="GPUs per node.")
+@click.option("--sharding", type=click.Choice(("auto", *MODES)), default="auto", show_default=True,
+              help="auto: hybrid on more than one node, else full.")
+@click.option("--precision", type=click.Choice(tuple(PRECISIONS)),
+              help="Compute dtype [default: the job's, else bf16].")
+@click.option("--ac", "ac_text", default=None, metavar="none|full|K",
+              help="Activation checkpointing [default: the job's, else none].")
+@click.option("--micro-batch", type=click.IntRange(min=1), help="Sequences per GPU per micro-batch "
+              "[default: the job's batch over the ranks, else 1].")
+@click.option("--gpu-mem", default="80GiB", show_default=True, help="Memory of one GPU.")
+@click.option("--reserve", default="1GiB", show_default=True,
+              help="Memory per GPU that training cannot use (CUDA context, NCCL, allocator slack).")
+@click.option("--params", help="Model given by numbers: parameter count (e.g. 70B).")
+@click.option("--layers", type=int, help="... number of transformer layers.")
+@click.option("--hidden", type=int, help="... hidden size.")
+@click.option("--heads", type=int, default=None, help="... attention heads [default: hidden/128].")
+@click.option("--seq-len", type=int, default=None, help="... sequence length [default: 4096].")
+@click.option("--vocab", type=int, default=None, help="... vocabulary size [default: 32000].")
+@click.option("--hf-config", type=click.Path(path_type=Path),
+              help="A Hugging Face config.json (or its directory): the model is built from it "
+              "on the meta device (needs transformers).")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
+@click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a job config field.")
+def plan(job: str | None, nodes: int, gpus: int, sharding: str, precision: str | None,
+         ac_text: str | None, micro_batch: int | None, gpu_mem: str, reserve: str,
+         params: str | None,
+         layers: int | None, hidden: int | None, heads: int | None, seq_len: int | None,
+         vocab: int | None, hf_config: Path | None, as_json: bool, sets: tuple[str, ...]) -> None:
+    """Per-GPU memory of JOB (or of a model given by numbers or a Hugging Face config) on
+    NODES x GPUS: parameters, gradients, optimizer state, activations, all-gather buffers,
+    for each sharding mode; whether it fits, the checkpoint size, the smallest node count
+    that fits, and a recommended sharding, AC and micro-batch."""
+    with user_errors():
+        mem = parse_memory(gpu_mem)
+        held = parse_memory(reserve, "--reserve") if reserve.strip() not in ("0", "0B") else 0
+        ac = parse_ac(ac_text) if ac_text is not None else None
+        sources = [x for x in (job, params, hf_config) if x]
+        if len(sources) != 1:
+            raise ValueError("give one model: a JOB, --params with --layers and --hidden, or --hf-config")
+        numbers: dict[str, Any] = {}
+        if params:
+            if layers is None or hidden is None:
+                raise ValueError("--params needs --layers and --hidden (e.g. --params 70B --layers 80 "
+                                 "--hidden 8192)")
+            numbers = {"params": parse_count(params, "--params"), "layers": layers, "hidden": hidden,
+                       "heads": heads or max(1, hidden // 128), "seq_len": seq_len or 4096,
+                       "vocab": vocab or 32000}
+            for key in ("layers", "hidden", "heads", "seq_len", "vocab"):
+                if numbers[key] < 1:
+                    raise ValueError(f"--{key.replace('_', '-')} {numbers[key]} must be at least 1")
+        if hf_config is not None and not hf_config.exists():
+            raise ValueError(f"--hf-config {str(hf_config)!r} does not exist; give a config.json "
+                             "or the directory holding it")
+        from hpcshard.runtime.planner import make_plan
+
+        result = make_plan(job=job, sets=parse_sets(sets), numbers=numbers, hf_config=hf_config,
+                           nodes=nodes, gpus=gpus, sharding=sharding, precision=precision, ac=ac,
+                           micro_batch=micro_batch, gpu_mem=mem, reserve=held)
+    if as_json:
+        click.echo(json.dumps(result, indent=2))
+        return
+    show(result)
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def show(p: dict[str, Any]) -> None:
+    m = p["model"]
+    click.echo(f"model: {m['name']}: {m['params'] / 1e6:,.2f}M parameters, {m['blocks']} x "
+               f"{m['block']} (largest {m['max_block_params'] / 1e6:,.2f}M), "
+               f"{m['root_params'] / 1e6:,.2f}M outside the blocks")
+    click.echo(f"shape: {p['nodes']} node(s) x {p['gpus']} GPU(s), {p['precision']}, micro-batch "
+               f"{p['micro_batch']} x {m['seq_len']} tokens, AC {p['ac']}, GPU memory "
+               f"{gib(p['gpu_mem'])}\n")
+    modes = p["modes"]
+    rows = [("sharding", *[f"{k}{' *' if k == p['sharding'] else ''}" for k in modes]),
+            ("mesh (replicate x shard)", *[f"{v['replicate']} x {v['shard']}" for v in modes.values()])]
+    for key, label in (("params", "parameters (fp32 shard)"), ("grads", "gradients (fp32 shard)"),
+                       ("optimizer", "optimizer (AdamW)"), ("gather", "all-gather buffers"),
+                       ("reduce", "reduce-scatter buffer"), ("activations", "activations, no AC"),
+                       ("activations_ac", f"activations, AC {p['ac_with']}"),
+                       ("reserve", "reserve (CUDA, NCCL, slack)")):
+        rows.append((label, *[gib(v[key]) for v in modes.values()]))
+    rows.append(("total, no AC", *[gib(v["total"]) for v in modes.values()]))
+    rows.append((f"total, AC {p['ac_with']}", *[gib(v["total_ac"]) for v in modes.values()]))
+    rows.append((f"fits in {gib(p['gpu_mem'])}", *[
+        "yes" if v["fits"] else "with AC" if v["fits_ac"] else "no" for v in modes.values()]))
+    table(("per GPU", *["" for _ in modes]), rows)
+    if p["activations_unmeasured"]:
+        click.echo(f"\nactivations not measured (totals leave them out): the model's forward does "
+                   f"not run on the meta device ({p['activations_unmeasured']})")
+    click.echo(f"\ncheckpoint: {gib(p['checkpoint_bytes'])} (weights and AdamW state in fp32, each "
+               "shard written once: replicas add nothing)")
+    def nodes(n: int | None) -> str:
+        return f"{n} ({n * p['gpus']} GPUs)" if n else "none up to 4096"
+
+    click.echo(f"smallest node count that fits, full sharding: {nodes(p['min_nodes_full'])} with AC "
+               f"{p['ac']}, {nodes(p['min_nodes_full_ac'])} with AC {p['ac_with']}")
+    r = p["recommendation"]
+    if r:
+        click.echo(f"recommended: --set sharding={r['sharding']} --set ac={r['ac']} --set "
+                   f"micro_batch_size={r['micro_batch']} ({gib(r['total'])} of {gib(p['gpu_mem'])}): "
+                   f"{r['why']}")
+    else:
+        click.echo("recommended: does not fit on this shape; add nodes with full sharding "
+                   "(see above), or lower the sequence length")
