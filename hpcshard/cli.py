@@ -141,22 +141,27 @@ def submit(job: str, nodes: int | None, run_dir: Path | None, name: str | None, 
 @_shape_options(None)
 @click.option("--run-dir", type=click.Path(path_type=Path), help="As for submit.")
 @click.option("--name", help="Run name [default: the job's name].")
+@click.option("--check", is_flag=True, help="Also import the job and build its model on the meta "
+              "device, as submit does (takes seconds: torch).")
 @slurm_options
 @SETS
-def render_cmd(job: str, nodes: int | None, run_dir: Path | None, name: str | None,
+def render_cmd(job: str, nodes: int | None, run_dir: Path | None, name: str | None, check: bool,
                sets: tuple[str, ...], profile: str | None, **opts: Any) -> None:
-    """Print the sbatch script that `submit --backend slurm` would submit (nothing runs)."""
+    """Print the sbatch script that `submit --backend slurm` would submit (nothing runs,
+    nothing is imported: it is instant)."""
     from hpcshard import slurm
 
     spec, run_dir, req = _prepare(job, nodes or 1, run_dir, name, "auto", sets, profile,
-                                  {**opts, "backend": "slurm"}, check_cluster=False)
+                                  {**opts, "backend": "slurm"}, check_cluster=False,
+                                  check_job=check)
     assert req is not None
     click.echo(slurm.sbatch_text(req, run_dir.resolve()), nl=False)
 
 
 def _prepare(job: str, nodes: int, run_dir: Path | None, name: str | None, resume: str,
              sets: tuple[str, ...], profile: str | None, opts: dict[str, Any],
-             check_cluster: bool = True) -> tuple[RunSpec, Path, SbatchRequest | None]:
+             check_cluster: bool = True, check_job: bool = True,
+             ) -> tuple[RunSpec, Path, SbatchRequest | None]:
     """Validate everything and build the request; nothing is created or submitted."""
     with user_errors():
         res = settings(profile, opts)
@@ -180,7 +185,8 @@ def _prepare(job: str, nodes: int, run_dir: Path | None, name: str | None, resum
 
                 slurm.check_request(req)
                 _warn_storage(run_dir, nodes)
-        spec.resolved = preflight(spec)
+        if check_job:
+            spec.resolved = preflight(spec)
     return spec, run_dir, req
 
 

@@ -10,7 +10,11 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from types import FrameType
+
+START = time.time()
+"""When this rank's interpreter reached hpcshard (start-up timings in the start event)."""
 
 EARLY: list[int] = []
 """Signals received before the runtime installed its handlers."""

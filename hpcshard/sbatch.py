@@ -196,9 +196,6 @@ def render(req: SbatchRequest, command: str, folder: Path) -> str:
     """The sbatch text. `command` and `folder` are submitit's: the srun line runs
     `submitit.core._submit` in every task, which calls hpcshard's per-node launcher."""
     req.validate()
-    from submitit.core.utils import JobPaths  # small; keeps its log layout for `logs`
-
-    paths = JobPaths(folder=folder)  # no ids: the %j_%t patterns submitit itself uses
     container = {"runtime": "", "image": "", "mounts": [], "workdir": "", "options": [],
                  **req.container}
     values: dict[str, Any] = {
@@ -206,7 +203,8 @@ def render(req: SbatchRequest, command: str, folder: Path) -> str:
         "directives": {k: getattr(req, k) for k in ("partition", "account", "qos", "constraint")},
         "stdout": str(req.run_dir / "logs" / "slurm-%j.out"),
         "stderr": str(req.run_dir / "logs" / "slurm-%j.err"),
-        "task_stdout": str(paths.stdout), "task_stderr": str(paths.stderr),
+        # submitit's own per-task log names (JobPaths without ids; a test holds them equal)
+        "task_stdout": str(folder / "%j_%t_log.out"), "task_stderr": str(folder / "%j_%t_log.err"),
         "submitit_folder": str(folder), "command": command,
     }
     env = environment(req.template_dirs)

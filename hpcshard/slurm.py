@@ -105,10 +105,16 @@ def executor(req: SbatchRequest, run_dir: Path) -> Any:
     return ex
 
 
+def submit_command(req: SbatchRequest, run_dir: Path) -> str:
+    """The command submitit runs in every task (its `_submitit_command_str`), without
+    importing submitit: `render` stays instant. A test holds the two equal."""
+    python = shlex.quote(req.python) if req.python else shlex.quote(sys.executable)
+    return f"{python} -u -m submitit.core._submit {shlex.quote(str(run_dir / 'submitit'))}"
+
+
 def sbatch_text(req: SbatchRequest, run_dir: Path) -> str:
     """Exactly what `submit` would hand to sbatch."""
-    ex = executor(req, run_dir)
-    return str(ex._make_submission_file_text(ex._submitit_command_str, "render"))
+    return render(req, submit_command(req, run_dir), run_dir / "submitit")
 
 
 @contextlib.contextmanager

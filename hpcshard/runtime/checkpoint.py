@@ -24,6 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpcshard import checkpoints as store
@@ -103,6 +104,13 @@ class Checkpointer:
         # Async saves run their collectives on a gloo group of their own, so they never
         # interleave with training's collectives on the default group.
         self.group = dist.new_group(backend="gloo") if cfg.async_save else None
+        # Async saves copy the state in a background thread too (no pinned or shared
+        # memory: works on CPU): the step only waits for the copy before it changes the
+        # parameters (`staged`), so forward and backward overlap it.
+        self.stager = (DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                                    use_async_staging=True, use_non_blocking_copy=False))
+                       if cfg.async_save else None)
+        self.staging: Any = None
         self.pending: tuple[Any, int, Path, float, str] | None = None
         self.last_saved = -1
         self.last_time = time.monotonic()
@@ -173,8 +181,10 @@ class Checkpointer:
         self.last_time = time.monotonic()
         try:
             if self.cfg.async_save:
-                future = dcp.async_save(self._state(), checkpoint_id=str(tmp),
-                                        process_group=self.group)
+                response = dcp.async_save(self._state(), checkpoint_id=str(tmp),
+                                          process_group=self.group, async_stager=self.stager)
+                future = getattr(response, "upload_completion", response)
+                self.staging = getattr(response, "staging_completion", None)
                 self.pending = (future, step, tmp, start, reason)
                 return True
             dcp.save(self._state(), checkpoint_id=str(tmp))
@@ -184,6 +194,13 @@ class Checkpointer:
             return self._failed(step, tmp, err)
         return self._commit(step, tmp, start, reason)
 
+    def staged(self) -> None:
+        """Return once an async save has its own copy of the state (call before the
+        parameters or the optimizer state change)."""
+        if self.staging is not None:
+            staging, self.staging = self.staging, None
+            staging.result()
+
     def wait(self) -> bool:
         """Finish an async save: wait for every rank's write, then commit it."""
         if self.pending is None:
@@ -191,6 +208,7 @@ class Checkpointer:
         future, step, tmp, start, reason = self.pending
         self.pending = None
         try:
+            self.staged()
             future.result()
         except BaseException as err:
             if isinstance(err, KeyboardInterrupt):

@@ -13,13 +13,14 @@ import logging
 import os
 import socket
 import sys
+import time
 from pathlib import Path
 
 import torch.distributed as dist
 
 from hpcshard import ledger
 from hpcshard.config import build_config
-from hpcshard.entry import notice
+from hpcshard.entry import START, notice
 from hpcshard.runtime.device import init_distributed
 from hpcshard.runtime.job import load_job
 from hpcshard.runtime.stop import StopRequest
@@ -64,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     # attempts always resume "auto" (the newest checkpoint), whatever the first asked.
     attempt = int(os.environ.get("HPCSHARD_ATTEMPT", "0"))
     resume = os.environ.get("HPCSHARD_RESUME", "auto")
+    startup = {"entry": START, "torch": time.time()}
     env = init_distributed()
+    startup["rendezvous"] = time.time()
     stop: StopRequest | None = None
     try:
         check_writable(run_dir)
@@ -73,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
         cfg = build_config(job.config, spec["sets"])
         stop = StopRequest(f"{cfg.stop_signals},{notice().name}").install()
         trainer = Trainer(job, cfg, env, run_dir)
+        startup["built"] = time.time()
         loaded = trainer.restore(resume)
+        trainer.startup = {**startup, "loaded": time.time()}
         if env.is_main:
             ledger.append(run_dir, {"event": "start", "attempt": attempt, "world": env.world,
                                     "nodes": env.nodes, "host": socket.gethostname(),

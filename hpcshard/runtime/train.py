@@ -101,6 +101,8 @@ class Trainer:
                         "evaluation is off", len(splits.eval))
         self.step = 0
         self.state_bytes: dict[str, int] | None = None
+        self.startup: dict[str, float] = {}
+        """Wall-clock marks of this rank's start (entry, torch, rendezvous, built, loaded)."""
         self.ckpt = Checkpointer(self, run_dir) if run_dir is not None else None
         # Dropout and any other in-step randomness: per rank, seeded, restorable.
         seed_rank(cfg.seed, env.rank)
@@ -135,6 +137,8 @@ class Trainer:
             loss = loss / len(micro_batches)
             (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach()
+        if self.ckpt is not None:  # an async save may still be copying the parameters
+            self.ckpt.staged()
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         norm = clip_grad_norm_(self.params, self.cfg.grad_clip)
@@ -201,7 +205,8 @@ class Trainer:
         metrics.event("start", params=self.n_params, world=env.world, nodes=env.nodes,
                       sharding=self.mode, mesh=list(self.mesh.shape), precision=cfg.precision,
                       accumulation=self.accum, blocks=len(self.blocks), first_step=self.step + 1,
-                      unigram_entropy=baseline, train_tokens=len(self.splits.train))
+                      unigram_entropy=baseline, train_tokens=len(self.splits.train),
+                      startup=self.startup)
         tokens_per_step = cfg.batch_size * cfg.seq_len
         loss, eval_loss, reason = float("nan"), None, "done"
         last_t, last_step = time.perf_counter(), self.step

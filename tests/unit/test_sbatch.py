@@ -125,3 +125,20 @@ def test_submit_warns_when_the_lead_time_is_shorter_than_the_last_save(
     assert "--signal-lead 120s is short: the last checkpoint of this run took 200s" in capsys.readouterr().err
     _warn_lead_time(tmp_path, request(signal_lead_s=600))
     assert capsys.readouterr().err == ""
+
+
+def test_render_agrees_with_submitit_without_importing_it(tmp_path: Path) -> None:
+    """`render` builds submitit's task command and log names itself (importing submitit
+    would make it slow); they must stay what submitit's executor produces."""
+    from submitit.core.utils import JobPaths
+
+    from hpcshard.slurm import executor, sbatch_text, submit_command
+
+    for python in ("", "/opt/my env/bin/python"):
+        req = request(python=python)
+        ex = executor(req, tmp_path)
+        assert submit_command(req, tmp_path) == ex._submitit_command_str
+        assert sbatch_text(req, tmp_path) == ex._make_submission_file_text(ex._submitit_command_str, "x")
+    paths = JobPaths(folder=tmp_path / "submitit")
+    text = sbatch_text(request(), tmp_path)
+    assert f"--output {paths.stdout} --error {paths.stderr}" in text

@@ -1,0 +1,1 @@
+"""hpcshard's benchmarks: `python -m bench` runs them all (see bench/README.md)."""
