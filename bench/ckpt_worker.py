@@ -52,6 +52,7 @@ def main() -> None:
     if args.per_node:  # emulate nodes on one torchrun: the mesh is (world / per_node, per_node)
         env = dataclasses.replace(env, per_node=args.per_node)
     run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
     job = load_job(str(ROOT / "jobs" / "charlm.py"))
     sets = {"dim": str(args.dim), "n_layers": str(args.layers), "n_heads": "8", "seq_len": "64",
             "batch_size": str(env.world), "eval_every": "0", "ckpt_every": "100000000",
@@ -74,9 +75,9 @@ def main() -> None:
             trainer.ckpt.wait()
         total = time.perf_counter() - start
         dist.barrier()
-        row: dict[str, Any] = {"blocked_s": blocked, "total_s": total, "step_s": step_s,
-               "bytes": trainer.ckpt.last_bytes, "save_seconds": trainer.ckpt.save_seconds[-1]}
-        if env.is_main:
+        row: dict[str, Any] = {"blocked_s": blocked, "total_s": total, "step_s": step_s}
+        if env.is_main:  # the commit (manifest, sizes, save time) is rank 0's
+            row.update(bytes=trainer.ckpt.last_bytes, save_seconds=trainer.ckpt.save_seconds[-1])
             ckpt = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir())[-1]
             row["rank_bytes"] = sorted(f.stat().st_size for f in ckpt.glob("__*_*.distcp"))
             if args.dd:

@@ -67,6 +67,8 @@ def median(values: list[float]) -> float:
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
     path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -26,6 +27,7 @@ def charlm():  # type: ignore[no-untyped-def]
     spec = importlib.util.spec_from_file_location("charlm", ROOT / "jobs" / "charlm.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
+    sys.modules["charlm"] = module  # dataclasses look their module up
     spec.loader.exec_module(module)
     return module
 

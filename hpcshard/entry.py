@@ -37,4 +37,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # `-m hpcshard.entry` runs this file as __main__: later imports of hpcshard.entry (the
+    # runtime reads EARLY and START) must find this module, not execute a second copy
+    # with an empty EARLY, or a notice that came while torch loaded would be lost.
+    sys.modules.setdefault("hpcshard.entry", sys.modules[__name__])
     sys.exit(main())

@@ -239,7 +239,8 @@ class Checkpointer:
         text = _one_line(err)
         need = self.last_bytes or sum(t.numel() * t.element_size() for t in
                                       _tensors(self._state())) * self.env.world
-        free = shutil.disk_usage(self.root).free
+        existing = next(p for p in (self.root, *self.root.parents) if p.exists())
+        free = shutil.disk_usage(existing).free
         if free < need:
             return (f"no space left on the device holding {self.root} ({free / 1e6:.1f} MB free, "
                     f"a checkpoint needs about {need / 1e6:.1f} MB) [{text}]")
