@@ -241,8 +241,9 @@ class Doctor:
                      "check partition, account and qos with your admins")
             return
         job = proc.stdout.strip().split(";")[0]
-        want = "requeue.rc" if requeue else "first"
-        state = self._wait_for(job, lambda: (probe / want).exists())
+        # Slurm may kill the step before it records scontrol's answer: a restart also says yes.
+        wants = ("requeue.rc", "restarted") if requeue else ("first",)
+        state = self._wait_for(job, lambda: any((probe / w).exists() for w in wants))
         subprocess.run(["scancel", job], capture_output=True)
         if not (probe / "first").exists():
             self._probe_failed(job, state, probe)
@@ -261,7 +262,7 @@ class Doctor:
                      "the launch line does not use the container: keep \"${HPCSHARD_SRUN_ARGS[@]}\" "
                      "\"${HPCSHARD_WRAP[@]}\" in the template's launch block")
         if requeue:
-            rc = _rc(probe / "requeue.rc")
+            rc = 0 if (probe / "restarted").exists() else _rc(probe / "requeue.rc")
             said = (probe / "requeue.log").read_text().strip() if (probe / "requeue.log").exists() else ""
             where = " inside the container" if runtime else ""
             self.add("requeue", rc == 0, f"scontrol requeue{where} accepted" if rc == 0 else

@@ -7,11 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from hpcshard import site
-from hpcshard.cli import main
 from hpcshard.sbatch import SbatchRequest, render
+from tests.unit.test_cli import invoke
 
 JOB = str(Path(__file__).resolve().parents[2] / "jobs" / "charlm.py")
 COMMAND = "/usr/bin/python3 -u -m submitit.core._submit /r/submitit"
@@ -30,11 +29,6 @@ def layers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, Path]:
     monkeypatch.chdir(files["project"].parent)
     files["site"].write_text("")
     return files
-
-
-def invoke(*args: str) -> tuple[int, str]:
-    result = CliRunner().invoke(main, list(args))
-    return result.exit_code, result.output
 
 
 def one_line_error(code: int, output: str, *needles: str) -> None:
