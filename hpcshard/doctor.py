@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from hpcshard import site
+from hpcshard import ops, site
 from hpcshard.cliutil import table, user_errors
 from hpcshard.runs import probe_writable
 from hpcshard.sbatch import SbatchRequest, parse_time, render
@@ -32,8 +32,8 @@ if TYPE_CHECKING:
     from hpcshard.slurm import Partition
 
 SLURM_COMMANDS = ("sbatch", "squeue", "scontrol", "sinfo")
-FINAL = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED", "OUT_OF_MEMORY",
-         "BOOT_FAIL", "DEADLINE"}
+FINAL = ops.FINAL_STATES
+"""Slurm states after which the probe job writes nothing more."""
 
 
 @dataclass

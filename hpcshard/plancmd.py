@@ -17,7 +17,7 @@ UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 MEM_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20,
              "GIB": 2**30, "TIB": 2**40}
 MODES = ("hybrid", "full", "grad-op", "none")
-PRECISIONS = {"fp32": 4, "bf16": 2, "fp16": 2}
+PRECISIONS = ("fp32", "bf16", "fp16")
 
 
 def parse_count(text: str, what: str) -> int:
@@ -60,7 +60,7 @@ def parse_ac(text: str) -> int:
 @click.option("--gpus", type=click.IntRange(min=1), default=8, show_default=True, help="GPUs per node.")
 @click.option("--sharding", type=click.Choice(("auto", *MODES)), default="auto", show_default=True,
               help="auto: hybrid on more than one node, else full.")
-@click.option("--precision", type=click.Choice(tuple(PRECISIONS)),
+@click.option("--precision", type=click.Choice(PRECISIONS),
               help="Compute dtype [default: the job's, else bf16].")
 @click.option("--ac", "ac_text", default=None, metavar="none|full|K",
               help="Activation checkpointing [default: the job's, else none].")
