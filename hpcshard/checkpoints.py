@@ -129,6 +129,26 @@ def inspect(path: Path) -> Checkpoint:
     return ckpt
 
 
+def commit(tmp: Path, step: int, manifest: dict[str, Any], keep_last: int, keep_every: int = 0,
+           ) -> tuple[Path, dict[str, Any], list[Path]]:
+    """Rank 0, once every rank has written its shards into `tmp` (step-N.tmp): add the
+    manifest, rename into place, fsync, move `latest`, retire old checkpoints. Returns the
+    committed path, the full manifest and the retired paths."""
+    for f in tmp.iterdir():  # shards may have been written under a loose umask
+        f.chmod(f.stat().st_mode & ~0o022)
+    files = file_sizes(tmp)
+    manifest = {"format": FORMAT, "step": step, **manifest, "files": files,
+                "bytes": sum(files.values()), "time": time.time()}
+    write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+    final = tmp.parent / step_name(step)
+    if final.exists():  # never replace a committed checkpoint in place
+        raise FileExistsError(f"{final} already exists")
+    os.replace(tmp, final)
+    fsync_dir(tmp.parent)
+    write_atomic(tmp.parent / LATEST, final.name + "\n")
+    return final, manifest, retire(tmp.parent, keep_last, keep_every)
+
+
 def scan(root: Path) -> list[Checkpoint]:
     """Every step-* entry under RUN_DIR/checkpoints, oldest first."""
     if not root.is_dir():

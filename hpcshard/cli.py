@@ -3,6 +3,7 @@ only, never torch at import (a test enforces it), so `hpcshard --help` is instan
 
 from __future__ import annotations
 
+import shlex
 import shutil
 import sys
 from collections.abc import Callable
@@ -12,7 +13,7 @@ from typing import Any, NoReturn
 
 import click
 
-from hpcshard import __version__, checkpoints, doctor, ops, plancmd, site, sitecmd
+from hpcshard import __version__, checkpoints, doctor, ops, plancmd, script, site, sitecmd
 from hpcshard.cliutil import fail, user_errors
 from hpcshard.config import parse_sets
 from hpcshard.launch.slurm import POLICIES
@@ -80,7 +81,8 @@ def slurm_options(f: Callable[..., Any]) -> Callable[..., Any]:
 CLI_SETTINGS = {"gpus": "gpus_per_node", "backend": "backend", "max_requeues": "max_requeues",
                 "time": "time", "partition": "partition", "account": "account", "qos": "qos",
                 "constraint": "constraint", "cpus_per_gpu": "cpus_per_gpu", "mem": "mem",
-                "signal_lead": "signal_lead", "requeue_policy": "requeue_policy"}
+                "signal_lead": "signal_lead", "requeue_policy": "requeue_policy",
+                "script_signal": "script_signal", "grace": "script_grace"}
 """Command-line options that are settings: the top layer of the configuration."""
 
 
@@ -103,6 +105,25 @@ def _shape_options(default: int | None) -> Callable[[Callable[..., Any]], Callab
 
 SETS = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
                     help="Override a config field of the job (repeatable), e.g. --set steps=100.")
+
+def script_options(f: Callable[..., Any]) -> Callable[..., Any]:
+    """Bring your own script: `submit train.py -- ARGS` or `submit -m pkg.mod -- ARGS`."""
+    opts = [
+        click.argument("args", nargs=-1, type=click.UNPROCESSED),
+        click.option("-m", "module", metavar="MODULE",
+                      help="Run a module as the script, as `python -m MODULE` would."),
+        click.option("--script-signal", type=click.Choice(script.SCRIPT_SIGNALS, case_sensitive=False),
+                     help="Scripts: the signal each rank gets when the job must stop, the one its "
+                     "framework listens to [default: the profile's, else TERM]."),
+        click.option("--grace", type=click.IntRange(min=0),
+                     help="Scripts: seconds after the notice before the ranks are killed and the "
+                     "job requeued [default: the profile's, else 60]."),
+    ]
+    for opt in reversed(opts):
+        f = opt(f)
+    return f
+
+
 RESUME = click.option("--resume", "resume", default="auto", show_default=True,
                       metavar="auto|never|STEP|PATH",
                       help="Checkpoint to start from: the newest (auto), none, a step of this "
@@ -110,7 +131,8 @@ RESUME = click.option("--resume", "resume", default="auto", show_default=True,
 
 
 @main.command()
-@click.argument("job")
+@click.argument("job", required=False)
+@script_options
 @_shape_options(None)
 @click.option("--backend", type=click.Choice(BACKENDS),
               help="local: N emulated nodes on this machine [default: the profile's, else auto: "
@@ -125,10 +147,13 @@ RESUME = click.option("--resume", "resume", default="auto", show_default=True,
 @slurm_options
 @RESUME
 @SETS
-def submit(job: str, nodes: int | None, run_dir: Path | None, name: str | None, follow: bool,
-           resume: str, sets: tuple[str, ...], profile: str | None, **opts: Any) -> None:
-    """Run JOB (a job file or module) on NODES x GPUS ranks."""
-    spec, run_dir, req = _prepare(job, nodes or 1, run_dir, name, resume, sets, profile, opts)
+def submit(job: str | None, nodes: int | None, run_dir: Path | None, name: str | None,
+           follow: bool, resume: str, sets: tuple[str, ...], profile: str | None,
+           module: str | None, args: tuple[str, ...], **opts: Any) -> None:
+    """Run JOB (an hpcshard job file or module) on NODES x GPUS ranks, or any torchrun
+    script as it is: `submit train.py -- ARGS`, `submit -m package.module -- ARGS`."""
+    spec, run_dir, req = _prepare(job, nodes or 1, run_dir, name, resume, sets, profile, opts,
+                                  module=module, args=args)
     create_run_dir(run_dir)
     if spec.backend == "slurm":
         assert req is not None
@@ -137,7 +162,8 @@ def submit(job: str, nodes: int | None, run_dir: Path | None, name: str | None, 
 
 
 @main.command("render")
-@click.argument("job")
+@click.argument("job", required=False)
+@script_options
 @_shape_options(None)
 @click.option("--run-dir", type=click.Path(path_type=Path), help="As for submit.")
 @click.option("--name", help="Run name [default: the job's name].")
@@ -145,47 +171,82 @@ def submit(job: str, nodes: int | None, run_dir: Path | None, name: str | None, 
               "device, as submit does (takes seconds: torch).")
 @slurm_options
 @SETS
-def render_cmd(job: str, nodes: int | None, run_dir: Path | None, name: str | None, check: bool,
-               sets: tuple[str, ...], profile: str | None, **opts: Any) -> None:
+def render_cmd(job: str | None, nodes: int | None, run_dir: Path | None, name: str | None,
+               check: bool, sets: tuple[str, ...], profile: str | None, module: str | None,
+               args: tuple[str, ...], **opts: Any) -> None:
     """Print the sbatch script that `submit --backend slurm` would submit (nothing runs,
     nothing is imported: it is instant)."""
     from hpcshard import slurm
 
     spec, run_dir, req = _prepare(job, nodes or 1, run_dir, name, "auto", sets, profile,
                                   {**opts, "backend": "slurm"}, check_cluster=False,
-                                  check_job=check)
+                                  check_job=check, module=module, args=args)
     assert req is not None
     click.echo(slurm.sbatch_text(req, run_dir.resolve()), nl=False)
 
 
-def _prepare(job: str, nodes: int, run_dir: Path | None, name: str | None, resume: str,
+def _target(job: str | None, module: str | None, args: tuple[str, ...], sets: tuple[str, ...],
+            ) -> tuple[str, str, dict[str, Any]]:
+    """(what the run is named after, the job reference, the script) from the command line:
+    an hpcshard job (file or module), or a script file / `-m` module run as it is."""
+    if module:
+        script.check_module(module)
+        return module, module, {"kind": "module", "target": module,
+                                "args": [*([job] if job is not None else []), *args]}
+    if job is None:
+        raise ValueError("nothing to run: give a job (jobs/charlm.py), a script "
+                         "(train.py -- ARGS) or a module (-m package.module -- ARGS)")
+    path = Path(job)
+    if (job.endswith(".py") or path.exists()) and path.is_file() and not script.defines_job(path):
+        return job, str(path.resolve()), {"kind": "file", "target": str(path.resolve()),
+                                          "args": list(args)}
+    if args:
+        raise ValueError(f"{job} is an hpcshard job: it takes --set KEY=VALUE, not arguments "
+                         f"({shlex.join(args)}); a plain script takes them after --")
+    return job, job_ref(job), {}
+
+
+def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None, resume: str,
              sets: tuple[str, ...], profile: str | None, opts: dict[str, Any],
-             check_cluster: bool = True, check_job: bool = True,
+             check_cluster: bool = True, check_job: bool = True, module: str | None = None,
+             args: tuple[str, ...] = (),
              ) -> tuple[RunSpec, Path, SbatchRequest | None]:
     """Validate everything and build the request; nothing is created or submitted."""
     with user_errors():
         res = settings(profile, opts)
         v = res.values
-        ref = job_ref(job)
-        run_dir = run_dir or default_run_dir(job, site.storage_root(res))
+        label, ref, own = _target(job, module, args, sets)
+        if own:
+            if sets:
+                raise ValueError(f"--set {sets[0]}: --set is for hpcshard jobs; pass a script's own "
+                                 f"arguments after --, e.g. hpcshard submit {label} -- --lr 3e-4")
+            if resume not in ("auto", "never"):
+                raise ValueError(f"--resume {resume}: a script finds its own checkpoints "
+                                 "(in $HPCSHARD_CHECKPOINT_DIR); use auto or never")
+            own.update(cwd=str(Path.cwd()), signal=v["script_signal"], grace=v["script_grace"])
+        run_dir = run_dir or default_run_dir(label, site.storage_root(res))
         check_run_dir(run_dir)
         if resume not in ("auto", "never"):
             check_resume(run_dir, resume)
         spec = RunSpec(job=ref, sets=parse_sets(sets), nodes=nodes, gpus=v["gpus_per_node"],
-                       backend=pick_backend(v["backend"]), name=name or job_stem(job),
+                       backend=pick_backend(v["backend"]), name=name or job_stem(label),
                        max_requeues=v["max_requeues"], requeue_policy=v["requeue_policy"],
-                       profile=res.profile)
+                       profile=res.profile, script=own)
         req = None
         if spec.backend == "slurm":
             req = SbatchRequest.from_settings(res, job_name=spec.name, nodes=spec.nodes,
                                               gpus=spec.gpus, run_dir=run_dir)
             render(req, "true", run_dir / "submitit")  # the template, before anything is made
+            if own and own["grace"] >= req.signal_lead_s:
+                raise ValueError(f"--grace {own['grace']} is not below the notice's lead time "
+                                 f"({req.signal_lead_s}s): the time limit would kill the script "
+                                 "first; lower --grace or raise --signal-lead")
             if check_cluster:
                 from hpcshard import slurm
 
                 slurm.check_request(req)
                 _warn_storage(run_dir, nodes)
-        if check_job:
+        if check_job and not own:
             spec.resolved = preflight(spec)
     return spec, run_dir, req
 
@@ -217,7 +278,7 @@ def _submit_slurm(spec: RunSpec, run_dir: Path, req: SbatchRequest, resume: str,
     spec.jobs.append(job_id)
     spec.write(run_dir)
     click.echo(f"submitted job {job_id}: {spec.nodes} node(s) x {spec.gpus} GPU(s), "
-               f"sharding {spec.resolved['sharding']}")
+               + _what(spec))
     click.echo(f"run directory: {run_dir}")
     click.echo(f"logs: {run_dir / 'logs'}/rank-N.log, {run_dir / 'submitit'}/{job_id}_N_log.out")
     click.echo(f"follow: hpcshard submit ... --follow, or tail -f {run_dir / 'logs' / 'rank-0.log'}")
@@ -277,7 +338,8 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, resume: str,
                                    "cpus_per_task": per_gpu * spec.gpus, "run_dir": run_dir.resolve()})
             render(req, "true", run_dir / "submitit")
             slurm.check_request(req)
-        spec.resolved = preflight(spec)
+        if not spec.script:
+            spec.resolved = preflight(spec)
     if req is not None:
         _submit_slurm(spec, run_dir, req, resume, follow=False)
     _launch(spec, run_dir, resume)
@@ -285,9 +347,7 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, resume: str,
 
 def _launch(spec: RunSpec, run_dir: Path, resume: str) -> NoReturn:
     spec.write(run_dir)
-    res = spec.resolved
-    click.echo(f"run {spec.name}: {spec.nodes} node(s) x {spec.gpus} rank(s), sharding "
-               f"{res['sharding']}, {res['blocks']} x {res['block']}, {res['params'] / 1e6:.2f}M params")
+    click.echo(f"run {spec.name}: {spec.nodes} node(s) x {spec.gpus} rank(s), {_what(spec)}")
     click.echo(f"run directory: {run_dir}")
     from hpcshard.launch.local import run_local
 
@@ -299,6 +359,16 @@ def _launch(spec: RunSpec, run_dir: Path, resume: str) -> NoReturn:
                      max_requeues=spec.max_requeues, on_attempt=requeued)
     _report(run_dir, code)
     sys.exit(code)
+
+
+def _what(spec: RunSpec) -> str:
+    if spec.script:
+        own = spec.script
+        return (f"script {'-m ' if own['kind'] == 'module' else ''}"
+                f"{shlex.join([own['target'], *own['args']])}")
+    res = spec.resolved
+    return (f"sharding {res['sharding']}, {res['blocks']} x {res['block']}, "
+            f"{res['params'] / 1e6:.2f}M params")
 
 
 def _report(run_dir: Path, code: int) -> None:

@@ -31,9 +31,28 @@ def notice() -> signal.Signals:
 
 def main() -> int:
     signal.signal(notice(), _early)
+    import json
+    from pathlib import Path
+
+    run_dir = Path(sys.argv[1])
+    spec = json.loads((run_dir / "spec.json").read_text())
+    if spec.get("script"):  # bring your own script: it keeps its own interpreter exit
+        from hpcshard import script
+
+        return script.run(run_dir, spec, EARLY)
     from hpcshard.runtime.main import main as run
 
-    return run()
+    code = run()
+    # Skip interpreter finalization: the process groups are destroyed, but the mesh and
+    # the FSDP modules still hold gloo/NCCL objects whose C++ destructors can race their
+    # own threads there (a rare SIGABRT, "terminate called without an active exception",
+    # after the work was done and recorded). Everything worth keeping is flushed first.
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

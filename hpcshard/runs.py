@@ -44,6 +44,9 @@ class RunSpec:
     """Slurm: after a clean stop, requeue | chain (a continuation job) | none."""
     profile: str = ""
     """The site profile the run was submitted with (empty: none)."""
+    script: dict[str, Any] = field(default_factory=dict)
+    """A script run as is (not an hpcshard job): kind (file|module), target, args, cwd,
+    signal and grace (what it is sent on a notice, and how long it has). Empty for a job."""
     jobs: list[str] = field(default_factory=list)
     """Slurm job ids submitted for this run, oldest first."""
     slurm: dict[str, Any] = field(default_factory=dict)

@@ -49,6 +49,9 @@ def _time(value: str) -> None:
 
 
 STOP_SIGNALS = ("USR1", "USR2")
+SCRIPT_SIGNALS = ("TERM", "INT", "HUP", "USR1", "USR2", "none")
+"""What a script may be sent on a stop notice; none: nothing, the launcher stops it after
+the grace period."""
 
 
 def _signal(value: str) -> None:
@@ -125,6 +128,12 @@ SETTINGS: dict[str, Setting] = {
                       _signal),
     "signal_lead": Setting("int", 120, "Seconds before the time limit that the notice comes.",
                            _at_least(1)),
+    "script_signal": Setting("str", "TERM", "What a script (not an hpcshard job) is sent when "
+                             "the notice comes: TERM, INT, HUP, USR1, USR2 or none, whichever its "
+                             "framework listens to.", _choice(SCRIPT_SIGNALS)),
+    "script_grace": Setting("int", 60, "Seconds a script has after the notice before its ranks "
+                            "are killed and the job requeued (keep it below signal_lead).",
+                            _at_least(0)),
     "requeue_policy": Setting("str", "requeue", "After a clean stop: requeue, chain (a "
                               "continuation job, where requeue is forbidden) or none.",
                               _choice(POLICIES)),
@@ -192,7 +201,7 @@ def _check_setting(where: str, key: str, value: Any) -> Any:
         value = {k: str(v) for k, v in value.items()}
     if setting.kind == "container":
         value = _check_container(where, value)
-    if key == "signal":  # usr2, SIGUSR2 -> USR2, as Slurm and the launcher spell it
+    if key in ("signal", "script_signal") and value != "none":  # usr2, SIGUSR2 -> USR2
         value = value.upper().removeprefix("SIG")
     try:
         if setting.check is not None:

@@ -1,25 +1,33 @@
-"""Your own training loop, hpcshard's pieces: mesh, sharding, initialisation, clipping.
+"""plain.py plus a handful of lines: a preemption now costs nothing.
 
-    torchrun --nproc_per_node=4 examples/own_loop/train.py --steps 50
+    hpcshard submit --nodes 2 --gpus 2 examples/own_loop/train.py -- --steps 60
 
-No hpcshard job, no hpcshard loop: a plain torchrun script. It learns to imitate a fixed
-random "teacher" network, so it needs no data on disk.
+On the notice every rank stops at the same step, saves (atomically: a save cut short is
+never loaded) and exits with REQUEUE; the requeued job resumes at exactly that step and
+ends with the weights of an uninterrupted run. Still runs under plain torchrun.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from hpcshard.runtime import ShardPlan, build_mesh, init_distributed, materialize, shard_model
-from hpcshard.runtime.train import clip_grad_norm_
+from hpcshard import preemption
+from hpcshard.runtime import load_checkpoint, save_checkpoint
 
 
-class Residual(nn.Module):
+class Block(nn.Module):
     def __init__(self, dim: int) -> None:
         super().__init__()
         self.norm, self.fc1, self.fc2 = nn.LayerNorm(dim), nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
@@ -31,45 +39,93 @@ class Residual(nn.Module):
 class Net(nn.Module):
     def __init__(self, dim: int, depth: int) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(Residual(dim) for _ in range(depth))
-        self.out = nn.Linear(dim, 1)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(depth))
+        self.head = nn.Linear(dim, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = layer(x)
-        return self.out(x)  # (batch, 1): FSDP2 warns about returning a view such as squeeze()
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def reset_parameters(self) -> None:
+        for m in self.modules():
+            if isinstance(m, nn.Linear | nn.LayerNorm):
+                m.reset_parameters()
+
+
+def dataset(dim: int, size: int = 4096) -> TensorDataset:
+    """A fixed random teacher to imitate: no data on disk, the same on every rank."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(size, dim, generator=g)
+    w = torch.randn(dim, generator=g)
+    return TensorDataset(x, torch.tanh(x @ w / dim**0.5)[:, None])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--dim", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32, help="per rank")
+    parser.add_argument("--save-every", type=int, default=20)
+    parser.add_argument("--ckpt-dir", default="checkpoints")
+    parser.add_argument("--final", help="write the trained weights here (rank 0, one file)")
+    parser.add_argument("--step-seconds", type=float, default=0.0, help="slow down (for demos)")
     args = parser.parse_args()
 
-    env = init_distributed()  # cuda+nccl or cpu+gloo, decided in one place
-    mesh = build_mesh(env.device.type, env.nodes, env.per_node, "auto")  # HSDP on >1 node
-    with torch.device("meta"):  # no memory until sharded
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    per_node = int(os.environ["LOCAL_WORLD_SIZE"])
+    # HSDP: shard within a node, replicate across nodes.
+    mesh = init_device_mesh(device.type, (world // per_node, per_node),
+                            mesh_dim_names=("replicate", "shard"))
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
         model = Net(args.dim, depth=4)
-    shard_model(model, mesh, ShardPlan(mode="hybrid" if env.nodes > 1 else "full", ac_every=1))
-    materialize(model, env.device, seed=0)  # same values on any world size
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device=device)
+    model.reset_parameters()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
-    teacher = torch.Generator().manual_seed(1234)
-    w_true = torch.randn(args.dim, generator=teacher)
-    data = torch.Generator().manual_seed(env.rank)  # each rank draws its own samples
-    for step in range(1, args.steps + 1):
-        x = torch.randn(64, args.dim, generator=data)
-        y = torch.tanh(x @ w_true / args.dim**0.5)[:, None]
-        loss = F.mse_loss(model(x.to(env.device)), y.to(env.device))
-        loss.backward()
-        norm = clip_grad_norm_(list(model.parameters()), 1.0)  # correct over all shards
-        optimizer.step()
-        optimizer.zero_grad()
-        if step % 10 == 0 or step == args.steps:
-            dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)
-            if env.is_main:
-                print(f"step {step} loss {loss.item():.4f} grad_norm {norm.item():.3f}", flush=True)
-    dist.barrier()  # every rank done with its collectives before the group goes away
+    ckpt_dir = Path(os.environ.get("HPCSHARD_CHECKPOINT_DIR", args.ckpt_dir))
+    resumed = load_checkpoint(ckpt_dir, model, optimizer)
+    start = resumed["step"] if resumed else 0
+    data = dataset(args.dim)
+    sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
+        data, num_replicas=world, rank=rank, shuffle=True, seed=0)
+    loader = DataLoader(data, batch_size=args.batch, sampler=sampler, drop_last=True)
+    step, epoch = 0, 0
+    while step < args.steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            step += 1
+            if step <= start:  # already trained before the restart
+                continue
+            loss = F.mse_loss(model(x.to(device)), y.to(device))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            time.sleep(args.step_seconds)
+            if rank == 0 and step % 10 == 0:
+                print(f"step {step} loss {loss.item():.4f}", flush=True)
+            if step % args.save_every == 0:
+                save_checkpoint(ckpt_dir, step, model, optimizer)
+            if preemption.requested():  # every rank agrees, at the same step
+                save_checkpoint(ckpt_dir, step, model, optimizer)
+                sys.exit(preemption.REQUEUE)
+            if step == args.steps:
+                break
+        epoch += 1
+
+    if args.final:
+        full = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        if rank == 0:
+            torch.save(full, args.final)
+    dist.barrier()
     dist.destroy_process_group()
 
 

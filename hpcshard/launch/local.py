@@ -41,7 +41,7 @@ def run_local(run_dir: Path, nodes: int, per_node: int, *, resume: str = "auto",
     attempt = ledger.next_attempt(run_dir)
     requeues = 0
     while True:
-        code = _attempt(run_dir, nodes, per_node, attempt, resume)
+        code = _attempt(run_dir, nodes, per_node, attempt, resume, requeues)
         if code != ledger.REQUEUE_EXIT or requeues >= max_requeues:
             return code
         requeues += 1
@@ -50,7 +50,8 @@ def run_local(run_dir: Path, nodes: int, per_node: int, *, resume: str = "auto",
         attempt, resume = attempt + 1, "auto"
 
 
-def _attempt(run_dir: Path, nodes: int, per_node: int, attempt: int, resume: str) -> int:
+def _attempt(run_dir: Path, nodes: int, per_node: int, attempt: int, resume: str,
+             restarts: int = 0) -> int:
     port, run_id = free_port(), uuid.uuid4().hex[:12]
     cores = os.cpu_count() or 1
     procs = []
@@ -58,7 +59,7 @@ def _attempt(run_dir: Path, nodes: int, per_node: int, attempt: int, resume: str
         node = NodeEnv(node_rank=rank, nnodes=nodes, per_node=per_node, rdzv_host="127.0.0.1",
                        rdzv_port=port, run_id=run_id)
         env = {**os.environ, **node.to_environ(), "HPCSHARD_ATTEMPT": str(attempt),
-               "HPCSHARD_RESUME": resume}
+               "HPCSHARD_RESUME": resume, "HPCSHARD_RESTART_COUNT": str(restarts)}
         # All emulated nodes share this host's cores.
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // (nodes * per_node))))
         procs.append(subprocess.Popen([sys.executable, "-m", "hpcshard.launch.node", str(run_dir)],

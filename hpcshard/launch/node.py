@@ -7,14 +7,16 @@ inside a Slurm allocation; only `NodeEnv.from_environ` differs between them.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcshard import ledger
+from hpcshard import ledger, script
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,13 +81,16 @@ def pid_file(run_dir: Path, node_rank: int) -> Path:
 def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = signal.SIGUSR2,
              module: str = "hpcshard.entry") -> int:
     """Run torchrun for this node; return its exit code, or REQUEUE_EXIT when the ranks
-    stopped on request with their checkpoint committed.
+    stopped on request (the run continues in a requeued attempt).
 
     INT and TERM go to torchrun, which forwards them to its workers and tears them down.
     The stop signal does not: torchrun forwards only INT/TERM/HUP/QUIT (pytorch issue
     154849) and an unhandled SIGUSR2 would kill torchrun itself. So the launcher takes it
-    and hands it to torchrun's children, the ranks, which stop at the next step boundary.
+    and hands it to torchrun's children, the ranks: an hpcshard job stops at the next step
+    boundary; a script gets its own signal (`script_signal`) and, if it is still running
+    after the grace period (`script_grace`), its ranks are killed.
     """
+    own = json.loads((run_dir / "spec.json").read_text()).get("script") or {}
     env = dict(os.environ)
     # torchrun would set 1 with a warning; on a CPU host, split the cores between ranks.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // node.per_node)))
@@ -94,14 +99,14 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = signal.SIGUSR2,
     # ignores the notice, and each rank's entry point installs its own handler first thing.
     proc = subprocess.Popen(torchrun_argv(node, run_dir, module), env=env,
                             preexec_fn=lambda: signal.signal(stop_signal, signal.SIG_IGN))
+    noticed: list[float] = []
 
     def forward(signum: int, _frame: object) -> None:
         proc.send_signal(signum)
 
     def to_ranks(signum: int, _frame: object) -> None:
-        for pid in children(proc.pid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+        noticed.append(time.monotonic())
+        _signal_ranks(proc.pid, signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
@@ -109,16 +114,64 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = signal.SIGUSR2,
     pids = pid_file(run_dir, node.node_rank)
     pids.parent.mkdir(exist_ok=True)
     pids.write_text(f"{os.getpid()}\n")
+    grace = float(own.get("grace", 60))
+    killed = False
     try:
-        code = proc.wait()
+        while True:
+            try:
+                code = proc.wait(timeout=0.5)
+                break
+            except subprocess.TimeoutExpired:
+                if own and noticed and not killed and time.monotonic() - noticed[0] > grace:
+                    _signal_ranks(proc.pid, signal.SIGKILL)  # torchrun then ends the rest
+                    killed = True
     finally:
         pids.unlink(missing_ok=True)
         # No ranks left to tell. A Python handler would be reset to "terminate" while the
         # interpreter shuts down, and a late notice would then kill this task (-12).
         signal.signal(stop_signal, signal.SIG_IGN)
-    end = ledger.end_of(run_dir, int(os.environ.get("HPCSHARD_ATTEMPT", "0")))
+    attempt = int(os.environ.get("HPCSHARD_ATTEMPT", "0"))
+    if own:
+        return _script_outcome(run_dir, node, attempt, code, noticed=bool(noticed),
+                               killed=killed, grace=grace)
+    end = ledger.end_of(run_dir, attempt)
     if end is not None and end.get("reason") == "stop":
         return ledger.REQUEUE_EXIT
+    return code
+
+
+def _signal_ranks(torchrun: int, signum: int) -> None:
+    for pid in children(torchrun):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+def _script_outcome(run_dir: Path, node: NodeEnv, attempt: int, code: int, *, noticed: bool,
+                    killed: bool, grace: float) -> int:
+    """A script knows nothing of the ledger: each node's launcher decides what its exit
+    means, and the first node records it. After a notice anything but a clean exit is a
+    stop (requeue); without one, a failure is reported and never requeued."""
+    end = ledger.end_of(run_dir, attempt)
+    if end is not None and end.get("reason") == "stop":
+        return ledger.REQUEUE_EXIT
+    first = node.node_rank == 0
+    if noticed and code != 0:
+        if first and end is None:
+            how = (f"killed {grace:g}s after the notice (the grace period)" if killed
+                   else f"exited {code} after the notice")
+            ledger.append(run_dir, {"event": "end", "attempt": attempt, "reason": "stop",
+                                    "how": how, **script.last_save(run_dir)})
+        return ledger.REQUEUE_EXIT
+    if first and end is None:
+        if code == 0:
+            saved = script.last_save(run_dir)
+            ledger.append(run_dir, {"event": "end", "attempt": attempt, "reason": "done",
+                                    "saved_step": saved["saved_step"], "saved": saved["saved"]})
+        else:
+            ledger.append(run_dir, {"event": "end", "attempt": attempt, "reason": "error",
+                                    "error": f"exit {code}"})
+            for line in script.failures(run_dir, attempt):
+                print(f"hpcshard: {line}", file=sys.stderr, flush=True)
     return code
 
 

@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,6 +99,37 @@ def requeue(job_id: str) -> str:
 POLICIES = ("requeue", "chain", "none")
 
 
+def _show_job(job_id: str) -> dict[str, str]:
+    """`scontrol show job -o`, as a dict; empty when Slurm cannot say."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    return dict(f.split("=", 1) for f in proc.stdout.split() if "=" in f)
+
+
+def requeued_by_other(job_id: str, restart_count: int) -> str:
+    """Has something else in the job (the script's framework) requeued it already? Slurm
+    counts requeues in Restarts before the steps are even killed; a second requeue would
+    cost the run a whole extra attempt. Returns what Slurm says, or "" if not."""
+    info = _show_job(job_id)
+    restarts = int(info.get("Restarts", restart_count) or restart_count)
+    state = info.get("JobState", "")
+    if restarts > restart_count or state in ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING"):
+        return f"JobState={state} Restarts={restarts}"
+    return ""
+
+
+def end_time(job_id: str) -> int | None:
+    """When the job's time limit ends (Unix time), for HPCSHARD_DEADLINE."""
+    text = _show_job(job_id).get("EndTime", "")
+    try:
+        return int(time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S")))
+    except ValueError:
+        return None
+
+
 def chain(run_dir: Path, job_id: str, attempt: int) -> str:
     """Submit a continuation of this job that starts when it ends (`afterany`): the same
     script and submitit pickle under a new job id. Returns the new id."""
@@ -141,6 +173,10 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     name = json.loads((run / "spec.json").read_text()).get("slurm", {}).get("signal", "USR2")
     notice = signal.Signals[name if name.startswith("SIG") else f"SIG{name}"]
     os.environ["HPCSHARD_STOP_SIGNAL"] = notice.name
+    os.environ["HPCSHARD_RESTART_COUNT"] = str(slurm.restart_count)
+    deadline = end_time(slurm.job_id)
+    if deadline:
+        os.environ["HPCSHARD_DEADLINE"] = str(deadline)
     # submitit installed its own SIGUSR2 handler (checkpoint, then requeue from global rank
     # 0 with its own timeout bookkeeping). run_node replaces it: the notice goes to the ranks.
     code = run_node(slurm.node_env(per_node), run, stop_signal=notice)
@@ -168,6 +204,13 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
             return
         ledger.append(run, {"event": "chain", "attempt": attempt, "job": slurm.job_id, "next": new})
         print(f"hpcshard: continuation job {new} submitted (afterany:{slurm.job_id})",
+              file=sys.stderr, flush=True)
+        return
+    by = requeued_by_other(slurm.job_id, slurm.restart_count)
+    if by:  # e.g. Lightning's own SIGUSR1 handler runs `scontrol requeue`: never twice
+        ledger.append(run, {"event": "requeue", "attempt": attempt, "job": slurm.job_id,
+                            "by": "the job itself", "state": by})
+        print(f"hpcshard: job {slurm.job_id} was already requeued ({by}); not requeued again",
               file=sys.stderr, flush=True)
         return
     refused = requeue(slurm.job_id)

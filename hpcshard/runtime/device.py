@@ -41,6 +41,14 @@ def pick_device(local_rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
+def collective_device() -> torch.device:
+    """Where a tensor for a collective on the default group must live, for a process
+    group someone else created (a script's own init_process_group): its backend decides."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def init_distributed() -> DistEnv:
     """Join the process group torchrun describes; a plain `python` run is a world of 1."""
     rank = int(os.environ.get("RANK", 0))

@@ -1,0 +1,94 @@
+"""Preemption for your own training loop: has the job been told to stop, and how to say
+"requeue me".
+
+    from hpcshard import preemption
+    from hpcshard.runtime import load_checkpoint, save_checkpoint
+
+    resumed = load_checkpoint(ckpt_dir, model, optimizer)           # None: fresh start
+    for step in range(start, steps + 1):
+        ...train one step...
+        if preemption.requested():                                  # every rank agrees
+            save_checkpoint(ckpt_dir, step, model, optimizer, extra={...})
+            sys.exit(preemption.REQUEUE)                            # requeued, resumes here
+
+Importing this module installs a handler for the notice (`$HPCSHARD_NOTICE_SIGNAL`, the
+profile's `script_signal`; SIGTERM outside hpcshard), so the notice sets a flag instead
+of killing the rank. `requested()` all-reduces the flag: a notice that reached one rank
+stops every rank at the same step, which is what makes the resume exact.
+
+Stdlib at import; torch is used only by `requested()` once a process group exists.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from types import FrameType
+from typing import NoReturn
+
+REQUEUE = 75
+"""Exit with this code (every rank) after saving: the run is requeued and resumes.
+EX_TEMPFAIL from sysexits.h; the same code hpcshard's own launcher uses."""
+
+_received: list[float] = []
+
+
+def _handle(_signum: int, _frame: FrameType | None) -> None:
+    if not _received:
+        _received.append(time.time())
+
+
+def notice_signals() -> list[signal.Signals]:
+    """The signals this process treats as a stop notice."""
+    name = os.environ.get("HPCSHARD_NOTICE_SIGNAL", "SIGTERM" if "HPCSHARD_RUN_DIR" not in os.environ else "")
+    return [signal.Signals[name]] if name else []
+
+
+def install() -> None:
+    """Take the notice signal (done on import; call again if something replaced it)."""
+    for sig in notice_signals():
+        signal.signal(sig, _handle)
+
+
+def _noticed() -> bool:
+    """This rank's view: its own handler fired, or hpcshard's entry point took the notice
+    (before the script ran, or with `script_signal = none`)."""
+    script = sys.modules.get("hpcshard.script")
+    return bool(_received) or bool(getattr(script, "RECEIVED", None))
+
+
+def requested(sync: bool = True) -> bool:
+    """Has the job been told to stop? With `sync` (the default) and a process group, every
+    rank gets the same answer (one tiny all-reduce): call it at the same point of every
+    step on every rank. `sync=False` is this rank's own view, free."""
+    local = _noticed()
+    if not sync:
+        return local
+    if "torch" not in sys.modules:  # no torch, no process group
+        return local
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return local
+    from hpcshard.runtime.device import collective_device
+
+    flag = torch.tensor([1.0 if local else 0.0], device=collective_device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def deadline() -> float | None:
+    """Unix time at which the job's time limit ends, or None (no limit known)."""
+    value = os.environ.get("HPCSHARD_DEADLINE")
+    return float(value) if value else None
+
+
+def exit_for_requeue() -> NoReturn:
+    """`sys.exit(REQUEUE)`: call on every rank once the checkpoint is saved."""
+    sys.exit(REQUEUE)
+
+
+install()

@@ -1,0 +1,252 @@
+"""Bring your own script: any torchrun training script, run unmodified on every node.
+
+`hpcshard submit train.py -- ARGS` (or `-m package.module -- ARGS`) runs the script under
+torchrun on every node exactly as `torchrun ... train.py ARGS` would: `__name__` is
+"__main__", `sys.argv` is `[train.py, *ARGS]` byte for byte (no shell ever sees ARGS),
+and torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) are set. On top
+of them each rank gets (`ENV_DOC`, documented in the README):
+
+    HPCSHARD_RUN_DIR         the run directory (spec, logs, ledger)
+    HPCSHARD_CHECKPOINT_DIR  RUN_DIR/checkpoints: save here and resume from here
+    HPCSHARD_ATTEMPT         0 for the first attempt, +1 for each requeue or resume
+    HPCSHARD_RESTART_COUNT   requeues of this submission (Slurm's SLURM_RESTART_COUNT)
+    HPCSHARD_DEADLINE        Unix time at which the job's time limit ends (unset: none)
+    HPCSHARD_NOTICE_SIGNAL   the signal the script receives when the job must stop
+
+What the rank runs is `hpcshard.entry` (stdlib, before any import of the script), which
+installs the preemption notice handler first, copies the rank's output into
+RUN_DIR/logs/rank-N.log, runs the script with `runpy`, and turns its exit into a ledger
+record: `sys.exit(75)` (`hpcshard.preemption.REQUEUE`) means "stopped, requeue me";
+another non-zero exit is recorded with the rank, so a script that fails on every rank is
+reported (rank and last log lines) and never requeued.
+
+Stdlib only: the CLI imports this module to check a script before anything is created.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+import runpy
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, TextIO
+
+from hpcshard import ledger
+from hpcshard.site import SCRIPT_SIGNALS
+
+__all__ = ["ENV_DOC", "SCRIPT_SIGNALS", "check_module", "defines_job", "failures", "last_save", "run"]
+
+ENV_DOC = {
+    "HPCSHARD_RUN_DIR": "the run directory (spec, logs, attempts ledger)",
+    "HPCSHARD_CHECKPOINT_DIR": "RUN_DIR/checkpoints: save here, resume from here",
+    "HPCSHARD_ATTEMPT": "0 for the first attempt, +1 for each requeue or `hpcshard resume`",
+    "HPCSHARD_RESTART_COUNT": "requeues of this submission (Slurm's SLURM_RESTART_COUNT)",
+    "HPCSHARD_DEADLINE": "Unix time at which the job's time limit ends (unset without a limit)",
+    "HPCSHARD_NOTICE_SIGNAL": "the signal the script gets when the job must stop (e.g. SIGTERM)",
+}
+
+
+# -- on the login node: what is this file, and can it run? --------------------------------
+
+def defines_job(path: Path) -> bool:
+    """Does this Python file define an hpcshard job (a top-level `job = ...`)? Read, not
+    imported: a training script may start training on import."""
+    try:
+        tree = ast.parse(path.read_bytes(), filename=str(path))
+    except SyntaxError as err:
+        raise ValueError(f"{path}:{err.lineno}: syntax error: {err.msg}; fix the file") from None
+    for node in tree.body:
+        targets = (node.targets if isinstance(node, ast.Assign) else
+                   [node.target] if isinstance(node, ast.AnnAssign) else [])
+        if any(isinstance(t, ast.Name) and t.id == "job" for t in targets):
+            return True
+    return False
+
+
+def check_module(name: str) -> str:
+    """The file a `-m` module runs from, checked without running it: the module (and its
+    packages) must be found, and its source must compile. Returns the file's path."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError) as err:  # a parent package that fails to import
+        raise ValueError(f"-m {name}: {type(err).__name__}: {err}; check the module name and "
+                         "that its package is installed (pip install -e .) or on PYTHONPATH") from None
+    if spec is None:
+        raise ValueError(f"-m {name}: no module named {name!r}; check the name and that its "
+                         "package is installed (pip install -e .) or on PYTHONPATH")
+    if spec.submodule_search_locations is not None:  # a package runs its __main__
+        main = importlib.util.find_spec(f"{name}.__main__")
+        if main is None:
+            raise ValueError(f"-m {name}: {name} is a package without __main__.py; name the "
+                             "module that trains, e.g. -m {name}.train")
+        spec = main
+    origin = spec.origin or ""
+    if origin.endswith(".py"):
+        source = Path(origin).read_bytes()
+        try:
+            compile(source, origin, "exec")
+        except SyntaxError as err:
+            raise ValueError(f"-m {name}: {origin}:{err.lineno}: syntax error: {err.msg}") from None
+    return origin
+
+
+# -- on every rank -----------------------------------------------------------------------
+
+class _Tee:
+    """A rank's stdout/stderr, also written to its log file (what the launcher shows when
+    the rank fails). Python-level: output written by C code goes to the console only."""
+
+    def __init__(self, stream: TextIO, log: TextIO) -> None:
+        self._stream, self._log = stream, log
+
+    def write(self, text: str) -> int:
+        self._log.write(text)
+        return self._stream.write(text)
+
+    def flush(self) -> None:
+        self._log.flush()
+        self._stream.flush()
+
+    def __getattr__(self, name: str) -> Any:  # fileno, isatty, encoding, buffer...
+        return getattr(self._stream, name)
+
+
+RECEIVED: list[float] = []
+"""When this rank's wrapper took the launcher's notice (`hpcshard.preemption` reads it)."""
+
+
+def _notice_handler(notice: signal.Signals, script_signal: str, received: list[float]
+                    ) -> Any:
+    """The launcher's notice, once, turned into the signal the script listens to."""
+    forward = None if script_signal == "none" else signal.Signals[f"SIG{script_signal}"]
+
+    def handle(_signum: int, _frame: object) -> None:
+        if received:  # Slurm signals every process of the step and the launcher forwards
+            return    # the notice too: the script hears it once
+        received.append(time.time())
+        if forward is not None and forward != notice:
+            os.kill(os.getpid(), forward)
+    return handle
+
+
+def run(run_dir: Path, spec: dict[str, Any], early: list[int]) -> int:
+    """Run the script of `spec` on this rank; returns the rank's exit code."""
+    script = spec["script"]
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("HPCSHARD_ATTEMPT", "0"))
+    notice = signal.Signals[os.environ.get("HPCSHARD_STOP_SIGNAL", "SIGUSR2")]
+    received = RECEIVED
+    handler = _notice_handler(notice, script.get("signal", "TERM"), received)
+    signal.signal(notice, handler)
+    os.environ.update({"HPCSHARD_RUN_DIR": str(run_dir),
+                       "HPCSHARD_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
+                       "HPCSHARD_ATTEMPT": str(attempt),
+                       "HPCSHARD_NOTICE_SIGNAL": ("" if script.get("signal") == "none"
+                                                  else f"SIG{script.get('signal', 'TERM')}")})
+    os.environ.setdefault("HPCSHARD_RESTART_COUNT", "0")
+    (run_dir / "logs").mkdir(exist_ok=True)
+    log = (run_dir / "logs" / f"rank-{rank}.log").open("a", buffering=1)
+    sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)  # type: ignore[assignment]
+    if rank == 0:
+        ledger.append(run_dir, {"event": "start", "attempt": attempt, "script": True,
+                                "world": int(os.environ.get("WORLD_SIZE", "1")),
+                                "host": os.uname().nodename})
+    if script.get("cwd") and Path(script["cwd"]).is_dir():
+        os.chdir(script["cwd"])
+    for signum in early:  # a notice that came while the interpreter started
+        handler(signum, None)
+    code = _run_main(script)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if code == ledger.REQUEUE_EXIT:
+        # Stopped on request (its own checkpoint saved): the launcher requeues. Exit 0, or
+        # torchrun would report a failure and tear the other ranks down mid-save.
+        if rank == 0:
+            ledger.append(run_dir, {"event": "end", "attempt": attempt, "reason": "stop",
+                                    "how": "the script exited with hpcshard.preemption.REQUEUE",
+                                    **last_save(run_dir)})
+        return 0
+    if code:
+        ledger.append(run_dir, {"event": "rank_failed", "attempt": attempt, "rank": rank,
+                                "code": code, "after_notice": bool(received)})
+    return code
+
+
+def _run_main(script: dict[str, Any]) -> int:
+    """runpy, as `python train.py ARGS` / `python -m pkg.mod ARGS` would run it."""
+    target, args = script["target"], list(script.get("args", []))
+    try:
+        if script["kind"] == "module":
+            sys.argv = [target, *args]  # runpy puts the module's file in argv[0]
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = [target, *args]
+            sys.path[0] = str(Path(target).parent)  # as `python train.py` does
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit as exit_:
+        return _exit_code(exit_.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        return 130
+    except BaseException as err:  # the script's own error: its traceback, in its log
+        tb = err.__traceback__
+        while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
+            tb = tb.tb_next  # from the script's first frame: hpcshard's are noise here
+        traceback.print_exception(type(err), err, tb)
+        return 1
+    return 0
+
+
+def _exit_code(code: object) -> int:
+    """sys.exit's argument as the interpreter would turn it into an exit status."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+_STEP = re.compile(r"(?:^|[^a-z])(?:step|checkpoint|ckpt|iter|global_step)[-_=]?0*(\d+)", re.I)
+
+
+def last_save(run_dir: Path) -> dict[str, Any]:
+    """The script's newest save in HPCSHARD_CHECKPOINT_DIR, for the ledger: its step (from
+    the name: hpcshard's step-N, Hugging Face's checkpoint-N, Lightning's step=N, ...),
+    and how long before now it was written (the training a hard stop lost)."""
+    root = run_dir / "checkpoints"
+    found: list[tuple[int, float, str]] = []
+    if root.is_dir():
+        for entry in root.iterdir():
+            m = _STEP.search(entry.name)
+            if m and not entry.name.endswith(".tmp"):
+                found.append((int(m.group(1)), entry.stat().st_mtime, entry.name))
+    if not found:
+        return {"saved_step": None, "saved": None}
+    step, mtime, name = max(found)
+    return {"saved_step": step, "saved": name, "lost_seconds": round(time.time() - mtime, 1)}
+
+
+def failures(run_dir: Path, attempt: int, lines: int = 10) -> list[str]:
+    """What `submit` and the launcher print when ranks failed: the first failing rank (by
+    time) and the last lines of its log, then the other failing ranks."""
+    failed = [r for r in ledger.read(run_dir)
+              if r.get("event") == "rank_failed" and r.get("attempt") == attempt]
+    if not failed:
+        return []
+    first = failed[0]
+    path = run_dir / "logs" / f"rank-{first['rank']}.log"
+    out = [f"rank {first['rank']} failed first (exit {first['code']}); "
+           f"the last lines of {path}:"]
+    tail = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []
+    out += [f"  {line}" for line in tail]
+    others = sorted({int(r["rank"]) for r in failed[1:]} - {int(first["rank"])})
+    if others:
+        out.append(f"also failed: rank {', '.join(map(str, others))}")
+    return out
