@@ -81,7 +81,7 @@ def job_ref(job: str) -> str:
     path = Path(job)
     if job.endswith(".py") or path.exists():
         if not path.is_file():
-            raise ValueError(f"job file {job!r} does not exist; give a .py file or a module name")
+            raise ValueError(f"job or script file {job!r} does not exist; give a .py file or a module name")
         return str(path.resolve())
     return job
 

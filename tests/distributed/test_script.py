@@ -1,0 +1,105 @@
+"""Bring your own script, end to end on the local backend: a plain script runs as it is
+(argv byte for byte, its variables), a failing one is reported and not requeued, one that
+ignores the notice is stopped and resumed from its own last save, and
+`hpcshard.preemption` turns the notice into a flag every rank agrees on."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from hpcshard import ledger
+from tests.conftest import ROOT, hpcshard, hpcshard_bg, quiet_env, wait_for
+
+ECHO = str(ROOT / "tests" / "scripts" / "echo_env.py")
+COUNTER = str(ROOT / "tests" / "scripts" / "counter.py")
+NASTY = ["a b", '"double" \'single\'', "$(touch pwned)", "`touch pwned`", "it's", "*", ";|&><",
+         "--lr=3e-4", "", "tab\there", "ünïcødé", "\\back\\slash"]
+
+
+def test_a_script_gets_its_args_byte_for_byte_and_its_variables(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = hpcshard("submit", "--backend", "local", "--nodes", "2", "--gpus", "1", ECHO,
+                    "--run-dir", str(run), "--", *NASTY, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert not (tmp_path / "pwned").exists()
+    seen = [json.loads((run / f"echo-{r}.json").read_text()) for r in (0, 1)]
+    for rank, s in enumerate(seen):
+        assert s["argv"] == [ECHO, *NASTY]
+        assert s["name"] == "__main__" and s["cwd"] == str(tmp_path)
+        assert s["path0"] == str(Path(ECHO).parent)  # as `python echo_env.py` sets it
+        env = s["env"]
+        assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "2"
+        assert env["HPCSHARD_RUN_DIR"] == str(run.resolve())
+        assert env["HPCSHARD_CHECKPOINT_DIR"] == str(run.resolve() / "checkpoints")
+        assert env["HPCSHARD_ATTEMPT"] == "0" and env["HPCSHARD_RESTART_COUNT"] == "0"
+        assert env["HPCSHARD_NOTICE_SIGNAL"] == "SIGTERM"
+        assert "HPCSHARD_DEADLINE" not in env  # the local backend has no time limit
+    ends = [r for r in ledger.read(run) if r["event"] == "end"]
+    assert [e["reason"] for e in ends] == ["done"]
+
+
+def test_a_module_runs_as_python_m_would(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = hpcshard("submit", "--backend", "local", "--gpus", "1", "-m", "tests.scripts.echo_env",
+                    "--run-dir", str(run), "--", "--flag", "x y")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    seen = json.loads((run / "echo-0.json").read_text())
+    assert seen["argv"] == [ECHO, "--flag", "x y"] and seen["name"] == "__main__"
+
+
+def test_a_script_failing_on_every_rank_is_reported_once_and_not_requeued(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = hpcshard("submit", "--backend", "local", "--nodes", "2", "--gpus", "1", ECHO,
+                    "--run-dir", str(run), env={"ECHO_FAIL": "1"})
+    assert proc.returncode == 1
+    out = proc.stdout + proc.stderr
+    assert "hpcshard: rank " in out and "failed first (exit 1)" in out, out
+    assert "RuntimeError: broken on purpose" in out and "about to fail" in out
+    assert "runpy" not in (run / "logs" / "rank-0.log").read_text()  # the script's frames only
+    records = ledger.read(run)
+    assert sorted(r["rank"] for r in records if r["event"] == "rank_failed") == [0, 1]
+    assert [r["reason"] for r in records if r["event"] == "end"] == ["error"]
+    assert {r["attempt"] for r in records} == {0}  # never restarted
+
+
+def test_a_script_that_does_nothing_is_stopped_and_resumes_from_its_own_save(tmp_path: Path) -> None:
+    """The default: SIGTERM, which kills a script without a handler; the launcher sees
+    the notice and restarts it once; it resumes from its own checkpoint-N.json."""
+    run = tmp_path / "run"
+    bg = hpcshard_bg("submit", "--backend", "local", "--nodes", "2", "--gpus", "1", COUNTER,
+                     "--run-dir", str(run), "--", "--steps", "16", "--save-every", "4",
+                     "--step-seconds", "0.3")
+    log = run / "logs" / "rank-0.log"
+    wait_for(lambda: log.exists() and "step 6\n" in log.read_text(), 60, "step 6")
+    assert hpcshard("preempt", str(run)).returncode == 0
+    out, _ = bg.communicate(timeout=120)
+    assert bg.returncode == 0, out
+    records = ledger.read(run)
+    stop, done = [r for r in records if r["event"] == "end"]
+    assert stop["reason"] == "stop" and stop["how"].startswith("exited") and stop["saved_step"] >= 4
+    assert stop["saved"] == f"checkpoint-{stop['saved_step']}.json"
+    assert done["reason"] == "done" and done["saved_step"] == 16
+    text = log.read_text()
+    assert f"rank 0 starts after step {stop['saved_step']}" in text  # its own resume
+    assert [r["attempt"] for r in records if r["event"] == "start"] == [0, 1]
+    status = hpcshard("status", str(run)).stdout
+    assert "stop" in status and "done" in status
+
+
+def test_preemption_flag_and_requeue_code(tmp_path: Path) -> None:
+    """Importing hpcshard.preemption takes the notice signal: the rank is not killed, the
+    flag is set, and without a process group `requested()` is the local view."""
+    code = ("import os, signal, sys\n"
+            "from hpcshard import preemption\n"
+            "assert not preemption.requested()\n"
+            "os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "assert preemption.requested() and preemption.requested(sync=False)\n"
+            "print(preemption.deadline())\n"
+            "preemption.exit_for_requeue()\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=quiet_env(HPCSHARD_NOTICE_SIGNAL="SIGUSR1", HPCSHARD_DEADLINE="123.5"))
+    assert proc.returncode == 75, proc.stderr
+    assert proc.stdout.strip() == "123.5"
