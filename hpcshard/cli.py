@@ -381,8 +381,9 @@ def _report(run_dir: Path, code: int) -> None:
     if code == REQUEUE_EXIT:
         click.echo(f"stopped with a committed checkpoint; continue with: hpcshard resume {run_dir}")
         return
+    metrics = run_dir / "metrics.jsonl"  # a script writes none
     click.echo(f"{'finished' if code == 0 else f'failed (exit {code})'}: "
-               f"metrics in {run_dir / 'metrics.jsonl'}, logs in {run_dir / 'logs'}")
+               + (f"metrics in {metrics}, " if metrics.exists() else "") + f"logs in {run_dir / 'logs'}")
 
 
 for command in (ops.preempt, ops.status, ops.logs, ops.cancel, ops.ls, ops.plot, ops.ckpt,

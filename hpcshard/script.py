@@ -213,6 +213,8 @@ def _exit_code(code: object) -> int:
     return 1
 
 
+INCOMPLETE = "checkpoint-is-incomplete.txt"
+"""Hugging Face's marker of a checkpoint that is still being written."""
 _STEP = re.compile(r"(?:^|[^a-z])(?:step|checkpoint|ckpt|iter|global_step)[-_=]?0*(\d+)", re.I)
 
 
@@ -225,7 +227,8 @@ def last_save(run_dir: Path) -> dict[str, Any]:
     if root.is_dir():
         for entry in root.iterdir():
             m = _STEP.search(entry.name)
-            if m and not entry.name.endswith(".tmp"):
+            # .tmp: hpcshard's uncommitted saves; the marker: Hugging Face's, cut short
+            if m and not entry.name.endswith(".tmp") and not (entry / INCOMPLETE).exists():
                 found.append((int(m.group(1)), entry.stat().st_mtime, entry.name))
     if not found:
         return {"saved_step": None, "saved": None}

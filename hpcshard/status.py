@@ -22,6 +22,14 @@ class Attempt:
     saved: int | None
     reached: int | None
     lost: int | None
+    lost_s: float | None = None
+    """A script's attempt: seconds of training since its own last save (steps unknown)."""
+
+    @property
+    def lost_text(self) -> str:
+        if self.lost is not None:
+            return str(self.lost)
+        return "-" if self.lost_s is None else f"{self.lost_s:.0f}s"
 
 
 def attempts(run_dir: Path) -> list[Attempt]:
@@ -42,7 +50,7 @@ def attempts(run_dir: Path) -> list[Attempt]:
                             reason=(end or {}).get("reason",
                                                    "killed" if i + 1 < len(starts) else "running?"),
                             loaded=s.get("resumed_step"), saved=(end or {}).get("saved_step"),
-                            reached=reached, lost=lost))
+                            reached=reached, lost=lost, lost_s=(end or {}).get("lost_seconds")))
     return rows
 
 
@@ -83,7 +91,7 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
                      f"{'saved':>6} {'lost':>5}")
         for a in rows:
             lines.append(f"  {a.number:>3} {_clock(a.start):>8} {_clock(a.end):>8}  {a.reason:<10} "
-                         f"{_fmt(a.loaded):>6} {_fmt(a.reached):>7} {_fmt(a.saved):>6} {_fmt(a.lost):>5}")
+                         f"{_fmt(a.loaded):>6} {_fmt(a.reached):>7} {_fmt(a.saved):>6} {a.lost_text:>5}")
     for r in ledger.read(run_dir):
         if r["event"] == "gave_up":
             lines.append(f"gave up: {r['reason']}")

@@ -90,7 +90,8 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = signal.SIGUSR2,
     boundary; a script gets its own signal (`script_signal`) and, if it is still running
     after the grace period (`script_grace`), its ranks are killed.
     """
-    own = json.loads((run_dir / "spec.json").read_text()).get("script") or {}
+    spec = run_dir / "spec.json"  # (doctor's smoke test runs a module without a spec)
+    own = (json.loads(spec.read_text()).get("script") or {}) if spec.exists() else {}
     env = dict(os.environ)
     # torchrun would set 1 with a warning; on a CPU host, split the cores between ranks.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // node.per_node)))
@@ -149,13 +150,16 @@ def _signal_ranks(torchrun: int, signum: int) -> None:
 def _script_outcome(run_dir: Path, node: NodeEnv, attempt: int, code: int, *, noticed: bool,
                     killed: bool, grace: float) -> int:
     """A script knows nothing of the ledger: each node's launcher decides what its exit
-    means, and the first node records it. After a notice anything but a clean exit is a
-    stop (requeue); without one, a failure is reported and never requeued."""
+    means, and the first node records it. After a notice every exit is a stop and the job
+    is requeued, a clean one too: Hugging Face's JIT checkpoint, say, saves on SIGTERM and
+    returns from train() as if it were done, and a run that quietly ended early is worse
+    than one more short attempt that resumes from the end. Without a notice, a failure is
+    reported and never requeued."""
     end = ledger.end_of(run_dir, attempt)
     if end is not None and end.get("reason") == "stop":
         return ledger.REQUEUE_EXIT
     first = node.node_rank == 0
-    if noticed and code != 0:
+    if noticed:
         if first and end is None:
             how = (f"killed {grace:g}s after the notice (the grace period)" if killed
                    else f"exited {code} after the notice")

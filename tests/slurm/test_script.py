@@ -89,6 +89,7 @@ def test_a_script_ignoring_the_notice_is_requeued_exactly_once(cluster: dict[str
     assert done["reason"] == "done" and done["saved_step"] == 16
     deadline = float(re.search(r"deadline ([0-9.]+)", log).group(1))  # type: ignore[union-attr]
     assert submitted + 9 * 60 < deadline < submitted + 11 * 60 + 30  # --time 10:00
+    assert "deadline None" not in log
     status = hpcshard("status", str(run), env=cluster).stdout
     assert "stop" in status and "done" in status
 

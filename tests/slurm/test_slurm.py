@@ -10,10 +10,11 @@ import pytest
 
 from hpcshard import checkpoints as store
 from hpcshard import ledger
-from tests.conftest import hpcshard, step_records, wait_for
+from tests.conftest import ROOT, hpcshard, step_records, wait_for
 from tests.distributed.test_checkpoint import assert_bitwise_equal, committed, load, sets, trained_to
 from tests.slurm.conftest import restarts, slurm, wait_state
 
+COUNTER = str(ROOT / "tests" / "scripts" / "counter.py")
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 
@@ -79,20 +80,31 @@ def test_preemption_checkpoints_requeues_and_resumes_bitwise(cluster: dict[str, 
     assert_bitwise_equal(load(committed(run)[24]), load(committed(ref)[24]), "final")
 
 
-def test_time_limit_checkpoints_before_the_limit_and_requeues(cluster: dict[str, str],
-                                                              tmp_path: Path) -> None:
+def test_time_limit_notice_comes_before_the_limit_and_the_job_requeues(cluster: dict[str, str],
+                                                                        tmp_path: Path) -> None:
+    """Slurm's own --signal before the time limit (not scancel, not a preemption). A script
+    that starts in a second and sleeps its steps makes the timing predictable: 2 minutes
+    per attempt, the notice 70 s before the end (Slurm sends it a few seconds early and
+    enforces the limit ~20 s late), 75 s of steps: the first attempt is stopped by the
+    notice, the second finishes from the script's own last save. The runtime's answer to
+    the same notice is tested by the preemption tests (the partition sends it too)."""
     run = tmp_path / "timed"
-    # 3 minutes per attempt with the notice 100 s before the end (Slurm sends it a few
-    # seconds early and enforces the limit ~20 s late; start-up takes 15-25 s here): about
-    # 50 s of training per attempt. 200 steps took 60 s on a busy machine and under 50 s on
-    # an idle one (then no notice ever came): 400 steps need two attempts or more.
-    job = submit(cluster, run, "--time", "3", "--signal-lead", "100",
-                 *sets(steps=400, log_every=10, ckpt_every=1000))
-    assert wait_state(job, DONE, 600) == "COMPLETED"
+    proc = hpcshard("submit", "--backend", "slurm", "--nodes", "2", "--gpus", "1", COUNTER,
+                    "--run-dir", str(run), "--time", "2", "--signal-lead", "70", "--grace", "5",
+                    "--", "--steps", "150", "--save-every", "10", "--step-seconds", "0.5",
+                    env=cluster)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = str(json.loads((run / "spec.json").read_text())["jobs"][-1])
+    assert wait_state(job, DONE, 400) == "COMPLETED"
     records = ledger.read(run)
     ends = [r for r in records if r["event"] == "end"]
-    assert len(ends) >= 2 and ends[-1]["reason"] == "done" and ends[-1]["step"] == 400
-    assert all(e["reason"] == "stop" and e["saved_step"] == e["step"] for e in ends[:-1])
+    assert len(ends) >= 2 and ends[-1]["reason"] == "done" and ends[-1]["saved_step"] == 150
+    assert all(e["reason"] == "stop" and "after the notice" in e["how"] for e in ends[:-1])
+    assert restarts(job) == len(ends) - 1
+    start = next(r for r in records if r["event"] == "start")
+    log = (run / "logs" / "rank-0.log").read_text()
+    deadline = float(log.split("deadline ", 1)[1].split()[0])
+    assert 60 < deadline - start["time"] < 150  # HPCSHARD_DEADLINE: the end of --time 2
     status = hpcshard("status", str(run), env=cluster)
     assert status.stdout.count("stop") >= len(ends) - 1  # the ledger shows every attempt
 
