@@ -89,6 +89,38 @@ def test_a_script_that_does_nothing_is_stopped_and_resumes_from_its_own_save(tmp
     assert "stop" in status and "done" in status
 
 
+def test_a_script_that_saves_and_exits_cleanly_on_the_notice_is_still_requeued(tmp_path: Path
+                                                                              ) -> None:
+    """Hugging Face's JIT checkpoint saves on SIGTERM and returns from train() as if done:
+    a clean exit after a notice is a stop, not the end of the run."""
+    run = tmp_path / "run"
+    bg = hpcshard_bg("submit", "--backend", "local", "--gpus", "1", COUNTER, "--run-dir", str(run),
+                     "--", "--steps", "12", "--save-every", "100", "--step-seconds", "0.3",
+                     "--save-on-term")
+    log = run / "logs" / "rank-0.log"
+    wait_for(lambda: log.exists() and "step 3\n" in log.read_text(), 60, "step 3")
+    assert hpcshard("preempt", str(run)).returncode == 0
+    out, _ = bg.communicate(timeout=120)
+    assert bg.returncode == 0, out
+    stop, done = [r for r in ledger.read(run) if r["event"] == "end"]
+    assert stop["how"] == "exited 0 after the notice" and stop["saved_step"] >= 3
+    text = log.read_text()
+    assert f"starts after step {stop['saved_step']}" in text
+    assert done["reason"] == "done" and "rank 0 step 12\n" in text
+
+
+def test_the_hugging_face_trainer_example_runs_as_a_script(tmp_path: Path) -> None:
+    """DDP over gloo here (accelerate turns FSDP on only for GPUs; README says why)."""
+    run = tmp_path / "hf"
+    proc = hpcshard("submit", "--backend", "local", "--gpus", "2",
+                    str(ROOT / "examples" / "hf_trainer" / "train_hf.py"), "--run-dir", str(run),
+                    "--", "--max-steps", "4", "--save-steps", "2", timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "stopped at step 4/4" in proc.stdout
+    assert (run / "checkpoints" / "checkpoint-4" / "trainer_state.json").exists()
+    assert [r["saved_step"] for r in ledger.read(run) if r["event"] == "end"] == [4]
+
+
 def test_preemption_flag_and_requeue_code(tmp_path: Path) -> None:
     """Importing hpcshard.preemption takes the notice signal: the rank is not killed, the
     flag is set, and without a process group `requested()` is the local view."""

@@ -17,6 +17,8 @@ parser.add_argument("--steps", type=int, default=30)
 parser.add_argument("--save-every", type=int, default=5)
 parser.add_argument("--step-seconds", type=float, default=0.5)
 parser.add_argument("--requeue-on-usr1", action="store_true")
+parser.add_argument("--save-on-term", action="store_true",
+                    help="like Hugging Face's JIT checkpoint: on SIGTERM save and end cleanly")
 args = parser.parse_args()
 
 rank = int(os.environ.get("RANK", "0"))
@@ -28,6 +30,10 @@ if args.requeue_on_usr1:
             subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]])
     signal.signal(signal.SIGUSR1, requeue)
 
+stop = []
+if args.save_on_term:
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: stop.append(True))
+
 saved = sorted(int(p.stem.split("-")[1]) for p in ckpt.glob("checkpoint-*.json"))
 start = saved[-1] if saved else 0
 print(f"rank {rank} starts after step {start}; deadline {os.environ.get('HPCSHARD_DEADLINE')}",
@@ -35,6 +41,9 @@ print(f"rank {rank} starts after step {start}; deadline {os.environ.get('HPCSHAR
 for step in range(start + 1, args.steps + 1):
     time.sleep(args.step_seconds)
     print(f"rank {rank} step {step}", flush=True)
-    if rank == 0 and step % args.save_every == 0:
+    if rank == 0 and (step % args.save_every == 0 or stop):
         ckpt.mkdir(parents=True, exist_ok=True)
         (ckpt / f"checkpoint-{step}.json").write_text(json.dumps({"step": step}))
+    if stop:
+        print(f"rank {rank} saved on SIGTERM at step {step}; exiting 0", flush=True)
+        break
