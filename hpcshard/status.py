@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcshard import checkpoints, ledger
+from hpcshard import checkpoints, ledger, script
 from hpcshard.runs import read_metrics, train_records
 
 
@@ -77,7 +77,11 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
     if evals:
         lines.append(f"eval: loss {evals[-1]['eval_loss']:.4f} at step {evals[-1]['step']}")
     done = checkpoints.committed(run_dir / checkpoints.CHECKPOINTS)
-    if done:
+    own = script.last_save(run_dir) if spec.get("script") else {}
+    if own.get("saved") and not done:  # a script's own checkpoints, by their names
+        lines.append(f"checkpoint: the script's newest save is {own['saved']} (step "
+                     f"{own['saved_step']}, {checkpoints.age(time.time() - own['lost_seconds'])} ago)")
+    elif done:
         c = done[-1]
         saved_in, age = c.manifest.get("save_seconds", 0), checkpoints.age(c.manifest.get("time", 0))
         lines.append(f"checkpoint: step {c.step} ({c.bytes / 1e6:.1f} MB, saved in {saved_in:.2f}s, "

@@ -30,7 +30,7 @@ if args.requeue_on_usr1:
             subprocess.run(["scontrol", "requeue", os.environ["SLURM_JOB_ID"]])
     signal.signal(signal.SIGUSR1, requeue)
 
-stop = []
+stop: list[bool] = []
 if args.save_on_term:
     signal.signal(signal.SIGTERM, lambda _signum, _frame: stop.append(True))
 
