@@ -156,12 +156,17 @@ def run(run_dir: Path, spec: dict[str, Any], early: list[int]) -> int:
     if rank == 0:
         ledger.append(run_dir, {"event": "start", "attempt": attempt, "script": True,
                                 "world": int(os.environ.get("WORLD_SIZE", "1")),
+                                "nodes": int(os.environ.get("WORLD_SIZE", "1"))
+                                // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                 "host": os.uname().nodename})
     if script.get("cwd") and Path(script["cwd"]).is_dir():
         os.chdir(script["cwd"])
     for signum in early:  # a notice that came while the interpreter started
         handler(signum, None)
     code = _run_main(script)
+    # The script is over: a late notice means nothing now, and a Python handler would be
+    # reset to the default action (terminate) while the interpreter shuts down.
+    signal.signal(notice, signal.SIG_IGN)
     sys.stdout.flush()
     sys.stderr.flush()
     if code == ledger.REQUEUE_EXIT:
