@@ -185,7 +185,7 @@ def render_cmd(job: str | None, nodes: int | None, run_dir: Path | None, name: s
     click.echo(slurm.sbatch_text(req, run_dir.resolve()), nl=False)
 
 
-def _target(job: str | None, module: str | None, args: tuple[str, ...], sets: tuple[str, ...],
+def _target(job: str | None, module: str | None, args: tuple[str, ...],
             ) -> tuple[str, str, dict[str, Any]]:
     """(what the run is named after, the job reference, the script) from the command line:
     an hpcshard job (file or module), or a script file / `-m` module run as it is."""
@@ -215,7 +215,7 @@ def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None
     with user_errors():
         res = settings(profile, opts)
         v = res.values
-        label, ref, own = _target(job, module, args, sets)
+        label, ref, own = _target(job, module, args)
         if own:
             if sets:
                 raise ValueError(f"--set {sets[0]}: --set is for hpcshard jobs; pass a script's own "

@@ -121,15 +121,14 @@ RECEIVED: list[float] = []
 """When this rank's wrapper took the launcher's notice (`hpcshard.preemption` reads it)."""
 
 
-def _notice_handler(notice: signal.Signals, script_signal: str, received: list[float]
-                    ) -> Any:
+def _notice_handler(notice: signal.Signals, script_signal: str) -> Any:
     """The launcher's notice, once, turned into the signal the script listens to."""
     forward = None if script_signal == "none" else signal.Signals[f"SIG{script_signal}"]
 
     def handle(_signum: int, _frame: object) -> None:
-        if received:  # Slurm signals every process of the step and the launcher forwards
+        if RECEIVED:  # Slurm signals every process of the step and the launcher forwards
             return    # the notice too: the script hears it once
-        received.append(time.time())
+        RECEIVED.append(time.time())
         if forward is not None and forward != notice:
             os.kill(os.getpid(), forward)
     return handle
@@ -141,8 +140,7 @@ def run(run_dir: Path, spec: dict[str, Any], early: list[int]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("HPCSHARD_ATTEMPT", "0"))
     notice = signal.Signals[os.environ.get("HPCSHARD_STOP_SIGNAL", "SIGUSR2")]
-    received = RECEIVED
-    handler = _notice_handler(notice, script.get("signal", "TERM"), received)
+    handler = _notice_handler(notice, script.get("signal", "TERM"))
     signal.signal(notice, handler)
     os.environ.update({"HPCSHARD_RUN_DIR": str(run_dir),
                        "HPCSHARD_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
@@ -179,7 +177,7 @@ def run(run_dir: Path, spec: dict[str, Any], early: list[int]) -> int:
         return 0
     if code:
         ledger.append(run_dir, {"event": "rank_failed", "attempt": attempt, "rank": rank,
-                                "code": code, "after_notice": bool(received)})
+                                "code": code, "after_notice": bool(RECEIVED)})
     return code
 
 

@@ -160,16 +160,10 @@ def job_state(job_id: str) -> dict[str, str]:
     for MinJobAge). Empty when Slurm no longer knows the job."""
     if not shutil.which("scontrol"):
         return _sacct_state(job_id)
-    proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
-                          text=True, env={**os.environ, "SLURM_TIME_FORMAT": "standard"})
-    if proc.returncode:
-        return _sacct_state(job_id)
-    fields = {}
-    for token in proc.stdout.split():
-        key, sep, value = token.partition("=")
-        if sep:
-            fields[key] = value
-    return fields
+    from hpcshard.launch.slurm import show_job
+
+    fields = show_job(job_id)
+    return _sacct_state(job_id) if fields is None else fields
 
 
 def _sacct_state(job_id: str) -> dict[str, str]:

@@ -99,21 +99,26 @@ def requeue(job_id: str) -> str:
 POLICIES = ("requeue", "chain", "none")
 
 
-def _show_job(job_id: str) -> dict[str, str]:
-    """`scontrol show job -o`, as a dict; empty when Slurm cannot say."""
+def show_job(job_id: str, timeout: float | None = None) -> dict[str, str] | None:
+    """`scontrol show job -o` as a dict, times in ISO form whatever the site's
+    SLURM_TIME_FORMAT; None when scontrol is missing, fails or hangs past `timeout`.
+    Stdlib: the login node's `hpcshard.slurm.job_state` reads Slurm through it too."""
     try:
         proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
-                              text=True, timeout=30)
+                              text=True, timeout=timeout,
+                              env={**os.environ, "SLURM_TIME_FORMAT": "standard"})
     except (OSError, subprocess.TimeoutExpired):
-        return {}
-    return dict(f.split("=", 1) for f in proc.stdout.split() if "=" in f)
+        return None
+    if proc.returncode:
+        return None
+    return {key: value for key, sep, value in (t.partition("=") for t in proc.stdout.split()) if sep}
 
 
 def requeued_by_other(job_id: str, restart_count: int) -> str:
     """Has something else in the job (the script's framework) requeued it already? Slurm
     counts requeues in Restarts before the steps are even killed; a second requeue would
     cost the run a whole extra attempt. Returns what Slurm says, or "" if not."""
-    info = _show_job(job_id)
+    info = show_job(job_id, timeout=30) or {}
     restarts = int(info.get("Restarts", restart_count) or restart_count)
     state = info.get("JobState", "")
     if restarts > restart_count or state in ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING"):
@@ -123,7 +128,7 @@ def requeued_by_other(job_id: str, restart_count: int) -> str:
 
 def end_time(job_id: str) -> int | None:
     """When the job's time limit ends (Unix time), for HPCSHARD_DEADLINE."""
-    text = _show_job(job_id).get("EndTime", "")
+    text = (show_job(job_id, timeout=30) or {}).get("EndTime", "")
     try:
         return int(time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S")))
     except ValueError:
