@@ -1,5 +1,7 @@
 """Resume latency: from `hpcshard submit` / `hpcshard resume` to the first training step,
-fresh against resumed (target: resumed <= 1.3 x fresh), and where the time goes.
+fresh against resumed (target: resumed <= 1.3 x fresh), and where the time goes. Also the
+warm start (ranks forked from a torchrun agent that imported torch and the runtime once)
+against plain torchrun (HPCSHARD_WARM_START=0: each rank a new Python importing torch).
 
 Each rank records when it started and when it had torch, its process group, its model and
 its checkpoint (the `startup` field of the run's start event); the first step is its
@@ -11,7 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import RESULTS, Metric, hpcshard, median, records, save, show
+from bench.common import RESULTS, Metric, env, hpcshard, median, records, save, show
 
 NAME = "resume"
 PHASES = ("cli, preflight, torchrun", "import torch", "rendezvous", "mesh, shard, init, data",
@@ -29,6 +31,7 @@ def phases(run_dir: Path, t0: float, first_step: int) -> list[float]:
 def main(repeats: int = 3) -> list[Metric]:
     fresh: list[list[float]] = []
     resumed: list[list[float]] = []
+    plain: list[list[float]] = []
     common = ["--set", "eval_every=0", "--set", "log_every=1"]
     with tempfile.TemporaryDirectory(prefix=".tmp-", dir=RESULTS) as tmp:
         for i in range(repeats):
@@ -40,14 +43,24 @@ def main(repeats: int = 3) -> list[Metric]:
             t0 = time.time()
             hpcshard("resume", str(run_dir), "--set", "steps=6")
             resumed.append(phases(run_dir, t0, 4))
+            run_dir = Path(tmp) / f"plain-{i}"
+            t0 = time.time()
+            hpcshard("submit", "--backend", "local", "--nodes", "2", "--gpus", "2", "jobs/charlm.py",
+                     "--run-dir", str(run_dir), "--set", "steps=3", *common,
+                     env=env(HPCSHARD_WARM_START="0"))
+            plain.append(phases(run_dir, t0, 1))
     total_f, total_r = median([sum(x) for x in fresh]), median([sum(x) for x in resumed])
+    total_p = median([sum(x) for x in plain])
     metrics = [Metric(NAME, "fresh: start to first step", total_f, "s"),
+               Metric(NAME, "fresh, plain torchrun (no warm start): start to first step", total_p, "s"),
+               Metric(NAME, "warm start / plain torchrun, start to first step", total_f / total_p, "x"),
                Metric(NAME, "resumed: start to first step", total_r, "s"),
                Metric(NAME, "resumed / fresh", total_r / total_f, "x", "<= 1.3", total_r / total_f <= 1.3)]
     for i, phase in enumerate(PHASES):
         metrics.append(Metric(NAME, f"resumed: {phase}", median([x[i] for x in resumed]), "s",
-                              note=f"fresh {median([x[i] for x in fresh]):.2f} s"))
-    save(NAME, metrics, {"fresh": fresh, "resumed": resumed, "phases": PHASES})
+                              note=f"fresh {median([x[i] for x in fresh]):.2f} s, plain torchrun "
+                                   f"{median([x[i] for x in plain]):.2f} s"))
+    save(NAME, metrics, {"fresh": fresh, "resumed": resumed, "plain": plain, "phases": PHASES})
     return metrics
 
 

@@ -1,4 +1,5 @@
-"""The first code every rank runs (`torchrun ... -m hpcshard.entry RUN_DIR`), stdlib only.
+"""The first code every rank runs, stdlib only: `main` under plain torchrun (`torchrun ...
+-m hpcshard.entry RUN_DIR`), `rank` in a rank forked by `hpcshard.launch.warm`.
 
 Importing torch takes seconds. A preemption notice that arrives in that window would kill
 the rank (SIGUSR2's default action is to terminate), so the handler goes in first and
@@ -47,12 +48,41 @@ def main() -> int:
     # the FSDP modules still hold gloo/NCCL objects whose C++ destructors can race their
     # own threads there (a rare SIGABRT, "terminate called without an active exception",
     # after the work was done and recorded). Everything worth keeping is flushed first.
+    _flush()
+    os._exit(code)
+
+
+def rank(run_dir: str) -> None:
+    """A rank forked by `hpcshard.launch.warm`: torch and the runtime are already loaded.
+
+    It must leave the way torch's forked workers do, by returning (or raising SystemExit
+    with its exit code): the agent collects every rank's return before any may exit, and
+    the fork then ends with `os._exit`, so no interpreter finalization runs here either.
+    """
+    global START
+    START = time.time()
+    EARLY.clear()
+    # The agent's handlers (SIGTERM/INT/HUP/QUIT raise in torchelastic) came with the fork;
+    # a rank behaves as a fresh interpreter would.
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(notice(), _early)
+    sys.argv = [__file__, run_dir]
+    from hpcshard.runtime.main import main as run
+
+    code = run([run_dir])
+    _flush()
+    if code:
+        raise SystemExit(code)
+
+
+def _flush() -> None:
     import logging
 
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -14,16 +15,30 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {"unit": "unit", "distributed": "dist", "slurm": "slurm"}
 
 
+# pytest-xdist (-n 3 --dist loadgroup, see pyproject): tests of one group run in one worker,
+# in order. The Slurm tests share one cluster: "slurm" uses its low/high partitions (and
+# preempts through them), "slurm-debug" only the separate debug partition, so the two run
+# side by side. Modules with expensive module-scoped fixtures stay in one worker each.
+GROUPS = {"tests/distributed/test_runtime.py": "runtime-facts", "tests/unit/test_hf_job.py": "hf-model"}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        layer = Path(str(item.fspath)).relative_to(ROOT / "tests").parts[0]
+        path = Path(str(item.fspath)).relative_to(ROOT)
+        layer = path.parts[1]
         if layer in LAYERS:
             item.add_marker(getattr(pytest.mark, LAYERS[layer]))
+        group = GROUPS.get(str(path))
+        if layer == "slurm":
+            group = "slurm-debug" if item.get_closest_marker("debug_partition") else "slurm"
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 @pytest.fixture(autouse=True)
@@ -49,9 +64,9 @@ def hpcshard(*args: str, cwd: Path = ROOT, timeout: float = 600,
                           timeout=timeout)
 
 
-def hpcshard_bg(*args: str, cwd: Path = ROOT) -> subprocess.Popen[str]:
+def hpcshard_bg(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """Start the real CLI in the background (for preemption and fault injection)."""
-    return subprocess.Popen([sys.executable, "-m", "hpcshard", *args], cwd=cwd, env=quiet_env(),
+    return subprocess.Popen([sys.executable, "-m", "hpcshard", *args], cwd=cwd, env=quiet_env(**(env or {})),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -72,3 +87,33 @@ def wait_for(cond: Callable[[], object], timeout: float = 120, what: str = "cond
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout}s waiting for {what}")
         time.sleep(0.05)
+
+
+STEPS = 16
+
+
+def sets(**kv: object) -> list[str]:
+    out = []
+    # A global batch of 24 divides over 1, 2, 4 and 6 ranks: every shape sees the same batches.
+    for k, v in {"log_every": 1, "eval_every": 0, "batch_size": 24, **kv}.items():
+        out += ["--set", f"{k}={v}"]
+    return out
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """The reference for every exact-resume test: the demo on 2x2, STEPS steps, never
+    preempted, a checkpoint after every step, all kept. Trained once per session: pytest-xdist
+    workers share it through a lock in their common temporary directory. Tests copy it
+    before they change anything."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent
+    run, done = shared / "uninterrupted", shared / "uninterrupted.done"
+    with FileLock(str(shared / "uninterrupted.lock")):
+        if not done.exists():
+            shutil.rmtree(run, ignore_errors=True)
+            proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
+                            str(run), *sets(steps=STEPS, ckpt_every=1, keep_last=1000, eval_every=STEPS))
+            assert proc.returncode == 0, proc.stdout[-3000:]
+            done.touch()
+    return run

@@ -64,12 +64,20 @@ def _attempt(run_dir: Path, nodes: int, per_node: int, attempt: int, resume: str
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // (nodes * per_node))))
         procs.append(subprocess.Popen([sys.executable, "-m", "hpcshard.launch.node", str(run_dir)],
                                       env=env))
+    def forward(signum: int, _frame: object) -> None:
+        for p in procs:
+            p.send_signal(signum)
+
+    # A TERM to the CLI (a job scheduler's kill, `kill PID`) ends the ranks too, not only
+    # this process: the launchers pass it to torchrun, which tears its workers down.
+    previous = signal.signal(signal.SIGTERM, forward)
     try:
         return _wait_all(procs)
     except KeyboardInterrupt:
-        for p in procs:
-            p.send_signal(signal.SIGINT)
+        forward(signal.SIGINT, None)
         return _wait_all(procs)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _wait_all(procs: list[subprocess.Popen[bytes]]) -> int:

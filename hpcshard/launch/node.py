@@ -44,19 +44,26 @@ class NodeEnv:
                 "HPCSHARD_RDZV_PORT": str(self.rdzv_port), "HPCSHARD_RUN_ID": self.run_id}
 
 
-def torchrun_argv(node: NodeEnv, run_dir: Path, module: str = "hpcshard.entry") -> list[str]:
+def torchrun_argv(node: NodeEnv, run_dir: Path, module: str = "hpcshard.entry",
+                  warm: bool = False) -> list[str]:
     """torchrun for one node: c10d rendezvous on the first node's host.
 
     c10d ignores --node_rank and numbers agents by arrival, but each agent's workers get
-    contiguous ranks, so the mesh's shard dimension still stays inside one node.
+    contiguous ranks, so the mesh's shard dimension still stays inside one node. `warm`:
+    the same agent and options through `hpcshard.launch.warm`, whose ranks are forks of
+    an agent that imported torch and the runtime once (hpcshard jobs only).
     """
-    return [
-        sys.executable, "-m", "torch.distributed.run",
-        f"--nnodes={node.nnodes}", f"--nproc_per_node={node.per_node}",
-        "--rdzv_backend=c10d", f"--rdzv_endpoint={node.rdzv_host}:{node.rdzv_port}",
-        f"--rdzv_id={node.run_id}", "--max_restarts=0",
-        "-m", module, str(run_dir),
-    ]
+    options = [f"--nnodes={node.nnodes}", f"--nproc_per_node={node.per_node}",
+               "--rdzv_backend=c10d", f"--rdzv_endpoint={node.rdzv_host}:{node.rdzv_port}",
+               f"--rdzv_id={node.run_id}", "--max_restarts=0"]
+    if warm:
+        return [sys.executable, "-m", "hpcshard.launch.warm", *options, str(run_dir)]
+    return [sys.executable, "-m", "torch.distributed.run", *options, "-m", module, str(run_dir)]
+
+
+def warm_start(module: str, script: dict[str, object]) -> bool:
+    """Fork warm ranks for hpcshard jobs unless HPCSHARD_WARM_START=0 (see launch.warm)."""
+    return module == "hpcshard.entry" and not script and os.environ.get("HPCSHARD_WARM_START") != "0"
 
 
 def children(pid: int) -> list[int]:
@@ -98,7 +105,7 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = signal.SIGUSR2,
     # Slurm's --signal goes to every process of the step, torchrun included, and an
     # unhandled SIGUSR2 kills it mid-save. Ignored dispositions survive exec: torchrun
     # ignores the notice, and each rank's entry point installs its own handler first thing.
-    proc = subprocess.Popen(torchrun_argv(node, run_dir, module), env=env,
+    proc = subprocess.Popen(torchrun_argv(node, run_dir, module, warm_start(module, own)), env=env,
                             preexec_fn=lambda: signal.signal(stop_signal, signal.SIG_IGN))
     noticed: list[float] = []
 

@@ -10,6 +10,7 @@ shape resumes on another without skipping or repeating a sample.
 
 from __future__ import annotations
 
+import os
 import sysconfig
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -70,8 +71,11 @@ def stdlib_sources() -> list[Path]:
     """
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idlelib", "lib2to3", "__pycache__"}
-    return sorted(p for p in root.rglob("*.py")
-                  if not set(p.relative_to(root).parts[:-1]) & skip)
+    found = []
+    for folder, subdirs, files in os.walk(root):  # pruned: never walks site-packages
+        subdirs[:] = [d for d in subdirs if d not in skip]
+        found += [Path(folder, f) for f in files if f.endswith(".py")]
+    return sorted(found)
 
 
 def text_files(path: str | Path, pattern: str = "*") -> list[Path]:

@@ -15,6 +15,7 @@ import torch.distributed.checkpoint as dcp
 from hpcshard import checkpoints as store
 from hpcshard.config import build_config
 from hpcshard.runs import RunSpec
+from hpcshard.runtime.blocks import on_meta
 from hpcshard.runtime.job import load_job
 
 FORMATS = (".safetensors", ".pt", ".pth", ".bin")
@@ -32,7 +33,7 @@ def export(run_dir: Path, step: int | None, out: Path) -> store.Checkpoint:
     spec = RunSpec.read(run_dir)
     job = load_job(spec.job)
     cfg = build_config(job.config, spec.sets)
-    with torch.device("meta"):
+    with on_meta():
         model = job.model(cfg)
     model.to_empty(device="cpu")  # every saved tensor is overwritten by the load
     state = {"model": model.state_dict()}

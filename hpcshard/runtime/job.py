@@ -27,8 +27,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hpcshard.config import TrainConfig
+from hpcshard.runtime.blocks import InitFn, reset_init
 from hpcshard.runtime.data import DataSplits
-from hpcshard.runtime.shard import InitFn, reset_init
 
 
 def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""What every rank runs (`torchrun ... -m hpcshard.entry RUN_DIR` calls `main`).
+"""What every rank runs (`hpcshard.entry` calls `main` under torchrun or in a warm fork).
 
 RUN_DIR/spec.json (written by `hpcshard submit`) names the job and its --set values.
 A user error (a bad value the preflight could not see) exits 2 with one line; its
@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hpcshard import ledger
+from hpcshard import entry, ledger
 from hpcshard.config import build_config
-from hpcshard.entry import START, notice
 from hpcshard.runtime.device import init_distributed
 from hpcshard.runtime.job import load_job
 from hpcshard.runtime.stop import StopRequest
@@ -65,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     # attempts always resume "auto" (the newest checkpoint), whatever the first asked.
     attempt = int(os.environ.get("HPCSHARD_ATTEMPT", "0"))
     resume = os.environ.get("HPCSHARD_RESUME", "auto")
-    startup = {"entry": START, "torch": time.time()}
+    startup = {"entry": entry.START, "torch": time.time()}
     env = init_distributed()
     startup["rendezvous"] = time.time()
     stop: StopRequest | None = None
@@ -74,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         setup_logging(run_dir, env.rank)
         job = load_job(spec["job"])
         cfg = build_config(job.config, spec["sets"])
-        stop = StopRequest(f"{cfg.stop_signals},{notice().name}").install()
+        stop = StopRequest(f"{cfg.stop_signals},{entry.notice().name}").install()
         trainer = Trainer(job, cfg, env, run_dir)
         startup["built"] = time.time()
         loaded = trainer.restore(resume)

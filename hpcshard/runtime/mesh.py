@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from typing import TYPE_CHECKING
 
 from hpcshard.config import SHARDING_MODES
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 
 def resolve_sharding(mode: str, nodes: int) -> str:
@@ -31,6 +34,8 @@ def mesh_shape(mode: str, nodes: int, per_node: int) -> tuple[tuple[int, ...], t
 
 
 def build_mesh(device_type: str, nodes: int, per_node: int, sharding: str = "auto") -> DeviceMesh:
+    from torch.distributed.device_mesh import init_device_mesh
+
     mode = resolve_sharding(sharding, nodes)
     shape, names = mesh_shape(mode, nodes, per_node)
     return init_device_mesh(device_type, shape, mesh_dim_names=names)

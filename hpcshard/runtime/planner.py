@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from hpcshard.runtime.shard import find_blocks
+from hpcshard.runtime.blocks import find_blocks, on_meta
 
 GiB = 2**30
 MODES = ("none", "grad-op", "hybrid", "full")
@@ -101,7 +101,7 @@ def _saved_tensors(record: list[int]) -> Iterator[None]:
 
 def measure(job: Any, cfg: Any, micro_batch: int, dtype: torch.dtype) -> ModelShape:
     """Build the job's model on the meta device and run one micro-batch through its loss."""
-    with torch.device("meta"):
+    with on_meta():
         model = job.model(cfg)
     model = model.to(dtype)
     return measure_model(model, cfg.block, cfg.block_min_params,
@@ -290,7 +290,7 @@ def shape_of_hf(path: Any, seq_len: int | None, micro: int, dtype: torch.dtype) 
         conf = AutoConfig.from_pretrained(str(path))
     except (OSError, ValueError) as err:
         raise ValueError(f"--hf-config {str(path)!r} is not a Hugging Face config: {err}") from None
-    with torch.device("meta"):
+    with on_meta():
         model = AutoModelForCausalLM.from_config(conf)
     model = model.to(dtype)
     seq = seq_len or min(int(getattr(conf, "max_position_embeddings", 4096)), 4096)

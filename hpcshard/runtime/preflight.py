@@ -15,13 +15,11 @@ import sys
 import traceback
 from typing import Any
 
-import torch
-
 from hpcshard.config import build_config
+from hpcshard.runtime.blocks import find_blocks, on_meta
 from hpcshard.runtime.data import GlobalBatches
 from hpcshard.runtime.job import load_job
 from hpcshard.runtime.mesh import resolve_sharding
-from hpcshard.runtime.shard import find_blocks
 
 
 def preflight(request: dict[str, Any]) -> dict[str, Any]:
@@ -30,7 +28,7 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
     job = load_job(request["job"])
     cfg = build_config(job.config, request["sets"])
     micro, accum = cfg.accumulation(world)
-    with torch.device("meta"):
+    with on_meta():
         model = job.model(cfg)
     blocks = find_blocks(model, cfg.block, cfg.block_min_params)
     splits = job.data(cfg)

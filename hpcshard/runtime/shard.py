@@ -3,8 +3,6 @@ materialise the meta-device model with the same values on every world size."""
 
 from __future__ import annotations
 
-import hashlib
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +16,16 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from hpcshard.runtime.blocks import (  # noqa: F401  (re-exported: the block finder is light)
+    WRAPPER_PARTS,
+    InitFn,
+    canonical_name,
+    find_blocks,
+    module_seed,
+    repeated_classes,
+    reset_init,
+)
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -47,55 +55,6 @@ class ShardPlan:
     def offload_policy(self) -> OffloadPolicy:
         # pin_memory needs an accelerator; on CPU-only hosts pinning is meaningless anyway.
         return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
-
-
-def repeated_classes(model: nn.Module) -> dict[str, int]:
-    """Classes that fill a ModuleList (>= 2 children of one class), with their parameter counts."""
-    found: dict[str, int] = {}
-    for mod in model.modules():
-        if isinstance(mod, nn.ModuleList) and len(mod) >= 2:
-            kinds = {type(child).__name__ for child in mod}
-            if len(kinds) == 1:
-                found[kinds.pop()] = sum(p.numel() for p in mod.parameters())
-    return found
-
-
-def _size_based(model: nn.Module, min_params: int) -> list[nn.Module]:
-    """Innermost-first: a module is wrapped when its not-yet-wrapped parameters reach the bound."""
-    chosen: list[nn.Module] = []
-    covered: set[int] = set()
-
-    def visit(mod: nn.Module) -> None:
-        for child in mod.children():
-            visit(child)
-        if mod is model or isinstance(mod, nn.ModuleList | nn.ModuleDict):
-            return  # containers have no forward for FSDP to hook
-        own = sum(p.numel() for p in mod.parameters() if id(p) not in covered)
-        if own >= min_params:
-            chosen.append(mod)
-            covered.update(id(p) for p in mod.parameters())
-
-    visit(model)
-    return chosen
-
-
-def find_blocks(model: nn.Module, block: str = "", min_params: int = 0) -> list[nn.Module]:
-    """The modules that get their own `fully_shard`, in model order."""
-    if block:
-        blocks = [m for m in model.modules() if type(m).__name__ == block]
-        if not blocks:
-            names = sorted({type(m).__name__ for m in model.modules()})
-            raise ValueError(f"block={block!r} is not a class in the model; classes in it: "
-                             + ", ".join(names))
-        return blocks
-    if min_params:
-        return _size_based(model, min_params)
-    found = repeated_classes(model)
-    if not found:
-        raise ValueError("no repeated block (a ModuleList of one class) found in the model; "
-                         "name one with --set block=ClassName or use --set block_min_params=N")
-    name = max(found, key=lambda k: found[k])
-    return [m for m in model.modules() if type(m).__name__ == name]
 
 
 def _replace_child(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
@@ -130,32 +89,6 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, plan: ShardPlan) -> list[nn.
     fully_shard(model, mesh=mesh, reshard_after_forward=plan.mode != "grad-op", mp_policy=mp,
                 offload_policy=offload)
     return sharded
-
-
-WRAPPER_PARTS = ("_checkpoint_wrapped_module.", "_orig_mod.")
-
-
-def canonical_name(name: str) -> str:
-    """A module's name without AC/compile wrapper parts, as in its state-dict keys."""
-    for part in WRAPPER_PARTS:
-        name = name.replace(part, "").replace(part.rstrip("."), "")
-    return name.rstrip(".")
-
-
-def module_seed(seed: int, name: str) -> int:
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & 0x7FFF_FFFF_FFFF_FFFF
-
-
-InitFn = Callable[[nn.Module, str, nn.Module], None]
-"""init(root, name, module): initialise one module's own tensors in place."""
-
-
-def reset_init(root: nn.Module, name: str, module: nn.Module) -> None:
-    """Default initialisation: each module's own `reset_parameters`."""
-    reset = getattr(module, "reset_parameters", None)
-    if callable(reset):
-        reset()
 
 
 @torch.no_grad()

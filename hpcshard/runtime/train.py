@@ -16,6 +16,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from hpcshard.config import TrainConfig
+from hpcshard.runtime.blocks import on_meta
 from hpcshard.runtime.checkpoint import Checkpointer, Loaded, seed_rank
 from hpcshard.runtime.data import GlobalBatches, eval_batch_count, eval_batches, unigram_entropy
 from hpcshard.runtime.device import DistEnv, device_peak_tflops
@@ -109,7 +110,7 @@ class Trainer:
 
     def _build_model(self) -> nn.Module:
         cfg = self.cfg
-        with torch.device("meta"):
+        with on_meta():
             model = self.job.model(cfg)
         self.n_params = sum(p.numel() for p in model.parameters())
         self.flops_per_token = self.job.flops_per_token(cfg, model)

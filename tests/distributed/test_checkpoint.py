@@ -3,6 +3,7 @@ through the CLI and the local backend (the same launcher Slurm runs)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -22,18 +23,20 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 
 from hpcshard import checkpoints as store
 from hpcshard import ledger
+from hpcshard.launch.node import children
 from hpcshard.ledger import REQUEUE_EXIT
-from tests.conftest import ROOT, hpcshard, hpcshard_bg, metrics, quiet_env, step_records, wait_for
-
-STEPS = 16
-
-
-def sets(**kv: object) -> list[str]:
-    out = []
-    # A global batch of 24 divides over 1, 2, 4 and 6 ranks: every shape sees the same batches.
-    for k, v in {"log_every": 1, "eval_every": 0, "batch_size": 24, **kv}.items():
-        out += ["--set", f"{k}={v}"]
-    return out
+from tests.conftest import (
+    ROOT,
+    STEPS,
+    hpcshard,
+    hpcshard_bg,
+    metrics,
+    quiet_env,
+    sets,
+    step_records,
+    wait_for,
+)
+from tests.distributed.test_plan import assert_planned
 
 
 def committed(run: Path) -> dict[int, Path]:
@@ -67,16 +70,6 @@ def trained_to(run: Path, step: int) -> bool:
     return any(r["step"] >= step for r in step_records(run))
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The reference: no preemption, a checkpoint after every step, all kept."""
-    run = tmp_path_factory.mktemp("ckpt") / "uninterrupted"
-    proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
-                    *sets(steps=STEPS, ckpt_every=1, keep_last=1000, eval_every=STEPS))
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    return run
-
-
 def test_three_preemptions_resume_bitwise_with_nothing_recomputed(uninterrupted: Path,
                                                                   tmp_path: Path) -> None:
     run = tmp_path / "preempted"
@@ -87,7 +80,7 @@ def test_three_preemptions_resume_bitwise_with_nothing_recomputed(uninterrupted:
         # Preempt once this attempt has trained two steps of its own.
         wait_for(partial(trained_to, run, reached + 2), 180, f"attempt {attempt} to train")
         if attempt == 1:  # a notice that reaches one rank only still stops every rank
-            os.kill(rank_pids()[0], signal.SIGUSR2)
+            os.kill(rank_pids(run)[0], signal.SIGUSR2)
         else:
             assert hpcshard("preempt", str(run)).returncode == 0
         wait_for(partial(ledger.end_of, run, attempt), 120, f"attempt {attempt} to stop")
@@ -144,7 +137,7 @@ def test_export_loads_into_a_plain_model_with_the_same_eval_loss(uninterrupted: 
     assert total / count == pytest.approx(sharded, rel=1e-5)
 
 
-@pytest.mark.parametrize("shape", [("1", "2"), ("1", "1"), ("3", "2")])
+@pytest.mark.parametrize("shape", [("1", "2"), ("1", "1"), ("3", "2"), ("1", "4")])
 def test_resume_on_another_shape_continues_the_same_samples(uninterrupted: Path, tmp_path: Path,
                                                             shape: tuple[str, str]) -> None:
     run = tmp_path / "reshaped"
@@ -167,6 +160,7 @@ def test_resume_on_another_shape_continues_the_same_samples(uninterrupted: Path,
     # Replicated HSDP shards are written once: 2x2 writes the same bytes as 1x1 or 3x2.
     size = store.inspect(committed(run)[STEPS]).bytes
     assert size == pytest.approx(store.inspect(committed(uninterrupted)[STEPS]).bytes, rel=0.05)
+    assert_planned(run, int(shape[0]), int(shape[1]))
 
 
 def test_damaged_newest_checkpoints_are_skipped_and_the_previous_used(uninterrupted: Path,
@@ -194,15 +188,13 @@ def test_damaged_newest_checkpoints_are_skipped_and_the_previous_used(uninterrup
     assert sorted(committed(run))[-3:] == [STEPS - 1, STEPS, STEPS + 1]
 
 
-def rank_pids() -> list[int]:
+def rank_pids(run: Path) -> list[int]:
+    """The ranks of `run`: children of each node's torchrun agent, itself the launcher's child."""
     pids = []
-    for entry in os.listdir("/proc"):
-        try:
-            cmd = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if b"hpcshard.entry" in cmd and b"torch.distributed.run" not in cmd:
-            pids.append(int(entry))
+    for launcher in sorted((run / "launch").glob("node-*.pid")):
+        with contextlib.suppress(OSError, ValueError):
+            for agent in children(int(launcher.read_text())):
+                pids += children(agent)
     return pids
 
 
@@ -215,7 +207,8 @@ def test_rank_killed_mid_save_resumes_from_the_previous_commit(tmp_path: Path) -
     partial = run / store.CHECKPOINTS / (store.step_name(4) + store.TMP_SUFFIX)
     wait_for(lambda: 2 in committed(run), 240, "the first commit")
     wait_for(partial.exists, 120, "the second save to start")
-    victim = rank_pids()[-1]
+    wait_for(lambda: len(rank_pids(run)) == 4, 60, "the ranks")
+    victim = rank_pids(run)[-1]
     os.kill(victim, 9)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode not in (0, REQUEUE_EXIT), out[-3000:]

@@ -12,8 +12,8 @@ from tests.conftest import ROOT, hpcshard, quiet_env
 
 
 def test_own_loop_example_trains_on_two_ranks() -> None:
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-                           "examples/pieces/loop.py", "--steps", "20"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc_per_node=2", "examples/pieces/loop.py", "--steps", "20"], cwd=ROOT,
                           env=quiet_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", proc.stdout)]

@@ -25,7 +25,7 @@ def _run(cmd: list[str], out: Path) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def four(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("dist") / "facts4.json"
-    return _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4",
+    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
                  str(WORKER)], out)
 
 

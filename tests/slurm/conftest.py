@@ -1,6 +1,6 @@
-"""One real local Slurm cluster (2 nodes x 2 fake GPUs, partitions low and high) for the
-whole session, started through the project's own script. It fails loudly, never skips:
-CI installs Slurm and must run these tests."""
+"""One real local Slurm cluster (2 nodes x 2 fake GPUs, partitions low and high, and 2
+more nodes in partition debug) for the whole session, started through the project's own
+script. It fails loudly, never skips: CI installs Slurm and must run these tests."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from tests.conftest import ROOT
 
@@ -19,12 +20,27 @@ CONF = Path(os.environ.get("HPCSHARD_SLURM_DIR", "/tmp/hpcshard-slurm")) / "etc"
 
 
 @pytest.fixture(scope="session")
-def cluster() -> Iterator[dict[str, str]]:
-    up = subprocess.run([str(SCRIPT), "up", "2"], capture_output=True, text=True, timeout=600)
-    if up.returncode:
-        pytest.fail(f"the local Slurm cluster did not start:\n{up.stdout}\n{up.stderr}")
+def cluster(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Iterator[dict[str, str]]:
+    """Up once for every pytest-xdist worker that runs Slurm tests (a lock and a count in
+    their common temporary directory); the last one to finish takes it down. 2 nodes for
+    low/high, 2 more for the debug partition."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent
+    users = shared / "slurm.users"
+    with FileLock(str(shared / "slurm.lock")):
+        count = int(users.read_text()) if users.exists() else 0
+        if count == 0:
+            up = subprocess.run([str(SCRIPT), "up", "2", "2"], capture_output=True, text=True,
+                                timeout=600)
+            if up.returncode:
+                pytest.fail(f"the local Slurm cluster did not start:\n{up.stdout}\n{up.stderr}")
+        users.write_text(str(count + 1))
     yield {"SLURM_CONF": str(CONF)}
-    subprocess.run([str(SCRIPT), "down"], capture_output=True, text=True, timeout=120)
+    with FileLock(str(shared / "slurm.lock")):
+        count = int(users.read_text()) - 1
+        users.write_text(str(count))
+        if count == 0:
+            subprocess.run([str(SCRIPT), "down"], capture_output=True, text=True, timeout=120)
 
 
 def slurm(*args: str) -> str:

@@ -69,8 +69,9 @@ def test_a_script_ignoring_the_notice_is_requeued_exactly_once(cluster: dict[str
     submitted = time.time()
     job = submit_script(cluster, run, COUNTER, "--nodes", "2", "--gpus", "1", "--time", "10:00",
                         "--script-signal", "none", "--grace", "3", "--",
-                        "--steps", "20", "--save-every", "8", "--step-seconds", "0.4")
-    # Noticed at step 3, killed about 8 steps later: after the save at step 8, before 16.
+                        "--steps", "48", "--save-every", "8", "--step-seconds", "0.4")
+    # Noticed at step 3, killed about 8 steps later (more on a loaded machine: the notice
+    # goes through the CLI, scancel and slurmd), after at least the save at step 8.
     wait_for(lambda: log_has(run, "rank 0 step 3\n"), 240, "step 3")
     assert hpcshard("preempt", str(run), env=cluster).returncode == 0
     assert wait_state(job, DONE, 300) == "COMPLETED"
@@ -80,13 +81,13 @@ def test_a_script_ignoring_the_notice_is_requeued_exactly_once(cluster: dict[str
     stop, done = [r for r in records if r["event"] == "end"]
     assert stop["reason"] == "stop" and stop["how"] == "killed 3s after the notice (the grace period)"
     saved = stop["saved_step"]
-    assert saved == 8 and stop["saved"] == "checkpoint-8.json"
+    assert saved >= 8 and saved % 8 == 0 and stop["saved"] == f"checkpoint-{saved}.json"
     assert stop["lost_seconds"] > 0
     log = (run / "logs" / "rank-0.log").read_text()
     first_attempt = log[:log.index(f"starts after step {saved}")]
     reached = max(int(n) for n in re.findall(r"rank 0 step (\d+)\n", first_attempt))
     assert reached > saved  # the steps since its own last save were lost, as the ledger says
-    assert done["reason"] == "done" and done["saved_step"] == 16
+    assert done["reason"] == "done" and done["saved_step"] == 48
     deadline = float(re.search(r"deadline ([0-9.]+)", log).group(1))  # type: ignore[union-attr]
     assert submitted + 9 * 60 < deadline < submitted + 11 * 60 + 30  # --time 10:00
     assert "deadline None" not in log

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from hpcshard import ledger
-from tests.conftest import hpcshard, step_records, wait_for
-from tests.distributed.test_checkpoint import sets, trained_to
+from tests.conftest import STEPS, hpcshard, sets, step_records, wait_for
+from tests.distributed.test_checkpoint import assert_bitwise_equal, committed, load, trained_to
 from tests.slurm.conftest import restarts, wait_state
 
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
@@ -79,12 +79,14 @@ partition = "lowww"
            "MODULE_LOG": str(tmp_path / "modules.log")}
 
 
-def test_a_profile_alone_runs_the_demo_through_a_site_launch_block(site_env: dict[str, str],
-                                                                   tmp_path: Path) -> None:
+def test_a_profile_alone_runs_the_demo_through_a_site_launch_block(
+        site_env: dict[str, str], tmp_path: Path, uninterrupted: Path) -> None:
     """No --backend, --gpus, --partition or --run-dir: the site file and --profile say it all.
-    The profile's notice (USR1) is what `preempt` sends and what the ranks stop on."""
+    The profile's notice (USR1) is what `preempt` sends and what the ranks stop on; the job
+    is requeued by Slurm and resumes bit for bit where it stopped (the same weights as the
+    2x2 reference that was never preempted)."""
     proc = hpcshard("submit", "--profile", "local", "--nodes", "2", "jobs/charlm.py",
-                    *sets(steps=40), env=site_env)
+                    *sets(steps=STEPS), env=site_env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)  # type: ignore[union-attr]
     run = Path(re.search(r"run directory: (\S+)", proc.stdout).group(1))  # type: ignore[union-attr]
@@ -101,7 +103,10 @@ def test_a_profile_alone_runs_the_demo_through_a_site_launch_block(site_env: dic
     assert restarts(job) == 1
     ends = [r for r in ledger.read(run) if r["event"] == "end"]
     assert [e["reason"] for e in ends] == ["stop", "done"]
-    assert [r["step"] for r in step_records(run)] == list(range(1, 41))  # no step twice
+    starts = [r for r in ledger.read(run) if r["event"] == "start"]
+    assert starts[1]["resumed_step"] == ends[0]["saved_step"] == ends[0]["step"]  # nothing recomputed
+    assert [r["step"] for r in step_records(run)] == list(range(1, STEPS + 1))  # no step twice
+    assert_bitwise_equal(load(committed(run)[STEPS]), load(committed(uninterrupted)[STEPS]), "final")
     spec = json.loads((run / "spec.json").read_text())
     assert spec["profile"] == "local" and spec["gpus"] == 2
     # What the profile asked for happened on the compute nodes, once per attempt.
@@ -148,7 +153,8 @@ def test_doctor_names_each_failure_with_its_fix(site_env: dict[str, str], tmp_pa
     assert f"FAIL    storage root          {readonly} is not writable" in proc.stdout
     assert "FAIL    partition             'lowww' does not exist" in proc.stdout
     assert "skip    storage from compute  needs the partition checks to pass" in proc.stdout
-    assert f"partition: set partition in site {site} [profiles.typo] to one of: high, low" in proc.stdout
+    assert (f"partition: set partition in site {site} [profiles.typo] to one of: debug, high, low"
+            in proc.stdout)
     assert f"storage root: make it writable for this user or set storage_root in project " \
            f"{tmp_path / 'project' / 'hpcshard.toml'} [defaults]" in proc.stdout
     # A module that does not load is caught on the compute node, by the probe job.

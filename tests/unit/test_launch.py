@@ -24,6 +24,26 @@ def test_torchrun_command_for_one_node() -> None:
     assert argv[-3:] == ["-m", "hpcshard.entry", "/runs/x"]
 
 
+def test_warm_ranks_take_torchruns_own_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """hpcshard jobs fork warm ranks through torchrun's own parser and agent; scripts and
+    other modules, and HPCSHARD_WARM_START=0, get plain torchrun."""
+    import torch.distributed.run as torchrun
+
+    from hpcshard.launch.node import warm_start
+
+    node = NodeEnv(node_rank=0, nnodes=2, per_node=4, rdzv_host="n1", rdzv_port=29400, run_id="abc")
+    plain, warm = torchrun_argv(node, Path("/runs/x")), torchrun_argv(node, Path("/runs/x"), warm=True)
+    assert warm[1:3] == ["-m", "hpcshard.launch.warm"] and warm[3:] == plain[3:-3] + ["/runs/x"]
+    config, _, _ = torchrun.config_from_args(torchrun.get_args_parser().parse_args(warm[3:]))
+    assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 4)
+    assert config.rdzv_endpoint == "n1:29400" and config.run_id == "abc" and config.max_restarts == 0
+    monkeypatch.delenv("HPCSHARD_WARM_START", raising=False)
+    assert warm_start("hpcshard.entry", {})
+    assert not warm_start("hpcshard.entry", {"kind": "path"}) and not warm_start("x.smoke", {})
+    monkeypatch.setenv("HPCSHARD_WARM_START", "0")
+    assert not warm_start("hpcshard.entry", {})
+
+
 def test_nodelist_expansion() -> None:
     from hpcshard.launch.slurm import expand_nodelist
 

@@ -1,0 +1,52 @@
+"""torchrun with warm ranks: the agent imports torch and the runtime once, then forks them.
+
+    python -m hpcshard.launch.warm [torchrun options] RUN_DIR
+
+Every option is torchrun's own (its parser, its LaunchConfig, its elastic agent and c10d
+rendezvous); only the workers differ. Plain torchrun starts each rank as a new Python that
+imports torch, FSDP, DTensor and DCP again: seconds of CPU per rank, all ranks of a node at
+once, typically from a shared file system. Here the agent pays that once and each rank is
+a fork of it, running `hpcshard.entry.rank` (torch's own `start_method="fork"` path for
+function entry points).
+
+Fork safety: the agent never touches CUDA (no device query, no tensor), so each rank
+initialises its GPU itself, as under plain torchrun. `HPCSHARD_WARM_START=0` falls back to
+plain torchrun (`node.torchrun_argv`), for a site where something in the agent's imports
+turns out not to survive a fork. Bring-your-own scripts always run under plain torchrun:
+a forked worker leaves through `os._exit`, and a script's atexit hooks must run.
+"""
+
+from __future__ import annotations
+
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    # What every rank needs, imported once, before the fork.
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    import hpcshard.runtime.main  # noqa: F401  (torch, FSDP2, DTensor, DCP, the trainer)
+    from hpcshard import entry
+
+    args = torchrun.get_args_parser().parse_args(argv)
+    config, _cmd, _cmd_args = torchrun.config_from_args(args)
+    config.start_method = "fork"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        elastic_launch(config, entry.rank)(args.training_script)
+    except ChildFailedError as err:
+        # torchrun's own exit: one summary of the failed ranks (their logs say why).
+        print(f"hpcshard: {err.format_msg()}", file=sys.stderr, flush=True)
+        return 1
+    except SignalException as err:  # TERM/INT/HUP: the ranks were torn down, as torchrun does
+        print(f"hpcshard: torchrun stopped by {err.sigval.name}", file=sys.stderr, flush=True)
+        return 128 + int(err.sigval)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
