@@ -18,6 +18,7 @@ import json
 import os
 import shutil
 import stat
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -236,13 +237,20 @@ def retire(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
     valid = committed(root)
     doomed = [c for c in valid[:-keep_last]
               if not (keep_every and c.step % keep_every == 0)]
+    trash = []
     for c in doomed:
-        # Rename first: a crash mid-delete leaves a .tmp the loader ignores, never a
-        # half-deleted directory that still looks committed.
-        trash = c.path.with_name(c.path.name + ".deleting" + TMP_SUFFIX)
-        os.replace(c.path, trash)
-        shutil.rmtree(trash, ignore_errors=True)
+        # Rename first: a crash mid-delete leaves a .tmp the loader ignores (and the next
+        # start removes), never a half-deleted directory that still looks committed.
+        trash.append(c.path.with_name(c.path.name + ".deleting" + TMP_SUFFIX))
+        os.replace(c.path, trash[-1])
+    # Deleting hundreds of MB is not part of the save: it runs beside training.
+    threading.Thread(target=_delete, args=(trash,), name="hpcshard-retire", daemon=True).start()
     return [c.path for c in doomed]
+
+
+def _delete(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def age(seconds_since_epoch: float) -> str:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -79,6 +80,11 @@ def test_retention_keeps_last_k_and_multiples(root: Path) -> None:
     assert [c.step for c in store.committed(root)] == [20, 40, 50, 60]
     store.retire(root, keep_last=0)  # the newest committed one is never deleted
     assert [c.step for c in store.committed(root)] == [60]
+    # Retired at once (renamed to *.tmp, which nothing loads), deleted beside training.
+    deadline = time.monotonic() + 10
+    while sorted(p.name for p in root.iterdir()) != [store.step_name(60)]:
+        assert time.monotonic() < deadline, sorted(p.name for p in root.iterdir())
+        time.sleep(0.01)
 
 
 def test_retention_never_counts_incomplete_ones(root: Path) -> None:
