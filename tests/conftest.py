@@ -28,6 +28,7 @@ LAYERS = {"unit": "unit", "distributed": "dist", "slurm": "slurm"}
 GROUPS = {"tests/distributed/test_runtime.py": "runtime-facts", "tests/unit/test_hf_job.py": "hf-model"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns xdist_group marks into groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         path = Path(str(item.fspath)).relative_to(ROOT)
