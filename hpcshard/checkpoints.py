@@ -244,7 +244,8 @@ def retire(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
         trash.append(c.path.with_name(c.path.name + ".deleting" + TMP_SUFFIX))
         os.replace(c.path, trash[-1])
     # Deleting hundreds of MB is not part of the save: it runs beside training.
-    threading.Thread(target=_delete, args=(trash,), name="hpcshard-retire", daemon=True).start()
+    if trash:
+        threading.Thread(target=_delete, args=(trash,), name="hpcshard-retire", daemon=True).start()
     return [c.path for c in doomed]
 
 

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 
 from hpcshard.config import TrainConfig
 from hpcshard.runtime import Job
+from hpcshard.runtime.blocks import canonical_name
 from hpcshard.runtime.data import DataConfig, DataSplits, load_splits
-from hpcshard.runtime.shard import canonical_name
 
 try:
     import transformers

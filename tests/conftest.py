@@ -102,15 +102,21 @@ def sets(**kv: object) -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+def shared_tmp(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """A temporary directory every pytest-xdist worker of this session sees (the parent of
+    the workers' own); without xdist, the session's own."""
+    base = tmp_path_factory.getbasetemp()
+    return base if worker_id == "master" else base.parent
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(shared_tmp: Path) -> Path:
     """The reference for every exact-resume test: the demo on 2x2, STEPS steps, never
     preempted, a checkpoint after every step, all kept. Trained once per session: pytest-xdist
     workers share it through a lock in their common temporary directory. Tests copy it
     before they change anything."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base if worker_id == "master" else base.parent
-    run, done = shared / "uninterrupted", shared / "uninterrupted.done"
-    with FileLock(str(shared / "uninterrupted.lock")):
+    run, done = shared_tmp / "uninterrupted", shared_tmp / "uninterrupted.done"
+    with FileLock(str(shared_tmp / "uninterrupted.lock")):
         if not done.exists():
             shutil.rmtree(run, ignore_errors=True)
             proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",

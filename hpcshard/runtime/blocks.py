@@ -89,8 +89,6 @@ def reset_init(root: nn.Module, name: str, module: nn.Module) -> None:
         reset()
 
 
-
-
 _RANDOM_FILLS = frozenset({
     torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.log_normal_,
     torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.cauchy_,

@@ -17,15 +17,7 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hpcshard.runtime.blocks import (  # noqa: F401  (re-exported: the block finder is light)
-    WRAPPER_PARTS,
-    InitFn,
-    canonical_name,
-    find_blocks,
-    module_seed,
-    repeated_classes,
-    reset_init,
-)
+from hpcshard.runtime.blocks import InitFn, canonical_name, find_blocks, module_seed, reset_init
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -20,14 +20,12 @@ CONF = Path(os.environ.get("HPCSHARD_SLURM_DIR", "/tmp/hpcshard-slurm")) / "etc"
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Iterator[dict[str, str]]:
+def cluster(shared_tmp: Path) -> Iterator[dict[str, str]]:
     """Up once for every pytest-xdist worker that runs Slurm tests (a lock and a count in
     their common temporary directory); the last one to finish takes it down. 2 nodes for
     low/high, 2 more for the debug partition."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base if worker_id == "master" else base.parent
-    users = shared / "slurm.users"
-    with FileLock(str(shared / "slurm.lock")):
+    users, lock = shared_tmp / "slurm.users", FileLock(str(shared_tmp / "slurm.lock"))
+    with lock:
         count = int(users.read_text()) if users.exists() else 0
         if count == 0:
             up = subprocess.run([str(SCRIPT), "up", "2", "2"], capture_output=True, text=True,
@@ -36,7 +34,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Iterato
                 pytest.fail(f"the local Slurm cluster did not start:\n{up.stdout}\n{up.stderr}")
         users.write_text(str(count + 1))
     yield {"SLURM_CONF": str(CONF)}
-    with FileLock(str(shared / "slurm.lock")):
+    with lock:
         count = int(users.read_text()) - 1
         users.write_text(str(count))
         if count == 0:

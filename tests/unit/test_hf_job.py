@@ -15,8 +15,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from hpcshard.config import build_config
+from hpcshard.runtime.blocks import canonical_name, find_blocks
 from hpcshard.runtime.job import Job, load_job
-from hpcshard.runtime.shard import ShardPlan, canonical_name, find_blocks, materialize, shard_model
+from hpcshard.runtime.shard import ShardPlan, materialize, shard_model
 
 transformers = pytest.importorskip("transformers")
 

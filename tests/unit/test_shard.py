@@ -7,8 +7,8 @@ import torch
 import torch.nn as nn
 
 from hpcshard.config import TrainConfig
+from hpcshard.runtime.blocks import canonical_name, find_blocks, module_seed, repeated_classes
 from hpcshard.runtime.mesh import mesh_shape, resolve_sharding
-from hpcshard.runtime.shard import canonical_name, find_blocks, module_seed, repeated_classes
 from hpcshard.runtime.train import lr_factor
 
 
