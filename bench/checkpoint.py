@@ -5,7 +5,10 @@
   `dd conv=fsync` of the same byte count on the same disk, interleaved (target >= 0.70),
   with one rank per core (1 x 2 here, as each GPU's rank has its own cores on a GPU node)
   and with 2 x 2 (four ranks sharing the two cores);
-- training time blocked by an async save against the sync save time (target <= 5%);
+- training time blocked by an async save (the slowest rank's time in the call) against the
+  sync save time, in both shapes (target <= 5%), and how much slower the step that runs
+  beside the background write is (on CPU the write takes cores from training; on a GPU
+  node the write uses host cores while the step runs on the GPU);
 - load time on resume (a fresh trainer restoring the newest checkpoint)."""
 
 from __future__ import annotations
@@ -34,28 +37,30 @@ def main() -> list[Metric]:
         sync = worker(Path(tmp), "sync", dd=True)
         per_core = worker(Path(tmp), "sync", nproc=2, per_node=2, dd=True)
         asyn = worker(Path(tmp), "async")
-    rows = sync["rows"]
-    nbytes = median([r["bytes"] for r in rows])
-    save_s = median([r["total_s"] for r in rows])
-    blocked = median([r["blocked_s"] for r in asyn["rows"]])
+        asyn_per_core = worker(Path(tmp), "async", nproc=2, per_node=2)
+    nbytes = median([r["bytes"] for r in sync["rows"]])
     metrics = [
         Metric(NAME, f"checkpoint size ({sync['params'] / 1e6:.1f}M params + AdamW)", nbytes / 1e6, "MB")]
-    for shape, result in (("1x2, a rank per core", per_core), ("2x2, 4 ranks on 2 cores", sync)):
+    for shape, result, background in (("1x2, a rank per core", per_core, asyn_per_core),
+                                      ("2x2, 4 ranks on 2 cores", sync, asyn)):
         rows = result["rows"]
+        save_s = median([r["total_s"] for r in rows])
         ratio = median([r["dd_s"] / r["total_s"] for r in rows])
+        blocked = median([r["blocked_s"] for r in background["rows"]])
+        slower = median([r["during_s"] / r["step_s"] for r in background["rows"]])
         metrics += [
-            Metric(NAME, f"sync save (DCP + commit), {shape}", median([r["total_s"] for r in rows]), "s"),
+            Metric(NAME, f"sync save (DCP + commit), {shape}", save_s, "s"),
             Metric(NAME, f"dd conv=fsync, same bytes, same disk ({shape})",
                    median([r["dd_s"] for r in rows]), "s"),
             Metric(NAME, f"save throughput / dd throughput, {shape}", ratio, "x", ">= 0.70",
-                   ratio >= 0.70)]
-    metrics += [
-        Metric(NAME, "async save (2x2): training blocked", blocked, "s"),
-        Metric(NAME, "async blocked / sync save (2x2)", blocked / save_s, "x", "<= 0.05",
-               blocked / save_s <= 0.05),
-        Metric(NAME, "load on resume (fresh trainer)", sync["load_s"], "s"),
-    ]
-    save(NAME, metrics, {"sync": sync, "sync_per_core": per_core, "async": asyn})
+                   ratio >= 0.70),
+            Metric(NAME, f"async save, {shape}: training blocked (slowest rank)", blocked, "s"),
+            Metric(NAME, f"async blocked / sync save, {shape}", blocked / save_s, "x", "<= 0.05",
+                   blocked / save_s <= 0.05),
+            Metric(NAME, f"async save, {shape}: the step beside the write / a step without", slower, "x")]
+    metrics.append(Metric(NAME, "load on resume (fresh trainer)", sync["load_s"], "s"))
+    save(NAME, metrics, {"sync": sync, "sync_per_core": per_core, "async": asyn,
+                         "async_per_core": asyn_per_core})
     return metrics
 
 

@@ -3,8 +3,9 @@ Checkpointer (the product path: DCP into step-N.tmp, manifest, rename, fsync).
 
     torchrun --nproc_per_node=4 bench/ckpt_worker.py OUT.json RUN_DIR --per-node 2 --mode sync
 
-Rank 0 writes OUT.json: bytes, save seconds (sync), seconds blocked (async), dd of the
-same byte count on the same file system (interleaved with the saves), load seconds."""
+Rank 0 writes OUT.json: bytes, save seconds (sync), seconds blocked (async, every rank's
+and the slowest), dd of the same byte count on the same file system (interleaved with
+the saves), load seconds."""
 
 from __future__ import annotations
 
@@ -70,12 +71,18 @@ def main() -> None:
         start = time.perf_counter()
         trainer.ckpt.save("bench")
         blocked = time.perf_counter() - start
+        during_s = 0.0
         if args.mode == "async":  # train while the write runs, as the loop does
+            during_s = time.perf_counter()
             trainer.train_step()
+            during_s = time.perf_counter() - during_s
             trainer.ckpt.wait()
         total = time.perf_counter() - start
-        dist.barrier()
-        row: dict[str, Any] = {"blocked_s": blocked, "total_s": total, "step_s": step_s}
+        # Training goes on at the pace of its slowest rank: keep every rank's blocked time.
+        each: list[Any] = [None] * env.world
+        dist.all_gather_object(each, blocked)
+        row: dict[str, Any] = {"blocked_s": max(each), "blocked_ranks": each, "total_s": total,
+                               "step_s": step_s, "during_s": during_s}
         if env.is_main:  # the commit (manifest, sizes, save time) is rank 0's
             row.update(bytes=trainer.ckpt.last_bytes, save_seconds=trainer.ckpt.save_seconds[-1])
             ckpt = sorted(p for p in (run_dir / "checkpoints").glob("step-*") if p.is_dir())[-1]

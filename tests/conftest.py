@@ -11,7 +11,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -48,6 +48,18 @@ def no_site_config(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.Tem
     want a configuration set HPCSHARD_SITE / XDG_CONFIG_HOME themselves."""
     monkeypatch.setenv("HPCSHARD_SITE", "")
     monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path_factory.getbasetemp() / "no-user-config"))
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """A 1-rank gloo process group in this process (no rendezvous, no network)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def quiet_env(**extra: str) -> dict[str, str]:

@@ -16,6 +16,7 @@ import os
 import random
 import shutil
 import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -102,6 +104,90 @@ def fast_writes() -> None:
     serialization.save.compute_crc32 = False
 
 
+def _known_hook(hook: Any) -> bool:
+    """State-dict hooks that leave the built dict valid while its tensors are: activation
+    checkpointing's (strips its wrapper's prefix from the keys) and FSDP2's pre-save hook
+    (makes the registered parameters the sharded ones; `TrainState` rebuilds whenever
+    the registered parameters are other objects than when it built)."""
+    return (hook is ActivationWrapper._post_state_dict_hook
+            or (getattr(hook, "__module__", "").startswith("torch.distributed.fsdp._fully_shard")
+                and getattr(hook, "__name__", "") == "to_sharded_hook"))
+
+
+class TrainState:
+    """`get_state_dict(model, optimizer)` for every save, built once and then reused while
+    it still holds the very objects training updates in place: FSDP2's sharded parameters,
+    the buffers and the optimizer's state tensors. Building it walks every module and maps
+    every parameter to its name: 15-50 ms per save in the training thread, most of what an
+    async save blocks training for. The learning rate and the other hyperparameters are
+    read fresh each time; any replaced parameter, buffer or state value (a new object)
+    builds it again. Never reused for models or optimizers that compute their state dict
+    (extra state, state-dict hooks)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model, self.optimizer = model, optimizer
+        self.kept: tuple[tuple[Any, ...], dict[str, Any], dict[str, Any]] | None = None
+        self.builds = 0
+
+    def _identity(self) -> tuple[Any, ...]:
+        model, optim = self.model, self.optimizer
+        return (tuple(map(id, model.parameters())), tuple(map(id, model.buffers())),
+                tuple(tuple(map(id, g["params"])) for g in optim.param_groups),
+                tuple((id(p), tuple((k, id(v)) for k, v in s.items())) for p, s in optim.state.items()))
+
+    def _computed(self) -> bool:
+        """Would a state dict built now differ from the kept one's objects?"""
+        if self.optimizer._optimizer_state_dict_pre_hooks or self.optimizer._optimizer_state_dict_post_hooks:
+            return True
+        return any(type(m).get_extra_state is not torch.nn.Module.get_extra_state
+                   or not all(map(_known_hook, (*m._state_dict_pre_hooks.values(),
+                                                *m._state_dict_hooks.values())))
+                   for m in self.model.modules())
+
+    def __call__(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        if self.kept is None or self.kept[0] != self._identity() or self._computed():
+            model, optim = get_state_dict(self.model, self.optimizer)
+            self.kept = (self._identity(), dict(model), dict(optim))  # after its hooks have run
+            self.builds += 1
+        _, model_state, optim_state = self.kept
+        groups = [{**{k: v for k, v in live.items() if k != "params"}, "params": kept["params"]}
+                  for live, kept in zip(self.optimizer.param_groups, optim_state["param_groups"],
+                                        strict=True)]
+        return model_state, {"state": optim_state["state"], "param_groups": groups}
+
+
+class HandOffStager(DefaultStager):
+    """DCP's async stager (copies the state in a background thread), except that the
+    copy starts when `start()` is called, once `async_save` has returned, instead of
+    inside it: a copy thread started earlier competes with the training thread for the
+    interpreter and the cores while training is still waiting on the call."""
+
+    def __init__(self) -> None:
+        super().__init__(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
+                                        use_async_staging=True, use_non_blocking_copy=False))
+        self.held: tuple[Future[Any], Any, dict[str, Any]] | None = None
+
+    def stage(self, state_dict: Any, **kwargs: Any) -> Future[Any]:
+        done: Future[Any] = Future()
+        self.held = (done, state_dict, kwargs)
+        self._staging_future = done
+        return done
+
+    def start(self) -> None:
+        if self.held is None:
+            return
+        (done, state_dict, kwargs), self.held = self.held, None
+        assert self._staging_executor is not None
+        copy = self._staging_executor.submit(self._stage, state_dict, **kwargs)
+
+        def forward(f: Future[Any]) -> None:
+            if f.exception() is not None:
+                done.set_exception(f.exception())
+            else:
+                done.set_result(f.result())
+        copy.add_done_callback(forward)
+
+
 class Checkpointer:
     """Saves and loads one trainer's full state under RUN_DIR/checkpoints."""
 
@@ -117,9 +203,7 @@ class Checkpointer:
         # Async saves copy the state in a background thread too (no pinned or shared
         # memory: works on CPU): the step only waits for the copy before it changes the
         # parameters (`staged`), so forward and backward overlap it.
-        self.stager = (DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False,
-                                                    use_async_staging=True, use_non_blocking_copy=False))
-                       if cfg.async_save else None)
+        self.stager = HandOffStager() if cfg.async_save else None
         self.staging: Any = None
         # The state's layout is the same at every save: plan it once (DCP's plan cache; a
         # changed layout is planned again).
@@ -130,12 +214,18 @@ class Checkpointer:
         self.last_time = time.monotonic()
         self.save_seconds: list[float] = []
         self.last_bytes = 0
+        self.train_state: TrainState | None = None  # built at the first save
 
     # -- what is saved --------------------------------------------------------------
 
-    def _state(self) -> dict[str, Any]:
+    def _state(self, fresh: bool = False) -> dict[str, Any]:
+        """What a save writes; `fresh` for a load, which writes into what it is given."""
         t = self.t
-        model, optim = get_state_dict(t.model, t.optimizer)
+        if fresh:
+            model, optim = get_state_dict(t.model, t.optimizer)
+        else:
+            self.train_state = self.train_state or TrainState(t.model, t.optimizer)
+            model, optim = self.train_state()
         progress = {"step": t.step, "data": t.batches.state_dict(),
                     "scheduler": t.scheduler.state_dict(), "world": self.env.world}
         if t.scaler is not None:
@@ -177,20 +267,16 @@ class Checkpointer:
         if step == self.last_saved:
             return True
         tmp = self.root / (store.step_name(step) + store.TMP_SUFFIX)
-        ready = torch.ones(1, device=self.env.device)
-        mkdir_error: OSError | None = None
         if self.env.is_main:
+            # No rank writes before DCP's plan exchange, which rank 0 joins only after
+            # this: no collective of our own is needed to order the clean-up before the
+            # writes (that broadcast cost the training loop its longest wait of a save).
             try:
                 self._make_private_dir(self.root)
                 shutil.rmtree(tmp, ignore_errors=True)
                 self._make_private_dir(tmp)
-            except OSError as err:  # a quota, a read-only remount: a failed save, not a crash
-                ready.zero_()
-                mkdir_error = err
-        dist.broadcast(ready, src=0)
-        if not ready.item():
-            return self._failed(step, tmp, mkdir_error or
-                                OSError("rank 0 could not create the checkpoint directory"))
+            except OSError as err:  # a quota, a read-only remount: DCP's own mkdir fails
+                log.debug("preparing %s: %s", tmp, err)  # the same way, on every rank
         start = time.perf_counter()
         self.last_time = time.monotonic()
         try:
@@ -199,6 +285,8 @@ class Checkpointer:
                                           process_group=self.group, async_stager=self.stager)
                 future = getattr(response, "upload_completion", response)
                 self.staging = getattr(response, "staging_completion", None)
+                assert self.stager is not None
+                self.stager.start()
                 self.pending = (future, step, tmp, start, reason)
                 return True
             dcp.save(self._state(), checkpoint_id=str(tmp), planner=self.planner)
@@ -373,7 +461,7 @@ class Checkpointer:
         return f" (config differs from the checkpoint's in: {', '.join(changed)})" if changed else ""
 
     def _load(self, ckpt: store.Checkpoint) -> None:
-        state = self._state()
+        state = self._state(fresh=True)
         saved_world = int(ckpt.manifest.get("world", self.env.world))
         if self.env.rank >= saved_world:  # no RNG was saved for this rank
             state.pop(f"rng.rank{self.env.rank}")

@@ -4,13 +4,11 @@ that matches a model transformers builds and initialises itself."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -29,15 +27,6 @@ JOB = Path(__file__).resolve().parents[2] / "jobs" / "hf_causal_lm.py"
 @pytest.fixture(scope="module")
 def job() -> Job:
     return load_job(str(JOB))
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def meta_model(job: Job, cfg: Any) -> Any:  # a transformers model: .config, .logits
