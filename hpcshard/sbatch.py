@@ -21,7 +21,9 @@ import jinja2.meta
 if TYPE_CHECKING:
     from hpcshard.site import Resolved
 
-BUILTIN_TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
+# The top-level templates/ in a source tree (hpcshard/templates links to it); the package's
+# own copy in an installed wheel.
+BUILTIN_TEMPLATES = (Path(__file__).parent / "templates").resolve()
 DEFAULT_TEMPLATE = "sbatch.j2"
 
 # Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
