@@ -11,13 +11,12 @@ from typing import Any
 import click
 
 from hpcshard.cliutil import table, user_errors
-from hpcshard.config import parse_sets
+from hpcshard.config import PRECISIONS, SHARDING_MODES, parse_sets
 
 UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 MEM_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20,
              "GIB": 2**30, "TIB": 2**40}
-MODES = ("hybrid", "full", "grad-op", "none")
-PRECISIONS = ("fp32", "bf16", "fp16")
+MODES = tuple(m for m in SHARDING_MODES if m != "auto")
 
 
 def parse_count(text: str, what: str) -> int:
