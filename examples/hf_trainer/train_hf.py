@@ -61,6 +61,7 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--save-steps", type=int, default=10)
     parser.add_argument("--step-seconds", type=float, default=0.0)
+    parser.add_argument("--logging-steps", type=int, default=5)
     parser.add_argument("--out", default=os.environ.get("HPCSHARD_CHECKPOINT_DIR", "hf-out"))
     args = parser.parse_args()
 
@@ -75,7 +76,7 @@ def main() -> None:
         "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"}} if gpu else {})
     training = TrainingArguments(
         output_dir=args.out, max_steps=args.max_steps, per_device_train_batch_size=4,
-        learning_rate=1e-3, logging_steps=5, save_steps=args.save_steps, report_to=[],
+        learning_rate=1e-3, logging_steps=args.logging_steps, save_steps=args.save_steps, report_to=[],
         use_cpu=not gpu, ddp_backend=None if gpu else "gloo", disable_tqdm=True,
         enable_jit_checkpoint=True,  # SIGTERM: save at the next step, then stop
         **sharding)

@@ -81,7 +81,7 @@ def test_a_script_that_does_nothing_is_stopped_and_resumes_from_its_own_save(tmp
     stop, done = [r for r in records if r["event"] == "end"]
     assert stop["reason"] == "stop" and stop["how"].startswith("exited") and stop["saved_step"] >= 4
     assert stop["saved"] == f"checkpoint-{stop['saved_step']}.json"
-    assert done["reason"] == "done" and done["saved_step"] == 16
+    assert done["reason"] == "done" and done["saved_step"] == 24
     text = log.read_text()
     assert f"rank 0 starts after step {stop['saved_step']}" in text  # its own resume
     assert [r["attempt"] for r in records if r["event"] == "start"] == [0, 1]
@@ -109,16 +109,28 @@ def test_a_script_that_saves_and_exits_cleanly_on_the_notice_is_still_requeued(t
     assert done["reason"] == "done" and "rank 0 step 12\n" in text
 
 
-def test_the_hugging_face_trainer_example_runs_as_a_script(tmp_path: Path) -> None:
-    """DDP over gloo here (accelerate turns FSDP on only for GPUs; README says why)."""
+def test_the_hugging_face_trainer_example_is_preempted_and_resumes(tmp_path: Path) -> None:
+    """The README's Hugging Face Trainer example, preempted: its own JIT checkpoint saves on
+    the notice, the run is requeued and Trainer resumes from that checkpoint to the end.
+    DDP over gloo here (accelerate turns FSDP on only for GPUs; README says why)."""
     run = tmp_path / "hf"
-    proc = hpcshard("submit", "--backend", "local", "--gpus", "2",
-                    str(ROOT / "examples" / "hf_trainer" / "train_hf.py"), "--run-dir", str(run),
-                    "--", "--max-steps", "4", "--save-steps", "2", timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "stopped at step 4/4" in proc.stdout
-    assert (run / "checkpoints" / "checkpoint-4" / "trainer_state.json").exists()
-    assert [r["saved_step"] for r in ledger.read(run) if r["event"] == "end"] == [4]
+    bg = hpcshard_bg("submit", "--backend", "local", "--gpus", "2",
+                     str(ROOT / "examples" / "hf_trainer" / "train_hf.py"), "--run-dir", str(run),
+                     "--", "--max-steps", "24", "--save-steps", "100", "--step-seconds", "0.5",
+                     "--logging-steps", "1")
+    checkpoints = run / "checkpoints"
+    wait_for(lambda: (run / "logs" / "rank-0.log").exists()
+             and "'epoch'" in (run / "logs" / "rank-0.log").read_text(), 240, "Trainer's first step")
+    assert hpcshard("preempt", str(run)).returncode == 0
+    out, _ = bg.communicate(timeout=300)
+    assert bg.returncode == 0, out[-3000:]
+    stop, done = [r for r in ledger.read(run) if r["event"] == "end"]
+    assert stop["reason"] == "stop" and 1 <= stop["saved_step"] < 24  # the notice's own save
+    assert stop["saved"] == f"checkpoint-{stop['saved_step']}"
+    assert done["reason"] == "done" and done["saved_step"] == 24
+    text = (run / "logs" / "rank-0.log").read_text()
+    assert f"resumed from {checkpoints / stop['saved']}; stopped at step 24/24" in text
+    assert (checkpoints / "checkpoint-24" / "trainer_state.json").exists()
 
 
 def test_preemption_flag_and_requeue_code(tmp_path: Path) -> None:
