@@ -14,7 +14,8 @@ from tests.conftest import ROOT, quiet_env
 
 
 def test_a_wheel_install_renders_with_its_built_in_template(tmp_path: Path) -> None:
-    # Built from a copy: an in-tree build would leave build/ behind (and reuse it).
+    # Built from a copy: an in-tree build would leave build/ behind (and reuse it). Without
+    # build isolation: setuptools (>= 70.1 builds wheels itself) is in the test extra.
     src = tmp_path / "src"
     shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
         ".git", "*_cache", "__pycache__", "build", "*.egg-info", "runs", "results"))
