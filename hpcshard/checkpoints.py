@@ -135,7 +135,7 @@ def commit(tmp: Path, step: int, manifest: dict[str, Any], keep_last: int, keep_
     """Rank 0, once every rank has written its shards into `tmp` (step-N.tmp): add the
     manifest, rename into place, fsync, move `latest`, retire old checkpoints. Returns the
     committed path, the full manifest and the retired paths."""
-    for f in tmp.iterdir():  # shards may have been written under a loose umask
+    for f in (tmp, *tmp.iterdir()):  # shards (and the directory) may come from a loose umask
         f.chmod(f.stat().st_mode & ~0o022)
     files = file_sizes(tmp)
     manifest = {"format": FORMAT, "step": step, **manifest, "files": files,

@@ -114,42 +114,71 @@ def _known_hook(hook: Any) -> bool:
                 and getattr(hook, "__name__", "") == "to_sharded_hook"))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+
+
 class TrainState:
     """`get_state_dict(model, optimizer)` for every save, built once and then reused while
-    it still holds the very objects training updates in place: FSDP2's sharded parameters,
-    the buffers and the optimizer's state tensors. Building it walks every module and maps
-    every parameter to its name: 15-50 ms per save in the training thread, most of what an
-    async save blocks training for. The learning rate and the other hyperparameters are
-    read fresh each time; any replaced parameter, buffer or state value (a new object)
-    builds it again. Never reused for models or optimizers that compute their state dict
-    (extra state, state-dict hooks)."""
+    it still holds the very objects training updates in place: FSDP2's sharded parameters
+    (their storage too), the buffers and the optimizer's per-parameter state. Building it
+    walks every module and maps every parameter to its name: 15-50 ms per save in the
+    training thread, most of what an async save blocks training for. The learning rate
+    and the other hyperparameters are read fresh each time; any replaced parameter, buffer,
+    storage or state value builds it again (the objects themselves are kept and compared,
+    so a new object at a freed one's address is not taken for it). Never reused for models
+    or optimizers that compute their state dict (extra state, their own `state_dict`,
+    state-dict hooks)."""
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
-        self.kept: tuple[tuple[Any, ...], dict[str, Any], dict[str, Any]] | None = None
+        self.kept: tuple[list[Any], dict[str, Any], dict[str, Any]] | None = None
         self.builds = 0
 
-    def _identity(self) -> tuple[Any, ...]:
+    def _identity(self) -> list[Any]:
+        """Everything the built dict refers to, as objects (compared with `is`), and the
+        addresses of the parameters' and buffers' data (compared with ==)."""
         model, optim = self.model, self.optimizer
-        return (tuple(map(id, model.parameters())), tuple(map(id, model.buffers())),
-                tuple(tuple(map(id, g["params"])) for g in optim.param_groups),
-                tuple((id(p), tuple((k, id(v)) for k, v in s.items())) for p, s in optim.state.items()))
+        tensors = [*model.parameters(), *model.buffers()]
+        objects = [*tensors, *(p for g in optim.param_groups for p in g["params"])]
+        for param, state in optim.state.items():
+            objects += [param, state, *state.values()]
+        return [objects, [_local(t).data_ptr() for t in tensors]]
+
+    def _same(self, identity: list[Any]) -> bool:
+        assert self.kept is not None
+        (objects, ptrs), (kept_objects, kept_ptrs) = identity, self.kept[0]
+        return (ptrs == kept_ptrs and len(objects) == len(kept_objects)
+                and all(a is b for a, b in zip(objects, kept_objects, strict=True)))
 
     def _computed(self) -> bool:
         """Would a state dict built now differ from the kept one's objects?"""
-        if self.optimizer._optimizer_state_dict_pre_hooks or self.optimizer._optimizer_state_dict_post_hooks:
+        optim = self.optimizer
+        if (type(optim).state_dict is not torch.optim.Optimizer.state_dict
+                or optim._optimizer_state_dict_pre_hooks or optim._optimizer_state_dict_post_hooks):
             return True
-        return any(type(m).get_extra_state is not torch.nn.Module.get_extra_state
+        base = torch.nn.Module
+        return any(type(m).get_extra_state is not base.get_extra_state
+                   or type(m).state_dict is not base.state_dict
+                   or type(m)._save_to_state_dict is not base._save_to_state_dict
                    or not all(map(_known_hook, (*m._state_dict_pre_hooks.values(),
                                                 *m._state_dict_hooks.values())))
                    for m in self.model.modules())
 
-    def __call__(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        if self.kept is None or self.kept[0] != self._identity() or self._computed():
+    def __call__(self, copy_buffers: bool = False) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The model and optimizer state dicts. `copy_buffers`: the buffers as copies, for a
+        save that is written while training goes on (a buffer that the forward pass
+        updates in place, such as BatchNorm's statistics, would otherwise be written with
+        a later step's values)."""
+        if self.kept is None or self._computed() or not self._same(self._identity()):
             model, optim = get_state_dict(self.model, self.optimizer)
             self.kept = (self._identity(), dict(model), dict(optim))  # after its hooks have run
             self.builds += 1
         _, model_state, optim_state = self.kept
+        if copy_buffers:
+            buffers = {b.data_ptr() for b in self.model.buffers()}
+            model_state = {k: v.clone() if isinstance(v, torch.Tensor) and not hasattr(v, "_local_tensor")
+                           and v.data_ptr() in buffers else v for k, v in model_state.items()}
         groups = [{**{k: v for k, v in live.items() if k != "params"}, "params": kept["params"]}
                   for live, kept in zip(self.optimizer.param_groups, optim_state["param_groups"],
                                         strict=True)]
@@ -178,7 +207,11 @@ class HandOffStager(DefaultStager):
             return
         (done, state_dict, kwargs), self.held = self.held, None
         assert self._staging_executor is not None
-        copy = self._staging_executor.submit(self._stage, state_dict, **kwargs)
+        try:
+            copy = self._staging_executor.submit(self._stage, state_dict, **kwargs)
+        except BaseException as err:  # never leave DCP's upload thread waiting on `done`
+            done.set_exception(err)
+            raise
 
         def forward(f: Future[Any]) -> None:
             if f.exception() is not None:
@@ -186,6 +219,12 @@ class HandOffStager(DefaultStager):
             else:
                 done.set_result(f.result())
         copy.add_done_callback(forward)
+
+    def drop(self, err: BaseException) -> None:
+        """async_save failed after staging was asked for: fail the held copy instead."""
+        if self.held is not None:
+            (done, _, _), self.held = self.held, None
+            done.set_exception(err)
 
 
 class Checkpointer:
@@ -225,7 +264,7 @@ class Checkpointer:
             model, optim = get_state_dict(t.model, t.optimizer)
         else:
             self.train_state = self.train_state or TrainState(t.model, t.optimizer)
-            model, optim = self.train_state()
+            model, optim = self.train_state(copy_buffers=self.cfg.async_save)
         progress = {"step": t.step, "data": t.batches.state_dict(),
                     "scheduler": t.scheduler.state_dict(), "world": self.env.world}
         if t.scaler is not None:
@@ -275,8 +314,11 @@ class Checkpointer:
                 self._make_private_dir(self.root)
                 shutil.rmtree(tmp, ignore_errors=True)
                 self._make_private_dir(tmp)
-            except OSError as err:  # a quota, a read-only remount: DCP's own mkdir fails
-                log.debug("preparing %s: %s", tmp, err)  # the same way, on every rank
+            except OSError as err:
+                # A quota, a read-only remount: DCP's own mkdir fails the same way and DCP
+                # reports it to every rank. If DCP's succeeds (a passing fault), the commit
+                # takes the group's and others' write bits off the directory, or fails.
+                log.warning("preparing %s: %s", tmp, err)
         start = time.perf_counter()
         self.last_time = time.monotonic()
         try:
@@ -291,6 +333,8 @@ class Checkpointer:
                 return True
             dcp.save(self._state(), checkpoint_id=str(tmp), planner=self.planner)
         except BaseException as err:  # CheckpointException is a BaseException
+            if self.stager is not None:
+                self.stager.drop(err)
             if isinstance(err, KeyboardInterrupt):
                 raise
             return self._failed(step, tmp, err)

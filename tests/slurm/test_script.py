@@ -86,7 +86,9 @@ def test_a_script_ignoring_the_notice_is_requeued_exactly_once(cluster: dict[str
     log = (run / "logs" / "rank-0.log").read_text()
     first_attempt = log[:log.index(f"starts after step {saved}")]
     reached = max(int(n) for n in re.findall(r"rank 0 step (\d+)\n", first_attempt))
-    assert reached > saved  # the steps since its own last save were lost, as the ledger says
+    # The steps since its own last save were lost, as the ledger says (none when the kill
+    # lands just after a save: under load it came right after the save at step 16).
+    assert reached >= saved
     assert done["reason"] == "done" and done["saved_step"] == 48
     deadline = float(re.search(r"deadline ([0-9.]+)", log).group(1))  # type: ignore[union-attr]
     assert submitted + 9 * 60 < deadline < submitted + 11 * 60 + 30  # --time 10:00

@@ -105,6 +105,27 @@ def test_a_replaced_tensor_or_a_computed_state_builds_again(world_of_one: None) 
     assert plain(state()) == plain(get_state_dict(net, optim)) and state.builds == 3
     state()
     assert state.builds == 3
+    # A buffer replaced at every step: the freed one's address is soon reused by its
+    # successor, which must not pass for it (the kept objects are compared, not their ids).
+    for i in range(6):
+        net.seen = net.seen + 1
+        assert state()[0]["seen"].item() == net.seen.item() == 2 + i
+    # A parameter whose storage is swapped under the same object.
+    with torch.no_grad():
+        weight = net.head.weight
+        weight._local_tensor = weight._local_tensor.clone() + 1  # type: ignore[attr-defined]
+    assert plain(state()) == plain(get_state_dict(net, optim))
+
+
+def test_an_async_save_gets_copies_of_the_buffers(world_of_one: None) -> None:
+    """The forward pass may update a buffer in place while the background copy runs."""
+    net, optim, sched = trained()
+    state = TrainState(net, optim)
+    step(net, optim, sched)
+    live, copied = state()[0], state(copy_buffers=True)[0]
+    net(torch.randn(4, 8))  # seen += 1, in place
+    assert live["seen"].item() == net.seen.item() == copied["seen"].item() + 1
+    assert live["head.weight"] is copied["head.weight"]  # parameters stay views: the stager copies
 
 
 def test_a_module_with_extra_state_is_never_served_from_the_cache(world_of_one: None) -> None:
@@ -127,5 +148,16 @@ def test_the_hand_off_stager_copies_only_once_started() -> None:
         assert copy["step"] == 3 and torch.equal(copy["w"], weights)
         assert copy["w"].data_ptr() != weights.data_ptr()  # a copy: training may now change weights
         stager.start()  # nothing held: no second copy
+        # async_save failed after asking for the copy: whoever waits on it hears why.
+        waiting = stager.stage({"w": weights})
+        stager.drop(RuntimeError("no space"))
+        with pytest.raises(RuntimeError, match="no space"):
+            waiting.result(timeout=30)
     finally:
         stager.close()
+    # A stager that can no longer copy fails the copy instead of leaving it pending.
+    waiting = stager.stage({"w": weights})
+    with pytest.raises(RuntimeError):
+        stager.start()
+    with pytest.raises(RuntimeError):
+        waiting.result(timeout=30)
