@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.utils.serialization import config as serialization
@@ -227,6 +228,32 @@ class HandOffStager(DefaultStager):
             done.set_exception(err)
 
 
+def _private_dir(path: Path) -> None:
+    """0750 whatever the umask: the loader refuses group-writable checkpoints."""
+    path.mkdir(exist_ok=True, mode=0o750)
+    path.chmod(0o750)
+
+
+class PrivateWriter(FileSystemWriter):
+    """DCP's file writer, except that rank 0 first clears a stale `step-N.tmp` and creates
+    it private (0750), in DCP's first step: before its plan exchange, and so before any
+    rank writes, with no collective of hpcshard's own (the broadcast that used to order
+    it was training's longest wait in an async save). In an async save this runs in DCP's
+    background thread; a failure (a quota, a read-only remount) reaches every rank as
+    DCP's error for the save."""
+
+    def __init__(self, tmp: Path, root: Path, main: bool) -> None:
+        super().__init__(str(tmp))
+        self.tmp, self.root, self.main = tmp, root, main
+
+    def prepare_local_plan(self, plan: Any) -> Any:
+        if self.main:
+            _private_dir(self.root)
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            _private_dir(self.tmp)
+        return super().prepare_local_plan(plan)
+
+
 class Checkpointer:
     """Saves and loads one trainer's full state under RUN_DIR/checkpoints."""
 
@@ -306,24 +333,12 @@ class Checkpointer:
         if step == self.last_saved:
             return True
         tmp = self.root / (store.step_name(step) + store.TMP_SUFFIX)
-        if self.env.is_main:
-            # No rank writes before DCP's plan exchange, which rank 0 joins only after
-            # this: no collective of our own is needed to order the clean-up before the
-            # writes (that broadcast cost the training loop its longest wait of a save).
-            try:
-                self._make_private_dir(self.root)
-                shutil.rmtree(tmp, ignore_errors=True)
-                self._make_private_dir(tmp)
-            except OSError as err:
-                # A quota, a read-only remount: DCP's own mkdir fails the same way and DCP
-                # reports it to every rank. If DCP's succeeds (a passing fault), the commit
-                # takes the group's and others' write bits off the directory, or fails.
-                log.warning("preparing %s: %s", tmp, err)
+        writer = PrivateWriter(tmp, self.root, self.env.is_main)
         start = time.perf_counter()
         self.last_time = time.monotonic()
         try:
             if self.cfg.async_save:
-                response = dcp.async_save(self._state(), checkpoint_id=str(tmp), planner=self.planner,
+                response = dcp.async_save(self._state(), storage_writer=writer, planner=self.planner,
                                           process_group=self.group, async_stager=self.stager)
                 future = getattr(response, "upload_completion", response)
                 self.staging = getattr(response, "staging_completion", None)
@@ -331,7 +346,7 @@ class Checkpointer:
                 self.stager.start()
                 self.pending = (future, step, tmp, start, reason)
                 return True
-            dcp.save(self._state(), checkpoint_id=str(tmp), planner=self.planner)
+            dcp.save(self._state(), storage_writer=writer, planner=self.planner)
         except BaseException as err:  # CheckpointException is a BaseException
             if self.stager is not None:
                 self.stager.drop(err)
@@ -361,12 +376,6 @@ class Checkpointer:
                 raise
             return self._failed(step, tmp, err)
         return self._commit(step, tmp, start, reason)
-
-    @staticmethod
-    def _make_private_dir(path: Path) -> None:
-        """0750 whatever the umask: the loader refuses group-writable checkpoints."""
-        path.mkdir(exist_ok=True, mode=0o750)
-        path.chmod(0o750)
 
     def _failed(self, step: int, tmp: Path, err: BaseException) -> bool:
         if self.env.is_main:
