@@ -62,11 +62,15 @@ def _one_line(err: BaseException) -> str:
     return f"{type(first).__name__}: {text[0] if text else ''}"
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
     if isinstance(tree, dict):
         return [t for v in tree.values() for t in _tensors(v)]
     if isinstance(tree, torch.Tensor):
-        return [tree.to_local() if hasattr(tree, "to_local") else tree]
+        return [_local(tree)]
     return []
 
 
@@ -113,10 +117,6 @@ def _known_hook(hook: Any) -> bool:
     return (hook is ActivationWrapper._post_state_dict_hook
             or (getattr(hook, "__module__", "").startswith("torch.distributed.fsdp._fully_shard")
                 and getattr(hook, "__name__", "") == "to_sharded_hook"))
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
 
 
 class TrainState:
@@ -178,7 +178,7 @@ class TrainState:
         _, model_state, optim_state = self.kept
         if copy_buffers:
             buffers = {b.data_ptr() for b in self.model.buffers()}
-            model_state = {k: v.clone() if isinstance(v, torch.Tensor) and not hasattr(v, "_local_tensor")
+            model_state = {k: v.clone() if isinstance(v, torch.Tensor) and _local(v) is v
                            and v.data_ptr() in buffers else v for k, v in model_state.items()}
         groups = [{**{k: v for k, v in live.items() if k != "params"}, "params": kept["params"]}
                   for live, kept in zip(self.optimizer.param_groups, optim_state["param_groups"],
