@@ -69,7 +69,7 @@ def main() -> None:
         step_s = time.perf_counter() - step_s
         dist.barrier()
         start = time.perf_counter()
-        trainer.ckpt.save("bench")
+        trainer.ckpt.save(trainer.step, "bench")
         blocked = time.perf_counter() - start
         during_s = 0.0
         if args.mode == "async":  # train while the write runs, as the loop does

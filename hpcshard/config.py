@@ -8,10 +8,13 @@ accepted; the CLI turns it into exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass
 from typing import Any
+
+from hpcshard.rundir.rankenv import signal_name
 
 SHARDING_MODES = ("auto", "hybrid", "full", "grad-op", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -25,6 +28,8 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{name}={value!r} is not valid; it must be a finite number")
     if value < 0 or (value == 0 and not zero_ok):
         bound = ">= 0" if zero_ok else "> 0"
         raise ValueError(f"{name}={value!r} is not valid; it must be {bound}")
@@ -139,12 +144,11 @@ class TrainConfig:
 
 def signal_names(text: str) -> list[str]:
     """"USR2,TERM" -> ["SIGUSR2", "SIGTERM"], checked against the signals Python knows."""
-    import signal
-
-    names = [n.strip().upper() for n in text.split(",") if n.strip()]
-    names = [n if n.startswith("SIG") else f"SIG{n}" for n in names]
-    bad = [n for n in names if not hasattr(signal.Signals, n) or n in ("SIGKILL", "SIGSTOP")]
-    if bad or not names:
+    try:
+        names = [signal_name(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        names = []
+    if not names or {"SIGKILL", "SIGSTOP"} & set(names):
         raise ValueError(f"stop_signals={text!r} is not valid; give signal names such as "
                          "USR2 or USR2,TERM (not KILL or STOP)")
     return names
@@ -176,9 +180,12 @@ def _convert(text: str, kind: Any) -> Any:
         return _parse_bool(text)
     if kind in (int, float, str):
         try:
-            return kind(text)
+            value = kind(text)
         except ValueError:
             raise ValueError(f"expected {kind.__name__}") from None
+        if kind is float and not math.isfinite(value):  # nan, inf: no training survives them
+            raise ValueError("expected a finite number")
+        return value
     raise ValueError(f"fields of type {kind} cannot be set from the command line")
 
 

@@ -14,6 +14,8 @@ import sys
 import time
 from types import FrameType
 
+from hpcshard.rundir.rankenv import RankEnv
+
 START = time.time()
 """When this rank's interpreter reached hpcshard (start-up timings in the start event)."""
 
@@ -27,23 +29,24 @@ def _early(signum: int, _frame: FrameType | None) -> None:
 
 def notice() -> signal.Signals:
     """The launcher's stop signal (the site profile's preemption notice), USR2 by default."""
-    return signal.Signals[os.environ.get("HPCSHARD_STOP_SIGNAL", "SIGUSR2")]
+    return RankEnv.from_environ().notice_signal
 
 
 def main() -> int:
     signal.signal(notice(), _early)
-    import json
     from pathlib import Path
 
+    from hpcshard.rundir.spec import RunSpec
+
     run_dir = Path(sys.argv[1])
-    spec = json.loads((run_dir / "spec.json").read_text())
-    if spec.get("script"):  # bring your own script: it keeps its own interpreter exit
+    spec = RunSpec.read(run_dir)
+    if spec.script:  # bring your own script: it keeps its own interpreter exit
         from hpcshard import script
 
-        return script.run(run_dir, spec, EARLY)
+        return script.run(run_dir, spec.script, EARLY)
     from hpcshard.runtime.main import main as run
 
-    code = run()
+    code = run(sys.argv[1:], early=EARLY, start=START)
     # Skip interpreter finalization: the process groups are destroyed, but the mesh and
     # the FSDP modules still hold gloo/NCCL objects whose C++ destructors can race their
     # own threads there (a rare SIGABRT, "terminate called without an active exception",
@@ -71,7 +74,7 @@ def rank(run_dir: str) -> None:
     sys.argv = [__file__, run_dir]
     from hpcshard.runtime.main import main as run
 
-    code = run([run_dir])
+    code = run([run_dir], early=EARLY, start=START)
     _flush()
     if code:
         raise SystemExit(code)
@@ -86,8 +89,4 @@ def _flush() -> None:
 
 
 if __name__ == "__main__":
-    # `-m hpcshard.entry` runs this file as __main__: later imports of hpcshard.entry (the
-    # runtime reads EARLY and START) must find this module, not execute a second copy
-    # with an empty EARLY, or a notice that came while torch loaded would be lost.
-    sys.modules.setdefault("hpcshard.entry", sys.modules[__name__])
     sys.exit(main())

@@ -28,7 +28,9 @@ import time
 from types import FrameType
 from typing import NoReturn
 
-REQUEUE = 75
+from hpcshard.rundir.rankenv import REQUEUE_EXIT
+
+REQUEUE = REQUEUE_EXIT
 """Exit with this code (every rank) after saving: the run is requeued and resumes.
 EX_TEMPFAIL from sysexits.h; the same code hpcshard's own launcher uses."""
 

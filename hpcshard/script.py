@@ -4,14 +4,8 @@
 torchrun on every node exactly as `torchrun ... train.py ARGS` would: `__name__` is
 "__main__", `sys.argv` is `[train.py, *ARGS]` byte for byte (no shell ever sees ARGS),
 and torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) are set. On top
-of them each rank gets (`ENV_DOC`, documented in the README):
-
-    HPCSHARD_RUN_DIR         the run directory (spec, logs, ledger)
-    HPCSHARD_CHECKPOINT_DIR  RUN_DIR/checkpoints: save here and resume from here
-    HPCSHARD_ATTEMPT         0 for the first attempt, +1 for each requeue or resume
-    HPCSHARD_RESTART_COUNT   requeues of this submission (Slurm's SLURM_RESTART_COUNT)
-    HPCSHARD_DEADLINE        Unix time at which the job's time limit ends (unset: none)
-    HPCSHARD_NOTICE_SIGNAL   the signal the script receives when the job must stop
+of them each rank gets the HPCSHARD_* variables of `rundir.rankenv.ENV_DOC` (the README's
+table): the run and checkpoint directories, the attempt, the deadline, the notice signal.
 
 What the rank runs is `hpcshard.entry` (stdlib, before any import of the script), which
 installs the preemption notice handler first, copies the rank's output into
@@ -28,7 +22,6 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-import re
 import runpy
 import signal
 import sys
@@ -37,19 +30,18 @@ import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpcshard import ledger
-from hpcshard.site import SCRIPT_SIGNALS
+from hpcshard.rundir import ledger
+from hpcshard.rundir.rankenv import (
+    ENV_DOC,
+    REQUEUE_EXIT,
+    SCRIPT_SIGNALS,
+    RankEnv,
+    script_environ,
+    signal_name,
+)
+from hpcshard.rundir.store import last_save
 
 __all__ = ["ENV_DOC", "SCRIPT_SIGNALS", "check_module", "defines_job", "failures", "last_save", "run"]
-
-ENV_DOC = {
-    "HPCSHARD_RUN_DIR": "the run directory (spec, logs, attempts ledger)",
-    "HPCSHARD_CHECKPOINT_DIR": "RUN_DIR/checkpoints: save here, resume from here",
-    "HPCSHARD_ATTEMPT": "0 for the first attempt, +1 for each requeue or `hpcshard resume`",
-    "HPCSHARD_RESTART_COUNT": "requeues of this submission (Slurm's SLURM_RESTART_COUNT)",
-    "HPCSHARD_DEADLINE": "Unix time at which the job's time limit ends (unset without a limit)",
-    "HPCSHARD_NOTICE_SIGNAL": "the signal the script gets when the job must stop (e.g. SIGTERM)",
-}
 
 
 # -- on the login node: what is this file, and can it run? --------------------------------
@@ -123,7 +115,7 @@ RECEIVED: list[float] = []
 
 def _notice_handler(notice: signal.Signals, script_signal: str) -> Any:
     """The launcher's notice, once, turned into the signal the script listens to."""
-    forward = None if script_signal == "none" else signal.Signals[f"SIG{script_signal}"]
+    forward = None if script_signal == "none" else signal.Signals[signal_name(script_signal)]
 
     def handle(_signum: int, _frame: object) -> None:
         if RECEIVED:  # Slurm signals every process of the step and the launcher forwards
@@ -134,19 +126,15 @@ def _notice_handler(notice: signal.Signals, script_signal: str) -> Any:
     return handle
 
 
-def run(run_dir: Path, spec: dict[str, Any], early: list[int]) -> int:
-    """Run the script of `spec` on this rank; returns the rank's exit code."""
-    script = spec["script"]
+def run(run_dir: Path, script: dict[str, Any], early: list[int]) -> int:
+    """Run `script` (RunSpec.script) on this rank; returns the rank's exit code. `early`:
+    notices that came before the entry point called this."""
     rank = int(os.environ.get("RANK", "0"))
-    attempt = int(os.environ.get("HPCSHARD_ATTEMPT", "0"))
-    notice = signal.Signals[os.environ.get("HPCSHARD_STOP_SIGNAL", "SIGUSR2")]
+    env = RankEnv.from_environ()
+    attempt, notice = env.attempt, env.notice_signal
     handler = _notice_handler(notice, script.get("signal", "TERM"))
     signal.signal(notice, handler)
-    os.environ.update({"HPCSHARD_RUN_DIR": str(run_dir),
-                       "HPCSHARD_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
-                       "HPCSHARD_ATTEMPT": str(attempt),
-                       "HPCSHARD_NOTICE_SIGNAL": ("" if script.get("signal") == "none"
-                                                  else f"SIG{script.get('signal', 'TERM')}")})
+    os.environ.update(script_environ(run_dir, attempt, script.get("signal", "TERM")))
     os.environ.setdefault("HPCSHARD_RESTART_COUNT", "0")
     (run_dir / "logs").mkdir(exist_ok=True)
     log = (run_dir / "logs" / f"rank-{rank}.log").open("a", buffering=1)
@@ -167,7 +155,7 @@ def run(run_dir: Path, spec: dict[str, Any], early: list[int]) -> int:
     signal.signal(notice, signal.SIG_IGN)
     sys.stdout.flush()
     sys.stderr.flush()
-    if code == ledger.REQUEUE_EXIT:
+    if code == REQUEUE_EXIT:
         # Stopped on request (its own checkpoint saved): the launcher requeues. Exit 0, or
         # torchrun would report a failure and tear the other ranks down mid-save.
         if rank == 0:
@@ -214,29 +202,6 @@ def _exit_code(code: object) -> int:
         return code
     print(code, file=sys.stderr)
     return 1
-
-
-INCOMPLETE = "checkpoint-is-incomplete.txt"
-"""Hugging Face's marker of a checkpoint that is still being written."""
-_STEP = re.compile(r"(?:^|[^a-z])(?:step|checkpoint|ckpt|iter|global_step)[-_=]?0*(\d+)", re.I)
-
-
-def last_save(run_dir: Path) -> dict[str, Any]:
-    """The script's newest save in HPCSHARD_CHECKPOINT_DIR, for the ledger: its step (from
-    the name: hpcshard's step-N, Hugging Face's checkpoint-N, Lightning's step=N, ...),
-    and how long before now it was written (the training a hard stop lost)."""
-    root = run_dir / "checkpoints"
-    found: list[tuple[int, float, str]] = []
-    if root.is_dir():
-        for entry in root.iterdir():
-            m = _STEP.search(entry.name)
-            # .tmp: hpcshard's uncommitted saves; the marker: Hugging Face's, cut short
-            if m and not entry.name.endswith(".tmp") and not (entry / INCOMPLETE).exists():
-                found.append((int(m.group(1)), entry.stat().st_mtime, entry.name))
-    if not found:
-        return {"saved_step": None, "saved": None}
-    step, mtime, name = max(found)
-    return {"saved_step": step, "saved": name, "lost_seconds": round(time.time() - mtime, 1)}
 
 
 def failures(run_dir: Path, attempt: int, lines: int = 10) -> list[str]:

@@ -136,3 +136,15 @@ def uninterrupted(shared_tmp: Path) -> Path:
             assert proc.returncode == 0, proc.stdout[-3000:]
             done.touch()
     return run
+
+
+@pytest.fixture
+def fake_srun(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """submitit's SlurmExecutor refuses to exist where `srun` is not on PATH (it looks for
+    it, nothing more): unit tests that build one to compare its text get a stand-in that
+    fails if anything ever runs it."""
+    bin_dir = tmp_path_factory.mktemp("fake-slurm")
+    srun = bin_dir / "srun"
+    srun.write_text("#!/bin/sh\necho 'fake srun: a unit test ran srun' >&2\nexit 99\n")
+    srun.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ.get('PATH', '')}")

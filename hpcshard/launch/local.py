@@ -16,8 +16,9 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
-from hpcshard import ledger
 from hpcshard.launch.node import NodeEnv
+from hpcshard.rundir import ledger
+from hpcshard.rundir.rankenv import REQUEUE_EXIT, RankEnv
 
 # A node that failed takes the job down: the others get this long to notice (torchrun's
 # own rendezvous/collective timeouts) before they are terminated.
@@ -42,7 +43,7 @@ def run_local(run_dir: Path, nodes: int, per_node: int, *, resume: str = "auto",
     requeues = 0
     while True:
         code = _attempt(run_dir, nodes, per_node, attempt, resume, requeues)
-        if code != ledger.REQUEUE_EXIT or requeues >= max_requeues:
+        if code != REQUEUE_EXIT or requeues >= max_requeues:
             return code
         requeues += 1
         if on_attempt:
@@ -58,8 +59,8 @@ def _attempt(run_dir: Path, nodes: int, per_node: int, attempt: int, resume: str
     for rank in range(nodes):
         node = NodeEnv(node_rank=rank, nnodes=nodes, per_node=per_node, rdzv_host="127.0.0.1",
                        rdzv_port=port, run_id=run_id)
-        env = {**os.environ, **node.to_environ(), "HPCSHARD_ATTEMPT": str(attempt),
-               "HPCSHARD_RESUME": resume, "HPCSHARD_RESTART_COUNT": str(restarts)}
+        ranks = RankEnv(attempt=attempt, resume=resume, restart_count=restarts)
+        env = {**os.environ, **node.to_environ(), **ranks.to_environ()}
         # All emulated nodes share this host's cores.
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // (nodes * per_node))))
         procs.append(subprocess.Popen([sys.executable, "-m", "hpcshard.launch.node", str(run_dir)],
@@ -87,7 +88,7 @@ def _wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             # All nodes asking for a requeue is a requeue; any other failure wins over it.
-            failures = [c for c in codes if c and c != ledger.REQUEUE_EXIT]
+            failures = [c for c in codes if c and c != REQUEUE_EXIT]
             return failures[0] if failures else next((c for c in codes if c), 0)  # type: ignore[return-value]
         if failed_at is None and any(c for c in codes):
             failed_at = time.monotonic()

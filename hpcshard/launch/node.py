@@ -7,7 +7,6 @@ inside a Slurm allocation; only `NodeEnv.from_environ` differs between them.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +15,12 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hpcshard import ledger, script
+from hpcshard import script
+from hpcshard.rundir import ledger
+from hpcshard.rundir.pids import pid_file
+from hpcshard.rundir.rankenv import REQUEUE_EXIT, RankEnv
+from hpcshard.rundir.spec import RunSpec
+from hpcshard.rundir.store import last_save
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,11 +85,7 @@ def children(pid: int) -> list[int]:
     return found
 
 
-def pid_file(run_dir: Path, node_rank: int) -> Path:
-    return run_dir / "launch" / f"node-{node_rank}.pid"
-
-
-def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = signal.SIGUSR2,
+def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_signal,
              module: str = "hpcshard.entry") -> int:
     """Run torchrun for this node; return its exit code, or REQUEUE_EXIT when the ranks
     stopped on request (the run continues in a requeued attempt).
@@ -97,8 +97,8 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = signal.SIGUSR2,
     boundary; a script gets its own signal (`script_signal`) and, if it is still running
     after the grace period (`script_grace`), its ranks are killed.
     """
-    spec = run_dir / "spec.json"  # (doctor's smoke test runs a module without a spec)
-    own = (json.loads(spec.read_text()).get("script") or {}) if spec.exists() else {}
+    # (doctor's smoke test runs a module without a spec)
+    own = RunSpec.read(run_dir).script if (run_dir / "spec.json").exists() else {}
     env = dict(os.environ)
     # torchrun would set 1 with a warning; on a CPU host, split the cores between ranks.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // node.per_node)))
@@ -138,13 +138,13 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = signal.SIGUSR2,
         # No ranks left to tell. A Python handler would be reset to "terminate" while the
         # interpreter shuts down, and a late notice would then kill this task (-12).
         signal.signal(stop_signal, signal.SIG_IGN)
-    attempt = int(os.environ.get("HPCSHARD_ATTEMPT", "0"))
+    attempt = RankEnv.from_environ().attempt
     if own:
         return _script_outcome(run_dir, node, attempt, code, noticed=bool(noticed),
                                killed=killed, grace=grace)
     end = ledger.end_of(run_dir, attempt)
     if end is not None and end.get("reason") == "stop":
-        return ledger.REQUEUE_EXIT
+        return REQUEUE_EXIT
     return code
 
 
@@ -164,18 +164,18 @@ def _script_outcome(run_dir: Path, node: NodeEnv, attempt: int, code: int, *, no
     reported and never requeued."""
     end = ledger.end_of(run_dir, attempt)
     if end is not None and end.get("reason") == "stop":
-        return ledger.REQUEUE_EXIT
+        return REQUEUE_EXIT
     first = node.node_rank == 0
     if noticed:
         if first and end is None:
             how = (f"killed {grace:g}s after the notice (the grace period)" if killed
                    else f"exited {code} after the notice")
             ledger.append(run_dir, {"event": "end", "attempt": attempt, "reason": "stop",
-                                    "how": how, **script.last_save(run_dir)})
-        return ledger.REQUEUE_EXIT
+                                    "how": how, **last_save(run_dir)})
+        return REQUEUE_EXIT
     if first and end is None:
         if code == 0:
-            saved = script.last_save(run_dir)
+            saved = last_save(run_dir)
             ledger.append(run_dir, {"event": "end", "attempt": attempt, "reason": "done",
                                     "saved_step": saved["saved_step"], "saved": saved["saved"]})
         else:
@@ -187,7 +187,8 @@ def _script_outcome(run_dir: Path, node: NodeEnv, attempt: int, code: int, *, no
 
 
 def main() -> int:
-    return run_node(NodeEnv.from_environ(), Path(sys.argv[1]))
+    return run_node(NodeEnv.from_environ(), Path(sys.argv[1]),
+                    stop_signal=RankEnv.from_environ().notice_signal)
 
 
 if __name__ == "__main__":

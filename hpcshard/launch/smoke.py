@@ -17,9 +17,9 @@ ROUNDS = 5
 def node_main(run_dir: str, per_node: int) -> int:
     """What submitit runs on every node of the smoke job."""
     from hpcshard.launch.node import run_node
-    from hpcshard.launch.slurm import SlurmEnv
+    from hpcshard.launch.slurm import SlurmEnv, node_env
 
-    return run_node(SlurmEnv.from_environ().node_env(per_node), Path(run_dir),
+    return run_node(node_env(SlurmEnv.from_environ(), per_node), Path(run_dir),
                     module="hpcshard.launch.smoke")
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hpcshard import checkpoints as store
 from hpcshard.config import build_config
-from hpcshard.runs import RunSpec
+from hpcshard.rundir import store
+from hpcshard.rundir.spec import RunSpec
 from hpcshard.runtime.blocks import on_meta
 from hpcshard.runtime.job import load_job
 

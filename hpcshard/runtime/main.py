@@ -8,7 +8,6 @@ traceback goes to the rank's log file.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -18,8 +17,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hpcshard import entry, ledger
 from hpcshard.config import build_config
+from hpcshard.rundir import ledger
+from hpcshard.rundir.rankenv import RankEnv
+from hpcshard.rundir.spec import RunSpec
 from hpcshard.runtime.device import init_distributed
 from hpcshard.runtime.job import load_job
 from hpcshard.runtime.stop import StopRequest
@@ -56,24 +57,27 @@ def check_writable(run_dir: Path) -> None:
                          "checkpoints could not be saved: fix its permissions or mount") from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, early: list[int] | None = None,
+         start: float | None = None) -> int:
+    """One rank's whole run. `early`: signals the entry point received before this was
+    imported (a notice while torch loaded); `start`: when the entry point started."""
     args = sys.argv[1:] if argv is None else argv
     run_dir = Path(args[0])
-    spec = json.loads((run_dir / "spec.json").read_text())
+    spec = RunSpec.read(run_dir)
     # Set by the launcher: which attempt this is, and what to resume from. Requeued
     # attempts always resume "auto" (the newest checkpoint), whatever the first asked.
-    attempt = int(os.environ.get("HPCSHARD_ATTEMPT", "0"))
-    resume = os.environ.get("HPCSHARD_RESUME", "auto")
-    startup = {"entry": entry.START, "torch": time.time()}
+    ranks = RankEnv.from_environ()
+    attempt, resume = ranks.attempt, ranks.resume
+    startup = {"entry": start or time.time(), "torch": time.time()}
     env = init_distributed()
     startup["rendezvous"] = time.time()
     stop: StopRequest | None = None
     try:
         check_writable(run_dir)
         setup_logging(run_dir, env.rank)
-        job = load_job(spec["job"])
-        cfg = build_config(job.config, spec["sets"])
-        stop = StopRequest(f"{cfg.stop_signals},{entry.notice().name}").install()
+        job = load_job(spec.job)
+        cfg = build_config(job.config, spec.sets)
+        stop = StopRequest(f"{cfg.stop_signals},{ranks.notice}").install(early or [])
         trainer = Trainer(job, cfg, env, run_dir)
         startup["built"] = time.time()
         loaded = trainer.restore(resume)

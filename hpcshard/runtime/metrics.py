@@ -10,9 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
-
-import click
+from typing import Any, TextIO
 
 from hpcshard.runtime.device import DistEnv, peak_memory_bytes
 
@@ -27,18 +25,46 @@ def _clean(value: Any) -> Any:
 
 
 class Progress:
-    """click's progress bar when rank 0's stderr is a terminal; otherwise nothing."""
+    """A one-line progress bar on rank 0's terminal (stderr), or nothing when it is not a
+    terminal: `training [#####-----] 120/300 40% loss 2.345 eta 1:23`. Redrawn at most
+    every `every` seconds (a step can take milliseconds); the CLI's click stays out of
+    the ranks."""
 
-    def __init__(self, bar: Any, start: int) -> None:
-        self.bar, self.pos, self.loss = bar, start, float("nan")
+    WIDTH = 30
+
+    def __init__(self, total: int, start: int, stream: TextIO | None, every: float = 0.2) -> None:
+        self.total, self.pos, self.first = max(1, total), start, start
+        self.stream, self.every = stream, every
+        self.loss = float("nan")
+        self.t0 = self.drawn = time.monotonic()
 
     def advance(self, step: int) -> None:
-        if self.bar is not None:
-            self.bar.update(step - self.pos, current_item=self.loss)
         self.pos = step
+        now = time.monotonic()
+        if self.stream is not None and (now - self.drawn >= self.every or step >= self.total):
+            self.drawn = now
+            self.stream.write("\r" + self.line(now - self.t0))
+            self.stream.flush()
 
     def show(self, loss: float) -> None:
         self.loss = loss
+
+    def line(self, elapsed: float) -> str:
+        done = min(self.pos, self.total) / self.total
+        bar = "#" * int(done * self.WIDTH)
+        text = f"training [{bar:-<{self.WIDTH}}] {self.pos}/{self.total} {done:4.0%}"
+        if not math.isnan(self.loss):
+            text += f" loss {self.loss:.3f}"
+        steps = self.pos - self.first
+        if steps > 0 and self.pos < self.total:
+            eta = int(elapsed / steps * (self.total - self.pos))
+            text += f" eta {eta // 3600}:{eta % 3600 // 60:02d}:{eta % 60:02d}"
+        return text
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 class Metrics:
@@ -72,14 +98,8 @@ class Metrics:
 
     @contextlib.contextmanager
     def progress(self, start: int) -> Iterator[Progress]:
-        if not self.interactive:
-            yield Progress(None, start)
-            return
-        def show(loss: float | None) -> str | None:
-            return None if loss is None or math.isnan(loss) else f"loss {loss:.3f}"
-
-        bar: Any
-        with click.progressbar(length=self.total, label="training", file=sys.stderr,
-                               show_pos=True, show_eta=True, item_show_func=show) as bar:
-            bar.update(start)
-            yield Progress(bar, start)
+        bar = Progress(self.total, start, sys.stderr if self.interactive else None)
+        try:
+            yield bar
+        finally:
+            bar.close()

@@ -23,12 +23,12 @@ class StopRequest:
         self.received: str | None = None
         self.at = 0.0
 
-    def install(self) -> StopRequest:
-        from hpcshard.entry import EARLY
-
+    def install(self, early: list[int] | tuple[int, ...] = ()) -> StopRequest:
+        """Take the signals from now on; `early`: ones that came before (a notice while
+        torch was still loading, which the entry point kept)."""
         for sig in self.signals:
             signal.signal(sig, self._handle)
-        for signum in EARLY:  # a notice that came while torch was still loading
+        for signum in early:
             if signum in self.signals:
                 self._handle(signum, None)
         return self

@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 from hpcshard.config import TrainConfig
 from hpcshard.runtime.blocks import on_meta
-from hpcshard.runtime.checkpoint import Checkpointer, Loaded, seed_rank
+from hpcshard.runtime.checkpoint import Checkpointer, Loaded, TrainParts, seed_rank
 from hpcshard.runtime.data import GlobalBatches, eval_batch_count, eval_batches, unigram_entropy
 from hpcshard.runtime.device import DistEnv, device_peak_tflops
 from hpcshard.runtime.job import Job
@@ -104,7 +104,10 @@ class Trainer:
         self.state_bytes: dict[str, int] | None = None
         self.startup: dict[str, float] = {}
         """Wall-clock marks of this rank's start (entry, torch, rendezvous, built, loaded)."""
-        self.ckpt = Checkpointer(self, run_dir) if run_dir is not None else None
+        parts = TrainParts(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                           batches=self.batches, scaler=self.scaler,
+                           layout={"mesh": list(self.mesh.shape), "sharding": self.mode})
+        self.ckpt = Checkpointer(parts, env, cfg, run_dir) if run_dir is not None else None
         # Dropout and any other in-step randomness: per rank, seeded, restorable.
         seed_rank(cfg.seed, env.rank)
 
@@ -184,18 +187,22 @@ class Trainer:
 
     def restore(self, how: str = "auto") -> Loaded | None:
         """Resume from a checkpoint (auto|never|STEP|PATH) before `run`."""
-        return self.ckpt.resume(how) if self.ckpt else None
+        loaded = self.ckpt.resume(how) if self.ckpt else None
+        if loaded is not None:
+            self.step = loaded.step
+        return loaded
 
     def _boundary(self, stop: StopRequest | None) -> bool:
         """Between steps: agree on stop / periodic save / async commit. True means stop."""
         if self.ckpt is None:
             return self.agree(bool(stop and stop.requested))[0]
         writing = self.ckpt.pending is not None and not self.ckpt.pending[0].done()
-        stop_now, due, busy = self.agree(bool(stop and stop.requested), self.ckpt.due(), writing)
+        stop_now, due, busy = self.agree(bool(stop and stop.requested), self.ckpt.due(self.step),
+                                            writing)
         if self.ckpt.pending is not None and not busy:
             self.ckpt.wait()  # every rank's background write is done: commit it now
         if stop_now or due:
-            self.ckpt.save("stop" if stop_now else "periodic")
+            self.ckpt.save(self.step, "stop" if stop_now else "periodic")
         return stop_now
 
     def run(self, stop: StopRequest | None = None) -> Summary:
@@ -238,7 +245,7 @@ class Trainer:
         saved = -1
         if self.ckpt is not None:
             if reason == "done":
-                self.ckpt.save("end")
+                self.ckpt.save(self.step, "end")
             self.ckpt.wait()
             saved = self.ckpt.last_saved
         summary = Summary(step=self.step, loss=loss, eval_loss=eval_loss, reason=reason,

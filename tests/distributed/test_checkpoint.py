@@ -21,10 +21,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from hpcshard import checkpoints as store
-from hpcshard import ledger
 from hpcshard.launch.node import children
-from hpcshard.ledger import REQUEUE_EXIT
+from hpcshard.rundir import ledger, store
+from hpcshard.rundir.rankenv import REQUEUE_EXIT
 from tests.conftest import (
     ROOT,
     STEPS,

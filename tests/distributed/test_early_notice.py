@@ -10,8 +10,8 @@ import signal
 import time
 from pathlib import Path
 
-from hpcshard import ledger
-from hpcshard.ledger import REQUEUE_EXIT
+from hpcshard.rundir import ledger
+from hpcshard.rundir.rankenv import REQUEUE_EXIT
 from tests.conftest import hpcshard_bg, sets, wait_for
 from tests.distributed.test_checkpoint import rank_pids
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcshard import checkpoints as store
+from hpcshard.rundir import store
 from hpcshard.runtime.planner import make_plan
 from tests.conftest import hpcshard, metrics
 

@@ -83,9 +83,40 @@ def test_mixed_precision(four: dict[str, Any]) -> None:
         assert four[p]["master_dtype"] == "torch.float32"  # sharded master weights stay fp32
     assert four["bf16"]["losses"] == pytest.approx(four["ref_losses"][:2], rel=1e-2)
     assert four["fp16"]["losses"][0] == pytest.approx(four["ref_losses"][0], rel=1e-2)
-    # The grad scaler is live: it started at 2**16 and backed off on the first overflow.
-    assert 0 < four["fp16"]["scale"] <= 2.0**16
 
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_reduces_gradients_in_fp32(four: dict[str, Any], precision: str) -> None:
+    facts = four[precision]
+    assert facts["reduce_dtypes"] == ["torch.float32"]  # the policy every FSDP module got
+    # What went over the wire: every reduce-scatter inside a node and every all-reduce
+    # across nodes carried fp32 (the lists are empty if no such collective was seen).
+    assert facts["reduce_scatter_dtypes"] == ["torch.float32"]
+    assert facts["cross_node_dtypes"] == ["torch.float32"]
+    assert facts["grad_dtypes"] == ["torch.float32"]  # the sharded grads the optimizer sees
+
+
+def test_fp16_scaler_skips_the_step_and_backs_off_on_overflow(four: dict[str, Any]) -> None:
+    fp16 = four["fp16"]
+    assert fp16["trained"]  # ordinary steps do move the weights...
+    overflow = fp16["overflow"]
+    assert not overflow["norm_finite"]  # the forced scale really overflowed the fp16 grads
+    assert overflow["params_unchanged"]  # ...the overflowing one is skipped on every shard
+    assert overflow["scale_after"] == overflow["scale_before"] / 2  # backoff_factor 0.5
+
+
+def test_grad_op_keeps_blocks_gathered_between_forward_and_backward(four: dict[str, Any]) -> None:
+    full, grad_op = four["full"]["after_forward"], four["grad-op"]["after_forward"]
+    # full reshards every block after its forward but the last (needed first by the backward,
+    # so resharding it would only add an all-gather), and the root.
+    assert full["blocks_unsharded"] == [False, False, True] and not full["root_unsharded"]
+    # grad-op (reshard_after_forward=False) keeps everything gathered until the backward.
+    assert grad_op["blocks_unsharded"] == [True, True, True] and grad_op["root_unsharded"]
+    # Hence the backward gathers again under full (blocks 0, 1 and the root) but never under
+    # grad-op; the forward gathers the same four FSDP modules in both.
+    assert full["forward_gathers"] == grad_op["forward_gathers"] == 4
+    assert full["backward_gathers"] == 3
+    assert grad_op["backward_gathers"] == 0
 
 def test_activation_checkpointing_is_exact(four: dict[str, Any]) -> None:
     assert four["ac_full"]["wrapped"] == ["FSDPCheckpointWrapper"] * 3
@@ -103,8 +134,21 @@ def test_block_detection(four: dict[str, Any]) -> None:
 
 
 def test_gradient_accumulation_matches_one_big_batch(four: dict[str, Any]) -> None:
-    assert four["accumulation"]["accum"] == 2
-    assert four["accumulation"]["losses"] == pytest.approx(four["ref_losses"], rel=1e-5)
+    acc = four["accumulation"]
+    assert acc["accum"] == 2 and acc["mode"] == "hybrid"
+    assert acc["losses"] == pytest.approx(four["ref_losses"], rel=1e-5)
+
+
+def test_hsdp_accumulation_all_reduces_across_nodes_once_per_step(four: dict[str, Any]) -> None:
+    acc = four["accumulation"]
+    groups = acc["fsdp_modules"]
+    assert groups == 4  # 3 blocks + the root, each one gradient reduction
+    # Inside the node every micro-batch is reduce-scattered...
+    assert acc["reduce_scatters"] == acc["steps"] * acc["accum"] * groups
+    # ...but the cross-node all-reduce runs once per optimizer step, on the summed shards.
+    assert acc["cross_node"] == acc["steps"] * groups
+    # Without the trainer's switch it would run on every micro-batch: accum times as often.
+    assert acc["cross_node_without_switch"] == acc["accum"] * groups
 
 
 def test_cpu_offload_trains(four: dict[str, Any]) -> None:

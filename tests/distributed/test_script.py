@@ -10,7 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from hpcshard import ledger
+from hpcshard.rundir import ledger
 from tests.conftest import ROOT, hpcshard, hpcshard_bg, quiet_env, wait_for
 
 ECHO = str(ROOT / "tests" / "scripts" / "echo_env.py")

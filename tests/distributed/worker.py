@@ -11,13 +11,18 @@ from __future__ import annotations
 import json
 import sys
 import sysconfig
-from dataclasses import replace
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +61,140 @@ def placements(t: Trainer) -> dict[str, Any]:
     return {"placements": [repr(p) for p in w.placements], "mesh": list(w.device_mesh.shape),
             "mesh_dims": list(w.device_mesh.mesh_dim_names or ()),
             "local_rows": w.to_local().shape[0], "rows": w.shape[0]}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One collective as FSDP2 issued it: which op, over which ranks, on which dtypes."""
+
+    op: str
+    ranks: tuple[int, ...]
+    dtypes: tuple[str, ...]
+
+
+# The collectives FSDP2 (torch 2.13) calls, each as `dist.<name>(...)` looked up at call
+# time, so replacing the module attribute sees every call. DTensor's own reductions (the
+# global grad norm) go through functional collectives and are not seen, which is wanted.
+# If a torch upgrade renames them, the counts drop to 0 and the tests fail loudly.
+SPIED = ("all_reduce", "reduce_scatter_single", "all_gather_single")
+
+
+@contextmanager
+def spying() -> Iterator[list[Call]]:
+    """Record every spied collective issued inside the block, on this rank."""
+    calls: list[Call] = []
+    real = {name: getattr(dist, name) for name in SPIED}
+
+    def spy(name: str, *args: Any, **kwargs: Any) -> Any:
+        group = kwargs.get("group")
+        ranks = tuple(dist.get_process_group_ranks(group) if group is not None
+                      else range(dist.get_world_size()))
+        dtypes = tuple(str(a.dtype) for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+        calls.append(Call(name, ranks, dtypes))
+        return real[name](*args, **kwargs)
+
+    for name in SPIED:
+        setattr(dist, name, partial(spy, name))
+    try:
+        yield calls
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+
+
+def count(calls: list[Call], op: str, ranks: tuple[int, ...] | None = None) -> int:
+    return sum(c.op == op and (ranks is None or c.ranks == ranks) for c in calls)
+
+
+def replicate_ranks(rank: int) -> tuple[int, ...]:
+    """The cross-node group of `rank` on the 2x2 mesh: the same shard on both nodes."""
+    return (rank % 2, rank % 2 + 2)
+
+
+def unsharded(params: Iterable[nn.Parameter]) -> bool:
+    """FSDP2 swaps a module's DTensor shards for plain full tensors while it is unsharded
+    (all-gathered) and swaps the shards back when it reshards."""
+    return not any(isinstance(p, DTensor) for p in params)
+
+
+def observe_reshard(t: Trainer) -> dict[str, Any]:
+    """One step, observed between forward and backward: which blocks (and the root) are
+    still unsharded, and how many all-gathers the backward had to issue again."""
+    seen: dict[str, Any] = {}
+    with spying() as calls:
+        def after_forward(_module: nn.Module, _inputs: Any, _output: Any) -> None:
+            # Registered after fully_shard's own post-forward hook, so it runs after any
+            # reshard: exactly what the backward will find.
+            seen["blocks_unsharded"] = [unsharded(b.parameters()) for b in t.blocks]
+            in_blocks = {id(p) for b in t.blocks for p in b.parameters()}
+            seen["root_unsharded"] = unsharded(p for p in t.model.parameters()
+                                               if id(p) not in in_blocks)
+            seen["forward_gathers"] = count(calls, "all_gather_single")
+
+        handle = t.model.register_forward_hook(after_forward)
+        loss, _ = t.train_step()
+        handle.remove()
+    seen["backward_gathers"] = count(calls, "all_gather_single") - seen["forward_gathers"]
+    seen["loss"] = t.mean_over_ranks(loss)
+    return seen
+
+
+def local_shards(t: Trainer) -> list[torch.Tensor]:
+    return [p.to_local().detach().clone() if isinstance(p, DTensor) else p.detach().clone()
+            for p in t.params]
+
+
+def same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def record_grad_dtypes(t: Trainer, seen: set[str]) -> None:
+    """Note the sharded gradients' dtypes just before each step clears them."""
+    clear: Callable[..., None] = t.optimizer.zero_grad
+
+    def zero_grad(*args: Any, **kwargs: Any) -> None:
+        seen.update(str(p.grad.dtype) for p in t.params if p.grad is not None)
+        clear(*args, **kwargs)
+
+    t.optimizer.zero_grad = zero_grad  # type: ignore[method-assign]  # this instance only
+
+
+def reduce_dtypes(t: Trainer) -> list[str]:
+    """The reduce dtype each FSDP module was given (FSDP2 has no public getter for it)."""
+    return sorted({str(m._get_fsdp_state()._mp_policy.reduce_dtype)
+                   for m in t.model.modules() if isinstance(m, FSDPModule)})
+
+
+def overflow_step(t: Trainer) -> dict[str, Any]:
+    """Force an fp16 overflow (a loss scale of 2**40 turns the fp16 gradients to inf) and
+    check the scaler's answer: skip the optimizer step and halve the scale."""
+    assert t.scaler is not None
+    t.scaler.update(new_scale=2.0**40)  # the public way to set the scale
+    before = local_shards(t)
+    _, norm = t.train_step()
+    return {"scale_before": 2.0**40, "scale_after": float(t.scaler.get_scale()),
+            "norm_finite": bool(torch.isfinite(norm).item()),
+            "params_unchanged": same_tensors(before, local_shards(t))}
+
+
+def accumulation(t: Trainer, rank: int) -> dict[str, Any]:
+    """4 steps of `accum` micro-batches on HSDP, counting the collectives: reduce-scatters
+    inside the node and all-reduces across nodes; then one more step with the trainer's
+    once-per-step switch disabled, for the count it saves."""
+    steps = 4
+    with spying() as calls:
+        out: dict[str, Any] = {"accum": t.accum, "mode": t.mode, "steps": steps,
+                               "losses": losses(t, steps)}
+    fsdp_modules = sum(isinstance(m, FSDPModule) for m in t.model.modules())
+    out |= {"fsdp_modules": fsdp_modules, "reduce_scatters": count(calls, "reduce_scatter_single"),
+            "cross_node": count(calls, "all_reduce", replicate_ranks(rank))}
+    # With FSDPModule.set_requires_all_reduce a no-op (it was left True by the last
+    # micro-batch), every micro-batch's backward all-reduces, as without the trainer's switch.
+    with patch.object(t.model, "set_requires_all_reduce", lambda *_a, **_k: None), \
+            spying() as calls:
+        t.train_step()
+    out["cross_node_without_switch"] = count(calls, "all_reduce", replicate_ranks(rank))
+    return out
 
 
 def record_dtype(seen: list[str], _module: Any, _inputs: Any, output: torch.Tensor) -> None:
@@ -110,16 +249,32 @@ def main() -> None:
 
     for mode in ("full", "grad-op", "none"):
         t = trainer(env, sharding=mode)
-        facts[mode] = {**placements(t), "losses": losses(t, 2)}
+        facts[mode] = placements(t)
+        if mode == "none":
+            facts[mode]["losses"] = losses(t, 2)
+        else:  # the first of the two steps is the observed one
+            seen = observe_reshard(t)
+            facts[mode]["losses"] = [seen.pop("loss"), *losses(t, 1)]
+            facts[mode]["after_forward"] = seen
     for precision in ("bf16", "fp16"):
         t = trainer(env, precision=precision)
-        seen: list[str] = []  # the dtype a block computes in (sharded params stay fp32)
-        t.blocks[0].register_forward_hook(partial(record_dtype, seen))
-        facts[precision] = {"losses": losses(t, 2), "compute_dtype": seen[0],
-                            "master_dtype": str(t.blocks[0].get_parameter("qkv.weight").dtype)}
+        dtypes: list[str] = []  # the dtype a block computes in (sharded params stay fp32)
+        t.blocks[0].register_forward_hook(partial(record_dtype, dtypes))
+        grad_dtypes: set[str] = set()
+        record_grad_dtypes(t, grad_dtypes)
+        before = local_shards(t)
+        with spying() as calls:
+            facts[precision] = {"losses": losses(t, 2), "compute_dtype": dtypes[0],
+                                "master_dtype": str(t.blocks[0].get_parameter("qkv.weight").dtype)}
+        facts[precision] |= {
+            "reduce_dtypes": reduce_dtypes(t), "grad_dtypes": sorted(grad_dtypes),
+            "reduce_scatter_dtypes": sorted({d for c in calls if c.op == "reduce_scatter_single"
+                                             for d in c.dtypes}),
+            "cross_node_dtypes": sorted({d for c in calls if c.op == "all_reduce"
+                                         and c.ranks == replicate_ranks(env.rank) for d in c.dtypes}),
+            "trained": not same_tensors(before, local_shards(t))}
         if precision == "fp16":
-            assert t.scaler is not None
-            facts[precision]["scale"] = float(t.scaler.get_scale())
+            facts[precision]["overflow"] = overflow_step(t)
     for ac in ("full", "2"):
         t = trainer(env, ac=ac)
         wrapped = [type(b).__name__ for b in t.blocks]
@@ -129,7 +284,7 @@ def main() -> None:
     t = trainer(env, block_min_params="2000")
     facts["block_min_params"] = [type(b).__name__ for b in t.blocks]
     t = trainer(env, micro_batch_size="1")
-    facts["accumulation"] = {"accum": t.accum, "losses": losses(t, 4)}
+    facts["accumulation"] = accumulation(t, env.rank)
     t = trainer(env, cpu_offload="true")
     facts["cpu_offload"] = {"losses": losses(t, 2)}
     if env.is_main:

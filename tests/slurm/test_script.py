@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from hpcshard import ledger
+from hpcshard.rundir import ledger
 from tests.conftest import ROOT, hpcshard, wait_for
 from tests.slurm.conftest import restarts, slurm, wait_state
 from tests.slurm.test_slurm import DONE

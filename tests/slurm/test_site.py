@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcshard import ledger
+from hpcshard.rundir import ledger
 from tests.conftest import STEPS, hpcshard, sets, step_records, wait_for
 from tests.distributed.test_checkpoint import assert_bitwise_equal, committed, load, trained_to
 from tests.slurm.conftest import restarts, wait_state

@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcshard import checkpoints as store
-from hpcshard import ledger
+from hpcshard.rundir import ledger, store
 from tests.conftest import ROOT, hpcshard, sets, step_records, wait_for
 from tests.distributed.test_checkpoint import committed, trained_to
 from tests.slurm.conftest import restarts, slurm, wait_state

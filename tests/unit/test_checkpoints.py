@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from hpcshard import checkpoints as store
 from hpcshard.cli import main
+from hpcshard.rundir import store
 
 
 def make(root: Path, step: int, *, commit: bool = True, files: dict[str, int] | None = None) -> Path:
@@ -29,11 +29,16 @@ def make(root: Path, step: int, *, commit: bool = True, files: dict[str, int] | 
     return path
 
 
+SPEC = {"job": "x.py", "sets": {}, "nodes": 1, "gpus": 1, "backend": "local", "name": "x"}
+
+
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
+    """RUN_DIR/checkpoints of a run (its spec.json: commands that take a run check it)."""
     r = tmp_path / "run" / store.CHECKPOINTS
     r.mkdir(parents=True, mode=0o750)
     (tmp_path / "run").chmod(0o750)
+    (tmp_path / "run" / "spec.json").write_text(json.dumps(SPEC))
     return r
 
 
@@ -141,9 +146,12 @@ def test_cli_ckpt_list(root: Path) -> None:
     assert "invalid" in lines[2] and "incomplete" in lines[2]
 
 
-def test_cli_resume_of_a_directory_without_a_run(tmp_path: Path) -> None:
-    result = CliRunner().invoke(main, ["resume", str(tmp_path)])
+@pytest.mark.parametrize("command", [["resume"], ["ckpt", "list"], ["ckpt", "export", "--out", "m.pt"],
+                                     ["plot"], ["preempt"]])
+def test_commands_that_take_a_run_say_when_there_is_none(tmp_path: Path, command: list[str]) -> None:
+    result = CliRunner().invoke(main, [*command, str(tmp_path)])
     assert result.exit_code == 2 and "holds no run" in result.output
+    assert len(result.output.strip().splitlines()) == 1
 
 
 def test_cli_preempt_without_a_running_launcher(tmp_path: Path) -> None:
@@ -167,23 +175,22 @@ def test_resuming_an_older_step_moves_the_newer_timeline_aside(root: Path) -> No
 
 def test_periodic_triggers_by_steps_and_by_wall_time(tmp_path: Path) -> None:
     import time
-    from types import SimpleNamespace
 
     import torch
 
     from hpcshard.config import TrainConfig
-    from hpcshard.runtime.checkpoint import Checkpointer
+    from hpcshard.runtime.checkpoint import Checkpointer, TrainParts
     from hpcshard.runtime.device import DistEnv
 
     env = DistEnv(rank=0, world=1, local_rank=0, per_node=1, device=torch.device("cpu"), backend="gloo")
-    trainer = SimpleNamespace(env=env, cfg=TrainConfig(ckpt_every=4, ckpt_minutes=0.001), step=3)
-    ckpt = Checkpointer(trainer, tmp_path)
-    assert not ckpt.due()
-    trainer.step = 4
-    assert ckpt.due()
-    trainer.step = 5
+    model = torch.nn.Linear(2, 2)
+    parts = TrainParts(model=model, optimizer=torch.optim.SGD(model.parameters()), scheduler=None,
+                       batches=None)
+    ckpt = Checkpointer(parts, env, TrainConfig(ckpt_every=4, ckpt_minutes=0.001), tmp_path)
+    assert not ckpt.due(3)
+    assert ckpt.due(4)
     time.sleep(0.07)  # 0.001 minutes = 60 ms
-    assert ckpt.due()
+    assert ckpt.due(5)
 
 
 def test_resume_refuses_a_run_that_is_still_going(root: Path) -> None:

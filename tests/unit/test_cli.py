@@ -14,11 +14,40 @@ from hpcshard.cli import main
 JOB = str(Path(__file__).resolve().parents[2] / "jobs" / "charlm.py")
 
 
-def test_import_cli_loads_no_torch() -> None:
-    code = ("import sys, hpcshard.cli; heavy = [m for m in ('torch', 'numpy', 'submitit') "
-            "if m in sys.modules]; print(heavy)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+LOADED = """
+import json, sys
+before = set(sys.modules)  # what the interpreter loads by itself (site .pth files)
+from hpcshard.cli import main
+try:
+    main(sys.argv[1:], prog_name="hpcshard")
+except SystemExit:
+    pass
+ours = sorted(m for m in sys.modules if m.startswith("hpcshard"))
+others = sorted({m.split(".")[0] for m in set(sys.modules) - before}
+                - set(sys.stdlib_module_names) - {"hpcshard"})
+print(json.dumps([ours, others]), file=sys.stderr)
+"""
+
+
+def loaded(*args: str) -> tuple[list[str], list[str]]:
+    """(hpcshard modules, third-party packages) a CLI command imports, in a fresh process."""
+    import json
+
+    proc = subprocess.run([sys.executable, "-c", LOADED, *args], capture_output=True, text=True)
+    ours, others = json.loads(proc.stderr.strip().splitlines()[-1])
+    return ours, others
+
+
+def test_help_imports_click_and_the_group_only() -> None:
+    # An allowlist, not a blocklist (click's own test_imports does the same): a new import
+    # on the --help path fails here whatever it is.
+    assert loaded("--help") == (["hpcshard", "hpcshard.cli"], ["click"])
+
+
+def test_render_imports_no_torch_and_no_submitit(tmp_path: Path) -> None:
+    ours, others = loaded("render", JOB, "--run-dir", str(tmp_path / "r"))
+    assert set(others) <= {"click", "jinja2", "markupsafe"}, others
+    assert "hpcshard.cli.submit" in ours and not any(m.startswith("hpcshard.runtime") for m in ours)
 
 
 def invoke(*args: str) -> tuple[int, str]:
@@ -84,7 +113,7 @@ def test_slurm_backend_without_slurm_is_one_clear_line(tmp_path: Path,
 
 
 def test_run_name_and_run_dir_take_the_same_stem() -> None:
-    from hpcshard.runs import default_run_dir, job_stem
+    from hpcshard.rundir.spec import default_run_dir, job_stem
 
     assert job_stem("jobs/charlm.py") == "charlm" and job_stem("pkg.jobs.lm") == "lm"
     assert default_run_dir("pkg.jobs.lm").name.startswith("lm-")

@@ -33,6 +33,9 @@ def test_values_take_the_declared_types() -> None:
     ({"ac": "sometimes"}, ["ac='sometimes'", "full", "K"]),
     ({"steps": "0"}, ["steps=0", "> 0"]),
     ({"lr": "-1"}, ["lr=-1.0", "> 0"]),
+    ({"lr": "nan"}, ["lr='nan'", "finite"]),
+    ({"grad_clip": "inf"}, ["grad_clip='inf'", "finite"]),
+    ({"ratio": "-inf"}, ["ratio='-inf'", "finite"]),  # a job's own float field too
 ])
 def test_bad_values_name_the_value_and_the_choices(sets: dict[str, str], needles: list[str]) -> None:
     with pytest.raises(ValueError) as err:
@@ -57,3 +60,9 @@ def test_ac_every() -> None:
 def test_set_needs_key_and_value() -> None:
     with pytest.raises(ValueError, match="key=value"):
         parse_sets(["=3"])
+
+
+@pytest.mark.parametrize("name", ["lr", "weight_decay", "min_lr_ratio", "ckpt_minutes", "peak_tflops"])
+def test_a_config_built_in_code_rejects_non_finite_numbers(name: str) -> None:
+    with pytest.raises(ValueError, match=f"{name}=nan is not valid; it must be a finite number"):
+        TrainConfig(**{name: float("nan")})  # type: ignore[arg-type]

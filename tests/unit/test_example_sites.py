@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from hpcshard import site
-from hpcshard.sbatch import SbatchRequest, render
+from hpcshard.slurm.sbatch import SbatchRequest, render
 from tests.unit.test_sbatch import check_golden
 
 COMMAND = "/usr/bin/python3 -u -m submitit.core._submit /shared/runs/x/submitit"
@@ -33,7 +33,7 @@ def test_example_profile_renders_to_its_golden_file(site_name: str, profile: str
     # Only the site file: no user file (XDG_CONFIG_HOME is empty), no project file (cwd).
     env = {"HPCSHARD_SITE": str(SITES / site_name / "site.toml"), "XDG_CONFIG_HOME": str(tmp_path)}
     res = site.resolve(site.load(env, cwd=tmp_path), profile)
-    req = SbatchRequest.from_settings(res, job_name="charlm", nodes=2,
+    req = SbatchRequest.from_settings(res.values, res.template_dirs, job_name="charlm", nodes=2,
                                       gpus=res.values["gpus_per_node"], run_dir=Path("/shared/runs/x"))
     text = render(req, COMMAND, Path("/shared/runs/x/submitit"))
     check_golden(f"sites/{site_name}-{profile}.sbatch", text)

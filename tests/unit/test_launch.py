@@ -54,16 +54,16 @@ def test_nodelist_expansion() -> None:
 
 
 def test_slurm_env_gives_the_node_its_place_and_rendezvous() -> None:
-    from hpcshard.launch.slurm import SlurmEnv, rdzv_port
+    from hpcshard.launch.slurm import SlurmEnv, node_env, rdzv_port
 
     env = {"SLURM_JOB_ID": "4242", "SLURM_JOB_NODELIST": "gpu[07-08]", "SLURM_NODEID": "1",
            "SLURM_GPUS_ON_NODE": "8"}
     slurm = SlurmEnv.from_environ(env)
     assert (slurm.nodes, slurm.node_id, slurm.restart_count, slurm.gpus_on_node) == (
         ["gpu07", "gpu08"], 1, 0, 8)
-    node = slurm.node_env(8)
+    node = node_env(slurm, 8)
     assert (node.node_rank, node.nnodes, node.rdzv_host) == (1, 2, "gpu07")
-    requeued = SlurmEnv.from_environ({**env, "SLURM_RESTART_COUNT": "2"}).node_env(8)
+    requeued = node_env(SlurmEnv.from_environ({**env, "SLURM_RESTART_COUNT": "2"}), 8)
     assert requeued.rdzv_port != node.rdzv_port and requeued.run_id == "4242-2"
     ports = {rdzv_port(str(j), 0) for j in range(1000, 1100)}
     assert len(ports) == 100 and all(20000 <= p < 30000 for p in ports)
@@ -71,16 +71,16 @@ def test_slurm_env_gives_the_node_its_place_and_rendezvous() -> None:
 
 def test_job_state_falls_back_to_sacct_when_scontrol_forgot(tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpcshard import slurm
+    from hpcshard.slurm import cluster
 
     (tmp_path / "scontrol").write_text("#!/bin/sh\necho 'Invalid job id specified' >&2\nexit 1\n")
     (tmp_path / "sacct").write_text("#!/bin/sh\necho 'CANCELLED by 0|00:03:10|n[1-2]'\n")
     for name in ("scontrol", "sacct"):
         (tmp_path / name).chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert slurm.job_state("77") == {"JobState": "CANCELLED", "RunTime": "00:03:10", "NodeList": "n[1-2]"}
+    assert cluster.job_state("77") == {"JobState": "CANCELLED", "RunTime": "00:03:10", "NodeList": "n[1-2]"}
     (tmp_path / "sacct").write_text("#!/bin/sh\necho 'accounting storage is disabled' >&2\nexit 1\n")
-    assert slurm.job_state("77") == {}
+    assert cluster.job_state("77") == {}
 
 
 def test_a_late_notice_cannot_kill_a_finished_rank() -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from hpcshard import plancmd
+from hpcshard.cli import plan as plancmd
 from hpcshard.config import SHARDING_MODES
 
 pytestmark = pytest.mark.unit

@@ -10,8 +10,8 @@ import pytest
 from click.testing import CliRunner
 
 from hpcshard.cli import main
-from hpcshard.runs import RunSpec
-from hpcshard.status import attempts
+from hpcshard.rundir.spec import RunSpec
+from hpcshard.rundir.status import attempts
 
 
 @pytest.fixture

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcshard.sbatch import SbatchRequest, parse_time, render
+from hpcshard.slurm.sbatch import SbatchRequest, render
+from hpcshard.slurm.time import parse_time
 
 GOLDEN = Path(__file__).with_name("golden")
 REFRESH = "refresh with: HPCSHARD_REFRESH_GOLDEN=1 python -m pytest tests/unit/test_sbatch.py"
@@ -51,7 +52,7 @@ def test_default_template_golden() -> None:
 
 def test_hostile_values_golden_and_only_quoted() -> None:
     hostile = request(job_name=HOSTILE[0], partition=HOSTILE[2], account=HOSTILE[1],
-                      qos=HOSTILE[3], constraint=HOSTILE[4], mem=HOSTILE[5],
+                      qos=HOSTILE[3], constraint=HOSTILE[4], mem="200G",
                       run_dir=Path("/runs/" + HOSTILE[0] + " " + HOSTILE[1]),
                       env={"A": HOSTILE[1], "B": HOSTILE[0], "C": HOSTILE[2]}, setup=[])
     text = render(hostile, COMMAND, Path("/runs/s"))
@@ -67,6 +68,13 @@ def test_hostile_values_golden_and_only_quoted() -> None:
                          capture_output=True, text=True, check=True)
     assert out.stdout == f"{HOSTILE[1]}|{HOSTILE[0]}|{HOSTILE[2]}"
     assert not Path("/tmp/hpcshard-pwned").exists()
+
+
+def test_memory_is_checked_the_way_slurm_parses_it() -> None:
+    for text in HOSTILE:  # never a memory size: refused before anything is rendered
+        with pytest.raises(ValueError, match="is not a Slurm memory size"):
+            render(request(mem=text), COMMAND, Path("/x"))
+    assert "#SBATCH --mem=0" in render(request(mem="0"), COMMAND, Path("/x"))
 
 
 def test_newlines_cannot_break_out_of_a_directive() -> None:
@@ -115,8 +123,8 @@ def test_submit_warns_when_the_lead_time_is_shorter_than_the_last_save(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from hpcshard import checkpoints as store
-    from hpcshard.cli import _warn_lead_time
+    from hpcshard.cli.submit import _warn_lead_time
+    from hpcshard.rundir import store
 
     ckpt = tmp_path / store.CHECKPOINTS / store.step_name(10)
     ckpt.mkdir(parents=True)
@@ -127,12 +135,13 @@ def test_submit_warns_when_the_lead_time_is_shorter_than_the_last_save(
     assert capsys.readouterr().err == ""
 
 
+@pytest.mark.usefixtures("fake_srun")
 def test_render_agrees_with_submitit_without_importing_it(tmp_path: Path) -> None:
     """`render` builds submitit's task command and log names itself (importing submitit
     would make it slow); they must stay what submitit's executor produces."""
     from submitit.core.utils import JobPaths
 
-    from hpcshard.slurm import executor, sbatch_text, submit_command
+    from hpcshard.slurm.submit import executor, sbatch_text, submit_command
 
     for python in ("", "/opt/my env/bin/python"):
         req = request(python=python)

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from hpcshard import ledger, script
+from hpcshard import script
+from hpcshard.rundir import ledger
 from tests.conftest import ROOT
 from tests.unit.test_cli import assert_one_line_error, invoke
 

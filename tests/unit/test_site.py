@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from hpcshard import site
-from hpcshard.sbatch import SbatchRequest, render
+from hpcshard.slurm.sbatch import SbatchRequest, render
 from tests.unit.test_cli import invoke
 
 JOB = str(Path(__file__).resolve().parents[2] / "jobs" / "charlm.py")
@@ -43,15 +43,15 @@ def test_five_layers_later_wins_and_each_value_knows_its_source(layers: dict[str
     layers["site"].write_text('profile = "gpu"\n[defaults]\naccount = "site-acct"\nqos = "site-qos"\n'
                               'env = { A = "site", B = "site" }\n'
                               '[profiles.gpu]\npartition = "site-part"\ngpus_per_node = 8\n'
-                              'mem = "site-mem"\nconstraint = "site-c"\ntime = "02:00:00"\n')
-    layers["user"].write_text('[defaults]\nqos = "user-qos"\nmem = "user-mem"\nenv = { B = "user" }\n'
+                              'mem = "10G"\nconstraint = "site-c"\ntime = "02:00:00"\n')
+    layers["user"].write_text('[defaults]\nqos = "user-qos"\nmem = "20G"\nenv = { B = "user" }\n'
                               '[profiles.gpu]\nconstraint = "user-c"\n')
-    layers["project"].write_text('[defaults]\nconstraint = "project-c"\nmem = "project-mem"\n')
-    res = site.resolve(site.load(), cli={"mem": "cli-mem", "qos": None})
+    layers["project"].write_text('[defaults]\nconstraint = "project-c"\nmem = "30G"\n')
+    res = site.resolve(site.load(), cli={"mem": "40G", "qos": None})
     v = res.values
     assert res.profile == "gpu"
     assert (v["account"], v["qos"], v["partition"], v["constraint"], v["mem"]) == \
-        ("site-acct", "user-qos", "site-part", "project-c", "cli-mem")
+        ("site-acct", "user-qos", "site-part", "project-c", "40G")
     assert v["env"] == {"A": "site", "B": "user"}  # tables merge key by key
     assert v["time"] == "02:00:00" and v["gpus_per_node"] == 8 and v["signal"] == "USR2"
     site_file, user_file = str(layers["site"]), str(layers["user"])
@@ -281,14 +281,16 @@ def test_profiles_list_and_show(layers: dict[str, Path]) -> None:
     one_line_error(code, out, "'zzz' does not exist; profiles: a, dbg")
 
 
+@pytest.mark.usefixtures("fake_srun")
 def test_request_from_settings_matches_the_profile(layers: dict[str, Path]) -> None:
     layers["site"].write_text('[profiles.p]\ncontainer = { runtime = "apptainer", image = "/img/pt.sif", '
                               'mounts = ["/shared"] }\npython = "/opt/py env/bin/python"\n')
     res = site.resolve(site.load(), "p")
-    req = SbatchRequest.from_settings(res, job_name="j", nodes=2, gpus=2, run_dir=Path("/r"))
+    req = SbatchRequest.from_settings(res.values, res.template_dirs, job_name="j", nodes=2, gpus=2,
+                                      run_dir=Path("/r"))
     text = render(req, COMMAND, Path("/r/submitit"))
     assert "HPCSHARD_WRAP=(apptainer exec --nv --bind /shared /img/pt.sif)" in text
-    from hpcshard.slurm import executor
+    from hpcshard.slurm.submit import executor
 
     assert executor(req, Path("/r"))._submitit_command_str.startswith("'/opt/py env/bin/python' -u -m")
 
@@ -357,6 +359,7 @@ def test_doctor_with_a_storage_root_naming_an_unset_variable_is_one_line(
     one_line_error(code, out, "$HPCSHARD_UNSET_VAR, which is not set here")
 
 
+@pytest.mark.usefixtures("fake_srun")
 def test_hostile_values_in_modules_and_container_stay_quoted(layers: dict[str, Path]) -> None:
     from tests.unit.test_sbatch import HOSTILE, unquoted
 
@@ -373,8 +376,9 @@ workdir = {q(HOSTILE[0])}
 options = [{q(HOSTILE[5])}]
 """)
     res = site.resolve(site.load(), "p")
-    req = SbatchRequest.from_settings(res, job_name="j", nodes=1, gpus=1, run_dir=Path("/r"))
-    from hpcshard.slurm import executor
+    req = SbatchRequest.from_settings(res.values, res.template_dirs, job_name="j", nodes=1, gpus=1,
+                                      run_dir=Path("/r"))
+    from hpcshard.slurm.submit import executor
 
     ex = executor(req, Path("/r"))
     text = render(req, ex._submitit_command_str, Path("/r/submitit"))

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcshard import checkpoints, ledger, script
-from hpcshard.runs import read_metrics, train_records
+from hpcshard.rundir import ledger, store
+from hpcshard.rundir.metrics import read_metrics, train_records
 
 
 @dataclass
@@ -76,14 +76,14 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
     evals = [r for r in records if r.get("eval_loss") is not None and "event" not in r]
     if evals:
         lines.append(f"eval: loss {evals[-1]['eval_loss']:.4f} at step {evals[-1]['step']}")
-    done = checkpoints.committed(run_dir / checkpoints.CHECKPOINTS)
-    own = script.last_save(run_dir) if spec.get("script") else {}
+    done = store.committed(run_dir / store.CHECKPOINTS)
+    own = store.last_save(run_dir) if spec.get("script") else {}
     if own.get("saved") and not done:  # a script's own checkpoints, by their names
         lines.append(f"checkpoint: the script's newest save is {own['saved']} (step "
-                     f"{own['saved_step']}, {checkpoints.age(time.time() - own['lost_seconds'])} ago)")
+                     f"{own['saved_step']}, {store.age(time.time() - own['lost_seconds'])} ago)")
     elif done:
         c = done[-1]
-        saved_in, age = c.manifest.get("save_seconds", 0), checkpoints.age(c.manifest.get("time", 0))
+        saved_in, age = c.manifest.get("save_seconds", 0), store.age(c.manifest.get("time", 0))
         lines.append(f"checkpoint: step {c.step} ({c.bytes / 1e6:.1f} MB, saved in {saved_in:.2f}s, "
                      f"{age} ago)")
     else:

@@ -10,9 +10,6 @@ from pathlib import Path
 from typing import Any
 
 LEDGER = "attempts.jsonl"
-REQUEUE_EXIT = 75
-"""Exit code meaning "stopped cleanly on request, checkpoint committed: requeue me"
-(EX_TEMPFAIL in sysexits.h: a temporary failure, try again later)."""
 
 
 def append(run_dir: Path, record: dict[str, Any]) -> None:

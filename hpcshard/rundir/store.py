@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import stat
 import threading
@@ -24,10 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcshard.rundir.files import TMP_SUFFIX, fsync_dir, write_atomic
+
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 LATEST = "latest"
-TMP_SUFFIX = ".tmp"
 FORMAT = 1
 
 
@@ -40,28 +42,6 @@ def parse_step(name: str) -> int | None:
         return None
     digits = name[5:].removesuffix(TMP_SUFFIX)
     return int(digits) if digits.isdigit() else None
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename durable: the directory entry itself must reach the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: Path, text: str, mode: int = 0o640) -> None:
-    """Write a small file so that readers see the old or the new content, never a mix.
-    The mode is set explicitly: a group-writable umask must not make it refusable."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 @dataclass
@@ -252,6 +232,31 @@ def retire(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
 def _delete(paths: list[Path]) -> None:
     for path in paths:
         shutil.rmtree(path, ignore_errors=True)
+
+
+# -- a script's own checkpoints, found by their names ----------------------------------
+
+INCOMPLETE = "checkpoint-is-incomplete.txt"
+"""Hugging Face's marker of a checkpoint that is still being written."""
+_STEP = re.compile(r"(?:^|[^a-z])(?:step|checkpoint|ckpt|iter|global_step)[-_=]?0*(\d+)", re.I)
+
+
+def last_save(run_dir: Path) -> dict[str, Any]:
+    """The script's newest save in HPCSHARD_CHECKPOINT_DIR, for the ledger: its step (from
+    the name: hpcshard's step-N, Hugging Face's checkpoint-N, Lightning's step=N, ...),
+    and how long before now it was written (the training a hard stop lost)."""
+    root = run_dir / CHECKPOINTS
+    found: list[tuple[int, float, str]] = []
+    if root.is_dir():
+        for entry in root.iterdir():
+            m = _STEP.search(entry.name)
+            # .tmp: hpcshard's uncommitted saves; the marker: Hugging Face's, cut short
+            if m and not entry.name.endswith(TMP_SUFFIX) and not (entry / INCOMPLETE).exists():
+                found.append((int(m.group(1)), entry.stat().st_mtime, entry.name))
+    if not found:
+        return {"saved_step": None, "saved": None}
+    step, mtime, name = max(found)
+    return {"saved_step": step, "saved": name, "lost_seconds": round(time.time() - mtime, 1)}
 
 
 def age(seconds_since_epoch: float) -> str:

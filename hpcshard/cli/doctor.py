@@ -10,6 +10,7 @@ container runtime and asks Slurm to requeue it; the login node then reads what i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import shutil
@@ -19,21 +20,18 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
-from hpcshard import ops, site
-from hpcshard.cliutil import table, user_errors
-from hpcshard.runs import probe_writable
-from hpcshard.sbatch import SbatchRequest, parse_time, render
-
-if TYPE_CHECKING:
-    from hpcshard.slurm import Partition
+from hpcshard import site
+from hpcshard.cli.common import FiniteFloat, table, user_errors
+from hpcshard.rundir.spec import probe_writable
+from hpcshard.slurm import cluster
+from hpcshard.slurm.cluster import FINAL_STATES, Partition
+from hpcshard.slurm.sbatch import SbatchRequest, render
+from hpcshard.slurm.time import hms, parse_time
 
 SLURM_COMMANDS = ("sbatch", "squeue", "scontrol", "sinfo")
-FINAL = ops.FINAL_STATES
-"""Slurm states after which the probe job writes nothing more."""
 
 
 @dataclass
@@ -78,7 +76,6 @@ class Doctor:
         storage_ok = self.storage()
         if slurm_ok:
             part_ok = self.partition_checks()
-            self.requeue_config()
             self.pyxis()
             why = ("needs the partition checks to pass" if not part_ok else
                    "needs a usable storage root")
@@ -110,7 +107,7 @@ class Doctor:
         req = self.request("hpcshard-doctor", 1, Path("/doctor/run"))
         try:
             render(req, "python -u -m submitit.core._submit /doctor/run/submitit",
-                   Path("/doctor/run/submitit"))
+                   Path("/doctor/run/submitit"), site.SETTINGS)
         except ValueError as err:
             return self.add("template", False, str(err), "fix the template, or " + self.where("template"))
         return self.add("template", True, f"{req.template} renders ({len(req.template_dirs)} site "
@@ -124,20 +121,13 @@ class Doctor:
                         "login node; without Slurm, set backend = 'local'")
 
     def controller(self) -> bool:
-        try:
-            proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=20)
-            out = (proc.stdout + proc.stderr).strip()
-        except subprocess.TimeoutExpired:
-            out, proc = "scontrol ping hung for 20 s", None
-        ok = proc is not None and proc.returncode == 0 and "UP" in out
-        return self.add("controller", ok, out.splitlines()[-1] if out else "no answer",
+        ok, said = cluster.ping(timeout=20)
+        return self.add("controller", ok, said,
                         "start slurmctld, or point SLURM_CONF at the cluster's slurm.conf")
 
     def partition_checks(self) -> bool:
-        from hpcshard import slurm
-
         try:
-            parts = slurm.partitions()
+            parts = cluster.partitions()
         except ValueError as err:
             return self.add("partition", False, str(err), "check that sinfo works here")
         name = self.v["partition"] or next((p.name for p in parts.values() if p.default), "")
@@ -155,25 +145,16 @@ class Doctor:
         gpus_ok = self.add("gpus per node", want <= part.gpus_per_node,
                            f"profile asks {want}, {name} nodes have {part.gpus_per_node}",
                            self.where("gpus_per_node") + f" to {part.gpus_per_node} or fewer")
-        longest = max(parse_time(self.v["time"]), parse_time(self.v["max_time"] or "0"))
+        cap = parse_time(self.v["max_time"]) if self.v["max_time"] else 0
+        longest = max(parse_time(self.v["time"]), cap)
         if part.max_time_s is None:
             self.add("time limit", True, f"{name} has no MaxTime")
         else:
             self.add("time limit", longest <= part.max_time_s,
-                     f"profile allows {_hms(longest)}, {name} MaxTime is {_hms(part.max_time_s)}",
+                     f"profile allows {hms(longest)}, {name} MaxTime is {hms(part.max_time_s)}",
                      self.where("max_time" if self.v["max_time"] else "time")
-                     + f" to {_hms(part.max_time_s)} or less")
+                     + f" to {hms(part.max_time_s)} or less")
         return gpus_ok
-
-    def requeue_config(self) -> None:
-        proc = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True)
-        config = dict(line.split("=", 1) for line in proc.stdout.splitlines() if "=" in line)
-        config = {k.strip(): v.strip() for k, v in config.items()}
-        policy = self.v["requeue_policy"]
-        default = config.get("JobRequeue", "1")
-        self.add("requeue policy", True, f"{policy} (cluster JobRequeue={default}: jobs are "
-                 f"{'' if default == '1' else 'not '}requeueable by default; hpcshard passes "
-                 "--requeue itself)")
 
     def pyxis(self) -> None:
         runtime = self.v["container"].get("runtime", "")
@@ -234,17 +215,16 @@ class Doctor:
         req.setup = [*check, *req.setup]
         batch = probe / "probe.sbatch"
         batch.write_text(render(req, f"bash {shlex.quote(str(script))}", probe))
-        proc = subprocess.run(["sbatch", "--parsable", str(batch)], capture_output=True, text=True)
-        if proc.returncode:
-            why = (proc.stderr.strip().splitlines() or ["no message"])[-1]
-            self.add("storage from compute", False, f"sbatch refused the probe job: {why}",
+        try:
+            job = cluster.sbatch(str(batch))
+        except ValueError as err:
+            self.add("storage from compute", False, f"the probe job: {err}",
                      "check partition, account and qos with your admins")
             return
-        job = proc.stdout.strip().split(";")[0]
         # Slurm may kill the step before it records scontrol's answer: a restart also says yes.
         wants = ("requeue.rc", "restarted") if requeue else ("first",)
         state = self._wait_for(job, lambda: any((probe / w).exists() for w in wants))
-        subprocess.run(["scancel", job], capture_output=True)
+        _cancel(job)
         if not (probe / "first").exists():
             self._probe_failed(job, state, probe)
             return
@@ -274,7 +254,7 @@ class Doctor:
             self.skip("requeue", f"requeue_policy is {self.v['requeue_policy']}")
 
     def _probe_failed(self, job: str, state: str, probe: Path) -> None:
-        if state not in FINAL:
+        if state not in FINAL_STATES:
             self.add("storage from compute", False, f"probe job {job} did not run within "
                      f"{self.wait:.0f} s ({state})", "rerun with a longer --wait, or a partition "
                      "with idle nodes")
@@ -302,14 +282,12 @@ class Doctor:
                  "fix the module names (module avail), or " + self.where("modules"))
 
     def _wait_for(self, job: str, done: Callable[[], bool], extra: float = 0) -> str:
-        from hpcshard import slurm
-
         deadline = time.monotonic() + self.wait + extra
         state = "PENDING"
         while not done() and time.monotonic() < deadline:
-            info = slurm.job_state(job)
+            info = cluster.job_state(job)
             state = info.get("JobState", "")
-            if state in FINAL:
+            if state in FINAL_STATES:
                 time.sleep(1)  # files written just before the end may land a moment later
                 break
             if state == "PENDING":
@@ -318,8 +296,8 @@ class Doctor:
         return state
 
     def smoke(self) -> None:
-        from hpcshard import slurm
         from hpcshard.launch.smoke import node_main
+        from hpcshard.slurm.submit import submit
 
         part = self.partition
         nodes = min(2, part.nodes if part else 1)
@@ -330,14 +308,14 @@ class Doctor:
         req = self.request("hpcshard-doctor-smoke", nodes, run_dir)
         req.time, req.signal_lead_s, req.requeue = "10", 60, False
         try:
-            job = slurm.submit(req, run_dir, node_main, str(run_dir), gpus)
+            job = submit(req, run_dir, node_main, str(run_dir), gpus)
         except ValueError as err:
             self.add("all-reduce", False, str(err), "check the profile's partition and template")
             return
         result = run_dir / "smoke.json"
         state = self._wait_for(job, result.exists, extra=300)
         if not result.exists():
-            subprocess.run(["scancel", job], capture_output=True)
+            _cancel(job)
             log = run_dir / "submitit" / f"{job}_0_log.err"
             tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
             self.add("all-reduce", False, f"job {job} ({state}) wrote no result"
@@ -350,8 +328,8 @@ class Doctor:
                  "the sum was wrong: check the network settings (env) of the profile")
 
     def request(self, name: str, nodes: int, run_dir: Path) -> SbatchRequest:
-        return SbatchRequest.from_settings(self.res, job_name=name, nodes=nodes,
-                                           gpus=self.v["gpus_per_node"], run_dir=run_dir)
+        return SbatchRequest.from_settings(self.v, self.res.template_dirs, job_name=name,
+                                           nodes=nodes, gpus=self.v["gpus_per_node"], run_dir=run_dir)
 
     def cleanup(self) -> None:
         if self.probe_dir is not None and not self.keep:
@@ -365,18 +343,17 @@ def _rc(path: Path) -> int | None:
         return None
 
 
-def _hms(seconds: int) -> str:
-    days, rest = divmod(seconds, 86400)
-    text = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
-    return f"{days}-{text}" if days else text
+def _cancel(job: str) -> None:
+    with contextlib.suppress(ValueError):  # it may have ended already
+        cluster.scancel(job)
 
 
 @click.command()
 @click.option("--profile", help="Site profile to check [default: the configuration's `profile`].")
 @click.option("--smoke", is_flag=True, help="Also run a 2-node all-reduce through the profile's template.")
-@click.option("--wait", type=click.FloatRange(min=1), default=120, show_default=True,
+@click.option("--wait", type=FiniteFloat(min=1), default=120, show_default=True,
               help="Seconds to wait for the probe job to start.")
-@click.option("--min-free", type=click.FloatRange(min=0), default=5, show_default=True,
+@click.option("--min-free", type=FiniteFloat(min=0), default=5, show_default=True,
               help="GiB the storage root must have free.")
 def doctor(profile: str | None, smoke: bool, wait: float, min_free: float) -> None:
     """Check that this site and a profile can run jobs: Slurm, partition, GPUs, storage

@@ -1,25 +1,23 @@
-"""Run directories and the request that fills them (login node: stdlib only, no torch).
-
-A run directory holds everything one run produces:
-
-    spec.json      the request: job, --set values, shape, backend, resolved config
-    metrics.jsonl  one JSON record per logged step / event (rank 0)
-    logs/          rank-N.log for every rank
-"""
+"""RUN_DIR/spec.json, the request a run was started with: `RunSpec` is its only reader and
+writer (atomic, so a launcher never reads half of one), and the checks and names of run
+directories. Stdlib: the CLI writes it, launchers and ranks read it."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcshard.rundir import store
+from hpcshard.rundir.files import write_atomic
+
 SPEC = "spec.json"
+POLICIES = ("requeue", "chain", "none")
+"""After a clean stop on Slurm: requeue the job, chain a continuation job (sites that
+forbid requeue), or stop."""
 
 
 @dataclass(kw_only=True)
@@ -56,11 +54,24 @@ class RunSpec:
     created: float = field(default_factory=time.time)
 
     def write(self, run_dir: Path) -> None:
-        (run_dir / SPEC).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        write_atomic(run_dir / SPEC, json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
     def read(cls, run_dir: Path) -> RunSpec:
         return cls(**json.loads((run_dir / SPEC).read_text()))
+
+    @classmethod
+    def add_job(cls, run_dir: Path, job_id: str) -> RunSpec:
+        """Record a Slurm job submitted for the run (a continuation job, say)."""
+        spec = cls.read(run_dir)
+        spec.jobs.append(job_id)
+        spec.write(run_dir)
+        return spec
+
+    def newest_job(self, job_id: str) -> bool:
+        """Only the run's newest job may train: a stale requeue or a second continuation
+        exits at once instead of racing it for the checkpoints."""
+        return not self.jobs or self.jobs[-1] == job_id
 
 
 def read_spec(run_dir: Path) -> RunSpec:
@@ -71,9 +82,7 @@ def read_spec(run_dir: Path) -> RunSpec:
 
 def check_resume(run_dir: Path, resume: str) -> None:
     """Fail early, without torch, on a --resume that names no usable checkpoint."""
-    from hpcshard import checkpoints
-
-    checkpoints.select(run_dir / checkpoints.CHECKPOINTS, resume)
+    store.select(run_dir / store.CHECKPOINTS, resume)
 
 
 def job_ref(job: str) -> str:
@@ -123,36 +132,3 @@ def create_run_dir(path: Path) -> None:
     and a file others can write is code others can run."""
     path.mkdir(parents=True, exist_ok=True, mode=0o750)
     (path / "logs").mkdir(exist_ok=True, mode=0o750)
-
-
-def preflight(spec: RunSpec) -> dict[str, Any]:
-    """Import the job and check it in a subprocess (torch stays out of the CLI process)."""
-    request = {"job": spec.job, "sets": spec.sets, "nodes": spec.nodes, "gpus": spec.gpus}
-    proc = subprocess.run([sys.executable, "-m", "hpcshard.runtime.preflight"],
-                          input=json.dumps(request), capture_output=True, text=True,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    if proc.returncode == 2:
-        raise ValueError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
-                         else "the job failed its preflight check")
-    if proc.returncode:
-        raise RuntimeError(f"preflight of {spec.job} crashed:\n{proc.stderr}")
-    return dict(json.loads(proc.stdout))
-
-
-def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """Every record of RUN_DIR/metrics.jsonl, oldest first (none yet: empty)."""
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def train_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The per-step training records (not evaluations, not start/end events)."""
-    return [r for r in records if "loss" in r and "event" not in r]
-
-
-def last_record(run_dir: Path, key: str) -> dict[str, Any] | None:
-    """The newest step record that has `key` (e.g. "loss" or "eval_loss")."""
-    found = [r for r in read_metrics(run_dir) if r.get(key) is not None and "event" not in r]
-    return found[-1] if found else None

@@ -10,39 +10,21 @@ from __future__ import annotations
 
 import re
 import shlex
-import signal
-from dataclasses import asdict, dataclass, field
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.meta
+from hpcshard.rundir.rankenv import signal_name
+from hpcshard.slurm.time import parse_mem, parse_time
 
-if TYPE_CHECKING:
-    from hpcshard.site import Resolved
+if TYPE_CHECKING:  # jinja2 is imported when a template is rendered, not with the module
+    import jinja2
 
 # The top-level templates/ in a source tree (hpcshard/templates links to it); the package's
 # own copy in an installed wheel.
-BUILTIN_TEMPLATES = (Path(__file__).parent / "templates").resolve()
+BUILTIN_TEMPLATES = (Path(__file__).parents[1] / "templates").resolve()
 DEFAULT_TEMPLATE = "sbatch.j2"
-
-# Slurm's --time formats: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S
-_TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
-
-
-def parse_time(text: str) -> int:
-    """A Slurm time limit in seconds, or ValueError naming the accepted formats."""
-    m = _TIME.match(text.strip())
-    if not m or not text.strip():
-        raise ValueError(f"--time {text!r} is not a Slurm time limit; use MM, HH:MM:SS or "
-                         "D-HH:MM:SS (e.g. 30, 04:00:00, 2-00:00:00)")
-    days, a, b, c = (int(g) if g else None for g in m.groups())
-    if days is not None:  # D-H, D-H:M, D-H:M:S
-        return days * 86400 + (a or 0) * 3600 + (b or 0) * 60 + (c or 0)
-    if c is not None:  # H:M:S
-        return (a or 0) * 3600 + (b or 0) * 60 + c
-    return (a or 0) * 60 + (b or 0)  # M or M:S
-
 
 def _single_line(name: str, value: str) -> None:
     if any(ord(ch) < 32 or ord(ch) == 127 for ch in value):
@@ -91,10 +73,9 @@ class SbatchRequest:
     """A site template's own variables (from the profile)."""
 
     @classmethod
-    def from_settings(cls, res: Resolved, *, job_name: str, nodes: int, gpus: int,
-                      run_dir: Path) -> SbatchRequest:
-        """The request a profile (merged with the files and options) describes."""
-        v = res.values
+    def from_settings(cls, v: Mapping[str, Any], template_dirs: Sequence[Path | str], *,
+                      job_name: str, nodes: int, gpus: int, run_dir: Path) -> SbatchRequest:
+        """The request that merged settings (a profile, the files, the options) describe."""
         return cls(job_name=job_name, nodes=nodes, gpus_per_node=gpus, time=v["time"],
                    partition=v["partition"], account=v["account"], qos=v["qos"],
                    constraint=v["constraint"], cpus_per_task=v["cpus_per_gpu"] * gpus,
@@ -102,20 +83,20 @@ class SbatchRequest:
                    requeue=v["requeue_policy"] == "requeue", run_dir=run_dir.resolve(),
                    modules=v["modules"], env=v["env"], setup=v["setup"],
                    container=v["container"], python=v["python"], template=v["template"],
-                   template_dirs=[str(d) for d in res.template_dirs], vars=v["vars"])
+                   template_dirs=[str(d) for d in template_dirs], vars=v["vars"])
 
     def validate(self) -> None:
         for name in ("job_name", "time", "partition", "account", "qos", "constraint", "mem"):
             _single_line(name, getattr(self, name))
         _single_line("run_dir", str(self.run_dir))
+        if self.mem:
+            parse_mem(self.mem)
         limit = parse_time(self.time)
         if self.signal_lead_s >= limit:
             raise ValueError(f"the notice lead time ({self.signal_lead_s} s) is not shorter than the "
                              f"time limit --time {self.time} ({limit} s); lower --signal-lead or "
                              "raise --time")
-        name = self.signal if self.signal.startswith("SIG") else f"SIG{self.signal}"
-        if not hasattr(signal.Signals, name):
-            raise ValueError(f"signal {self.signal!r} is not a signal name; use e.g. USR2")
+        signal_name(self.signal)
         for key in self.env:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise ValueError(f"environment variable name {key!r} is not valid")
@@ -133,6 +114,8 @@ def search_path(template_dirs: list[str] | list[Path]) -> list[Path]:
 def environment(template_dirs: list[str] | list[Path] | None = None) -> jinja2.Environment:
     """Templates from the site directories first, then the built-in ones; `builtin/NAME`
     is always the built-in one (a site's own sbatch.j2 extends "builtin/sbatch.j2")."""
+    import jinja2
+
     loader = jinja2.ChoiceLoader([
         jinja2.FileSystemLoader([str(d) for d in search_path(template_dirs or [])]),
         jinja2.PrefixLoader({"builtin": jinja2.FileSystemLoader(str(BUILTIN_TEMPLATES))}),
@@ -161,6 +144,9 @@ def load_template(env: jinja2.Environment, name: str) -> tuple[jinja2.Template, 
     """The template, and every variable it (or a template it extends or includes) reads.
     ValueError for a missing template (naming the search path) or a syntax error (file
     and line)."""
+    import jinja2
+    import jinja2.meta
+
     used: set[str] = set()
     pending, done = [name], set()
     dirs = ", ".join(str(d) for d in env.loader.loaders[0].searchpath)  # type: ignore[union-attr]
@@ -188,15 +174,23 @@ def load_template(env: jinja2.Environment, name: str) -> tuple[jinja2.Template, 
                          f"{err.message}") from None
 
 
-def site_settings() -> dict[str, Any]:
-    from hpcshard.site import SETTINGS
+DERIVED = ("directives", "stdout", "stderr", "task_stdout", "task_stderr", "submitit_folder",
+           "command")
+"""What a template receives besides the request's fields and the profile's own vars."""
 
-    return SETTINGS
+
+def received_names() -> set[str]:
+    """Every name a template receives from hpcshard (a profile's vars must not shadow one)."""
+    return {f.name for f in fields(SbatchRequest)} | set(DERIVED)
 
 
-def render(req: SbatchRequest, command: str, folder: Path) -> str:
+def render(req: SbatchRequest, command: str, folder: Path, settings: Collection[str] = ()) -> str:
     """The sbatch text. `command` and `folder` are submitit's: the srun line runs
-    `submitit.core._submit` in every task, which calls hpcshard's per-node launcher."""
+    `submitit.core._submit` in every task, which calls hpcshard's per-node launcher.
+    `settings`: the names of the site settings, for a clearer error when a template uses
+    one that templates do not receive."""
+    import jinja2
+
     req.validate()
     container = {"runtime": "", "image": "", "mounts": [], "workdir": "", "options": [],
                  **req.container}
@@ -212,7 +206,7 @@ def render(req: SbatchRequest, command: str, folder: Path) -> str:
     env = environment(req.template_dirs)
     template, used = load_template(env, req.template)
     missing = sorted(used - set(values) - set(env.globals))
-    settings_only = [m for m in missing if m in site_settings()]
+    settings_only = [m for m in missing if m in settings]
     if settings_only:
         raise ValueError(f"template {req.template!r} ({template.filename}) uses "
                          f"{', '.join(map(repr, settings_only))}: a setting, but not one a template "

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from hpcshard.cliutil import table, user_errors
+from hpcshard.cli.common import table, user_errors
 from hpcshard.config import PRECISIONS, SHARDING_MODES, parse_sets
 
 UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}

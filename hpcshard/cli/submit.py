@@ -1,10 +1,15 @@
-"""The `hpcshard` command. Runs on login nodes and laptops: click, jinja2 and the stdlib
-only, never torch at import (a test enforces it), so `hpcshard --help` is instant."""
+"""`hpcshard submit`, `render` and `resume`: build the request (settings, run directory,
+RunSpec, sbatch text), check it, then hand it over (submitit on Slurm, the local
+launcher otherwise). The job itself is checked in a subprocess (`runtime.preflight`):
+this process never imports torch."""
 
 from __future__ import annotations
 
+import json
+import os
 import shlex
 import shutil
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -13,12 +18,15 @@ from typing import Any, NoReturn
 
 import click
 
-from hpcshard import __version__, checkpoints, doctor, ops, plancmd, script, site, sitecmd
-from hpcshard.cliutil import fail, user_errors
+from hpcshard import script, site
+from hpcshard.cli.common import fail, finished, follow_log, user_errors
 from hpcshard.config import parse_sets
-from hpcshard.launch.slurm import POLICIES
-from hpcshard.ledger import REQUEUE_EXIT, next_attempt
-from hpcshard.runs import (
+from hpcshard.rundir import store
+from hpcshard.rundir.ledger import next_attempt
+from hpcshard.rundir.metrics import METRICS, last_record
+from hpcshard.rundir.rankenv import REQUEUE_EXIT
+from hpcshard.rundir.spec import (
+    POLICIES,
     RunSpec,
     check_resume,
     check_run_dir,
@@ -26,29 +34,19 @@ from hpcshard.runs import (
     default_run_dir,
     job_ref,
     job_stem,
-    last_record,
-    preflight,
     probe_writable,
     read_spec,
 )
-from hpcshard.sbatch import SbatchRequest, render
-
-BACKENDS = site.BACKENDS
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="hpcshard")
-def main() -> None:
-    """Train FSDP2/HSDP jobs on many GPU nodes, and keep them alive there."""
+from hpcshard.slurm.sbatch import SbatchRequest, render
 
 
 def pick_backend(backend: str) -> str:
     """`auto`: Slurm when its commands are here and a controller answers, else local."""
     if backend != "auto":
         return backend
-    from hpcshard import slurm
+    from hpcshard.slurm import cluster
 
-    return "slurm" if slurm.available() else "local"
+    return "slurm" if cluster.available() else "local"
 
 
 def slurm_options(f: Callable[..., Any]) -> Callable[..., Any]:
@@ -130,11 +128,11 @@ RESUME = click.option("--resume", "resume", default="auto", show_default=True,
                       "run, or a checkpoint directory of another run.")
 
 
-@main.command()
+@click.command()
 @click.argument("job", required=False)
 @script_options
 @_shape_options(None)
-@click.option("--backend", type=click.Choice(BACKENDS),
+@click.option("--backend", type=click.Choice(site.BACKENDS),
               help="local: N emulated nodes on this machine [default: the profile's, else auto: "
               "Slurm when a controller answers].")
 @click.option("--run-dir", type=click.Path(path_type=Path),
@@ -161,7 +159,7 @@ def submit(job: str | None, nodes: int | None, run_dir: Path | None, name: str |
     _launch(spec, run_dir, resume)
 
 
-@main.command("render")
+@click.command("render")
 @click.argument("job", required=False)
 @script_options
 @_shape_options(None)
@@ -176,13 +174,13 @@ def render_cmd(job: str | None, nodes: int | None, run_dir: Path | None, name: s
                args: tuple[str, ...], **opts: Any) -> None:
     """Print the sbatch script that `submit --backend slurm` would submit (nothing runs,
     nothing is imported: it is instant)."""
-    from hpcshard import slurm
+    from hpcshard.slurm.submit import sbatch_text
 
     spec, run_dir, req = _prepare(job, nodes or 1, run_dir, name, "auto", sets, profile,
                                   {**opts, "backend": "slurm"}, check_cluster=False,
                                   check_job=check, module=module, args=args)
     assert req is not None
-    click.echo(slurm.sbatch_text(req, run_dir.resolve()), nl=False)
+    click.echo(sbatch_text(req, run_dir.resolve()), nl=False)
 
 
 def _target(job: str | None, module: str | None, args: tuple[str, ...],
@@ -234,17 +232,18 @@ def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None
                        profile=res.profile, script=own)
         req = None
         if spec.backend == "slurm":
-            req = SbatchRequest.from_settings(res, job_name=spec.name, nodes=spec.nodes,
-                                              gpus=spec.gpus, run_dir=run_dir)
-            render(req, "true", run_dir / "submitit")  # the template, before anything is made
+            req = SbatchRequest.from_settings(v, res.template_dirs, job_name=spec.name,
+                                              nodes=spec.nodes, gpus=spec.gpus, run_dir=run_dir)
+            # the template, before anything is made
+            render(req, "true", run_dir / "submitit", site.SETTINGS)
             if own and own["grace"] >= req.signal_lead_s:
                 raise ValueError(f"--grace {own['grace']} is not below the notice's lead time "
                                  f"({req.signal_lead_s}s): the time limit would kill the script "
                                  "first; lower --grace or raise --signal-lead")
             if check_cluster:
-                from hpcshard import slurm
+                from hpcshard.slurm import cluster
 
-                slurm.check_request(req)
+                cluster.check_request(req)
                 _warn_storage(run_dir, nodes)
         if check_job and not own:
             spec.resolved = preflight(spec)
@@ -261,14 +260,14 @@ def _warn_storage(run_dir: Path, nodes: int) -> None:
 def _submit_slurm(spec: RunSpec, run_dir: Path, req: SbatchRequest, resume: str,
                   follow: bool, fresh: bool = False) -> NoReturn:
     """Submit; if sbatch refuses, a run directory made for this submission goes again."""
-    from hpcshard import slurm
     from hpcshard.launch.slurm import node_main
+    from hpcshard.slurm.submit import submit
 
     _warn_lead_time(run_dir, req)
     spec.slurm = {**asdict(req), "run_dir": str(req.run_dir)}
     spec.write(run_dir)
     try:
-        job_id = slurm.submit(req, run_dir.resolve(), node_main, str(run_dir.resolve()), spec.gpus,
+        job_id = submit(req, run_dir.resolve(), node_main, str(run_dir.resolve()), spec.gpus,
                               next_attempt(run_dir), spec.max_requeues, resume,
                               "requeue" if req.requeue else spec.requeue_policy)
     except ValueError as err:
@@ -289,7 +288,7 @@ def _submit_slurm(spec: RunSpec, run_dir: Path, req: SbatchRequest, resume: str,
 
 def _warn_lead_time(run_dir: Path, req: SbatchRequest) -> None:
     """The notice must leave time to save: compare with the last save this run measured."""
-    last = checkpoints.committed(run_dir / checkpoints.CHECKPOINTS)
+    last = store.committed(run_dir / store.CHECKPOINTS)
     seconds = last[-1].manifest.get("save_seconds", 0) if last else 0
     if seconds and req.signal_lead_s < seconds * 1.5:
         click.echo(f"warning: --signal-lead {req.signal_lead_s}s is short: the last checkpoint of "
@@ -298,20 +297,20 @@ def _warn_lead_time(run_dir: Path, req: SbatchRequest) -> None:
 
 def _follow(run_dir: Path, job_id: str) -> int:
     """Print rank 0's log as it grows until Slurm says the job is over (requeues included)."""
-    from hpcshard import slurm
+    from hpcshard.slurm import cluster
 
     final: dict[str, str] = {}
 
     def over() -> bool:
-        final.update(slurm.job_state(job_id) or {"JobState": ""})
-        return final["JobState"] in ops.FINAL_STATES or not final["JobState"]
+        final.update(cluster.job_state(job_id) or {"JobState": ""})
+        return final["JobState"] in cluster.FINAL_STATES or not final["JobState"]
 
-    ops.follow_log(run_dir / "logs" / "rank-0.log", over)
+    follow_log(run_dir / "logs" / "rank-0.log", over)
     click.echo(f"job {job_id}: {final['JobState'] or 'no longer known to Slurm'}")
     return 0 if final["JobState"] == "COMPLETED" else 1
 
 
-@main.command()
+@click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @_shape_options(None)
 @RESUME
@@ -321,7 +320,7 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, resume: str,
     """Continue the run in RUN_DIR from its newest checkpoint, on any shape."""
     with user_errors():
         spec = read_spec(run_dir)
-        if not ops.finished(spec, run_dir):
+        if not finished(spec, run_dir):
             raise ValueError(f"{run_dir} is still running; stop it first (hpcshard preempt "
                              f"{run_dir} saves and stops; hpcshard cancel stops now)")
         probe_writable(run_dir)
@@ -330,14 +329,14 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, resume: str,
         spec.sets = {**spec.sets, **parse_sets(sets)}
         req = None
         if spec.backend == "slurm":  # the same sbatch settings, on the (new) shape
-            from hpcshard import slurm
+            from hpcshard.slurm import cluster
 
             old = spec.slurm
             per_gpu = old.get("cpus_per_task", 0) // max(1, old.get("gpus_per_node", 1))
             req = SbatchRequest(**{**old, "nodes": spec.nodes, "gpus_per_node": spec.gpus,
                                    "cpus_per_task": per_gpu * spec.gpus, "run_dir": run_dir.resolve()})
-            render(req, "true", run_dir / "submitit")
-            slurm.check_request(req)
+            render(req, "true", run_dir / "submitit", site.SETTINGS)
+            cluster.check_request(req)
         if not spec.script:
             spec.resolved = preflight(spec)
     if req is not None:
@@ -381,15 +380,20 @@ def _report(run_dir: Path, code: int) -> None:
     if code == REQUEUE_EXIT:
         click.echo(f"stopped with a committed checkpoint; continue with: hpcshard resume {run_dir}")
         return
-    metrics = run_dir / "metrics.jsonl"  # a script writes none
+    metrics = run_dir / METRICS  # a script writes none
     click.echo(f"{'finished' if code == 0 else f'failed (exit {code})'}: "
                + (f"metrics in {metrics}, " if metrics.exists() else "") + f"logs in {run_dir / 'logs'}")
 
 
-for command in (ops.preempt, ops.status, ops.logs, ops.cancel, ops.ls, ops.plot, ops.ckpt,
-                sitecmd.config, sitecmd.profiles, sitecmd.templates, doctor.doctor, plancmd.plan):
-    main.add_command(command)
-
-
-if __name__ == "__main__":
-    main()
+def preflight(spec: RunSpec) -> dict[str, Any]:
+    """Import the job and check it in a subprocess (torch stays out of the CLI process)."""
+    request = {"job": spec.job, "sets": spec.sets, "nodes": spec.nodes, "gpus": spec.gpus}
+    proc = subprocess.run([sys.executable, "-m", "hpcshard.runtime.preflight"],
+                          input=json.dumps(request), capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if proc.returncode == 2:
+        raise ValueError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
+                         else "the job failed its preflight check")
+    if proc.returncode:
+        raise RuntimeError(f"preflight of {spec.job} crashed:\n{proc.stderr}")
+    return dict(json.loads(proc.stdout))

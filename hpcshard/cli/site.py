@@ -7,8 +7,9 @@ from pathlib import Path
 
 import click
 
-from hpcshard import sbatch, site
-from hpcshard.cliutil import table, user_errors
+from hpcshard import site
+from hpcshard.cli.common import table, user_errors
+from hpcshard.slurm import sbatch
 
 PROFILE = click.option("--profile", help="Site profile [default: the configuration's `profile`].")
 

@@ -1,0 +1,65 @@
+"""The `hpcshard` command: a lazy click group. Runs on login nodes and laptops.
+
+`hpcshard --help` imports click and this module only; each command's module (and what it
+needs: jinja2, submitit, the Slurm queries, torch in a subprocess) is imported when that
+command runs. Nothing imports `hpcshard.cli`; a test holds `import hpcshard.cli` to
+click and the stdlib.
+
+    submit   submit, render, resume        runs    status, logs, ls, plot, cancel, preempt
+    ckpt     ckpt list, ckpt export        site    config, profiles, templates
+    doctor   doctor                        plan    plan
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import click
+
+from hpcshard import __version__
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "submit": ("submit:submit", "Run a job or any torchrun script on NODES x GPUS ranks."),
+    "render": ("submit:render_cmd", "Print the sbatch script that submit would submit."),
+    "resume": ("submit:resume", "Continue a run from its newest checkpoint, on any shape."),
+    "status": ("runs:status", "Slurm state, training progress and attempts of a run."),
+    "logs": ("runs:logs", "Print a rank's log of a run."),
+    "ls": ("runs:ls", "Recent runs, newest first."),
+    "plot": ("runs:plot", "Loss and tokens/s over steps as a PNG."),
+    "preempt": ("runs:preempt", "Send a run the preemption notice (a clean stop)."),
+    "cancel": ("runs:cancel", "Stop a run now, without a checkpoint."),
+    "ckpt": ("ckpt:ckpt", "Inspect and export checkpoints."),
+    "config": ("site:config", "The merged configuration and where each value came from."),
+    "profiles": ("site:profiles", "The profiles the site, user and project files define."),
+    "templates": ("site:templates", "sbatch templates on the search path."),
+    "doctor": ("doctor:doctor", "Check that this site and a profile can run jobs."),
+    "plan": ("plan:plan", "Will it fit? Per-GPU memory for each sharding mode."),
+}
+"""name -> (module:attribute under hpcshard.cli, the one line `--help` shows)."""
+
+
+class LazyGroup(click.Group):
+    """click's lazily loading group (click docs, "Lazily Loading Subcommands"), with the
+    listing's one-line help kept here so that `--help` imports no command module."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        if cmd_name not in COMMANDS:
+            return None
+        module, attr = COMMANDS[cmd_name][0].split(":")
+        command = getattr(importlib.import_module(f"hpcshard.cli.{module}"), attr)
+        assert isinstance(command, click.Command), f"{module}:{attr} is not a click command"
+        return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="hpcshard")
+def main() -> None:
+    """Train FSDP2/HSDP jobs on many GPU nodes, and keep them alive there."""

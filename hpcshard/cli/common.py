@@ -1,0 +1,127 @@
+"""What the command modules share: errors that exit 2, finding a run, following a log,
+tables (login node: click and the stdlib)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import click
+
+from hpcshard.rundir.pids import launchers
+from hpcshard.rundir.spec import RunSpec, read_spec
+
+
+class UserError(click.ClickException):
+    """Bad input: one line, exit code 2, nothing started."""
+
+    exit_code = 2
+
+
+def fail(err: Exception) -> NoReturn:
+    raise UserError(str(err)) from None
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Bad input (ValueError) is one line and exit 2; a job whose own code crashed in the
+    preflight (RuntimeError, with its traceback) exits 1."""
+    try:
+        yield
+    except ValueError as err:
+        fail(err)
+    except RuntimeError as err:
+        click.echo(str(err), err=True)
+        sys.exit(1)
+
+
+def run_dir_of(target: str) -> Path:
+    """A run directory as given, or the one a Slurm job id writes its log into."""
+    path = Path(target)
+    if path.is_dir() or not target.isdigit():
+        return path
+    from hpcshard.slurm import cluster
+
+    out = cluster.job_state(target).get("StdOut", "")
+    if not out:
+        raise ValueError(f"Slurm does not know job {target}; give the run directory instead")
+    return Path(out).parent.parent  # RUN_DIR/logs/slurm-%j.out
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Columns as wide as their widest cell; the last column runs free."""
+    widths = [max(len(str(r[i])) for r in [headers, *rows]) for i in range(len(headers) - 1)]
+    for row in [headers, *rows]:
+        cells = [f"{str(c):<{w}}" for c, w in zip(row, widths, strict=False)]
+        click.echo("  ".join([*cells, str(row[-1])]).rstrip())
+
+
+def spec_of(target: str) -> tuple[Path, RunSpec]:
+    """The run a command names (RUN_DIR or a Slurm job id), or a one-line error."""
+    try:
+        run_dir = run_dir_of(target)
+        return run_dir, read_spec(run_dir)
+    except ValueError as err:
+        fail(err)
+
+
+def read_run(run_dir: Path) -> RunSpec:
+    """The run in RUN_DIR, or a one-line error (exit 2) when it holds none."""
+    try:
+        return read_spec(run_dir)
+    except ValueError as err:
+        fail(err)
+
+
+def slurm_state(spec: RunSpec) -> dict[str, str] | None:
+    """What Slurm says of the run's newest job; None for a local run."""
+    if spec.backend != "slurm" or not spec.jobs:
+        return None
+    from hpcshard.slurm import cluster
+
+    return cluster.job_state(spec.jobs[-1])
+
+
+def finished(spec: RunSpec, run_dir: Path) -> bool:
+    """Nothing of this run is running: its Slurm job is over, or no local launcher lives."""
+    state = slurm_state(spec)
+    if state is not None:
+        from hpcshard.slurm.cluster import FINAL_STATES
+
+        return state.get("JobState", "") in FINAL_STATES or not state
+    return not launchers(run_dir)
+
+
+def follow_log(log: Path, done: Callable[[], bool], interval: float = 1.0) -> None:
+    """Print `log` as it grows until `done()` is true (then print what is left)."""
+    pos = 0
+    while True:
+        over = done()
+        if log.exists():
+            with log.open() as f:
+                f.seek(pos)
+                chunk = f.read()
+                pos = f.tell()
+            if chunk:
+                click.echo(chunk, nl=False)
+        if over:
+            return
+        time.sleep(interval)
+
+
+class FiniteFloat(click.FloatRange):
+    """click's FloatRange, without nan and inf (a range check lets nan through: every
+    comparison with it is false)."""
+
+    name = "finite float"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = float(super().convert(value, param, ctx))
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return number

@@ -1,0 +1,165 @@
+"""Operating runs: status, logs, ls, plot, preempt, cancel (login node: click and the
+stdlib; Slurm through `hpcshard.slurm`, matplotlib only inside `plot`)."""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import asdict
+from pathlib import Path
+
+import click
+
+from hpcshard.cli.common import fail, finished, follow_log, read_run, slurm_state, spec_of
+from hpcshard.rundir import store
+from hpcshard.rundir.metrics import read_metrics, train_records
+from hpcshard.rundir.pids import signal_launchers
+from hpcshard.rundir.rankenv import short_name, signal_name
+from hpcshard.rundir.spec import RunSpec
+from hpcshard.rundir.status import attempts, report
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--signal", "signame",
+              help="The notice to send [default: the run's (its profile's `signal`), else USR2].")
+def preempt(run_dir: Path, signame: str | None) -> None:
+    """Send a preemption notice to the run in RUN_DIR, as Slurm would.
+
+    The ranks agree to stop at the next step boundary, commit a checkpoint and exit;
+    the run is then requeued and resumes where it stopped.
+    """
+    spec = read_run(run_dir)
+    try:
+        name = signal_name(signame or spec.slurm.get("signal", "USR2"))
+    except ValueError as err:
+        fail(err)
+    if spec.backend == "slurm" and spec.jobs:
+        # The launchers run on compute nodes: their pids mean nothing here. Slurm delivers
+        # the signal to every process of the job's steps, as its own notice does.
+        _scancel("--signal", short_name(name), spec.jobs[-1])
+        click.echo(f"sent {name} to Slurm job {spec.jobs[-1]} ({run_dir})")
+        return
+    sent = signal_launchers(run_dir, getattr(signal, name))
+    if not sent:
+        fail(ValueError(f"no running launcher in {run_dir} (nothing to preempt); "
+                        "is the run still going?"))
+    click.echo(f"sent {name} to {sent} node launcher(s) of {run_dir}")
+
+
+def _scancel(*args: str) -> None:
+    from hpcshard.slurm import cluster
+
+    try:
+        cluster.scancel(*args)
+    except ValueError as err:
+        fail(err)
+
+
+@click.command()
+@click.argument("target")
+def status(target: str) -> None:
+    """Slurm state and training progress of a run (RUN_DIR, or a Slurm JOB id)."""
+    run_dir, spec = spec_of(target)
+    for line in report(run_dir, asdict(spec), slurm_state(spec)):
+        click.echo(line)
+
+
+@click.command()
+@click.argument("target")
+@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("-f", "--follow", is_flag=True, help="Keep printing until the run ends.")
+def logs(target: str, rank: int, follow: bool) -> None:
+    """Print a rank's log of a run (RUN_DIR or Slurm JOB id)."""
+    run_dir, spec = spec_of(target)
+    log = run_dir / "logs" / f"rank-{rank}.log"
+    if not log.exists() and not follow:
+        ranks = sorted(p.stem for p in (run_dir / "logs").glob("rank-*.log"))
+        fail(ValueError(f"no log for rank {rank} in {run_dir / 'logs'}; there are: "
+                        f"{', '.join(ranks) or 'none yet'}"))
+    follow_log(log, (lambda: True) if not follow else (lambda: finished(spec, run_dir)))
+
+
+@click.command()
+@click.argument("target")
+def cancel(target: str) -> None:
+    """Stop a run now, without a checkpoint (see `preempt` for a clean stop)."""
+    run_dir, spec = spec_of(target)
+    if spec.backend == "slurm" and spec.jobs:
+        _scancel(spec.jobs[-1])
+        click.echo(f"cancelled Slurm job {spec.jobs[-1]} ({run_dir})")
+        return
+    sent = signal_launchers(run_dir, signal.SIGTERM)
+    if not sent:
+        fail(ValueError(f"no running launcher in {run_dir}; nothing to cancel"))
+    click.echo(f"cancelled {sent} node launcher(s) of {run_dir}")
+
+
+@click.command("ls")
+@click.argument("root", type=click.Path(path_type=Path), required=False)
+@click.option("-n", "limit", type=click.IntRange(min=1), default=20, show_default=True)
+@click.option("--profile", help="List the storage root of this profile [default: the configured one].")
+def ls(root: Path | None, limit: int, profile: str | None) -> None:
+    """Recent runs under ROOT (default: the profile's storage_root, else ./runs), newest first."""
+    if root is None:
+        from hpcshard import site
+
+        try:
+            root = site.storage_root(site.resolve(site.load(), profile))
+        except ValueError as err:
+            fail(err)
+    runs = sorted((p.parent for p in root.glob("*/spec.json")), key=lambda p: p.stat().st_mtime,
+                  reverse=True)[:limit]
+    if not runs:
+        click.echo(f"no runs under {root}")
+        return
+    click.echo(f"{'run':<32} {'backend':<7} {'shape':>5} {'step':>11} {'loss':>7} {'state':<9} age")
+    for run_dir in runs:
+        spec = RunSpec.read(run_dir)
+        total = spec.resolved.get("config", {}).get("steps", "?")
+        train = train_records(read_metrics(run_dir))
+        rows = attempts(run_dir)
+        state = rows[-1].reason if rows else "new"
+        step = f"{train[-1]['step'] if train else 0}/{total}"
+        loss = f"{train[-1]['loss']:.3f}" if train else "-"
+        click.echo(f"{run_dir.name:<32} {spec.backend:<7} {f'{spec.nodes}x{spec.gpus}':>5} {step:>11} "
+                   f"{loss:>7} {state:<9} {store.age(spec.created)}")
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(path_type=Path))
+@click.option("--out", type=click.Path(path_type=Path), help="PNG to write [default: RUN_DIR/plot.png].")
+def plot(run_dir: Path, out: Path | None) -> None:
+    """Loss and tokens/s over steps, with attempt boundaries marked, as a PNG."""
+
+    read_run(run_dir)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        fail(ValueError("plot needs matplotlib: pip install 'hpcshard[plot]'"))
+    records = read_metrics(run_dir)
+    train = train_records(records)
+    if not train:
+        fail(ValueError(f"{run_dir} has no training metrics yet"))
+    evals = [r for r in records if r.get("eval_loss") is not None and "event" not in r]
+    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
+    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    if evals:
+        ax1.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
+    ax2.plot([r["step"] for r in train], [r.get("tokens_per_s") or 0 for r in train], color="tab:green")
+    for a in attempts(run_dir)[1:]:  # where each requeued attempt picked up
+        for ax in (ax1, ax2):
+            ax.axvline(a.loaded or 0, color="tab:red", linestyle="--", linewidth=1)
+        ax1.annotate(f"attempt {a.number}", (a.loaded or 0, ax1.get_ylim()[1]), fontsize=8,
+                     color="tab:red", va="top")
+    ax1.set_ylabel("loss (nats/token)")
+    ax1.legend()
+    ax2.set_ylabel("tokens/s")
+    ax2.set_xlabel("step")
+    ax1.set_title(f"{run_dir.name}")
+    fig.tight_layout()
+    target = out or run_dir / "plot.png"
+    fig.savefig(target, dpi=110)
+    click.echo(f"wrote {target}")

@@ -1,0 +1,99 @@
+"""What a launcher tells its ranks: every HPCSHARD_* variable of a rank, as one object
+(as `slurm.env.SlurmEnv` is for SLURM_*), the notice signal's names, and the exit code
+that means "requeue me". Stdlib: read by the rank entry point before torch loads.
+
+A node's place in the job (HPCSHARD_NODE_RANK, ..., between the local backend and the
+node launcher) is `launch.node.NodeEnv`'s; everything a rank reads is here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+REQUEUE_EXIT = 75
+"""Exit code meaning "stopped cleanly on request, checkpoint committed: requeue me"
+(EX_TEMPFAIL in sysexits.h: a temporary failure, try again later). The runtime's ranks,
+own scripts (`hpcshard.preemption.REQUEUE`) and the launchers all use this one."""
+
+STOP_SIGNALS = ("USR1", "USR2")
+"""What a profile may use as the notice. torchrun takes TERM, INT, HUP and QUIT for
+itself (it tears the ranks down on them, mid-save). NCCL may catch USR1, so USR2 is the
+default."""
+SCRIPT_SIGNALS = ("TERM", "INT", "HUP", "USR1", "USR2", "none")
+"""What a script may be sent on a notice; none: nothing, the launcher stops it after
+the grace period."""
+DEFAULT_NOTICE = "SIGUSR2"
+
+ENV_DOC = {
+    "HPCSHARD_RUN_DIR": "the run directory (spec, logs, attempts ledger)",
+    "HPCSHARD_CHECKPOINT_DIR": "RUN_DIR/checkpoints: save here, resume from here",
+    "HPCSHARD_ATTEMPT": "0 for the first attempt, +1 for each requeue or `hpcshard resume`",
+    "HPCSHARD_RESTART_COUNT": "requeues of this submission (Slurm's SLURM_RESTART_COUNT)",
+    "HPCSHARD_DEADLINE": "Unix time at which the job's time limit ends (unset without a limit)",
+    "HPCSHARD_NOTICE_SIGNAL": "the signal the script gets when the job must stop (e.g. SIGTERM)",
+}
+"""The variables a script may read (the README's table is checked against this)."""
+
+
+def signal_name(text: str) -> str:
+    """usr2, USR2, SIGUSR2 -> "SIGUSR2"; ValueError for a name Python does not know."""
+    name = text.strip().upper()
+    name = name if name.startswith("SIG") else f"SIG{name}"
+    if not hasattr(signal.Signals, name):
+        raise ValueError(f"signal {text!r} is not a signal name; use e.g. USR2")
+    return name
+
+
+def short_name(text: str) -> str:
+    """SIGUSR2, usr2 -> "USR2": the spelling of Slurm's --signal and scancel."""
+    return signal_name(text).removeprefix("SIG")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankEnv:
+    """The HPCSHARD_* variables a launcher sets for its node's ranks."""
+
+    attempt: int = 0
+    """HPCSHARD_ATTEMPT: 0 for the first attempt, +1 for each requeue or resume."""
+    resume: str = "auto"
+    """HPCSHARD_RESUME: auto | never | STEP | PATH (requeued attempts always auto)."""
+    restart_count: int = 0
+    """HPCSHARD_RESTART_COUNT: requeues of this submission."""
+    notice: str = DEFAULT_NOTICE
+    """HPCSHARD_STOP_SIGNAL: the launcher's notice, which the ranks listen for."""
+    deadline: float | None = None
+    """HPCSHARD_DEADLINE: Unix time at which the time limit ends; None: no limit known."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> RankEnv:
+        env = os.environ if environ is None else environ
+        deadline = env.get("HPCSHARD_DEADLINE")
+        return cls(attempt=int(env.get("HPCSHARD_ATTEMPT", "0")),
+                   resume=env.get("HPCSHARD_RESUME", "auto"),
+                   restart_count=int(env.get("HPCSHARD_RESTART_COUNT", "0")),
+                   notice=signal_name(env.get("HPCSHARD_STOP_SIGNAL", DEFAULT_NOTICE)),
+                   deadline=float(deadline) if deadline else None)
+
+    def to_environ(self) -> dict[str, str]:
+        env = {"HPCSHARD_ATTEMPT": str(self.attempt), "HPCSHARD_RESUME": self.resume,
+               "HPCSHARD_RESTART_COUNT": str(self.restart_count),
+               "HPCSHARD_STOP_SIGNAL": signal_name(self.notice)}
+        if self.deadline is not None:
+            env["HPCSHARD_DEADLINE"] = str(int(self.deadline))
+        return env
+
+    @property
+    def notice_signal(self) -> signal.Signals:
+        return signal.Signals[self.notice]
+
+
+def script_environ(run_dir: Path, attempt: int, script_signal: str) -> dict[str, str]:
+    """The variables a script (not an hpcshard job) reads on top of torchrun's: ENV_DOC."""
+    return {"HPCSHARD_RUN_DIR": str(run_dir),
+            "HPCSHARD_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
+            "HPCSHARD_ATTEMPT": str(attempt),
+            "HPCSHARD_NOTICE_SIGNAL": "" if script_signal == "none" else signal_name(script_signal)}

@@ -1,0 +1,347 @@
+"""DCP checkpoints of a training run with an atomic commit, async saves, and resume that
+falls back.
+
+Save: rank 0 clears a stale `step-N.tmp`; every rank writes its shards into it with
+`dcp.save` (replicated HSDP shards are written once, by one replica); rank 0 then writes
+the manifest, renames the directory into place, fsyncs, moves `latest` and retires old
+checkpoints. Nothing is ever saved into an existing directory: a crash mid-save into a
+complete checkpoint can leave new data under old metadata that loads silently.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from hpcshard.config import TrainConfig
+from hpcshard.rundir import store
+from hpcshard.runtime.checkpoint.io import HandOffStager, PrivateWriter, fast_writes, one_line
+from hpcshard.runtime.checkpoint.state import (
+    TrainState,
+    config_hash,
+    rng_state,
+    set_rng_state,
+    tensors,
+)
+from hpcshard.runtime.device import DistEnv
+
+log = logging.getLogger("hpcshard")
+
+
+@dataclass
+class Loaded:
+    """What a resume found, for the log and the attempts ledger."""
+
+    step: int
+    path: str
+    skipped: list[tuple[str, str]]
+    world_changed: bool
+
+
+@dataclass
+class TrainParts:
+    """What a checkpoint saves and restores besides the step: the Checkpointer is given
+    these, not the trainer. `batches` is the data position (state_dict/load_state_dict)."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    batches: Any
+    scaler: Any = None
+    """A grad scaler (fp16) or None."""
+    layout: dict[str, Any] | None = None
+    """How the state is sharded (mesh shape, sharding mode), for the manifest."""
+
+
+class Checkpointer:
+    """Saves and loads one run's full state under RUN_DIR/checkpoints."""
+
+    def __init__(self, parts: TrainParts, env: DistEnv, cfg: TrainConfig, run_dir: Path) -> None:
+        self.parts, self.env, self.cfg = parts, env, cfg
+        self.root = run_dir / store.CHECKPOINTS
+        # Async saves run their collectives on a gloo group of their own, so they never
+        # interleave with training's collectives on the default group.
+        self.group = dist.new_group(backend="gloo") if cfg.async_save else None
+        # Async saves copy the state in a background thread too (no pinned or shared
+        # memory: works on CPU): the step only waits for the copy before it changes the
+        # parameters (`staged`), so forward and backward overlap it.
+        self.stager = HandOffStager() if cfg.async_save else None
+        self.staging: Any = None
+        # The state's layout is the same at every save: plan it once (DCP's plan cache; a
+        # changed layout is planned again).
+        self.planner = DefaultSavePlanner(enable_plan_caching=True)
+        fast_writes()
+        self.pending: tuple[Any, int, Path, float, str] | None = None
+        self.last_saved = -1
+        self.last_time = time.monotonic()
+        self.save_seconds: list[float] = []
+        self.last_bytes = 0
+        self.train_state: TrainState | None = None  # built at the first save
+
+    # -- what is saved --------------------------------------------------------------
+
+    def _state(self, step: int, fresh: bool = False) -> dict[str, Any]:
+        """What a save writes; `fresh` for a load, which writes into what it is given."""
+        p = self.parts
+        if fresh:
+            model, optim = get_state_dict(p.model, p.optimizer)
+        else:
+            self.train_state = self.train_state or TrainState(p.model, p.optimizer)
+            model, optim = self.train_state(copy_buffers=self.cfg.async_save)
+        progress = {"step": step, "data": p.batches.state_dict(),
+                    "scheduler": p.scheduler.state_dict(), "world": self.env.world}
+        if p.scaler is not None:
+            progress["scaler"] = p.scaler.state_dict()
+        # Per-rank values need per-rank keys: DCP deduplicates equal keys across ranks
+        # and would hand every rank one arbitrary rank's copy.
+        return {"model": model, "optim": optim, "progress": progress,
+                f"rng.rank{self.env.rank}": rng_state(self.env.device)}
+
+    def _apply(self, state: dict[str, Any], saved_world: int) -> None:
+        p = self.parts
+        set_state_dict(p.model, p.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        progress = state["progress"]
+        p.batches.load_state_dict(progress["data"])
+        p.scheduler.load_state_dict(progress["scheduler"])
+        if p.scaler is not None and "scaler" in progress:
+            p.scaler.load_state_dict(progress["scaler"])
+        key = f"rng.rank{self.env.rank}"
+        if key in state and self.env.rank < saved_world:
+            set_rng_state(state[key], self.env.device)
+
+    # -- save -----------------------------------------------------------------------
+
+    def due(self, step: int) -> bool:
+        """Is a periodic save due at this step (steps or wall-time trigger)? Rank-local:
+        the caller agrees on it with every rank before acting."""
+        cfg = self.cfg
+        if cfg.ckpt_every and step % cfg.ckpt_every == 0:
+            return True
+        return bool(cfg.ckpt_minutes) and time.monotonic() - self.last_time >= cfg.ckpt_minutes * 60
+
+    def save(self, step: int, reason: str) -> bool:
+        """Save the state as of `step`. Returns False (state and older checkpoints intact)
+        when the write failed, e.g. with no space left on the device."""
+        self.wait()
+        if step == self.last_saved:
+            return True
+        tmp = self.root / (store.step_name(step) + store.TMP_SUFFIX)
+        writer = PrivateWriter(tmp, self.root, self.env.is_main)
+        start = time.perf_counter()
+        self.last_time = time.monotonic()
+        try:
+            if self.cfg.async_save:
+                response = dcp.async_save(self._state(step), storage_writer=writer, planner=self.planner,
+                                          process_group=self.group, async_stager=self.stager)
+                future = getattr(response, "upload_completion", response)
+                self.staging = getattr(response, "staging_completion", None)
+                assert self.stager is not None
+                self.stager.start()
+                self.pending = (future, step, tmp, start, reason)
+                return True
+            dcp.save(self._state(step), storage_writer=writer, planner=self.planner)
+        except BaseException as err:  # CheckpointException is a BaseException
+            if self.stager is not None:
+                self.stager.drop(err)
+            if isinstance(err, KeyboardInterrupt):
+                raise
+            return self._failed(step, tmp, err)
+        return self._commit(step, tmp, start, reason)
+
+    def staged(self) -> None:
+        """Return once an async save has its own copy of the state (call before the
+        parameters or the optimizer state change)."""
+        if self.staging is not None:
+            staging, self.staging = self.staging, None
+            staging.result()
+
+    def wait(self) -> bool:
+        """Finish an async save: wait for every rank's write, then commit it."""
+        if self.pending is None:
+            return True
+        future, step, tmp, start, reason = self.pending
+        self.pending = None
+        try:
+            self.staged()
+            future.result()
+        except BaseException as err:
+            if isinstance(err, KeyboardInterrupt):
+                raise
+            return self._failed(step, tmp, err)
+        return self._commit(step, tmp, start, reason)
+
+    def _failed(self, step: int, tmp: Path, err: BaseException) -> bool:
+        if self.env.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        # Every rank sees the same failure; on a thousand ranks one line is enough.
+        (log.error if self.env.is_main else log.debug)(
+            "checkpoint at step %d FAILED: %s; training state and earlier checkpoints are "
+            "intact", step, self._describe(err, step))
+        log.debug("checkpoint failure", exc_info=err)
+        return False
+
+    def _describe(self, err: BaseException, step: int) -> str:
+        """One line for a failed save. DCP wraps every rank's traceback into one exception,
+        and torch.save reports a full disk as "unexpected pos N vs M", so the free space is
+        checked against the size of the last checkpoint."""
+        text = one_line(err)
+        need = self.last_bytes or sum(t.numel() * t.element_size() for t in
+                                      tensors(self._state(step))) * self.env.world
+        existing = next(p for p in (self.root, *self.root.parents) if p.exists())
+        free = shutil.disk_usage(existing).free
+        if free < need:
+            return (f"no space left on the device holding {self.root} ({free / 1e6:.1f} MB free, "
+                    f"a checkpoint needs about {need / 1e6:.1f} MB) [{text}]")
+        return text
+
+    def _commit(self, step: int, tmp: Path, start: float, reason: str) -> bool:
+        """Rank 0 makes the checkpoint visible; every rank learns whether that worked."""
+        ok = torch.ones(1, device=self.env.device)
+        if self.env.is_main:
+            try:
+                self._publish(step, tmp, time.perf_counter() - start, reason)
+            except OSError as err:
+                log.error("checkpoint at step %d could not be committed (%s); earlier "
+                          "checkpoints are intact", step, err)
+                shutil.rmtree(tmp, ignore_errors=True)
+                ok.zero_()
+        dist.broadcast(ok, src=0)
+        if ok.item():
+            self.last_saved = step
+        return bool(ok.item())
+
+    def _publish(self, step: int, tmp: Path, seconds: float, reason: str) -> None:
+        env = self.env
+        _, manifest, gone = store.commit(tmp, step, {
+            "world": env.world, "nodes": env.nodes, "per_node": env.per_node,
+            **(self.parts.layout or {}), "config_hash": config_hash(self.cfg),
+            "config": asdict(self.cfg), "torch": torch.__version__, "reason": reason,
+            "save_seconds": round(seconds, 3)}, self.cfg.keep_last, self.cfg.keep_every)
+        self.save_seconds.append(seconds)
+        self.last_bytes = manifest["bytes"]
+        log.info("checkpoint step %d committed (%s, %.1f MB in %.2fs)%s", step, reason,
+                 manifest["bytes"] / 1e6, seconds,
+                 f"; retired {', '.join(p.name for p in gone)}" if gone else "")
+
+    # -- load -----------------------------------------------------------------------
+
+    def resume(self, how: str) -> Loaded | None:
+        """Load the checkpoint `how` names (auto|never|STEP|PATH).
+
+        Rank 0 reads the directory and tells every rank what to load: on a shared
+        filesystem another host's listing can lag behind (NFS attribute caching), and
+        ranks that loaded different steps would train a mix. On auto, a checkpoint that
+        fails to load is skipped for the previous one; damaged ones are renamed aside only
+        once an older one has loaded, and if none loads the job stops with the reason
+        (a changed model, say) instead of silently training from scratch.
+        """
+        skipped: list[tuple[str, str]] = []
+        failed: list[tuple[store.Checkpoint, str]] = []
+        while True:
+            path, passed, error = self._decide(how, frozenset(c.path for c, _ in failed))
+            if error:
+                raise ValueError(error)
+            skipped += passed
+            if path is None:
+                if failed:
+                    ckpt, why = failed[0]
+                    raise ValueError(f"no checkpoint in {self.root} could be loaded; the newest, "
+                                     f"{ckpt.path.name}, failed with: {why}{self._config_note(ckpt)}")
+                self._log_skipped(skipped)
+                if how == "never":
+                    self._supersede(-1)
+                return None
+            chosen = store.inspect(Path(path))
+            store.check_safe(chosen)
+            try:
+                self._load(chosen)
+            except BaseException as err:
+                if isinstance(err, KeyboardInterrupt):
+                    raise
+                why = one_line(err)
+                log.debug("load failure", exc_info=err)
+                if how != "auto":
+                    raise ValueError(f"checkpoint {chosen.path} failed to load: {why}"
+                                     f"{self._config_note(chosen)}") from None
+                failed.append((chosen, why))
+                skipped.append((chosen.path.name, f"failed to load ({why})"))
+                continue
+            self._log_skipped(skipped)
+            # Damaged and newer than what loaded: renamed aside, or they would collide with
+            # the next saves of this timeline.
+            self._quarantine([Path(self.root / name) for name, _ in skipped])
+            if how != "auto":
+                self._supersede(chosen.step)
+            world = int(chosen.manifest.get("world", self.env.world))
+            log.info("resumed from %s (step %d, written by %d ranks as %s)", chosen.path,
+                     chosen.step, world, chosen.manifest.get("mesh"))
+            self.last_saved = chosen.step
+            return Loaded(step=chosen.step, path=str(chosen.path), skipped=skipped,
+                          world_changed=world != self.env.world)
+
+    def _decide(self, how: str, exclude: frozenset[Path],
+                ) -> tuple[str | None, list[tuple[str, str]], str]:
+        """Rank 0 cleans up interrupted saves and picks; every rank gets the same answer."""
+        answer: list[Any] = [None]
+        if self.env.is_main:
+            try:
+                for stale in store.clean_incomplete(self.root):
+                    log.warning("removed incomplete checkpoint %s (a save was interrupted)", stale)
+                chosen, passed = store.select(self.root, how, exclude)
+                answer = [(str(chosen.path) if chosen else None,
+                           [(c.path.name, c.problem) for c in passed], "")]
+            except ValueError as err:
+                answer = [(None, [], str(err))]
+        dist.broadcast_object_list(answer, src=0)
+        path, passed, error = answer[0]
+        return path, list(passed), error
+
+    def _log_skipped(self, skipped: list[tuple[str, str]]) -> None:
+        if self.env.is_main:
+            for name, why in skipped:
+                log.warning("skipped checkpoint %s: %s", name, why)
+
+    def _config_note(self, ckpt: store.Checkpoint) -> str:
+        saved = ckpt.manifest.get("config", {})
+        changed = sorted(k for k, v in asdict(self.cfg).items() if k in saved and saved[k] != v)
+        return f" (config differs from the checkpoint's in: {', '.join(changed)})" if changed else ""
+
+    def _load(self, ckpt: store.Checkpoint) -> None:
+        state = self._state(0, fresh=True)
+        saved_world = int(ckpt.manifest.get("world", self.env.world))
+        if self.env.rank >= saved_world:  # no RNG was saved for this rank
+            state.pop(f"rng.rank{self.env.rank}")
+        dcp.load(state, checkpoint_id=str(ckpt.path))
+        self._apply(state, saved_world)
+
+    def _supersede(self, step: int) -> None:
+        dist.barrier()
+        if self.env.is_main:
+            moved = store.supersede(self.root, step)
+            if moved:
+                log.warning("resuming step %d starts a new timeline: moved the newer "
+                            "checkpoints %s aside into %s/superseded-*", step, ", ".join(moved),
+                            self.root)
+        dist.barrier()
+
+    def _quarantine(self, paths: list[Path]) -> None:
+        """Damaged checkpoints are renamed `.corrupt` (kept for inspection), so that no
+        later attempt trips on them and no new save collides with their names."""
+        dist.barrier()
+        if self.env.is_main:
+            for path in paths:
+                if path.parent == self.root and path.is_dir() and not path.name.endswith(store.TMP_SUFFIX):
+                    os.replace(path, path.with_name(path.name + ".corrupt"))
+        dist.barrier()

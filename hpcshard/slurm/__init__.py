@@ -1,0 +1,9 @@
+"""Every conversation with Slurm, in one package (stdlib; submitit and jinja2 are imported
+only where they are needed):
+
+    time     Slurm's time and memory values, parsed the way Slurm parses them
+    sbatch   the request (SbatchRequest) and its rendering through a jinja2 template
+    cluster  queries and commands: sinfo, scontrol, sacct, scancel, sbatch
+    submit   submission through submitit, with hpcshard's own sbatch text
+    env      SlurmEnv: the one object that reads SLURM_* inside an allocation
+"""

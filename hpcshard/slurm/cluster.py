@@ -1,0 +1,188 @@
+"""Slurm's client commands, each asked in one place: what the cluster offers (sinfo),
+what a job is doing (scontrol, sacct), and what to do to one (sbatch, scancel, scontrol
+requeue). Stdlib: the login node and the launchers inside an allocation both use it.
+Every command may be missing (a container without Slurm's client) or hang (a controller
+that does not answer): callers get None, an empty dict or a ValueError, not a traceback."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass
+
+from hpcshard.slurm.sbatch import SbatchRequest
+from hpcshard.slurm.time import parse_time
+
+FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
+                          "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
+"""Job states after which a job runs no more (a requeued job passes through none)."""
+
+
+def ping(timeout: float = 15) -> tuple[bool, str]:
+    """Does a controller answer `scontrol ping`? (ok, what it said, last line)."""
+    try:
+        proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=timeout)
+    except OSError as err:
+        return False, f"scontrol: {err.strerror}"
+    except subprocess.TimeoutExpired:
+        return False, f"scontrol ping hung for {timeout:g} s"
+    out = (proc.stdout + proc.stderr).strip()
+    return proc.returncode == 0 and "UP" in proc.stdout, out.splitlines()[-1] if out else "no answer"
+
+
+def available() -> bool:
+    """Slurm's client commands are here and a controller answers."""
+    return bool(shutil.which("sbatch")) and ping()[0]
+
+
+@dataclass(frozen=True)
+class Partition:
+    name: str
+    default: bool
+    nodes: int
+    gpus_per_node: int
+    max_time_s: int | None = None
+    """The partition's MaxTime; None: unlimited."""
+
+
+def _limit(text: str) -> int | None:
+    try:
+        return parse_time(text)
+    except ValueError:  # infinite, UNLIMITED, n/a
+        return None
+
+
+def partitions() -> dict[str, Partition]:
+    """From sinfo: partition, node count, and GPUs per node (gres gpu:N)."""
+    if not shutil.which("sinfo"):
+        raise ValueError("Slurm's client commands are not installed here (no sinfo on PATH); "
+                         "submit from a login node, or use --backend local")
+    proc = subprocess.run(["sinfo", "-h", "-o", "%P|%D|%G|%l"], capture_output=True, text=True)
+    if proc.returncode:
+        detail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no output"
+        raise ValueError(f"Slurm does not answer (sinfo: {detail}); check that the controller runs "
+                         "and SLURM_CONF points at its slurm.conf, or use --backend local")
+    out = proc.stdout
+    found: dict[str, Partition] = {}
+    for line in out.splitlines():
+        name, count, gres, limit = line.split("|")
+        gpus = re.search(r"gpu(?::[^:,(]+)?:(\d+)", gres)
+        part = Partition(name=name.rstrip("*"), default=name.endswith("*"), nodes=int(count),
+                         gpus_per_node=int(gpus.group(1)) if gpus else 0, max_time_s=_limit(limit))
+        prev = found.get(part.name)  # one line per node state: add the counts up
+        found[part.name] = part if prev is None else Partition(
+            part.name, part.default or prev.default, prev.nodes + part.nodes,
+            max(prev.gpus_per_node, part.gpus_per_node), part.max_time_s)
+    return found
+
+
+def check_request(req: SbatchRequest) -> str:
+    """Refuse shapes the partition cannot run; returns the partition used."""
+    parts = partitions()
+    name = req.partition or next((p.name for p in parts.values() if p.default), "")
+    if name not in parts:
+        raise ValueError(f"--partition {req.partition!r} does not exist; partitions: "
+                         + ", ".join(sorted(parts)))
+    part = parts[name]
+    if req.nodes > part.nodes:
+        raise ValueError(f"--nodes {req.nodes} is more than partition {name!r} has ({part.nodes})")
+    if req.gpus_per_node > part.gpus_per_node:
+        raise ValueError(f"{req.gpus_per_node} GPUs per node (--gpus, or the profile's gpus_per_node) "
+                         f"is more than the nodes of partition {name!r} have ({part.gpus_per_node}); "
+                         f"use --gpus {part.gpus_per_node} or fewer")
+    return name
+
+
+def job_state(job_id: str) -> dict[str, str]:
+    """`scontrol show job` as a dict (works without accounting; finished jobs stay visible
+    for MinJobAge). Empty when Slurm no longer knows the job."""
+    if not shutil.which("scontrol"):
+        return _sacct_state(job_id)
+    fields = show_job(job_id)
+    return _sacct_state(job_id) if fields is None else fields
+
+
+def _sacct_state(job_id: str) -> dict[str, str]:
+    """Jobs older than MinJobAge are gone from scontrol; accounting, where a site runs it,
+    still knows them. Without slurmdbd, sacct exits non-zero: then nobody knows."""
+    if not shutil.which("sacct"):
+        return {}
+    proc = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,Elapsed,NodeList"],
+                          capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.strip()]
+    if proc.returncode or not lines:
+        return {}
+    state, elapsed, nodes = (lines[-1].split("|") + ["", "", ""])[:3]
+    return {"JobState": state.split()[0] if state else "", "RunTime": elapsed, "NodeList": nodes}
+
+
+def show_job(job_id: str, timeout: float | None = None) -> dict[str, str] | None:
+    """`scontrol show job -o` as a dict, times in ISO form whatever the site's
+    SLURM_TIME_FORMAT; None when scontrol is missing, fails or hangs past `timeout`."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                              text=True, timeout=timeout,
+                              env={**os.environ, "SLURM_TIME_FORMAT": "standard"})
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode:
+        return None
+    return {key: value for key, sep, value in (t.partition("=") for t in proc.stdout.split()) if sep}
+
+
+def end_time(job_id: str) -> int | None:
+    """When the job's time limit ends (Unix time), for HPCSHARD_DEADLINE."""
+    text = (show_job(job_id, timeout=30) or {}).get("EndTime", "")
+    try:
+        return int(time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S")))
+    except ValueError:
+        return None
+
+
+def requeue(job_id: str) -> str:
+    """Ask Slurm to requeue this job; "" when it agreed, else what it said. A job that
+    reaches its time limit is never requeued by Slurm itself (it ends TIMEOUT), so the job
+    must do it before the limit."""
+    try:
+        proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
+    except OSError as err:  # e.g. inside a container without Slurm's client commands
+        return f"scontrol: {err.strerror}; the launcher's environment (its container) needs Slurm's client"
+    return proc.stderr.strip() if proc.returncode else ""
+
+
+def requeued_by_other(job_id: str, restart_count: int) -> str:
+    """Has something else in the job (the script's framework) requeued it already? Slurm
+    counts requeues in Restarts before the steps are even killed; a second requeue would
+    cost the run a whole extra attempt. Returns what Slurm says, or "" if not."""
+    info = show_job(job_id, timeout=30) or {}
+    restarts = int(info.get("Restarts", restart_count) or restart_count)
+    state = info.get("JobState", "")
+    if restarts > restart_count or state in ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING"):
+        return f"JobState={state} Restarts={restarts}"
+    return ""
+
+
+def sbatch(*args: str) -> str:
+    """`sbatch --parsable ARGS`: the new job's id, or ValueError with sbatch's own last line."""
+    try:
+        proc = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True)
+    except OSError as err:
+        raise ValueError(f"cannot run sbatch ({err.strerror}); run this where Slurm's commands are") from None
+    if proc.returncode:
+        said = proc.stderr.strip().splitlines()
+        raise ValueError(f"sbatch refused the job: {said[-1] if said else 'no message'}")
+    return proc.stdout.strip().split(";")[0]
+
+
+def scancel(*args: str) -> None:
+    """`scancel ARGS`; ValueError with scancel's message when it fails."""
+    try:
+        proc = subprocess.run(["scancel", *args], capture_output=True, text=True)
+    except OSError as err:
+        raise ValueError(f"cannot run scancel ({err.strerror}); run this where Slurm's "
+                         "commands are") from None
+    if proc.returncode:
+        raise ValueError(f"scancel {' '.join(args)}: {proc.stderr.strip()}")
