@@ -14,7 +14,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
-from hpcshard.rundir.rankenv import signal_name
+from hpcshard.rundir.rankenv import NOTICE, signal_name
 
 SHARDING_MODES = ("auto", "hybrid", "full", "grad-op", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -99,7 +99,7 @@ class TrainConfig:
     """Also keep every checkpoint whose step is a multiple of this; 0: off."""
     async_save: bool = False
     """Write checkpoints in a background thread; training blocks only for the staging copy."""
-    stop_signals: str = "USR2"
+    stop_signals: str = NOTICE
     """Signals that request a stop at the next step boundary (comma-separated names).
     Not USR1 by default: NCCL may use it."""
 
@@ -216,7 +216,3 @@ def build_config(cls: type[C], sets: dict[str, str]) -> C:
         except ValueError as err:
             raise ValueError(f"--set {key}={text!r}: {err}") from None
     return cls(**values)
-
-
-def config_to_dict(cfg: TrainConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)

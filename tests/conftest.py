@@ -25,7 +25,8 @@ LAYERS = {"unit": "unit", "distributed": "dist", "slurm": "slurm"}
 # in order. The Slurm tests share one cluster: "slurm" uses its low/high partitions (and
 # preempts through them), "slurm-debug" only the separate debug partition, so the two run
 # side by side. Modules with expensive module-scoped fixtures stay in one worker each.
-GROUPS = {"tests/distributed/test_runtime.py": "runtime-facts", "tests/unit/test_hf_job.py": "hf-model"}
+GROUPS = {"tests/distributed/test_runtime_train.py": "runtime-facts",
+          "tests/unit/test_jobs_hf_causal_lm.py": "hf-model"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns xdist_group marks into groups

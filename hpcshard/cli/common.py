@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 import click
 
-from hpcshard.rundir.pids import launchers
+from hpcshard.rundir.launchers import launchers
 from hpcshard.rundir.spec import RunSpec, read_spec
 
 

@@ -11,9 +11,9 @@ import click
 
 from hpcshard.cli.common import fail, finished, follow_log, read_run, slurm_state, spec_of
 from hpcshard.rundir import store
+from hpcshard.rundir.launchers import signal_launchers
 from hpcshard.rundir.metrics import read_metrics, train_records
-from hpcshard.rundir.pids import signal_launchers
-from hpcshard.rundir.rankenv import short_name, signal_name
+from hpcshard.rundir.rankenv import NOTICE, short_name, signal_name
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.rundir.status import attempts, report
 
@@ -30,7 +30,7 @@ def preempt(run_dir: Path, signame: str | None) -> None:
     """
     spec = read_run(run_dir)
     try:
-        name = signal_name(signame or spec.slurm.get("signal", "USR2"))
+        name = signal_name(signame or spec.slurm.get("signal", NOTICE))
     except ValueError as err:
         fail(err)
     if spec.backend == "slurm" and spec.jobs:

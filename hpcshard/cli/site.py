@@ -9,9 +9,8 @@ import click
 
 from hpcshard import site
 from hpcshard.cli.common import table, user_errors
+from hpcshard.cli.options import PROFILE
 from hpcshard.slurm import sbatch
-
-PROFILE = click.option("--profile", help="Site profile [default: the configuration's `profile`].")
 
 
 @click.group("config")

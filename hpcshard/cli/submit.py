@@ -11,7 +11,6 @@ import shlex
 import shutil
 import subprocess
 import sys
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, NoReturn
@@ -20,13 +19,21 @@ import click
 
 from hpcshard import script, site
 from hpcshard.cli.common import fail, finished, follow_log, user_errors
+from hpcshard.cli.options import (
+    RESUME,
+    SETS,
+    script_options,
+    setting_option,
+    settings,
+    shape_options,
+    slurm_options,
+)
 from hpcshard.config import parse_sets
 from hpcshard.rundir import store
 from hpcshard.rundir.ledger import next_attempt
 from hpcshard.rundir.metrics import METRICS, last_record
 from hpcshard.rundir.rankenv import REQUEUE_EXIT
 from hpcshard.rundir.spec import (
-    POLICIES,
     RunSpec,
     check_resume,
     check_run_dir,
@@ -49,98 +56,15 @@ def pick_backend(backend: str) -> str:
     return "slurm" if cluster.available() else "local"
 
 
-def slurm_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """sbatch settings (Slurm backend). Unset options come from the profile and the
-    configuration files (`hpcshard config show`), then from the built-in defaults."""
-    opts = [
-        click.option("--profile", help="Site profile (`hpcshard profiles list`) [default: the "
-                     "configuration's `profile`]."),
-        click.option("--time", help="Time limit per attempt (MM, HH:MM:SS, D-HH:MM:SS) "
-                     "[default: the profile's, else 01:00:00]."),
-        click.option("--partition", help="Slurm partition [default: the profile's, else the cluster's]."),
-        click.option("--account", help="Slurm account."),
-        click.option("--qos", help="Slurm QOS."),
-        click.option("--constraint", help="Slurm node constraint."),
-        click.option("--cpus-per-gpu", type=click.IntRange(min=0),
-                     help="CPUs per GPU; the node's launcher gets them all [default: the profile's]."),
-        click.option("--mem", help="Memory per node, e.g. 200G [default: the profile's, else Slurm's]."),
-        click.option("--signal-lead", type=click.IntRange(min=1),
-                     help="Seconds before the time limit that the job is told to checkpoint "
-                     "[default: the profile's, else 120]."),
-        click.option("--requeue-policy", type=click.Choice(POLICIES),
-                     help="After a clean stop: requeue the job, chain a continuation job "
-                     "(for sites that forbid requeue), or none [default: the profile's, else requeue]."),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
-CLI_SETTINGS = {"gpus": "gpus_per_node", "backend": "backend", "max_requeues": "max_requeues",
-                "time": "time", "partition": "partition", "account": "account", "qos": "qos",
-                "constraint": "constraint", "cpus_per_gpu": "cpus_per_gpu", "mem": "mem",
-                "signal_lead": "signal_lead", "requeue_policy": "requeue_policy",
-                "script_signal": "script_signal", "grace": "script_grace"}
-"""Command-line options that are settings: the top layer of the configuration."""
-
-
-def settings(profile: str | None, opts: dict[str, Any]) -> site.Resolved:
-    """The merged configuration: built-in < site < user < project < these options."""
-    cli = {CLI_SETTINGS[k]: v for k, v in opts.items() if k in CLI_SETTINGS}
-    return site.resolve(site.load(), profile, cli)
-
-
-def _shape_options(default: int | None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def wrap(f: Callable[..., Any]) -> Callable[..., Any]:
-        f = click.option("--gpus", type=click.IntRange(min=1), default=default,
-                         show_default=default is not None,
-                         help="GPUs per node: one rank each (CPU processes when there is no GPU).")(f)
-        return click.option("--nodes", type=click.IntRange(min=1), default=default,
-                            show_default=default is not None,
-                            help="Nodes (emulated nodes under the local backend).")(f)
-    return wrap
-
-
-SETS = click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-                    help="Override a config field of the job (repeatable), e.g. --set steps=100.")
-
-def script_options(f: Callable[..., Any]) -> Callable[..., Any]:
-    """Bring your own script: `submit train.py -- ARGS` or `submit -m pkg.mod -- ARGS`."""
-    opts = [
-        click.argument("args", nargs=-1, type=click.UNPROCESSED),
-        click.option("-m", "module", metavar="MODULE",
-                      help="Run a module as the script, as `python -m MODULE` would."),
-        click.option("--script-signal", type=click.Choice(script.SCRIPT_SIGNALS, case_sensitive=False),
-                     help="Scripts: the signal each rank gets when the job must stop, the one its "
-                     "framework listens to [default: the profile's, else TERM]."),
-        click.option("--grace", type=click.IntRange(min=0),
-                     help="Scripts: seconds after the notice before the ranks are killed and the "
-                     "job requeued [default: the profile's, else 60]."),
-    ]
-    for opt in reversed(opts):
-        f = opt(f)
-    return f
-
-
-RESUME = click.option("--resume", "resume", default="auto", show_default=True,
-                      metavar="auto|never|STEP|PATH",
-                      help="Checkpoint to start from: the newest (auto), none, a step of this "
-                      "run, or a checkpoint directory of another run.")
-
-
 @click.command()
 @click.argument("job", required=False)
 @script_options
-@_shape_options(None)
-@click.option("--backend", type=click.Choice(site.BACKENDS),
-              help="local: N emulated nodes on this machine [default: the profile's, else auto: "
-              "Slurm when a controller answers].")
+@shape_options()
+@setting_option("backend")
 @click.option("--run-dir", type=click.Path(path_type=Path),
               help="Where the run writes config, logs, metrics, checkpoints [default: runs/JOB-TIME].")
 @click.option("--name", help="Run name [default: the job's name].")
-@click.option("--max-requeues", type=click.IntRange(min=0),
-              help="Restarts after stop requests (preemptions) before the run gives up "
-              "[default: the profile's, else 10].")
+@setting_option("max_requeues")
 @click.option("--follow", is_flag=True, help="Slurm: show rank 0's log until the job ends.")
 @slurm_options
 @RESUME
@@ -162,7 +86,7 @@ def submit(job: str | None, nodes: int | None, run_dir: Path | None, name: str |
 @click.command("render")
 @click.argument("job", required=False)
 @script_options
-@_shape_options(None)
+@shape_options()
 @click.option("--run-dir", type=click.Path(path_type=Path), help="As for submit.")
 @click.option("--name", help="Run name [default: the job's name].")
 @click.option("--check", is_flag=True, help="Also import the job and build its model on the meta "
@@ -312,7 +236,7 @@ def _follow(run_dir: Path, job_id: str) -> int:
 
 @click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
-@_shape_options(None)
+@shape_options()
 @RESUME
 @SETS
 def resume(run_dir: Path, nodes: int | None, gpus: int | None, resume: str,

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from hpcshard import script
 from hpcshard.rundir import ledger
-from hpcshard.rundir.pids import pid_file
+from hpcshard.rundir.launchers import pid_file
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.rundir.store import last_save

@@ -12,7 +12,8 @@ from pathlib import Path
 
 from hpcshard.launch.node import NodeEnv, run_node
 from hpcshard.rundir import ledger
-from hpcshard.rundir.rankenv import REQUEUE_EXIT, RankEnv
+from hpcshard.rundir.launchers import attempt_file
+from hpcshard.rundir.rankenv import NOTICE, REQUEUE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.slurm import cluster
 from hpcshard.slurm.env import SlurmEnv, expand_nodelist
@@ -43,8 +44,9 @@ def chain(run_dir: Path, job_id: str, attempt: int) -> str:
     folder = run_dir / "submitit"
     new = cluster.sbatch(f"--dependency=afterany:{job_id}", str(folder / f"{job_id}_submission.sh"))
     shutil.copy(folder / f"{job_id}_submitted.pkl", folder / f"{new}_submitted.pkl")
-    (run_dir / "launch").mkdir(exist_ok=True)
-    (run_dir / "launch" / f"job-{new}.attempt").write_text(f"{attempt}\n")
+    chained = attempt_file(run_dir, new)
+    chained.parent.mkdir(exist_ok=True)
+    chained.write_text(f"{attempt}\n")
     RunSpec.add_job(run_dir, new)
     return new
 
@@ -58,12 +60,12 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     if not spec.newest_job(slurm.job_id):
         print(f"hpcshard: job {slurm.job_id} is not the run's newest job; exiting", file=sys.stderr)
         return 0
-    chained = run / "launch" / f"job-{slurm.job_id}.attempt"
+    chained = attempt_file(run, slurm.job_id)
     attempt = (int(chained.read_text()) if chained.exists() else first_attempt) + slurm.restart_count
     fresh = slurm.restart_count == 0 and not chained.exists()
     # The profile's notice (--signal in the sbatch script): the ranks listen for it too.
     ranks = RankEnv(attempt=attempt, resume=resume if fresh else "auto",
-                    restart_count=slurm.restart_count, notice=spec.slurm.get("signal", "USR2"),
+                    restart_count=slurm.restart_count, notice=spec.slurm.get("signal", NOTICE),
                     deadline=cluster.end_time(slurm.job_id))
     os.environ.update(ranks.to_environ())
     # submitit installed its own SIGUSR2 handler (checkpoint, then requeue from global rank

@@ -6,7 +6,7 @@ place (stdlib only: it runs on login nodes, in launchers and in every rank).
         attempts.jsonl   one start and one end record per attempt (`ledger`)
         metrics.jsonl    rank 0's step records and events (`metrics`)
         checkpoints/     committed DCP checkpoints (`store`)
-        launch/          the live launchers' pid files (`pids`)
+        launch/          the live launchers' pid files (`launchers`)
         logs/            rank-N.log for every rank
 
 `rankenv` holds every HPCSHARD_* variable a launcher hands its ranks, `status` what

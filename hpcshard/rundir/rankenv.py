@@ -26,7 +26,9 @@ default."""
 SCRIPT_SIGNALS = ("TERM", "INT", "HUP", "USR1", "USR2", "none")
 """What a script may be sent on a notice; none: nothing, the launcher stops it after
 the grace period."""
-DEFAULT_NOTICE = "SIGUSR2"
+NOTICE = "USR2"
+"""The default notice, as Slurm's --signal and the settings spell it."""
+DEFAULT_NOTICE = f"SIG{NOTICE}"
 
 ENV_DOC = {
     "HPCSHARD_RUN_DIR": "the run directory (spec, logs, attempts ledger)",

@@ -24,6 +24,7 @@ replaced whole. Each value remembers where it came from (`hpcshard config show`)
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import tomllib
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcshard.rundir.rankenv import short_name
 from hpcshard.site.settings import (
     CONTAINER_KEYS,
     CONTAINER_RUNTIMES,
@@ -92,10 +94,10 @@ def _check_setting(where: str, key: str, value: Any) -> Any:
     if setting.kind == "container":
         value = _check_container(where, value)
     if key in ("signal", "script_signal") and value != "none":  # usr2, SIGUSR2 -> USR2
-        value = value.upper().removeprefix("SIG")
+        with contextlib.suppress(ValueError):  # the setting's own check says what is accepted
+            value = short_name(value)
     try:
-        if setting.check is not None:
-            setting.check(value)
+        setting.validate(value)
     except ValueError as err:
         raise ValueError(f"{where}: {key} = {value!r}: {err}") from None
     return value

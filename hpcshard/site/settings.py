@@ -5,12 +5,13 @@ Stdlib (and `slurm.time`/`slurm.sbatch` for Slurm's own formats)."""
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hpcshard.rundir.rankenv import SCRIPT_SIGNALS, STOP_SIGNALS
+from hpcshard.rundir.rankenv import NOTICE, SCRIPT_SIGNALS, STOP_SIGNALS
 from hpcshard.rundir.spec import POLICIES
 from hpcshard.slurm.sbatch import received_names
 from hpcshard.slurm.time import parse_mem, parse_time
@@ -38,20 +39,6 @@ def _signal(value: str) -> None:
                          "something else to the processes of a job")
 
 
-def _choice(options: tuple[str, ...]) -> Callable[[str], None]:
-    def check(value: str) -> None:
-        if value not in options:
-            raise ValueError(f"{value!r} is not one of {', '.join(options)}")
-    return check
-
-
-def _at_least(low: int) -> Callable[[int], None]:
-    def check(value: int) -> None:
-        if value < low:
-            raise ValueError(f"{value} is less than {low}")
-    return check
-
-
 def _env_names(value: dict[str, Any]) -> None:
     for key in value:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
@@ -72,51 +59,75 @@ def _var_names(value: dict[str, Any]) -> None:
 
 @dataclass(frozen=True)
 class Setting:
+    """One setting: what the files accept, the command line's option (`cli.options`) and the
+    admin guide's row all come from here."""
+
     kind: str
     """str, int, list (of str), env (table of scalars), vars (table), container (table)."""
     default: Any
     help: str
     check: Callable[[Any], None] | None = None
+    """A check beyond the kind, the choices and the minimum (ValueError saying why)."""
+    choices: tuple[str, ...] = ()
+    """The values a str setting may take (a click.Choice on the command line)."""
+    minimum: int | None = None
+    """The least an int setting may be (a click.IntRange on the command line)."""
+    unset: str = ""
+    """What an empty default means, for help texts (e.g. "Slurm's")."""
+    option: str = ""
+    """Its command-line option (`submit`, `render`), if it has one."""
+
+    def validate(self, value: Any) -> None:
+        if self.choices and value not in self.choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(self.choices)}")
+        if self.minimum is not None and value < self.minimum:
+            raise ValueError(f"{value} is less than {self.minimum}")
+        if self.check is not None:
+            self.check(value)
 
 
 SETTINGS: dict[str, Setting] = {
     "description": Setting("str", "", "One line shown by `hpcshard profiles list`."),
-    "backend": Setting("str", "auto", "auto (Slurm when a controller answers), local or slurm.",
-                       _choice(BACKENDS)),
-    "partition": Setting("str", "", "Slurm partition; empty: the cluster's default."),
-    "account": Setting("str", "", "Slurm account."),
-    "qos": Setting("str", "", "Slurm QOS."),
-    "constraint": Setting("str", "", "Slurm node constraint (features), e.g. a100&ib."),
-    "gpus_per_node": Setting("int", 1, "GPUs per node, one rank each; the default for --gpus.",
-                             _at_least(1)),
+    "backend": Setting("str", "auto", "Where the run goes: auto (Slurm when a controller answers), "
+                       "local (emulated nodes on this machine) or slurm.", choices=BACKENDS,
+                       option="--backend"),
+    "partition": Setting("str", "", "Slurm partition.", unset="the cluster's default",
+                         option="--partition"),
+    "account": Setting("str", "", "Slurm account.", unset="none", option="--account"),
+    "qos": Setting("str", "", "Slurm QOS.", unset="none", option="--qos"),
+    "constraint": Setting("str", "", "Slurm node constraint (features), e.g. a100&ib.",
+                          unset="none", option="--constraint"),
+    "gpus_per_node": Setting("int", 1, "GPUs per node, one rank each (CPU processes where there "
+                             "is no GPU).", minimum=1, option="--gpus"),
     "cpus_per_gpu": Setting("int", 0, "CPUs per GPU (the node's launcher gets them all); 0: Slurm's.",
-                            _at_least(0)),
-    "mem": Setting("str", "", "Memory per node, e.g. 200G or 0 (all of it); empty: Slurm's.",
-                   _mem),
-    "time": Setting("str", "01:00:00", "Default time limit per attempt.", _time),
-    "max_time": Setting("str", "", "Longest --time the profile accepts; empty: no limit.", _time),
+                            minimum=0, option="--cpus-per-gpu"),
+    "mem": Setting("str", "", "Memory per node, e.g. 200G or 0 (all of it).", _mem,
+                   unset="Slurm's", option="--mem"),
+    "time": Setting("str", "01:00:00", "Time limit per attempt (MM, HH:MM:SS, D-HH:MM:SS).",
+                    _time, option="--time"),
+    "max_time": Setting("str", "", "Longest --time the profile accepts.", _time, unset="no limit"),
     "modules": Setting("list", [], "Environment modules loaded first (`module load ...`)."),
     "env": Setting("env", {}, "Variables exported in the job (NCCL/network settings).", _env_names),
     "setup": Setting("list", [], "Shell lines run after modules and env (e.g. source a venv)."),
     "container": Setting("container", {}, "Run every node's launcher in a container: "
                          "runtime (pyxis|apptainer), image, mounts, workdir, options."),
-    "python": Setting("str", "", "Python interpreter on the compute nodes (inside the container); "
-                      "empty: the one running hpcshard."),
-    "signal": Setting("str", "USR2", "The preemption notice Slurm sends before the time limit.",
+    "python": Setting("str", "", "Python interpreter on the compute nodes (inside the container).",
+                      unset="the one running hpcshard"),
+    "signal": Setting("str", NOTICE, "The preemption notice Slurm sends before the time limit.",
                       _signal),
-    "signal_lead": Setting("int", 120, "Seconds before the time limit that the notice comes.",
-                           _at_least(1)),
-    "script_signal": Setting("str", "TERM", "What a script (not an hpcshard job) is sent when "
-                             "the notice comes: TERM, INT, HUP, USR1, USR2 or none, whichever its "
-                             "framework listens to.", _choice(SCRIPT_SIGNALS)),
-    "script_grace": Setting("int", 60, "Seconds a script has after the notice before its ranks "
-                            "are killed and the job requeued (keep it below signal_lead).",
-                            _at_least(0)),
-    "requeue_policy": Setting("str", "requeue", "After a clean stop: requeue, chain (a "
-                              "continuation job, where requeue is forbidden) or none.",
-                              _choice(POLICIES)),
-    "max_requeues": Setting("int", 10, "Restarts after stop requests before the run gives up.",
-                            _at_least(0)),
+    "signal_lead": Setting("int", 120, "Seconds before the time limit that the notice comes (it "
+                           "must cover a checkpoint save).", minimum=1, option="--signal-lead"),
+    "script_signal": Setting("str", "TERM", "Scripts (not hpcshard jobs): the signal each rank "
+                             "gets when the notice comes, the one its framework listens to; "
+                             "none: nothing.", choices=SCRIPT_SIGNALS, option="--script-signal"),
+    "script_grace": Setting("int", 60, "Scripts: seconds after the notice before the ranks are "
+                            "killed and the job requeued (keep it below signal_lead).", minimum=0,
+                            option="--grace"),
+    "requeue_policy": Setting("str", "requeue", "After a clean stop: requeue the job, chain a "
+                              "continuation job (for sites that forbid requeue), or none.",
+                              choices=POLICIES, option="--requeue-policy"),
+    "max_requeues": Setting("int", 10, "Restarts after stop requests (preemptions) before the run "
+                            "gives up.", minimum=0, option="--max-requeues"),
     "storage_root": Setting("str", "runs", "Where run directories go (shared storage seen by "
                             "every node); ~ and $VARS expand, relative paths are from the "
                             "current directory."),
@@ -127,3 +138,18 @@ SETTINGS: dict[str, Setting] = {
 CONTAINER_KEYS = {"runtime": "str", "image": "str", "mounts": "list", "workdir": "str",
                   "options": "list"}
 TOP_KEYS = ("profile", "template_dirs", "defaults", "profiles")
+
+
+def markdown_table() -> str:
+    """The admin guide's table of settings (docs/admins.md; a unit test keeps it current)."""
+    rows = ["| setting | type | default | command line | meaning |", "|---|---|---|---|---|"]
+    for key, s in SETTINGS.items():
+        default = json.dumps(s.default)
+        meaning = s.help.replace("|", "\\|")
+        if s.choices:
+            meaning += " One of: " + ", ".join(f"`{c}`" for c in s.choices) + "."
+        if s.unset:
+            meaning += f" Empty: {s.unset}."
+        rows.append(f"| `{key}` | {s.kind} | `{default}` | {f'`{s.option}`' if s.option else ''} "
+                    f"| {meaning} |")
+    return "\n".join(rows) + "\n"

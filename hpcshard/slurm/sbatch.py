@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hpcshard.rundir.rankenv import signal_name
+from hpcshard.rundir.rankenv import NOTICE, signal_name
 from hpcshard.slurm.time import parse_mem, parse_time
 
 if TYPE_CHECKING:  # jinja2 is imported when a template is rendered, not with the module
@@ -51,7 +51,7 @@ class SbatchRequest:
     """Memory per node, e.g. 200G; empty lets Slurm decide."""
     requeue: bool = True
     """--requeue in sbatch (off for the chain and none policies)."""
-    signal: str = "USR2"
+    signal: str = NOTICE
     """The preemption notice; the ranks checkpoint on it."""
     signal_lead_s: int = 120
     """Seconds before the time limit that the notice comes (it must cover a save)."""

@@ -14,7 +14,7 @@ import pytest
 from hpcshard import script
 from hpcshard.rundir import ledger
 from tests.conftest import ROOT
-from tests.unit.test_cli import assert_one_line_error, invoke
+from tests.unit.test_cli_submit import assert_one_line_error, invoke
 
 COUNTER = str(ROOT / "tests" / "scripts" / "counter.py")
 

@@ -10,7 +10,7 @@ import pytest
 
 from hpcshard import site
 from hpcshard.slurm.sbatch import SbatchRequest, render
-from tests.unit.test_cli import invoke
+from tests.unit.test_cli_submit import invoke
 
 JOB = str(Path(__file__).resolve().parents[2] / "jobs" / "charlm.py")
 COMMAND = "/usr/bin/python3 -u -m submitit.core._submit /r/submitit"
@@ -361,7 +361,7 @@ def test_doctor_with_a_storage_root_naming_an_unset_variable_is_one_line(
 
 @pytest.mark.usefixtures("fake_srun")
 def test_hostile_values_in_modules_and_container_stay_quoted(layers: dict[str, Path]) -> None:
-    from tests.unit.test_sbatch import HOSTILE, unquoted
+    from tests.unit.test_slurm_sbatch import HOSTILE, unquoted
 
     q = json.dumps  # JSON strings are TOML basic strings
     layers["site"].write_text(f"""
@@ -385,3 +385,23 @@ options = [{q(HOSTILE[5])}]
     for line in text.splitlines():
         for fragment in ("$(", "`", "; echo", "pwned"):
             assert fragment not in unquoted(line), line
+
+
+def test_the_admin_guide_shows_the_settings_registry() -> None:
+    """docs/admins.md's table of settings is generated from `SETTINGS` (help, choices, the
+    option); HPCSHARD_REFRESH_GOLDEN=1 rewrites it."""
+    import os
+    import re
+
+    from hpcshard.site.settings import markdown_table
+    from tests.conftest import ROOT
+
+    guide = ROOT / "docs" / "admins.md"
+    text = guide.read_text()
+    table = re.compile(r"^\| setting \| type \|.*?\n(?=\n)", re.S | re.M)
+    assert table.search(text), "docs/admins.md has no settings table"
+    if os.environ.get("HPCSHARD_REFRESH_GOLDEN"):
+        guide.write_text(table.sub(lambda _: markdown_table(), text, count=1))
+        text = guide.read_text()
+    assert markdown_table() in text, ("docs/admins.md's settings table is stale; refresh with: "
+                                      "HPCSHARD_REFRESH_GOLDEN=1 python -m pytest tests/unit/test_site.py")

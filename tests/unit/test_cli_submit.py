@@ -117,3 +117,17 @@ def test_run_name_and_run_dir_take_the_same_stem() -> None:
 
     assert job_stem("jobs/charlm.py") == "charlm" and job_stem("pkg.jobs.lm") == "lm"
     assert default_run_dir("pkg.jobs.lm").name.startswith("lm-")
+
+
+@pytest.mark.parametrize("value,needle", [("nan", "is not a finite number"),
+                                          ("inf", "is not a finite number"),
+                                          ("-inf", "is not in the range")])
+def test_numeric_options_refuse_non_finite_values(value: str, needle: str) -> None:
+    code, out = invoke("doctor", "--wait", value)  # a range check alone lets nan through
+    assert code == 2 and needle in out, out
+
+
+def test_memory_is_refused_before_anything_is_made(tmp_path: Path) -> None:
+    code, out = invoke("render", JOB, "--run-dir", str(tmp_path / "r"), "--mem", "1.5G")
+    assert_one_line_error(code, out, "--mem '1.5G'", "whole number")
+    assert not (tmp_path / "r").exists()

@@ -12,7 +12,7 @@ from hpcshard.slurm.sbatch import SbatchRequest, render
 from hpcshard.slurm.time import parse_time
 
 GOLDEN = Path(__file__).with_name("golden")
-REFRESH = "refresh with: HPCSHARD_REFRESH_GOLDEN=1 python -m pytest tests/unit/test_sbatch.py"
+REFRESH = "refresh with: HPCSHARD_REFRESH_GOLDEN=1 python -m pytest tests/unit/test_slurm_sbatch.py"
 HOSTILE = ["a'; echo pwned", "$(touch /tmp/hpcshard-pwned)", "`id`", "x  y z", "ünï ☃", 'q"uo"te']
 COMMAND = "/usr/bin/python3 -u -m submitit.core._submit '/runs/x/submitit'"
 

@@ -9,7 +9,7 @@ import pytest
 
 from hpcshard import site
 from hpcshard.slurm.sbatch import SbatchRequest, render
-from tests.unit.test_sbatch import check_golden
+from tests.unit.test_slurm_sbatch import check_golden
 
 COMMAND = "/usr/bin/python3 -u -m submitit.core._submit /shared/runs/x/submitit"
 SITES = Path(__file__).resolve().parents[2] / "examples" / "sites"

@@ -1,5 +1,9 @@
-"""The node launchers of a run on this machine (local backend): RUN_DIR/launch/node-N.pid,
-written by each launcher while it runs. `preempt`, `cancel` and `resume` find them here."""
+"""RUN_DIR/launch/: what the launchers leave for each other and for the CLI.
+
+    node-N.pid       a node launcher's pid while it runs (local backend: `preempt`,
+                     `cancel` and `resume` find the live ones here)
+    job-J.attempt    the attempt number a continuation job J starts with (chain policy)
+"""
 
 from __future__ import annotations
 
@@ -7,16 +11,23 @@ import contextlib
 import os
 from pathlib import Path
 
+LAUNCH = "launch"
+
 
 def pid_file(run_dir: Path, node_rank: int) -> Path:
-    return run_dir / "launch" / f"node-{node_rank}.pid"
+    return run_dir / LAUNCH / f"node-{node_rank}.pid"
+
+
+def attempt_file(run_dir: Path, job_id: str) -> Path:
+    """Where a continuation job finds its attempt number (absent: not a continuation)."""
+    return run_dir / LAUNCH / f"job-{job_id}.attempt"
 
 
 def launchers(run_dir: Path) -> list[int]:
     """The pids of the launchers that are still alive (a pid file left behind by one
     killed with -9 does not count; another user's live process does)."""
     alive = []
-    for path in sorted((run_dir / "launch").glob("node-*.pid")):
+    for path in sorted((run_dir / LAUNCH).glob("node-*.pid")):
         try:
             pid = int(path.read_text())
             os.kill(pid, 0)
