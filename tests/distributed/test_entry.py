@@ -13,7 +13,7 @@ from pathlib import Path
 from hpcshard.rundir import ledger
 from hpcshard.rundir.rankenv import REQUEUE_EXIT
 from tests.conftest import hpcshard_bg, sets, wait_for
-from tests.distributed.test_checkpoint import rank_pids
+from tests.distributed.test_runtime_checkpoint import rank_pids
 
 
 def test_a_notice_during_start_up_stops_the_run_at_the_first_boundary(tmp_path: Path) -> None:

@@ -35,7 +35,7 @@ from tests.conftest import (
     step_records,
     wait_for,
 )
-from tests.distributed.test_plan import assert_planned
+from tests.distributed.test_runtime_planner import assert_planned
 
 
 def committed(run: Path) -> dict[int, Path]:

@@ -10,7 +10,7 @@ import pytest
 
 from hpcshard.rundir import ledger, store
 from tests.conftest import ROOT, hpcshard, sets, step_records, wait_for
-from tests.distributed.test_checkpoint import committed, trained_to
+from tests.distributed.test_runtime_checkpoint import committed, trained_to
 from tests.slurm.conftest import restarts, slurm, wait_state
 
 COUNTER = str(ROOT / "tests" / "scripts" / "counter.py")

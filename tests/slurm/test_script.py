@@ -15,7 +15,7 @@ import torch
 from hpcshard.rundir import ledger
 from tests.conftest import ROOT, hpcshard, wait_for
 from tests.slurm.conftest import restarts, slurm, wait_state
-from tests.slurm.test_slurm import DONE
+from tests.slurm.test_launch_slurm import DONE
 
 EXAMPLE = ROOT / "examples" / "own_loop"
 COUNTER = str(ROOT / "tests" / "scripts" / "counter.py")

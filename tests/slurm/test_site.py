@@ -14,7 +14,7 @@ import pytest
 
 from hpcshard.rundir import ledger
 from tests.conftest import STEPS, hpcshard, sets, step_records, wait_for
-from tests.distributed.test_checkpoint import assert_bitwise_equal, committed, load, trained_to
+from tests.distributed.test_runtime_checkpoint import assert_bitwise_equal, committed, load, trained_to
 from tests.slurm.conftest import restarts, wait_state
 
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
