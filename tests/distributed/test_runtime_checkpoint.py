@@ -3,7 +3,6 @@ through the CLI and the local backend (the same launcher Slurm runs)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
@@ -23,6 +22,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 
 from hpcshard.launch.node import children
 from hpcshard.rundir import ledger, store
+from hpcshard.rundir.launchers import launchers
 from hpcshard.rundir.rankenv import REQUEUE_EXIT
 from tests.conftest import (
     ROOT,
@@ -189,12 +189,8 @@ def test_damaged_newest_checkpoints_are_skipped_and_the_previous_used(uninterrup
 
 def rank_pids(run: Path) -> list[int]:
     """The ranks of `run`: children of each node's torchrun agent, itself the launcher's child."""
-    pids = []
-    for launcher in sorted((run / "launch").glob("node-*.pid")):
-        with contextlib.suppress(OSError, ValueError):
-            for agent in children(int(launcher.read_text())):
-                pids += children(agent)
-    return pids
+    return [rank for launcher in launchers(run) for agent in children(launcher)
+            for rank in children(agent)]
 
 
 def test_rank_killed_mid_save_resumes_from_the_previous_commit(tmp_path: Path) -> None:

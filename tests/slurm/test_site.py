@@ -132,7 +132,7 @@ def test_doctor_passes_on_the_local_cluster_with_a_smoke_all_reduce(site_env: di
             in ("pass", "FAIL", "skip")}
     assert rows == {"template": "pass", "slurm commands": "pass", "controller": "pass",
                     "storage root": "pass", "partition": "pass", "gpus per node": "pass",
-                    "time limit": "pass", "requeue policy": "pass", "storage from compute": "pass",
+                    "time limit": "pass", "storage from compute": "pass",
                     "modules": "pass", "requeue": "pass", "all-reduce": "pass"}, proc.stdout
     assert "4 ranks on n1,n2 (gloo)" in proc.stdout and "all checks passed" in proc.stdout
     assert not list((tmp_path / "shared").iterdir())  # the probe cleaned up after itself
