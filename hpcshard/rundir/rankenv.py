@@ -70,6 +70,9 @@ class RankEnv:
     deadline: float | None = None
     """HPCSHARD_DEADLINE: Unix time at which the time limit ends; None: no limit known."""
 
+    def __post_init__(self) -> None:  # USR2, usr2, SIGUSR2: one spelling from here on
+        object.__setattr__(self, "notice", signal_name(self.notice))
+
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> RankEnv:
         env = os.environ if environ is None else environ
@@ -77,13 +80,13 @@ class RankEnv:
         return cls(attempt=int(env.get("HPCSHARD_ATTEMPT", "0")),
                    resume=env.get("HPCSHARD_RESUME", "auto"),
                    restart_count=int(env.get("HPCSHARD_RESTART_COUNT", "0")),
-                   notice=signal_name(env.get("HPCSHARD_STOP_SIGNAL", DEFAULT_NOTICE)),
+                   notice=env.get("HPCSHARD_STOP_SIGNAL", DEFAULT_NOTICE),
                    deadline=float(deadline) if deadline else None)
 
     def to_environ(self) -> dict[str, str]:
         env = {"HPCSHARD_ATTEMPT": str(self.attempt), "HPCSHARD_RESUME": self.resume,
                "HPCSHARD_RESTART_COUNT": str(self.restart_count),
-               "HPCSHARD_STOP_SIGNAL": signal_name(self.notice)}
+               "HPCSHARD_STOP_SIGNAL": self.notice}
         if self.deadline is not None:
             env["HPCSHARD_DEADLINE"] = str(int(self.deadline))
         return env
