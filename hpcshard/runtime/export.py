@@ -44,8 +44,8 @@ def export(run_dir: Path, step: int | None, out: Path) -> store.Checkpoint:
         try:
             from safetensors.torch import save_file
         except ImportError:
-            raise ValueError("writing .safetensors needs the safetensors package: "
-                             "pip install safetensors, or export to a .pt file") from None
+            raise ValueError("writing .safetensors needs the safetensors package (pip install "
+                             "'hpcshard[hf]' or pip install safetensors); or export to a .pt file") from None
         save_file(tensors, str(out), metadata={"step": str(ckpt.step)})
     else:
         torch.save(tensors, out)

@@ -135,6 +135,14 @@ def test_export_loads_into_a_plain_model_with_the_same_eval_loss(uninterrupted: 
     sharded = [r["eval_loss"] for r in metrics(uninterrupted) if "eval_loss" in r][-1]
     assert total / count == pytest.approx(sharded, rel=1e-5)
 
+    # The same weights as safetensors (the `hf` extra brings the package), bit for bit.
+    from safetensors.torch import load_file
+
+    st = tmp_path / "model.safetensors"
+    assert hpcshard("ckpt", "export", str(uninterrupted), "--out", str(st)).returncode == 0
+    plain, safe = torch.load(out), load_file(str(st))
+    assert plain.keys() == safe.keys() and all(torch.equal(plain[k], safe[k]) for k in plain)
+
 
 @pytest.mark.parametrize("shape", [("1", "2"), ("1", "1"), ("3", "2"), ("1", "4")])
 def test_resume_on_another_shape_continues_the_same_samples(uninterrupted: Path, tmp_path: Path,
