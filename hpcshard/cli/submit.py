@@ -65,6 +65,7 @@ def pick_backend(backend: str) -> str:
               help="Where the run writes config, logs, metrics, checkpoints [default: runs/JOB-TIME].")
 @click.option("--name", help="Run name [default: the job's name].")
 @setting_option("max_requeues")
+@setting_option("max_restarts")
 @click.option("--follow", is_flag=True, help="Slurm: show rank 0's log until the job ends.")
 @slurm_options
 @RESUME
@@ -153,6 +154,7 @@ def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None
         spec = RunSpec(job=ref, sets=parse_sets(sets), nodes=nodes, gpus=v["gpus_per_node"],
                        backend=pick_backend(v["backend"]), name=name or job_stem(label),
                        max_requeues=v["max_requeues"], requeue_policy=v["requeue_policy"],
+                       max_restarts=v["max_restarts"], no_progress_restarts=v["no_progress_restarts"],
                        profile=res.profile, script=own)
         req = None
         if spec.backend == "slurm":

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcshard import script
+from hpcshard.launch.supervise import Supervisor, children
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import pid_file
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, RankEnv
@@ -70,25 +71,12 @@ def warm_start(module: str, script: dict[str, object]) -> bool:
     return module == "hpcshard.entry" and not script and os.environ.get("HPCSHARD_WARM_START") != "0"
 
 
-def children(pid: int) -> list[int]:
-    """Direct children of `pid`, from /proc (Linux; works in containers without ps)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue  # exited while we looked
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry))
-    return found
-
-
 def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_signal,
              module: str = "hpcshard.entry") -> int:
-    """Run torchrun for this node; return its exit code, or REQUEUE_EXIT when the ranks
-    stopped on request (the run continues in a requeued attempt).
+    """Run this node's ranks; return the exit code, or REQUEUE_EXIT when the ranks stopped
+    on request (the run continues in a requeued attempt). An hpcshard job's ranks are
+    supervised (`launch.supervise`): a rank that dies is restarted with all the others,
+    inside the allocation, from the newest committed checkpoint.
 
     INT and TERM go to torchrun, which forwards them to its workers and tears them down.
     The stop signal does not: torchrun forwards only INT/TERM/HUP/QUIT (pytorch issue
@@ -98,23 +86,41 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
     after the grace period (`script_grace`), its ranks are killed.
     """
     # (doctor's smoke test runs a module without a spec)
-    own = RunSpec.read(run_dir).script if (run_dir / "spec.json").exists() else {}
+    spec = RunSpec.read(run_dir) if (run_dir / "spec.json").exists() else None
+    own = spec.script if spec else {}
     env = dict(os.environ)
     # torchrun would set 1 with a warning; on a CPU host, split the cores between ranks.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // node.per_node)))
-    # Slurm's --signal goes to every process of the step, torchrun included, and an
-    # unhandled SIGUSR2 kills it mid-save. Ignored dispositions survive exec: torchrun
-    # ignores the notice, and each rank's entry point installs its own handler first thing.
-    proc = subprocess.Popen(torchrun_argv(node, run_dir, module, warm_start(module, own)), env=env,
-                            preexec_fn=lambda: signal.signal(stop_signal, signal.SIG_IGN))
+
+    def start(where: NodeEnv, extra: dict[str, str]) -> subprocess.Popen[bytes]:
+        # Slurm's --signal goes to every process of the step, torchrun included, and an
+        # unhandled SIGUSR2 kills it mid-save. Ignored dispositions survive exec: torchrun
+        # ignores the notice, and each rank's entry point installs its own handler first.
+        return subprocess.Popen(torchrun_argv(where, run_dir, module, warm_start(module, own)),
+                                env={**env, **extra},
+                                preexec_fn=lambda: signal.signal(stop_signal, signal.SIG_IGN))
+
+    ranks = RankEnv.from_environ()
+    supervised = spec is not None and not own and module == "hpcshard.entry"
+    sup = Supervisor(node, run_dir, spec, ranks, start) if supervised and spec else None
+    proc: list[subprocess.Popen[bytes]] = []
     noticed: list[float] = []
 
+    def current() -> subprocess.Popen[bytes] | None:
+        return sup.proc if sup is not None else (proc[0] if proc else None)
+
     def forward(signum: int, _frame: object) -> None:
-        proc.send_signal(signum)
+        if sup is not None:
+            sup.ending = True
+        if (p := current()) is not None:
+            p.send_signal(signum)
 
     def to_ranks(signum: int, _frame: object) -> None:
         noticed.append(time.monotonic())
-        _signal_ranks(proc.pid, signum)
+        if sup is not None:
+            sup.noticed = True
+        if (p := current()) is not None:
+            _signal_ranks(p.pid, signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
@@ -125,24 +131,27 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
     grace = float(own.get("grace", 60))
     killed = False
     try:
-        while True:
-            try:
-                code = proc.wait(timeout=0.5)
-                break
-            except subprocess.TimeoutExpired:
-                if own and noticed and not killed and time.monotonic() - noticed[0] > grace:
-                    _signal_ranks(proc.pid, signal.SIGKILL)  # torchrun then ends the rest
-                    killed = True
+        if sup is not None:
+            code = sup.run()
+        else:
+            proc.append(start(node, {}))
+            while True:
+                try:
+                    code = proc[0].wait(timeout=0.5)
+                    break
+                except subprocess.TimeoutExpired:
+                    if own and noticed and not killed and time.monotonic() - noticed[0] > grace:
+                        _signal_ranks(proc[0].pid, signal.SIGKILL)  # torchrun then ends the rest
+                        killed = True
     finally:
         pids.unlink(missing_ok=True)
         # No ranks left to tell. A Python handler would be reset to "terminate" while the
         # interpreter shuts down, and a late notice would then kill this task (-12).
         signal.signal(stop_signal, signal.SIG_IGN)
-    attempt = RankEnv.from_environ().attempt
     if own:
-        return _script_outcome(run_dir, node, attempt, code, noticed=bool(noticed),
+        return _script_outcome(run_dir, node, ranks.attempt, code, noticed=bool(noticed),
                                killed=killed, grace=grace)
-    end = ledger.end_of(run_dir, attempt)
+    end = ledger.end_of(run_dir, ranks.attempt)
     if end is not None and end.get("reason") == "stop":
         return REQUEUE_EXIT
     return code

@@ -3,13 +3,26 @@
     node-N.pid       a node launcher's pid while it runs (local backend: `preempt`,
                      `cancel` and `resume` find the live ones here)
     job-J.attempt    the attempt number a continuation job J starts with (chain policy)
+    fault-A-C.json   a fault in cycle C of attempt A, declared by the first launcher to
+                     see it (created exclusively: one declaration, whoever is first)
+    down-A-C-N.json  node N's ranks of that cycle are dead, and what it saw
+    next-A-C.json    node 0's decision once every node is down: restart (and where the
+                     next rendezvous is) or stop
+
+The launchers of a job see each other only through these files: the run directory is
+shared storage, and a node whose launcher writes nothing is a node that is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import time
 from pathlib import Path
+from typing import Any
+
+from hpcshard.rundir.files import write_atomic
 
 LAUNCH = "launch"
 
@@ -47,3 +60,62 @@ def signal_launchers(run_dir: Path, sig: int) -> int:
             os.kill(pid, sig)
             sent += 1
     return sent
+
+
+def _cycle_file(run_dir: Path, kind: str, attempt: int, cycle: int, suffix: str = ".json") -> Path:
+    return run_dir / LAUNCH / f"{kind}-{attempt}-{cycle}{suffix}"
+
+
+def declare_fault(run_dir: Path, attempt: int, cycle: int, record: dict[str, Any]) -> bool:
+    """Declare a fault in this cycle; False when another launcher declared one first."""
+    path = _cycle_file(run_dir, "fault", attempt, cycle)
+    path.parent.mkdir(exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps({"time": time.time(), **record}) + "\n")
+    return True
+
+
+def fault(run_dir: Path, attempt: int, cycle: int) -> dict[str, Any] | None:
+    """The fault declared in this cycle, or None."""
+    path = _cycle_file(run_dir, "fault", attempt, cycle)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    if not text.endswith("\n"):  # being written: read again at the next look
+        return {"time": time.time(), "cause": "unknown"} if text else None
+    return dict(json.loads(text))
+
+
+def mark_down(run_dir: Path, attempt: int, cycle: int, node: int, record: dict[str, Any]) -> None:
+    """Node `node`'s ranks of this cycle are dead; `record`: what it saw (dead ranks, steps)."""
+    write_atomic(_cycle_file(run_dir, "down", attempt, cycle, f"-{node}.json"),
+                 json.dumps({"time": time.time(), "node": node, **record}) + "\n")
+
+
+def downs(run_dir: Path, attempt: int, cycle: int, nodes: int) -> list[dict[str, Any]]:
+    """The down records of this cycle that exist, by node."""
+    found = []
+    for n in range(nodes):
+        with contextlib.suppress(FileNotFoundError):
+            found.append(json.loads(_cycle_file(run_dir, "down", attempt, cycle, f"-{n}.json").read_text()))
+    return found
+
+
+def nodes_down(run_dir: Path, attempt: int, cycle: int, nodes: int) -> list[int]:
+    return [int(d["node"]) for d in downs(run_dir, attempt, cycle, nodes)]
+
+
+def decide(run_dir: Path, attempt: int, cycle: int, decision: dict[str, Any]) -> None:
+    write_atomic(_cycle_file(run_dir, "next", attempt, cycle), json.dumps(decision) + "\n")
+
+
+def decision(run_dir: Path, attempt: int, cycle: int) -> dict[str, Any] | None:
+    try:
+        return dict(json.loads(_cycle_file(run_dir, "next", attempt, cycle).read_text()))
+    except FileNotFoundError:
+        return None

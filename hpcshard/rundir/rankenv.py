@@ -19,6 +19,10 @@ REQUEUE_EXIT = 75
 (EX_TEMPFAIL in sysexits.h: a temporary failure, try again later). The runtime's ranks,
 own scripts (`hpcshard.preemption.REQUEUE`) and the launchers all use this one."""
 
+BUG_EXIT = 3
+"""Exit code meaning "the job's own code raised the same exception at the same step on a
+retry: a bug, not a fault"; never restarted or requeued."""
+
 STOP_SIGNALS = ("USR1", "USR2")
 """What a profile may use as the notice. torchrun takes TERM, INT, HUP and QUIT for
 itself (it tears the ranks down on them, mid-save). NCCL may catch USR1, so USR2 is the
@@ -69,6 +73,10 @@ class RankEnv:
     """HPCSHARD_STOP_SIGNAL: the launcher's notice, which the ranks listen for."""
     deadline: float | None = None
     """HPCSHARD_DEADLINE: Unix time at which the time limit ends; None: no limit known."""
+    cycle: int = 0
+    """HPCSHARD_CYCLE: in-place restarts of the ranks within this attempt (a fault)."""
+    board: str = ""
+    """HPCSHARD_BOARD: the node's progress board (`rundir.progress`); empty: none."""
 
     def __post_init__(self) -> None:  # USR2, usr2, SIGUSR2: one spelling from here on
         object.__setattr__(self, "notice", signal_name(self.notice))
@@ -81,12 +89,14 @@ class RankEnv:
                    resume=env.get("HPCSHARD_RESUME", "auto"),
                    restart_count=int(env.get("HPCSHARD_RESTART_COUNT", "0")),
                    notice=env.get("HPCSHARD_STOP_SIGNAL", DEFAULT_NOTICE),
-                   deadline=float(deadline) if deadline else None)
+                   deadline=float(deadline) if deadline else None,
+                   cycle=int(env.get("HPCSHARD_CYCLE", "0")), board=env.get("HPCSHARD_BOARD", ""))
 
     def to_environ(self) -> dict[str, str]:
         env = {"HPCSHARD_ATTEMPT": str(self.attempt), "HPCSHARD_RESUME": self.resume,
                "HPCSHARD_RESTART_COUNT": str(self.restart_count),
-               "HPCSHARD_STOP_SIGNAL": self.notice}
+               "HPCSHARD_STOP_SIGNAL": self.notice, "HPCSHARD_CYCLE": str(self.cycle),
+               "HPCSHARD_BOARD": self.board}
         if self.deadline is not None:
             env["HPCSHARD_DEADLINE"] = str(int(self.deadline))
         return env

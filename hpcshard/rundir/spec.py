@@ -38,6 +38,10 @@ class RunSpec:
     """Run name, shown by tools."""
     max_requeues: int = 10
     """Restarts after stop requests before the run gives up."""
+    max_restarts: int = 3
+    """In-place restarts of the ranks per allocation after a fault."""
+    no_progress_restarts: int = 2
+    """Restarts in a row without a newer committed checkpoint before the run stops."""
     requeue_policy: str = "requeue"
     """Slurm: after a clean stop, requeue | chain (a continuation job) | none."""
     profile: str = ""

@@ -15,6 +15,8 @@ from hpcshard.rundir.metrics import read_metrics, train_records
 @dataclass
 class Attempt:
     number: int
+    cycle: int
+    """In-place restarts before this one within the attempt (after faults)."""
     start: float
     end: float | None
     reason: str
@@ -41,12 +43,19 @@ def attempts(run_dir: Path) -> list[Attempt]:
     rows = []
     for i, s in enumerate(starts):
         until = starts[i + 1]["time"] if i + 1 < len(starts) else float("inf")
-        end = next((r for r in records if r["event"] == "end" and r["attempt"] == s["attempt"]), None)
+        key = (s["attempt"], s.get("cycle", 0))
+        end = next((r for r in records if r["event"] == "end"
+                    and (r["attempt"], r.get("cycle", 0)) == key), None)
+        fault = next((r for r in records if r["event"] == "fault"
+                      and (r["attempt"], r.get("cycle", 0)) == key), None)
+        if fault is not None:  # the ranks were killed and restarted (or the run stopped)
+            end = {"time": fault["time"], "reason": "fault"}
         reached = max((st for t, st in steps if s["time"] <= t < until), default=None)
         next_loaded = starts[i + 1].get("resumed_step") if i + 1 < len(starts) else None
         kept = next_loaded if i + 1 < len(starts) else (end or {}).get("saved_step")
         lost = None if reached is None else max(0, reached - (kept or 0))
-        rows.append(Attempt(number=s["attempt"], start=s["time"], end=(end or {}).get("time"),
+        rows.append(Attempt(number=s["attempt"], cycle=s.get("cycle", 0), start=s["time"],
+                            end=(end or {}).get("time"),
                             reason=(end or {}).get("reason",
                                                    "killed" if i + 1 < len(starts) else "running?"),
                             loaded=s.get("resumed_step"), saved=(end or {}).get("saved_step"),
@@ -94,11 +103,30 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
         lines.append(f"  {'#':>3} {'start':>8} {'end':>8}  {'end reason':<10} {'loaded':>6} {'reached':>7} "
                      f"{'saved':>6} {'lost':>5}")
         for a in rows:
-            lines.append(f"  {a.number:>3} {_clock(a.start):>8} {_clock(a.end):>8}  {a.reason:<10} "
+            number = f"{a.number}.{a.cycle}" if a.cycle else str(a.number)
+            lines.append(f"  {number:>3} {_clock(a.start):>8} {_clock(a.end):>8}  {a.reason:<10} "
                          f"{_fmt(a.loaded):>6} {_fmt(a.reached):>7} {_fmt(a.saved):>6} {a.lost_text:>5}")
+    lines += faults(run_dir)
     for r in ledger.read(run_dir):
         if r["event"] == "gave_up":
             lines.append(f"gave up: {r['reason']}")
+    return lines
+
+
+def faults(run_dir: Path) -> list[str]:
+    """One line per fault: when, what, who, what it cost and what was done about it."""
+    found = [r for r in ledger.read(run_dir) if r["event"] == "fault"]
+    if not found:
+        return []
+    lines = [f"faults ({len(found)}):"]
+    for r in found:
+        who = r.get("culprit") or {}
+        culprit = (f"rank {who['rank']}" + (f" on {who['host']} (node {who['node']})" if "host" in who
+                                            else "")) if who else "culprit unknown"
+        action = "restarted" if r.get("restart") else "stopped"
+        lines.append(f"  {r['attempt']}.{r['cycle']} {_clock(r.get('declared'))}  {r.get('cause')}; "
+                     f"{culprit}; {r.get('lost_steps', 0)} step(s) to redo from step "
+                     f"{r.get('committed', '-')}; {action}: {r.get('reason', '')}")
     return lines
 
 

@@ -13,15 +13,17 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch.distributed as dist
 
 from hpcshard.config import build_config
 from hpcshard.rundir import ledger
+from hpcshard.rundir.progress import Board
 from hpcshard.rundir.rankenv import RankEnv
 from hpcshard.rundir.spec import RunSpec
-from hpcshard.runtime.device import init_distributed
+from hpcshard.runtime.device import DistEnv, init_distributed
 from hpcshard.runtime.job import load_job
 from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.train import Trainer
@@ -71,7 +73,10 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
     startup = {"entry": start or time.time(), "torch": time.time()}
     env = init_distributed()
     startup["rendezvous"] = time.time()
+    report = reporter(ranks, env)
+    report("setup", 0)
     stop: StopRequest | None = None
+    trainer: Trainer | None = None
     try:
         check_writable(run_dir)
         setup_logging(run_dir, env.rank)
@@ -79,11 +84,13 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
         cfg = build_config(job.config, spec.sets)
         stop = StopRequest(f"{cfg.stop_signals},{ranks.notice}").install(early or [])
         trainer = Trainer(job, cfg, env, run_dir)
+        trainer.report = report
         startup["built"] = time.time()
         loaded = trainer.restore(resume)
         trainer.startup = {**startup, "loaded": time.time()}
         if env.is_main:
-            ledger.append(run_dir, {"event": "start", "attempt": attempt, "world": env.world,
+            ledger.append(run_dir, {"event": "start", "attempt": attempt, "cycle": ranks.cycle,
+                                    "world": env.world,
                                     "nodes": env.nodes, "host": socket.gethostname(),
                                     "resumed_step": loaded.step if loaded else None,
                                     "resumed_from": loaded.path if loaded else None,
@@ -93,25 +100,50 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
         log.debug("user error", exc_info=True)
         if env.is_main:
             print(f"error: {err}", file=sys.stderr)
-            _end(run_dir, attempt, reason="error", error=str(err))
+            _end(run_dir, attempt, reason="error", cycle=ranks.cycle, user_error=True, error=str(err))
         return USER_ERROR
     except BaseException as err:
-        if env.is_main:
-            _end(run_dir, attempt, reason="error", error=f"{type(err).__name__}: {err}")
+        _failed(run_dir, ranks, env, trainer.step if trainer else None, err)
         raise
     finally:
+        report("done", trainer.step if trainer else 0)
         if stop is not None:
             stop.ignore_from_now()
         if dist.is_initialized():
             dist.destroy_process_group()
     if env.is_main:
-        _end(run_dir, attempt, reason=summary.reason, step=summary.step,
+        _end(run_dir, attempt, reason=summary.reason, cycle=ranks.cycle, step=summary.step,
              saved_step=summary.saved_step)
     if summary.reason == "done" and summary.saved_step != summary.step:
         (log.error if env.is_main else log.debug)(
             "the final checkpoint (step %d) could not be saved; see the errors above", summary.step)
         return 1
     return 0
+
+
+def reporter(ranks: RankEnv, env: DistEnv) -> Callable[[str, int], None]:
+    """This rank's slot on its node's progress board, which its launcher watches."""
+    if not ranks.board:
+        return lambda phase, step: None
+    board = Board(Path(ranks.board), env.per_node)
+
+    def report(phase: str, step: int) -> None:
+        board.publish(env.local_rank, rank=env.rank, step=step, phase=phase)
+    return report
+
+
+def _failed(run_dir: Path, ranks: RankEnv, env: DistEnv, step: int | None, err: BaseException) -> None:
+    """Every rank that fails says how, for the launchers to tell a bug in the job (the same
+    exception at the same step again) from a fault (a peer that died, a signal)."""
+    with contextlib.suppress(OSError):
+        ledger.append(run_dir, {"event": "rank_failed", "attempt": ranks.attempt,
+                                "cycle": ranks.cycle, "rank": env.rank, "host": socket.gethostname(),
+                                "step": step, "error": type(err).__name__,
+                                "message": str(err).strip().splitlines()[0][:300] if str(err).strip() else "",
+                                "log": str(run_dir / "logs" / f"rank-{env.rank}.log")})
+    if env.is_main:
+        _end(run_dir, ranks.attempt, reason="error", cycle=ranks.cycle,
+             error=f"{type(err).__name__}: {err}")
 
 
 def _end(run_dir: Path, attempt: int, **fields: object) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,6 +105,9 @@ class Trainer:
         self.state_bytes: dict[str, int] | None = None
         self.startup: dict[str, float] = {}
         """Wall-clock marks of this rank's start (entry, torch, rendezvous, built, loaded)."""
+        self.report: Callable[[str, int], None] = lambda phase, step: None
+        """Where this rank tells its launcher what it does (phase, step): the node's
+        progress board under hpcshard's launchers, nothing elsewhere."""
         parts = TrainParts(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                            batches=self.batches, scaler=self.scaler,
                            layout={"mesh": list(self.mesh.shape), "sharding": self.mode})
@@ -187,6 +191,7 @@ class Trainer:
 
     def restore(self, how: str = "auto") -> Loaded | None:
         """Resume from a checkpoint (auto|never|STEP|PATH) before `run`."""
+        self.report("load", self.step)
         loaded = self.ckpt.resume(how) if self.ckpt else None
         if loaded is not None:
             self.step = loaded.step
@@ -202,6 +207,7 @@ class Trainer:
         if self.ckpt.pending is not None and not busy:
             self.ckpt.wait()  # every rank's background write is done: commit it now
         if stop_now or due:
+            self.report("save", self.step)
             self.ckpt.save(self.step, "stop" if stop_now else "periodic")
         return stop_now
 
@@ -220,6 +226,7 @@ class Trainer:
         last_t, last_step = time.perf_counter(), self.step
         with metrics.progress(start=self.step) as bar:
             while self.step < cfg.steps:
+                self.report("step", self.step)
                 first = self.state_bytes is None
                 step_loss, norm = self.train_step()
                 if first and self.state_bytes is not None:
@@ -236,6 +243,7 @@ class Trainer:
                     bar.show(loss)
                     last_t, last_step = time.perf_counter(), self.step
                 if self.eval_count and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                    self.report("eval", self.step)
                     eval_loss = self.evaluate()
                     metrics.record(self.step, eval_loss=eval_loss)
                     last_t = time.perf_counter()  # evaluation time is not training throughput
@@ -245,6 +253,7 @@ class Trainer:
         saved = -1
         if self.ckpt is not None:
             if reason == "done":
+                self.report("save", self.step)
                 self.ckpt.save(self.step, "end")
             self.ckpt.wait()
             saved = self.ckpt.last_saved

@@ -128,6 +128,11 @@ SETTINGS: dict[str, Setting] = {
                               choices=POLICIES, option="--requeue-policy"),
     "max_requeues": Setting("int", 10, "Restarts after stop requests (preemptions) before the run "
                             "gives up.", minimum=0, option="--max-requeues"),
+    "max_restarts": Setting("int", 3, "In-place restarts of the ranks per allocation after a "
+                            "fault (a crashed rank); then the run stops.", minimum=0,
+                            option="--max-restarts"),
+    "no_progress_restarts": Setting("int", 2, "Stop after this many restarts in a row that did "
+                                    "not advance the committed checkpoint.", minimum=1),
     "storage_root": Setting("str", "runs", "Where run directories go (shared storage seen by "
                             "every node); ~ and $VARS expand, relative paths are from the "
                             "current directory."),

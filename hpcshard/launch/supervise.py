@@ -1,0 +1,287 @@
+"""Supervision of a node's ranks (hpcshard jobs): start them, watch them, and when a rank
+dies, bring every node's ranks back from the newest committed checkpoint without leaving
+the allocation.
+
+One cycle is one torchrun (or warm agent) per node. While it runs, the launcher reads its
+node's progress board (`rundir.progress`) every POLL_S: a rank whose process is gone while
+it was still training is a crash, declared at once for the whole job (`rundir.launchers`:
+one fault file per cycle, first declarer wins). Every launcher polls for a declaration too,
+so a fault on one node stops the others within a poll, not after torchrun's 300 s exit
+barrier or gloo's 30 minutes. Each launcher then kills what is left of its ranks (SIGCONT
+first: a stopped process would not die of SIGTERM; then SIGKILL) and says it is down; node
+0 decides, once every node is down, whether to restart (within the budget, not when the
+job's own code raised the same exception at the same step twice) and where the next
+rendezvous is; every node starts the next cycle from the newest committed checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from hpcshard.rundir import launchers, ledger, store
+from hpcshard.rundir.progress import Board, board_path
+from hpcshard.rundir.rankenv import BUG_EXIT, RankEnv
+from hpcshard.rundir.spec import RunSpec
+
+POLL_S = 0.2
+"""How often a launcher looks at its board and for a declared fault."""
+DOWN_TIMEOUT_S = 120.0
+"""How long node 0 waits for every node to report its ranks dead before it gives up."""
+COMMS_ERRORS = ("DistBackendError", "DistNetworkError", "DistError", "DistStoreError")
+"""Exceptions a rank raises because a peer died: a consequence, never the culprit."""
+COMMS_MESSAGES = ("gloo/transport", "Connection reset", "Connection closed", "Broken pipe", "NCCL")
+"""...and what gloo's and NCCL's RuntimeErrors say when that happens."""
+
+
+def children(pid: int) -> list[int]:
+    """Direct children of `pid`, from /proc (Linux; works in containers without ps)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue  # exited while we looked
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`, from /proc (a warm agent's forked ranks, torchrun's
+    workers and whatever they started)."""
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running or stopped, not a zombie: a killed rank stays a zombie until its agent reaps
+    it, and must count as dead at once."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """End a cycle's agent and every rank below it, whatever state they are in."""
+    pids = [*descendants(proc.pid), proc.pid]
+    for sig in (signal.SIGCONT, signal.SIGKILL):
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+    proc.wait()
+
+
+def _who(culprit: dict[str, Any] | None) -> str:
+    """The culprit in one phrase: rank, host, step, and for an exception its line and log."""
+    if not culprit:
+        return "culprit unknown"
+    text = f"rank {culprit['rank']} on {culprit.get('host', '?')}"
+    if culprit.get("step") is not None:
+        text += f" at step {culprit['step']}"
+    if culprit.get("error"):
+        text += f": {culprit['error']}: {culprit.get('message', '')} (traceback in {culprit.get('log')})"
+    return text
+
+
+def free_port() -> int:
+    """A port for the next cycle's rendezvous, on this host (node 0 hosts it)."""
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Watch:
+    """What one cycle came to."""
+
+    code: int
+    fault: dict[str, Any] | None = None
+    dead: list[dict[str, Any]] = field(default_factory=list)
+    """Ranks of this node whose process died while they trained (the culprits)."""
+    reached: int = 0
+    """The highest step any rank of this node reported."""
+
+
+class Supervisor:
+    """A node's ranks, cycle after cycle, until they finish, stop, or the budget ends."""
+
+    def __init__(self, node: Any, run_dir: Path, spec: RunSpec, ranks: RankEnv,
+                 start: Callable[[Any, dict[str, str]], subprocess.Popen[bytes]]) -> None:
+        self.node, self.run_dir, self.spec, self.ranks = node, run_dir, spec, ranks
+        self.start = start
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.ending = False
+        """A TERM or INT came (cancel, the scheduler): the ranks end, nothing restarts."""
+        self.noticed = False
+        """A stop notice came: the ranks stop cleanly; a failure then is not restarted."""
+
+    # -- one cycle -------------------------------------------------------------------
+    def run(self) -> int:
+        node, cycle = self.node, 0
+        while True:
+            watch = self.cycle(node, cycle)
+            if watch.fault is None:
+                return watch.code
+            decided = self.recover(cycle, watch)
+            if not decided.get("restart"):
+                return int(decided.get("code", 1))
+            cycle += 1
+            node = replace(self.node, rdzv_port=int(decided["port"]),
+                           run_id=f"{self.node.run_id}-c{cycle}")
+
+    def cycle(self, node: Any, cycle: int) -> Watch:
+        path = board_path(node.run_id, node.node_rank)
+        board = Board.create(path, node.per_node)
+        env = replace(self.ranks, cycle=cycle, board=str(path),
+                      resume=self.ranks.resume if cycle == 0 else "auto")
+        self.proc = self.start(node, env.to_environ())
+        try:
+            return self._watch(self.proc, board, cycle)
+        finally:
+            board.close(remove=True)
+
+    def _watch(self, proc: subprocess.Popen[bytes], board: Board, cycle: int) -> Watch:
+        attempt = self.ranks.attempt
+        while True:
+            code = proc.poll()
+            slots = board.read()
+            dead = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase,
+                     "node": self.node.node_rank, "host": socket.gethostname()}
+                    for s in slots if s.phase != "done" and not alive(s.pid)]
+            reached = max((s.step for s in slots), default=0)
+            if code is not None or dead or launchers.fault(self.run_dir, attempt, cycle):
+                break
+            time.sleep(POLL_S)
+        if code == 0 or self.ending or self.noticed:
+            return Watch(code=code if code is not None else self._end(proc), reached=reached)
+        if code is not None and not dead and self._user_error(cycle):
+            return Watch(code=code, reached=reached)  # a bad value: restarting changes nothing
+        if dead:
+            culprit = dead[0]
+            launchers.declare_fault(self.run_dir, attempt, cycle, {
+                "cause": f"rank {culprit['rank']} died (its process is gone)", "node": self.node.node_rank,
+                "host": socket.gethostname(), "rank": culprit["rank"], "step": culprit["step"]})
+        elif code is not None:
+            launchers.declare_fault(self.run_dir, attempt, cycle, {
+                "cause": f"the ranks of node {self.node.node_rank} failed (exit {code})",
+                "node": self.node.node_rank, "host": socket.gethostname()})
+        if proc.poll() is None:
+            kill_tree(proc)
+        return Watch(code=proc.returncode or 1, fault=launchers.fault(self.run_dir, attempt, cycle),
+                     dead=dead, reached=reached)
+
+    def _end(self, proc: subprocess.Popen[bytes]) -> int:
+        return proc.wait()
+
+    def _user_error(self, cycle: int) -> bool:
+        """The runtime refused a value (exit 2, a one-line error): not a fault."""
+        end = ledger.end_of(self.run_dir, self.ranks.attempt)
+        return bool(end and end.get("user_error") and end.get("cycle", 0) == cycle)
+
+    # -- between cycles --------------------------------------------------------------
+    def recover(self, cycle: int, watch: Watch) -> dict[str, Any]:
+        attempt, node = self.ranks.attempt, self.node.node_rank
+        launchers.mark_down(self.run_dir, attempt, cycle, node, {
+            "host": socket.gethostname(), "dead": watch.dead, "reached": watch.reached})
+        if node == 0:
+            decided = self.decide(cycle, watch)
+            launchers.decide(self.run_dir, attempt, cycle, decided)
+            return decided
+        deadline = time.monotonic() + DOWN_TIMEOUT_S + 30
+        while time.monotonic() < deadline:
+            found = launchers.decision(self.run_dir, attempt, cycle)
+            if found is not None:
+                return found
+            time.sleep(POLL_S)
+        return {"restart": False, "code": 1, "reason": "node 0 decided nothing (is it gone?)"}
+
+    def decide(self, cycle: int, watch: Watch) -> dict[str, Any]:
+        """Node 0, once every node is down: restart, or stop and why. Recorded in the ledger."""
+        attempt, nodes = self.ranks.attempt, self.node.nnodes
+        deadline = time.monotonic() + DOWN_TIMEOUT_S
+        while len(launchers.nodes_down(self.run_dir, attempt, cycle, nodes)) < nodes:
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(nodes)) - set(launchers.nodes_down(self.run_dir, attempt,
+                                                                                cycle, nodes)))
+                return self._record(cycle, watch, restart=False, code=1,
+                                    reason=f"node(s) {missing} did not report their ranks down "
+                                    f"within {DOWN_TIMEOUT_S:.0f} s")
+            time.sleep(POLL_S)
+        downs = launchers.downs(self.run_dir, attempt, cycle, nodes)
+        committed = max((c.step for c in store.committed(self.run_dir / store.CHECKPOINTS)), default=0)
+        bug = self._same_bug(cycle)
+        stalled = self._stalled(cycle, committed)
+        if bug:
+            return self._record(cycle, watch, downs, restart=False, code=BUG_EXIT, committed=committed,
+                                reason=f"the job's own code raised {bug} again at the same step: a "
+                                "bug, not a fault; not restarted")
+        if cycle + 1 > self.spec.max_restarts:
+            return self._record(cycle, watch, downs, restart=False, code=1, committed=committed,
+                                reason=f"the restart budget ({self.spec.max_restarts}) is spent")
+        if stalled >= self.spec.no_progress_restarts:
+            return self._record(cycle, watch, downs, restart=False, code=1, committed=committed,
+                                reason=f"{stalled} restarts in a row without a newer checkpoint")
+        return self._record(cycle, watch, downs, restart=True, port=free_port(), committed=committed,
+                            reason=f"restart {cycle + 1} of {self.spec.max_restarts}")
+
+    def _record(self, cycle: int, watch: Watch, downs: list[dict[str, Any]] | None = None,
+                **decided: Any) -> dict[str, Any]:
+        downs = downs or []
+        dead = [d for down in downs for d in down.get("dead", [])]
+        culprit = dead[0] if dead else self._failed_first(cycle)
+        reached = max([watch.reached, *(d.get("reached", 0) for d in downs)])
+        fault = watch.fault or {}
+        ledger.append(self.run_dir, {
+            "event": "fault", "attempt": self.ranks.attempt, "cycle": cycle,
+            "cause": fault.get("cause", "unknown"), "declared": fault.get("time"),
+            "culprit": culprit, "reached": reached, **decided,
+            "lost_steps": max(0, reached - decided.get("committed", reached))})
+        print(f"hpcshard: fault: {fault.get('cause', 'unknown')}; {_who(culprit)}; "
+              f"{decided['reason']}", file=sys.stderr, flush=True)
+        return decided
+
+    def _failures(self, cycle: int) -> list[dict[str, Any]]:
+        return [r for r in ledger.read(self.run_dir) if r.get("event") == "rank_failed"
+                and r.get("attempt") == self.ranks.attempt and r.get("cycle", 0) == cycle]
+
+    def _failed_first(self, cycle: int) -> dict[str, Any] | None:
+        """The first rank whose own code raised (not a peer's death seen as a comms error)."""
+        own = [r for r in self._failures(cycle) if r.get("error") not in COMMS_ERRORS
+               and not any(m in r.get("message", "") for m in COMMS_MESSAGES)]
+        return own[0] if own else None
+
+    def _same_bug(self, cycle: int) -> str:
+        now = self._failed_first(cycle)
+        before = self._failed_first(cycle - 1) if cycle else None
+        if now and before and (now["error"], now["step"]) == (before["error"], before["step"]):
+            return str(now["error"])
+        return ""
+
+    def _stalled(self, cycle: int, committed: int) -> int:
+        """Restarts in a row so far after which the committed step did not move."""
+        stalled = 0
+        for c in range(cycle - 1, -1, -1):
+            before = launchers.decision(self.run_dir, self.ranks.attempt, c) or {}
+            if before.get("committed") != committed:
+                break
+            stalled += 1
+        return stalled

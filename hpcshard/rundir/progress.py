@@ -1,0 +1,77 @@
+"""The progress board: how a node's ranks tell their launcher, every step, where they are.
+
+One small file per node in node-local memory (/dev/shm where it exists), one fixed slot
+per local rank: pid, global rank, step, phase and when the phase began. A rank writes its
+slot in place through mmap (no system call per step, nothing on shared storage, no
+collective); the launcher reads the whole board a few times a second. Stdlib: the
+launcher and the ranks share this module.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+PHASES = ("idle", "setup", "load", "step", "eval", "save", "done")
+"""What a rank is doing. `done`: it left the training loop (finished, stopped, failed)."""
+
+_SLOT = struct.Struct("<qqqqd")  # pid, rank, step, phase, phase start (Unix time)
+
+
+@dataclass(frozen=True)
+class Slot:
+    local_rank: int
+    pid: int
+    rank: int
+    step: int
+    phase: str
+    since: float
+    """Unix time at which this phase began."""
+
+
+def board_path(run_id: str, node_rank: int) -> Path:
+    """Node-local: /dev/shm when it exists (a RAM file), else the temp directory."""
+    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    return base / f"hpcshard-{run_id}-node{node_rank}.board"
+
+
+class Board:
+    """A node's board. The launcher creates it (`create`); each rank opens it once."""
+
+    def __init__(self, path: Path, slots: int) -> None:
+        self.path, self.slots = path, slots
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, _SLOT.size * slots)
+        finally:
+            os.close(fd)
+
+    @classmethod
+    def create(cls, path: Path, slots: int) -> Board:
+        """A fresh, zeroed board (the launcher, before each start of its ranks)."""
+        with path.open("wb") as f:
+            f.write(b"\0" * _SLOT.size * slots)
+        return cls(path, slots)
+
+    def publish(self, local_rank: int, *, rank: int, step: int, phase: str) -> None:
+        """Write this rank's slot: an in-memory copy of 40 bytes."""
+        _SLOT.pack_into(self._map, local_rank * _SLOT.size, os.getpid(), rank, step,
+                        PHASES.index(phase), time.time())
+
+    def read(self) -> list[Slot]:
+        """Every slot a rank has written (a rank that has not started yet has none)."""
+        out = []
+        for i in range(self.slots):
+            pid, rank, step, phase, since = _SLOT.unpack_from(self._map, i * _SLOT.size)
+            if pid:
+                out.append(Slot(i, pid, rank, step, PHASES[phase], since))
+        return out
+
+    def close(self, remove: bool = False) -> None:
+        self._map.close()
+        if remove:
+            self.path.unlink(missing_ok=True)

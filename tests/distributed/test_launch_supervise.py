@@ -1,0 +1,93 @@
+"""Faults inside the allocation, injected the way they happen, 2 nodes x 2 ranks on the local
+backend (the launchers Slurm runs): a rank killed with SIGKILL, a bug in the job's own code,
+a rank that dies at every start."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from hpcshard.rundir import ledger
+from hpcshard.rundir.rankenv import BUG_EXIT
+from tests.conftest import ROOT, STEPS, hpcshard, hpcshard_bg, sets, step_records, wait_for
+from tests.distributed.test_runtime_checkpoint import (
+    assert_bitwise_equal,
+    committed,
+    load,
+    rank_pids,
+    trained_to,
+)
+
+FAULTY = str(ROOT / "tests" / "jobs" / "faulty.py")
+
+
+def faults(run: Path) -> list[dict[str, Any]]:
+    return [r for r in ledger.read(run) if r["event"] == "fault"]
+
+
+def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_bitwise_equal(uninterrupted: Path,
+                                                                            tmp_path: Path) -> None:
+    run = tmp_path / "killed"
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
+                       str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100))
+    wait_for(partial(trained_to, run, 6), 180, "step 6, past the commit of step 4")
+    victim = rank_pids(run)[-1]
+    os.kill(victim, signal.SIGKILL)
+    killed_at = time.time()
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+
+    (fault,) = faults(run)
+    assert fault["restart"] and fault["culprit"]["pid"] == victim and "died" in fault["cause"]
+    assert fault["declared"] - killed_at < 5  # seconds, not torchrun's 300 s or gloo's 30 min
+    starts = [r for r in ledger.read(run) if r["event"] == "start"]
+    assert [(s["attempt"], s["cycle"]) for s in starts] == [(0, 0), (0, 1)]
+    assert starts[1]["resumed_step"] == fault["committed"] >= 4
+    # Only what the fault lost is trained twice; the rest once.
+    trained = [r["step"] for r in step_records(run)]
+    assert sorted(set(trained)) == list(range(1, STEPS + 1))
+    assert len(trained) - STEPS == fault["reached"] - fault["committed"] == fault["lost_steps"]
+    # Weights, optimizer, schedule, data position and RNG end as if nothing had happened.
+    reference = committed(uninterrupted)
+    mine = committed(run)
+    assert STEPS in mine
+    for step, path in mine.items():
+        assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
+    status = hpcshard("status", str(run)).stdout
+    assert "0.1" in status and "faults (1):" in status and f"rank {fault['culprit']['rank']}" in status
+
+
+def test_a_bug_in_the_job_stops_after_one_retry_with_one_line(tmp_path: Path) -> None:
+    run = tmp_path / "bug"
+    proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", FAULTY, "--run-dir", str(run),
+                    *sets(steps=8, ckpt_every=100, fail_at=3, fail_rank=1))
+    assert proc.returncode == BUG_EXIT, proc.stdout[-3000:] + proc.stderr[-3000:]
+    first, second = faults(run)
+    assert first["restart"] and not second["restart"] and second["code"] == BUG_EXIT
+    culprit = second["culprit"]
+    assert (culprit["rank"], culprit["step"], culprit["error"]) == (1, 2, "RuntimeError")
+    line = next(x for x in proc.stderr.splitlines() if "not restarted" in x)
+    assert "rank 1 on" in line and "at step 2" in line and "injected bug" in line
+    assert "rank-1.log" in line
+
+
+def test_a_rank_that_dies_at_every_start_stops_without_a_restart_storm(tmp_path: Path) -> None:
+    run = tmp_path / "storm"
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
+                       str(run), "--max-restarts", "5", *sets(steps=STEPS))
+    killed: set[int] = set()
+    while proc.poll() is None and len(killed) < 6:
+        ranks = rank_pids(run)
+        if len(ranks) == 4 and not killed & set(ranks):
+            killed.add(ranks[0])
+            os.kill(ranks[0], signal.SIGKILL)
+        time.sleep(0.2)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out[-3000:]
+    decisions = [(f["restart"], f["committed"]) for f in faults(run)]
+    assert decisions == [(True, 0), (True, 0), (False, 0)]  # 2 restarts that saved nothing
+    assert "2 restarts in a row without a newer checkpoint" in faults(run)[-1]["reason"]
