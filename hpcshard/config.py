@@ -102,6 +102,14 @@ class TrainConfig:
     stop_signals: str = NOTICE
     """Signals that request a stop at the next step boundary (comma-separated names).
     Not USR1 by default: NCCL may use it."""
+    watchdog_factor: float = 3.0
+    """A rank is hung when a step takes this many times the median step (launch.watchdog)."""
+    watchdog_floor_s: float = 5.0
+    """...but never less than this many seconds."""
+    watchdog_warmup_steps: int = 3
+    """Steps of each (re)start judged by watchdog_phase_s instead (cold start, compile)."""
+    watchdog_phase_s: float = 1800.0
+    """The limit of everything else: setup, load, save, evaluation, the warm-up steps."""
 
     def __post_init__(self) -> None:
         _choice("sharding", self.sharding, SHARDING_MODES)
@@ -115,10 +123,11 @@ class TrainConfig:
             _positive(name, getattr(self, name))
         for name in ("micro_batch_size", "warmup_steps", "weight_decay", "grad_clip",
                      "eval_every", "block_min_params", "peak_tflops", "min_lr_ratio",
-                     "ckpt_every", "ckpt_minutes", "keep_every"):
+                     "ckpt_every", "ckpt_minutes", "keep_every", "watchdog_warmup_steps"):
             _positive(name, getattr(self, name), zero_ok=True)
 
-        _positive("keep_last", self.keep_last)
+        for name in ("keep_last", "watchdog_factor", "watchdog_floor_s", "watchdog_phase_s"):
+            _positive(name, getattr(self, name))
         signal_names(self.stop_signals)
 
     def accumulation(self, world: int) -> tuple[int, int]:

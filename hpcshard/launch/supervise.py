@@ -28,11 +28,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hpcshard.launch.watchdog import Limits, Watchdog, process_state
 from hpcshard.rundir import launchers, ledger, store
 from hpcshard.rundir.progress import Board, board_path
-from hpcshard.rundir.rankenv import BUG_EXIT, RankEnv
+from hpcshard.rundir.rankenv import BUG_EXIT, STACKS_SIGNAL, RankEnv
 from hpcshard.rundir.spec import RunSpec
 
+STACKS_WAIT_S = 1.0
+"""How long the ranks get to write their stacks before they are killed."""
 POLL_S = 0.2
 """How often a launcher looks at its board and for a declared fault."""
 DOWN_TIMEOUT_S = 120.0
@@ -80,13 +83,21 @@ def alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    """End a cycle's agent and every rank below it, whatever state they are in."""
+def _send(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def kill_tree(proc: subprocess.Popen[bytes], stacks: list[int] | tuple[int, ...] = ()) -> None:
+    """End a cycle's agent and every rank below it, whatever state they are in. `stacks`:
+    ranks asked first to write their Python stacks into their logs (what a hang was doing)."""
     pids = [*descendants(proc.pid), proc.pid]
-    for sig in (signal.SIGCONT, signal.SIGKILL):
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, sig)
+    _send(pids, signal.SIGCONT)  # a stopped process ignores all but SIGKILL until continued
+    if stacks:
+        _send(list(stacks), STACKS_SIGNAL)
+        time.sleep(STACKS_WAIT_S)
+    _send([*descendants(proc.pid), *pids], signal.SIGKILL)
     proc.wait()
 
 
@@ -161,6 +172,8 @@ class Supervisor:
 
     def _watch(self, proc: subprocess.Popen[bytes], board: Board, cycle: int) -> Watch:
         attempt = self.ranks.attempt
+        dog = Watchdog(Limits.from_config(self.spec.resolved.get("config", {})))
+        hang: dict[str, Any] | None = None
         while True:
             code = proc.poll()
             slots = board.read()
@@ -168,14 +181,20 @@ class Supervisor:
                      "node": self.node.node_rank, "host": socket.gethostname()}
                     for s in slots if s.phase != "done" and not alive(s.pid)]
             reached = max((s.step for s in slots), default=0)
-            if code is not None or dead or launchers.fault(self.run_dir, attempt, cycle):
+            if code is None and not dead:
+                hang = dog.look(slots, time.time())
+            if code is not None or dead or hang or launchers.fault(self.run_dir, attempt, cycle):
                 break
             time.sleep(POLL_S)
         if code == 0 or self.ending or self.noticed:
             return Watch(code=code if code is not None else self._end(proc), reached=reached)
         if code is not None and not dead and self._user_error(cycle):
             return Watch(code=code, reached=reached)  # a bad value: restarting changes nothing
-        if dead:
+        if hang:
+            launchers.declare_fault(self.run_dir, attempt, cycle, {
+                "cause": hang["cause"], "node": self.node.node_rank, "host": socket.gethostname(),
+                **{k: hang[k] for k in ("rank", "step", "phase", "pid", "state")}})
+        elif dead:
             culprit = dead[0]
             launchers.declare_fault(self.run_dir, attempt, cycle, {
                 "cause": f"rank {culprit['rank']} died (its process is gone)", "node": self.node.node_rank,
@@ -184,10 +203,13 @@ class Supervisor:
             launchers.declare_fault(self.run_dir, attempt, cycle, {
                 "cause": f"the ranks of node {self.node.node_rank} failed (exit {code})",
                 "node": self.node.node_rank, "host": socket.gethostname()})
+        stopped = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase,
+                    "node": self.node.node_rank, "host": socket.gethostname(), "state": "stopped"}
+                   for s in board.read() if s.phase != "done" and process_state(s.pid) in ("T", "t")]
         if proc.poll() is None:
-            kill_tree(proc)
+            kill_tree(proc, stacks=[s.pid for s in board.read() if s.phase != "done"])
         return Watch(code=proc.returncode or 1, fault=launchers.fault(self.run_dir, attempt, cycle),
-                     dead=dead, reached=reached)
+                     dead=dead + stopped, reached=reached)
 
     def _end(self, proc: subprocess.Popen[bytes]) -> int:
         return proc.wait()

@@ -23,6 +23,10 @@ BUG_EXIT = 3
 """Exit code meaning "the job's own code raised the same exception at the same step on a
 retry: a bug, not a fault"; never restarted or requeued."""
 
+STACKS_SIGNAL = signal.SIGRTMIN + 4
+"""What a launcher sends a rank to have it write every thread's Python stack into its log
+before it is killed (faulthandler): a real-time signal, which nothing else of a job uses."""
+
 STOP_SIGNALS = ("USR1", "USR2")
 """What a profile may use as the notice. torchrun takes TERM, INT, HUP and QUIT for
 itself (it tears the ranks down on them, mid-save). NCCL may catch USR1, so USR2 is the

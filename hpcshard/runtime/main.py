@@ -8,6 +8,7 @@ traceback goes to the rank's log file.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import socket
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from hpcshard.config import build_config
 from hpcshard.rundir import ledger
 from hpcshard.rundir.progress import Board
-from hpcshard.rundir.rankenv import RankEnv
+from hpcshard.rundir.rankenv import STACKS_SIGNAL, RankEnv
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.runtime.device import DistEnv, init_distributed
 from hpcshard.runtime.job import load_job
@@ -80,6 +81,11 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
     try:
         check_writable(run_dir)
         setup_logging(run_dir, env.rank)
+        # Before a hung rank is killed, its launcher asks for every thread's stack: where
+        # it hung, in its own log. (faulthandler writes from the signal handler itself,
+        # so a rank blocked inside a C++ collective still answers.)
+        faulthandler.register(STACKS_SIGNAL, file=(run_dir / "logs" / f"rank-{env.rank}.log").open("a"),
+                              all_threads=True)
         job = load_job(spec.job)
         cfg = build_config(job.config, spec.sets)
         stop = StopRequest(f"{cfg.stop_signals},{ranks.notice}").install(early or [])

@@ -61,6 +61,31 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_bitwise_equal(unin
     assert "0.1" in status and "faults (1):" in status and f"rank {fault['culprit']['rank']}" in status
 
 
+def test_a_stopped_rank_is_a_hang_found_in_seconds_and_the_run_ends_bitwise_equal(
+        uninterrupted: Path, tmp_path: Path) -> None:
+    run = tmp_path / "hung"
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
+                       str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100, watchdog_floor_s=2))
+    wait_for(partial(trained_to, run, 7), 180, "step 7, past the warm-up and a commit")
+    victim = rank_pids(run)[1]
+    os.kill(victim, signal.SIGSTOP)  # a hang: the process is there and does nothing
+    stopped_at = time.time()
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+
+    (fault,) = faults(run)
+    assert fault["restart"] and "made no progress in phase step" in fault["cause"]
+    assert fault["culprit"]["pid"] == victim and fault["culprit"]["state"] == "stopped"
+    # The limit is learned from the steps (here the 2 s floor), not gloo's 30 minutes.
+    assert fault["declared"] - stopped_at < 30
+    # Before it was killed, the hung rank wrote where it was.
+    rank = fault["culprit"]["rank"]
+    assert "most recent call first" in (run / "logs" / f"rank-{rank}.log").read_text()
+    reference = committed(uninterrupted)
+    for step, path in committed(run).items():
+        assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
+
+
 def test_a_bug_in_the_job_stops_after_one_retry_with_one_line(tmp_path: Path) -> None:
     run = tmp_path / "bug"
     proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", FAULTY, "--run-dir", str(run),

@@ -1,0 +1,122 @@
+"""Faults inside the allocation, 2x2 demo on the local backend: a rank SIGKILLed (a crash)
+and a rank SIGSTOPped (a hang), alternately, REPEATS times each in one run. Per fault:
+detection (injected -> declared for the job), kill (declared -> every node down), decide,
+restart (decision -> the new ranks' interpreters), set-up (imports, rendezvous, model,
+checkpoint load) and first step; recovery is declared -> the first step that advances
+training. Targets: crash detected <= 1 s, hang <= max(3 x median step, 5 s), recovery
+<= 10 s."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import PY, RESULTS, ROOT, Metric, env, median, records, save, show
+
+NAME = "faults"
+REPEATS = 5
+
+
+def _ledger(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "attempts.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def _ranks(run_dir: Path) -> list[int]:
+    from hpcshard.launch.supervise import children
+    from hpcshard.rundir.launchers import launchers
+
+    return [r for la in launchers(run_dir) for agent in children(la) for r in children(agent)]
+
+
+def _wait(cond: Any, timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+    return value
+
+
+def _trained_past(run_dir: Path, step: int) -> bool:
+    return any(r.get("step", 0) >= step for r in records(run_dir) if "loss" in r)
+
+
+def _inject(run_dir: Path, kind: str) -> tuple[float, int]:
+    """Fault one rank (not rank 0's process: its node hosts the rendezvous), once the
+    current cycle has trained 10 steps; returns when and which cycle it hit."""
+    cycle = sum(1 for r in _ledger(run_dir) if r["event"] == "fault")
+    start = max((r["resumed_step"] or 0 for r in _ledger(run_dir) if r["event"] == "start"
+                 and r.get("cycle") == cycle), default=0)
+    _wait(lambda: _trained_past(run_dir, start + 10), 300, f"cycle {cycle} to train 10 steps")
+    victim = _ranks(run_dir)[-1]
+    os.kill(victim, signal.SIGKILL if kind == "crash" else signal.SIGSTOP)
+    return time.time(), cycle
+
+
+def _breakdown(run_dir: Path, injected: float, cycle: int) -> dict[str, float]:
+    led = _ledger(run_dir)
+    fault = next(r for r in led if r["event"] == "fault" and r["cycle"] == cycle)
+    downs = [json.loads(p.read_text()) for p in (run_dir / "launch").glob(f"down-0-{cycle}-*.json")]
+    start = next(r for r in records(run_dir) if r.get("event") == "start" and r["time"] > fault["time"])
+    first = next(r for r in records(run_dir) if "loss" in r and r["time"] > start["time"])
+    boot = start["startup"]
+    return {"detect": fault["declared"] - injected,
+            "kill": max(d["time"] for d in downs) - fault["declared"],
+            "decide": fault["time"] - max(d["time"] for d in downs),
+            "restart": boot["entry"] - fault["time"],
+            "setup": boot["loaded"] - boot["entry"],
+            "first_step": first["time"] - boot["loaded"],
+            "recovery": first["time"] - fault["declared"]}
+
+
+def main(repeats: int = REPEATS) -> list[Metric]:
+    kinds = ["crash", "hang"] * repeats
+    with tempfile.TemporaryDirectory(prefix=".tmp-", dir=RESULTS) as tmp:
+        run_dir = Path(tmp) / "run"
+        sets = {"steps": 100000, "log_every": 1, "eval_every": 0, "ckpt_every": 5, "keep_last": 2}
+        argv = [PY, "-m", "hpcshard", "submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py",
+                "--run-dir", str(run_dir), "--max-restarts", str(len(kinds) + 1),
+                *(a for k, v in sets.items() for a in ("--set", f"{k}={v}"))]
+        proc = subprocess.Popen(argv, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
+        rows: dict[str, list[dict[str, float]]] = {"crash": [], "hang": []}
+        steps: list[float] = []
+        try:
+            for kind in kinds:
+                injected, cycle = _inject(run_dir, kind)
+                resumed = _wait(lambda c=cycle: _resumed(run_dir, c + 1), 120, "the restart")
+                _wait(lambda r=resumed: _trained_past(run_dir, r[0] + 1), 120, "a new step")
+                rows[kind].append(_breakdown(run_dir, injected, cycle))
+            times = [r["time"] for r in records(run_dir) if "loss" in r]
+            steps = [b - a for a, b in zip(times, times[1:], strict=False) if b - a < 2]
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+    step = median(steps)
+    metrics = [Metric(NAME, "median step (2x2, between faults)", step * 1e3, "ms")]
+    for kind, limit in (("crash", 1.0), ("hang", max(3 * step, 5.0))):
+        for part in ("detect", "kill", "decide", "restart", "setup", "first_step", "recovery"):
+            value = median([r[part] for r in rows[kind]])
+            target = {"detect": limit, "recovery": 10.0}.get(part)
+            metrics.append(Metric(NAME, f"{kind}: {part} (median of {len(rows[kind])})", value, "s",
+                                  f"<= {target:.1f} s" if target else "",
+                                  value <= target if target else None))
+    save(NAME, metrics, {"faults": rows, "step_s": step})
+    return metrics
+
+
+def _resumed(run_dir: Path, cycle: int) -> tuple[int] | None:
+    """(the step cycle `cycle` resumed from,) once it has started."""
+    starts = [r for r in _ledger(run_dir) if r["event"] == "start" and r.get("cycle") == cycle]
+    return (int(starts[0].get("resumed_step") or 0),) if starts else None
+
+
+if __name__ == "__main__":
+    show(main())

@@ -1,0 +1,88 @@
+"""Hang detection from a node's progress board: a rank that overruns its phase is hung.
+
+The step limit is learned, not configured: a multiple of the median time between step
+starts seen on this node in this cycle, with a floor (`watchdog_factor`,
+`watchdog_floor_s`). The first `watchdog_warmup_steps` steps of a cycle (a cold start, a
+`torch.compile` warm-up) and every other phase (setup, load, save, eval) get the outer
+limit `watchdog_phase_s` instead: a slow save or a long evaluation is never taken for a
+hang. A rank stopped by a signal, or still running while its peers wait in a collective,
+is named as the culprit.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hpcshard.rundir.progress import Slot
+
+
+@dataclass(frozen=True)
+class Limits:
+    factor: float = 3.0
+    floor_s: float = 5.0
+    warmup_steps: int = 3
+    phase_s: float = 1800.0
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> Limits:
+        """The limits a run's resolved config asks for (defaults where it says nothing)."""
+        d = cls()
+        return cls(factor=float(cfg.get("watchdog_factor", d.factor)),
+                   floor_s=float(cfg.get("watchdog_floor_s", d.floor_s)),
+                   warmup_steps=int(cfg.get("watchdog_warmup_steps", d.warmup_steps)),
+                   phase_s=float(cfg.get("watchdog_phase_s", d.phase_s)))
+
+
+def process_state(pid: int) -> str:
+    """R running, S sleeping (a rank waiting in a collective), T stopped, ... ("" if gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
+class Watchdog:
+    """One cycle's view of a node's ranks: what a step takes, and who overran."""
+
+    def __init__(self, limits: Limits) -> None:
+        self.limits = limits
+        self.seen: dict[int, Slot] = {}
+        self.samples: list[float] = []
+
+    def step_limit(self) -> float | None:
+        """The learned limit of a step, None before warm-up."""
+        if len(self.samples) < self.limits.warmup_steps:
+            return None
+        return max(self.limits.floor_s, self.limits.factor * statistics.median(self.samples[-50:]))
+
+    def look(self, slots: list[Slot], now: float) -> dict[str, Any] | None:
+        """Learn from the board; a hang record when a rank overran its phase, else None."""
+        for s in slots:
+            before = self.seen.get(s.rank)
+            if (before is not None and before.phase == s.phase == "step" and s.step == before.step + 1):
+                self.samples.append(s.since - before.since)
+            self.seen[s.rank] = s
+        steady = self.step_limit()
+        overdue = []
+        for s in slots:
+            if s.phase in ("done", "idle"):
+                continue
+            limit = steady if s.phase == "step" and steady is not None else self.limits.phase_s
+            if now - s.since > limit:
+                overdue.append((s, limit))
+        if not overdue:
+            return None
+        states = {s.rank: process_state(s.pid) for s, _ in overdue}
+        # A stopped rank first, then one still busy while its peers sleep in a collective,
+        # then the one furthest behind.
+        s, limit = min(overdue, key=lambda o: ({"T": 0, "t": 0, "R": 1, "D": 1}.get(states[o[0].rank], 2),
+                                               o[0].step, o[0].rank))
+        return {"cause": f"rank {s.rank} made no progress in phase {s.phase} for "
+                         f"{now - s.since:.1f} s (limit {limit:.1f} s)",
+                "rank": s.rank, "step": s.step, "phase": s.phase, "pid": s.pid,
+                "state": states[s.rank], "limit": limit,
+                "suspects": [{"rank": o.rank, "state": states[o.rank], "step": o.step}
+                             for o, _ in overdue]}
