@@ -89,10 +89,12 @@ def _send(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def kill_tree(proc: subprocess.Popen[bytes], stacks: list[int] | tuple[int, ...] = ()) -> None:
+def kill_tree(proc: subprocess.Popen[bytes], stacks: list[int] | tuple[int, ...] = (),
+              also: list[int] | tuple[int, ...] = ()) -> None:
     """End a cycle's agent and every rank below it, whatever state they are in. `stacks`:
-    ranks asked first to write their Python stacks into their logs (what a hang was doing)."""
-    pids = [*descendants(proc.pid), proc.pid]
+    ranks asked first to write their Python stacks into their logs (what a hang was doing).
+    `also`: ranks that may no longer be below it (an agent that died leaves orphans)."""
+    pids = [*descendants(proc.pid), *(p for p in also if alive(p)), proc.pid]
     _send(pids, signal.SIGCONT)  # a stopped process ignores all but SIGKILL until continued
     if stacks:
         _send(list(stacks), STACKS_SIGNAL)
@@ -153,7 +155,7 @@ class Supervisor:
             if watch.fault is None:
                 return watch.code
             decided = self.recover(cycle, watch)
-            if not decided.get("restart"):
+            if not decided.get("restart") or self.ending:
                 return int(decided.get("code", 1))
             cycle += 1
             node = replace(self.node, rdzv_port=int(decided["port"]),
@@ -206,8 +208,11 @@ class Supervisor:
         stopped = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase,
                     "node": self.node.node_rank, "host": socket.gethostname(), "state": "stopped"}
                    for s in board.read() if s.phase != "done" and process_state(s.pid) in ("T", "t")]
+        live = [s.pid for s in board.read() if s.phase != "done" and alive(s.pid)]
         if proc.poll() is None:
-            kill_tree(proc, stacks=[s.pid for s in board.read() if s.phase != "done"])
+            kill_tree(proc, stacks=live, also=live)
+        elif live:  # the agent died and left its ranks behind: they must not train on
+            kill_tree(proc, also=live)
         return Watch(code=proc.returncode or 1, fault=launchers.fault(self.run_dir, attempt, cycle),
                      dead=dead + stopped, reached=reached)
 

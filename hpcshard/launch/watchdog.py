@@ -51,10 +51,12 @@ class Watchdog:
         self.limits = limits
         self.seen: dict[int, Slot] = {}
         self.samples: list[float] = []
+        self.steps: set[int] = set()
+        """Steps this cycle has seen end (the warm-up counts steps, not ranks)."""
 
     def step_limit(self) -> float | None:
         """The learned limit of a step, None before warm-up."""
-        if len(self.samples) < self.limits.warmup_steps:
+        if len(self.steps) < self.limits.warmup_steps:
             return None
         return max(self.limits.floor_s, self.limits.factor * statistics.median(self.samples[-50:]))
 
@@ -64,6 +66,7 @@ class Watchdog:
             before = self.seen.get(s.rank)
             if (before is not None and before.phase == s.phase == "step" and s.step == before.step + 1):
                 self.samples.append(s.since - before.since)
+                self.steps.add(before.step)
             self.seen[s.rank] = s
         steady = self.step_limit()
         overdue = []

@@ -63,13 +63,13 @@ def signal_launchers(run_dir: Path, sig: int) -> int:
 
 
 def _cycle_file(run_dir: Path, kind: str, attempt: int, cycle: int, suffix: str = ".json") -> Path:
+    (run_dir / LAUNCH).mkdir(exist_ok=True)
     return run_dir / LAUNCH / f"{kind}-{attempt}-{cycle}{suffix}"
 
 
 def declare_fault(run_dir: Path, attempt: int, cycle: int, record: dict[str, Any]) -> bool:
     """Declare a fault in this cycle; False when another launcher declared one first."""
     path = _cycle_file(run_dir, "fault", attempt, cycle)
-    path.parent.mkdir(exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
     except FileExistsError:

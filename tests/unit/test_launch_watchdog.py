@@ -1,0 +1,59 @@
+"""The watchdog's judgement, on boards written by hand: learned step limits, the warm-up and
+the slow phases that are never a hang, and which rank it names."""
+
+from __future__ import annotations
+
+import os
+
+from hpcshard.launch.watchdog import Limits, Watchdog
+from hpcshard.rundir.progress import Slot
+
+LIMITS = Limits(factor=3.0, floor_s=5.0, warmup_steps=3, phase_s=100.0)
+
+
+def slot(rank: int, step: int, phase: str, since: float, pid: int = 0) -> Slot:
+    return Slot(local_rank=rank, pid=pid or os.getpid(), rank=rank, step=step, phase=phase, since=since)
+
+
+def trained(dog: Watchdog, steps: int, seconds: float, ranks: int = 2) -> float:
+    """Feed `steps` steps of `seconds` each to the watchdog; returns the time reached."""
+    t = 1000.0
+    for step in range(steps):
+        assert dog.look([slot(r, step, "step", t) for r in range(ranks)], t + 0.01) is None
+        t += seconds
+    return t
+
+
+def test_the_step_limit_is_learned_after_the_warm_up() -> None:
+    dog = Watchdog(LIMITS)
+    trained(dog, 3, 4.0)
+    assert dog.step_limit() is None  # 2 samples: still warming up
+    trained(dog, 5, 4.0)
+    assert dog.step_limit() == 12.0  # 3 x the median step
+    fast = Watchdog(LIMITS)
+    trained(fast, 10, 0.1)
+    assert fast.step_limit() == 5.0  # never below the floor
+
+
+def test_a_rank_that_overruns_its_step_is_hung_and_named() -> None:
+    dog = Watchdog(LIMITS)
+    t = trained(dog, 10, 1.0)
+    slots = [slot(0, 10, "step", t), slot(1, 9, "step", t - 1.0)]
+    assert dog.look(slots, t + 4.0) is None
+    hang = dog.look(slots, t + 5.5)
+    assert hang is not None and hang["rank"] == 1 and "phase step" in hang["cause"]
+    assert "limit 5.0 s" in hang["cause"]
+
+
+def test_slow_saves_evaluations_and_warm_up_steps_are_not_hangs() -> None:
+    dog = Watchdog(LIMITS)
+    t = trained(dog, 10, 1.0)
+    for phase in ("save", "eval", "load", "setup"):
+        assert dog.look([slot(0, 10, phase, t)], t + 99.0) is None  # 20x a step: fine
+        assert dog.look([slot(0, 10, phase, t)], t + 101.0) is not None
+    cold = Watchdog(LIMITS)
+    assert cold.look([slot(0, 0, "step", 0.0)], 99.0) is None  # a first step may compile
+
+
+def test_done_ranks_are_never_hung() -> None:
+    assert Watchdog(LIMITS).look([slot(0, 3, "done", 0.0)], 10_000.0) is None
