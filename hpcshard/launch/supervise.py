@@ -190,8 +190,8 @@ class Supervisor:
             time.sleep(POLL_S)
         if code == 0 or self.ending or self.noticed:
             return Watch(code=code if code is not None else self._end(proc), reached=reached)
-        if code is not None and not dead and self._user_error(cycle):
-            return Watch(code=code, reached=reached)  # a bad value: restarting changes nothing
+        if code is not None and not dead and self._final(cycle):
+            return Watch(code=code, reached=reached)  # restarting would change nothing
         if hang:
             launchers.declare_fault(self.run_dir, attempt, cycle, {
                 "cause": hang["cause"], "node": self.node.node_rank, "host": socket.gethostname(),
@@ -219,10 +219,12 @@ class Supervisor:
     def _end(self, proc: subprocess.Popen[bytes]) -> int:
         return proc.wait()
 
-    def _user_error(self, cycle: int) -> bool:
-        """The runtime refused a value (exit 2, a one-line error): not a fault."""
-        end = ledger.end_of(self.run_dir, self.ranks.attempt)
-        return bool(end and end.get("user_error") and end.get("cycle", 0) == cycle)
+    def _final(self, cycle: int) -> bool:
+        """The runtime ended this cycle on purpose: a bad value (exit 2, one line) or a
+        non-finite loss (which stops the run). Not faults: a restart changes nothing."""
+        end = ledger.end_of(self.run_dir, self.ranks.attempt) or {}
+        return end.get("cycle", 0) == cycle and bool(end.get("user_error")
+                                                       or end.get("reason") == "nonfinite")
 
     # -- between cycles --------------------------------------------------------------
     def recover(self, cycle: int, watch: Watch) -> dict[str, Any]:

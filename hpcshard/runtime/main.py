@@ -120,6 +120,13 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
     if env.is_main:
         _end(run_dir, attempt, reason=summary.reason, cycle=ranks.cycle, step=summary.step,
              saved_step=summary.saved_step)
+    if summary.reason == "nonfinite":
+        if env.is_main:
+            print(f"error: the loss or the gradient norm became nan or inf at step {summary.step}; "
+                  f"stopped with no save after it: the newest checkpoint, step {summary.saved_step}, "
+                  "is intact; lower the learning rate or check the data, then hpcshard resume",
+                  file=sys.stderr)
+        return 1
     if summary.reason == "done" and summary.saved_step != summary.step:
         (log.error if env.is_main else log.debug)(
             "the final checkpoint (step %d) could not be saved; see the errors above", summary.step)

@@ -70,7 +70,8 @@ class Summary:
     loss: float
     eval_loss: float | None
     reason: str
-    """done: all steps trained; stop: stopped on request at a step boundary."""
+    """done: all steps trained; stop: stopped on request at a step boundary; nonfinite: a
+    nan/inf loss or gradient norm stopped it, with no save after it."""
     saved_step: int
     """The newest committed checkpoint's step (-1: none)."""
     unigram_entropy: float
@@ -183,12 +184,6 @@ class Trainer:
         dist.all_reduce(value)
         return value.item() / self.env.world
 
-    def agree(self, *flags: bool) -> list[bool]:
-        """Any rank's flag counts for all: one tiny all-reduce per step boundary."""
-        t = torch.tensor([int(f) for f in flags], device=self.env.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return [bool(v) for v in t.tolist()]
-
     def restore(self, how: str = "auto") -> Loaded | None:
         """Resume from a checkpoint (auto|never|STEP|PATH) before `run`."""
         self.report("load", self.step)
@@ -197,19 +192,32 @@ class Trainer:
             self.step = loaded.step
         return loaded
 
-    def _boundary(self, stop: StopRequest | None) -> bool:
-        """Between steps: agree on stop / periodic save / async commit. True means stop."""
-        if self.ckpt is None:
-            return self.agree(bool(stop and stop.requested))[0]
-        writing = self.ckpt.pending is not None and not self.ckpt.pending[0].done()
-        stop_now, due, busy = self.agree(bool(stop and stop.requested), self.ckpt.due(self.step),
-                                            writing)
-        if self.ckpt.pending is not None and not busy:
-            self.ckpt.wait()  # every rank's background write is done: commit it now
-        if stop_now or due:
+    def _boundary(self, stop: StopRequest | None, bad: torch.Tensor) -> str:
+        """After a step: agree, in one all-reduce, on a non-finite loss or gradient norm on
+        any rank, a stop request, a periodic save and an async commit. Returns why the loop
+        ends here ("nonfinite", "stop") or ""."""
+        ckpt, last = self.ckpt, self.step >= self.cfg.steps
+        writing = ckpt is not None and ckpt.pending is not None and not ckpt.pending[0].done()
+        due = ckpt is not None and not last and ckpt.due(self.step)
+        local = torch.tensor([float(bool(stop and stop.requested)), float(due), float(writing)],
+                             device=self.env.device)
+        flags = torch.cat([local, bad.float().reshape(1)])
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        stop_now, due, busy, nonfinite = (bool(v) for v in flags.tolist())
+        if nonfinite:  # no save: the newest checkpoint is the last good state
+            return "nonfinite"
+        if ckpt is not None and ckpt.pending is not None and not busy:
+            ckpt.wait()  # every rank's background write is done: commit it now
+        if ckpt is not None and (stop_now or due) and not last:
             self.report("save", self.step)
-            self.ckpt.save(self.step, "stop" if stop_now else "periodic")
-        return stop_now
+            ckpt.save(self.step, "stop" if stop_now else "periodic")
+        return "stop" if stop_now and not last else ""
+
+    def _nonfinite(self, loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
+        """This rank's loss or gradient norm is nan or inf (a tensor: no sync here). With the
+        fp16 scaler an inf norm is its business (it skips the step and backs off)."""
+        bad = ~torch.isfinite(loss)
+        return bad if self.scaler is not None else bad | ~torch.isfinite(norm)
 
     def run(self, stop: StopRequest | None = None) -> Summary:
         cfg, env = self.cfg, self.env
@@ -247,8 +255,9 @@ class Trainer:
                     eval_loss = self.evaluate()
                     metrics.record(self.step, eval_loss=eval_loss)
                     last_t = time.perf_counter()  # evaluation time is not training throughput
-                if self.step < cfg.steps and self._boundary(stop):
-                    reason = "stop"
+                ended = self._boundary(stop, self._nonfinite(step_loss, norm))
+                if ended:
+                    reason = ended
                     break
         saved = -1
         if self.ckpt is not None:

@@ -116,3 +116,20 @@ def test_a_rank_that_dies_at_every_start_stops_without_a_restart_storm(tmp_path:
     decisions = [(f["restart"], f["committed"]) for f in faults(run)]
     assert decisions == [(True, 0), (True, 0), (False, 0)]  # 2 restarts that saved nothing
     assert "2 restarts in a row without a newer checkpoint" in faults(run)[-1]["reason"]
+
+
+def test_a_nan_loss_stops_the_run_with_the_checkpoint_before_it_intact(tmp_path: Path) -> None:
+    run = tmp_path / "nan"
+    proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", FAULTY, "--run-dir", str(run),
+                    *sets(steps=12, ckpt_every=4, nan_at=7, fail_rank=2))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    line = next(x for x in proc.stderr.splitlines() if "nan or inf" in x)
+    assert "at step 7" in line and "step 4, is intact" in line
+    assert not faults(run)  # not a fault: a restart would only meet it again
+    end = ledger.end_of(run, 0)
+    assert end is not None and (end["reason"], end["step"], end["saved_step"]) == ("nonfinite", 7, 4)
+    assert sorted(committed(run)) == [4]  # nothing saved after the bad step
+    import torch
+
+    weights = load(committed(run)[4])["model"]
+    assert all(torch.isfinite(t).all() for t in weights.values())

@@ -29,6 +29,8 @@ class Config(charlm.Config):  # type: ignore[name-defined,misc]
     """Raise in this process's N-th forward pass (0: never)."""
     fail_rank: int = -1
     """Only this global rank raises (-1: every rank)."""
+    nan_at: int = 0
+    """Return a nan loss in this process's N-th forward pass (0: never)."""
 
 
 calls = 0
@@ -41,7 +43,10 @@ def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     rank = int(os.environ.get("RANK", "0"))
     if cfg.fail_at and calls == cfg.fail_at and cfg.fail_rank in (-1, rank):
         raise RuntimeError(f"injected bug in the job's loss (forward pass {calls})")
-    return lm_loss(model, x, y)
+    value = lm_loss(model, x, y)
+    if cfg.nan_at and calls == cfg.nan_at and cfg.fail_rank in (-1, rank):
+        return value * float("nan")
+    return value
 
 
 def model(cfg: Config) -> nn.Module:
