@@ -8,6 +8,7 @@ job's model and data. Run under torchrun; rank 0 prints tokens/s between two ste
 from __future__ import annotations
 
 import argparse
+import datetime
 import importlib.util
 import os
 import sys
@@ -38,8 +39,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=0,
+                   help="gloo's collective timeout in seconds (0: torch's default, 30 min)")
+    p.add_argument("--stamps", help="rank 0 appends 'restart step time' after every step here")
     args = p.parse_args()
-    dist.init_process_group("gloo")
+    if args.timeout:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+    else:
+        dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (args.nodes, world // args.nodes),
                             mesh_dim_names=("replicate", "shard"))
@@ -72,6 +79,9 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if args.stamps and rank == 0:  # the faults benchmark: when each step ended
+            with open(args.stamps, "a") as f:
+                f.write(f"{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')} {step} {time.time()}\n")
         if step % args.log_every == 0:
             dist.all_reduce(loss := loss.detach(), op=dist.ReduceOp.AVG)
             if rank == 0:

@@ -15,7 +15,7 @@ from hpcshard.rundir.launchers import signal_launchers
 from hpcshard.rundir.metrics import read_metrics, train_records
 from hpcshard.rundir.rankenv import NOTICE, short_name, signal_name
 from hpcshard.rundir.spec import RunSpec
-from hpcshard.rundir.status import attempts, report
+from hpcshard.rundir.status import attempts, culprit_lines, report
 
 
 @click.command()
@@ -68,15 +68,33 @@ def status(target: str) -> None:
 @click.argument("target")
 @click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True)
 @click.option("-f", "--follow", is_flag=True, help="Keep printing until the run ends.")
-def logs(target: str, rank: int, follow: bool) -> None:
+@click.option("--culprit", is_flag=True, help="The log of the rank named by the newest fault "
+              "(`hpcshard status` lists them), its last lines (with --lines).")
+@click.option("--lines", "tail", type=click.IntRange(min=1), help="Only the last N lines.")
+def logs(target: str, rank: int, follow: bool, culprit: bool, tail: int | None) -> None:
     """Print a rank's log of a run (RUN_DIR or Slurm JOB id)."""
     run_dir, spec = spec_of(target)
+    if culprit:
+        _culprit_log(run_dir, tail or 40)
+        return
     log = run_dir / "logs" / f"rank-{rank}.log"
+    if tail and log.exists() and not follow:
+        click.echo("\n".join(log.read_text(errors="replace").splitlines()[-tail:]))
+        return
     if not log.exists() and not follow:
         ranks = sorted(p.stem for p in (run_dir / "logs").glob("rank-*.log"))
         fail(ValueError(f"no log for rank {rank} in {run_dir / 'logs'}; there are: "
                         f"{', '.join(ranks) or 'none yet'}"))
     follow_log(log, (lambda: True) if not follow else (lambda: finished(spec, run_dir)))
+
+
+def _culprit_log(run_dir: Path, tail: int) -> None:
+    try:
+        header, lines = culprit_lines(run_dir, tail)
+    except ValueError as err:
+        fail(err)
+    click.echo(header)
+    click.echo("\n".join(lines))
 
 
 @click.command()

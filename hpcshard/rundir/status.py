@@ -132,3 +132,23 @@ def faults(run_dir: Path) -> list[str]:
 
 def _fmt(v: int | None) -> str:
     return "-" if v is None else str(v)
+
+
+LOG_START = "==== start of"
+"""Begins the line every (re)start of a rank writes first into its log."""
+
+
+def culprit_lines(run_dir: Path, tail: int) -> tuple[str, list[str]]:
+    """The newest fault's culprit: a header and the last lines its log had when the fault
+    came (a restarted rank appends below a LOG_START line of its own)."""
+    named = [r for r in ledger.read(run_dir) if r["event"] == "fault" and r.get("culprit")]
+    if not named:
+        raise ValueError(f"{run_dir} has no fault with a known culprit; see hpcshard status {run_dir}")
+    fault = named[-1]
+    rank = int(fault["culprit"]["rank"])
+    log = run_dir / "logs" / f"rank-{rank}.log"
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    mark = f"attempt {fault['attempt']} cycle {fault['cycle'] + 1} "
+    cut = next((i for i, line in enumerate(lines) if LOG_START in line and mark in line), len(lines))
+    return (f"rank {rank} ({fault['cause']}), the last lines of {log} before the restart:",
+            lines[max(0, cut - tail):cut])

@@ -24,6 +24,7 @@ from hpcshard.rundir import ledger
 from hpcshard.rundir.progress import Board
 from hpcshard.rundir.rankenv import STACKS_SIGNAL, RankEnv
 from hpcshard.rundir.spec import RunSpec
+from hpcshard.rundir.status import LOG_START
 from hpcshard.runtime.device import DistEnv, init_distributed
 from hpcshard.runtime.job import load_job
 from hpcshard.runtime.stop import StopRequest
@@ -81,6 +82,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
     try:
         check_writable(run_dir)
         setup_logging(run_dir, env.rank)
+        log.debug("%s attempt %d cycle %d (pid %d)", LOG_START, attempt, ranks.cycle, os.getpid())
         # Before a hung rank is killed, its launcher asks for every thread's stack: where
         # it hung, in its own log. (faulthandler writes from the signal handler itself,
         # so a rank blocked inside a C++ collective still answers.)

@@ -78,9 +78,10 @@ def test_a_stopped_rank_is_a_hang_found_in_seconds_and_the_run_ends_bitwise_equa
     assert fault["culprit"]["pid"] == victim and fault["culprit"]["state"] == "stopped"
     # The limit is learned from the steps (here the 2 s floor), not gloo's 30 minutes.
     assert fault["declared"] - stopped_at < 30
-    # Before it was killed, the hung rank wrote where it was.
-    rank = fault["culprit"]["rank"]
-    assert "most recent call first" in (run / "logs" / f"rank-{rank}.log").read_text()
+    # Before it was killed, the hung rank wrote where it was; `logs --culprit` shows it.
+    shown = hpcshard("logs", str(run), "--culprit", "--lines", "200")
+    assert shown.returncode == 0 and f"rank {fault['culprit']['rank']} (" in shown.stdout
+    assert "most recent call first" in shown.stdout and "attempt 0 cycle 1 " not in shown.stdout
     reference = committed(uninterrupted)
     for step, path in committed(run).items():
         assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
