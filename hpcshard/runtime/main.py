@@ -11,6 +11,7 @@ import contextlib
 import faulthandler
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
     startup["rendezvous"] = time.time()
     report = reporter(ranks, env)
     report("setup", 0)
+    signal.signal(signal.SIGTERM, _terminated(report))
     stop: StopRequest | None = None
     trainer: Trainer | None = None
     try:
@@ -145,6 +147,17 @@ def reporter(ranks: RankEnv, env: DistEnv) -> Callable[[str, int], None]:
     def report(phase: str, step: int) -> None:
         board.publish(env.local_rank, rank=env.rank, step=step, phase=phase)
     return report
+
+
+def _terminated(report: Callable[[str, int], None]) -> Callable[[int, object], None]:
+    """SIGTERM (torchrun tearing the ranks down after one failed, a cancel): say so on the
+    board, then die of it as before. The launcher then does not take this rank, dead
+    beside the one that failed first, for a culprit."""
+    def handle(signum: int, _frame: object) -> None:
+        report("done", 0)
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    return handle
 
 
 def _failed(run_dir: Path, ranks: RankEnv, env: DistEnv, step: int | None, err: BaseException) -> None:

@@ -4,7 +4,6 @@ one line for a failure that DCP reports for every rank."""
 
 from __future__ import annotations
 
-import shutil
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -81,12 +80,16 @@ def _private_dir(path: Path) -> None:
 
 
 class PrivateWriter(FileSystemWriter):
-    """DCP's file writer, except that rank 0 first clears a stale `step-N.tmp` and creates
-    it private (0750), in DCP's first step: before its plan exchange, and so before any
-    rank writes, with no collective of hpcshard's own (the broadcast that used to order
-    it was training's longest wait in an async save). In an async save this runs in DCP's
-    background thread; a failure (a quota, a read-only remount) reaches every rank as
-    DCP's error for the save."""
+    """DCP's file writer, except that rank 0 makes `step-N.tmp` private (0750) in DCP's
+    first step: before its plan exchange, and so before any rank writes, with no collective
+    of hpcshard's own (the broadcast that used to order it was training's longest wait in
+    an async save). In an async save this runs in DCP's background thread; a failure (a
+    quota, a read-only remount) reaches every rank as DCP's error for the save.
+
+    It never clears an existing `step-N.tmp`: every rank creates the directory in this same
+    step (DCP's own mkdir), so a removal here races their `makedirs` (seen under load: a
+    rank's makedirs failed with FileExistsError and the final save with it). Stale ones
+    never get here: a failed save removes its own, and a start removes the rest."""
 
     def __init__(self, tmp: Path, root: Path, main: bool) -> None:
         super().__init__(str(tmp))
@@ -95,6 +98,5 @@ class PrivateWriter(FileSystemWriter):
     def prepare_local_plan(self, plan: Any) -> Any:
         if self.main:
             _private_dir(self.root)
-            shutil.rmtree(self.tmp, ignore_errors=True)
             _private_dir(self.tmp)
         return super().prepare_local_plan(plan)
