@@ -129,8 +129,9 @@ def main(repeats: int = REPEATS) -> list[Metric]:
         try:
             for kind in kinds:
                 injected, cycle = _inject(run_dir, kind)
-                resumed = _wait(lambda c=cycle: _resumed(run_dir, c + 1), 120, "the restart")
-                _wait(lambda r=resumed: _trained_past(run_dir, r[0] + 1), 120, "a new step")
+                since = _wait(lambda c=cycle: _resumed(run_dir, c + 1), 120, "the restart")
+                _wait(lambda t=since: any("loss" in r and r["time"] > t for r in records(run_dir)),
+                      120, "a step of the restarted ranks")
                 rows[kind].append(_breakdown(run_dir, injected, cycle))
             times = [r["time"] for r in records(run_dir) if "loss" in r]
             steps = [b - a for a, b in zip(times, times[1:], strict=False) if b - a < 2]
@@ -157,10 +158,10 @@ def main(repeats: int = REPEATS) -> list[Metric]:
     return metrics
 
 
-def _resumed(run_dir: Path, cycle: int) -> tuple[int] | None:
-    """(the step cycle `cycle` resumed from,) once it has started."""
+def _resumed(run_dir: Path, cycle: int) -> float | None:
+    """When cycle `cycle` started training (its ledger start record), once it has."""
     starts = [r for r in _ledger(run_dir) if r["event"] == "start" and r.get("cycle") == cycle]
-    return (int(starts[0].get("resumed_step") or 0),) if starts else None
+    return float(starts[0]["time"]) if starts else None
 
 
 if __name__ == "__main__":

@@ -64,9 +64,11 @@ class Watchdog:
         """Learn from the board; a hang record when a rank overran its phase, else None."""
         for s in slots:
             before = self.seen.get(s.rank)
-            if (before is not None and before.phase == s.phase == "step" and s.step == before.step + 1):
-                self.samples.append(s.since - before.since)
-                self.steps.add(before.step)
+            if before is not None and before.phase == s.phase == "step" and s.step > before.step:
+                # Steps faster than the look: the time between the two starts, per step.
+                done = s.step - before.step
+                self.samples.append((s.since - before.since) / done)
+                self.steps.update(range(before.step, s.step))
             self.seen[s.rank] = s
         steady = self.step_limit()
         overdue = []

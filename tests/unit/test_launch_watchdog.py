@@ -57,3 +57,11 @@ def test_slow_saves_evaluations_and_warm_up_steps_are_not_hangs() -> None:
 
 def test_done_ranks_are_never_hung() -> None:
     assert Watchdog(LIMITS).look([slot(0, 3, "done", 0.0)], 10_000.0) is None
+
+
+def test_steps_faster_than_a_look_still_teach_the_step_time() -> None:
+    dog = Watchdog(LIMITS)
+    for look in range(6):  # every look sees 5 more steps of 0.04 s
+        t = 1000.0 + look * 0.2
+        dog.look([slot(0, 5 * look, "step", t)], t + 0.01)
+    assert dog.step_limit() == 5.0 and abs(dog.samples[-1] - 0.2 / 5) < 1e-9
