@@ -98,3 +98,13 @@ def show(metrics: list[Metric]) -> None:
     for m in metrics:
         met = {True: "ok", False: "MISSED", None: ""}[m.ok]
         print(f"  {m.name:<52} {m.value:>10.4g} {m.unit:<8} {m.target:<10} {met}", flush=True)
+
+
+def wait(cond: Any, timeout: float, what: str, every: float = 0.05) -> Any:
+    """Poll `cond()` until it returns something true (returned), or fail after `timeout` s."""
+    deadline = time.monotonic() + timeout
+    while not (value := cond()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"timed out waiting for {what}")
+        time.sleep(every)
+    return value

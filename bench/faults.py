@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import PY, RESULTS, ROOT, Metric, env, median, records, save, show
+from bench.common import PY, RESULTS, ROOT, Metric, env, median, records, save, show, wait
 
 NAME = "faults"
 REPEATS = 5
@@ -39,21 +39,12 @@ def _ranks(run_dir: Path) -> list[int]:
     return [r for la in launchers(run_dir) for agent in children(la) for r in children(agent)]
 
 
-def _wait(cond: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-    return value
-
-
 def _inject(run_dir: Path, kind: str) -> tuple[float, int]:
     """Fault one rank (not rank 0's process: its node hosts the rendezvous), once the
     current cycle has trained 13 steps; returns when and which cycle it hit."""
     cycle = sum(1 for r in _ledger(run_dir) if r["event"] == "fault")
-    since = _wait(lambda: _resumed(run_dir, cycle), 300, f"cycle {cycle} to start")
-    _wait(lambda: sum(1 for r in records(run_dir) if "loss" in r and r["time"] > since) >= 13, 300,
+    since = wait(lambda: _resumed(run_dir, cycle), 300, f"cycle {cycle} to start")
+    wait(lambda: sum(1 for r in records(run_dir) if "loss" in r and r["time"] > since) >= 13, 300,
           f"cycle {cycle} to train 13 steps")
     victim = _ranks(run_dir)[-1]
     os.kill(victim, signal.SIGKILL if kind == "crash" else signal.SIGSTOP)
@@ -98,12 +89,12 @@ def torchrun_faults(repeats: int = TORCHRUN_REPEATS) -> dict[str, list[float]]:
         try:
             for kind in ["crash", "hang"] * repeats:
                 restart = max((r for r, _, _ in _stamps(stamps)), default=0)
-                _wait(lambda r=restart: sum(1 for x in _stamps(stamps) if x[0] == r) >= 10, 300,
+                wait(lambda r=restart: sum(1 for x in _stamps(stamps) if x[0] == r) >= 10, 300,
                       "torchrun's workers to train 10 steps")
                 victim = children(proc.pid)[-1]
                 os.kill(victim, signal.SIGKILL if kind == "crash" else signal.SIGSTOP)
                 injected = time.time()
-                first = _wait(lambda r=restart: next((t for x, _, t in _stamps(stamps) if x > r), None),
+                first = wait(lambda r=restart: next((t for x, _, t in _stamps(stamps) if x > r), None),
                               300, "torchrun to restart its workers")
                 out[kind].append(first - injected)
         finally:
@@ -130,8 +121,8 @@ def main(repeats: int = REPEATS) -> list[Metric]:
             for kind in kinds:
                 injected, cycle = _inject(run_dir, kind)
                 print(f"  {kind} in cycle {cycle}", flush=True)
-                since = _wait(lambda c=cycle: _resumed(run_dir, c + 1), 300, "the restart")
-                _wait(lambda t=since: any("loss" in r and r["time"] > t for r in records(run_dir)),
+                since = wait(lambda c=cycle: _resumed(run_dir, c + 1), 300, "the restart")
+                wait(lambda t=since: any("loss" in r and r["time"] > t for r in records(run_dir)),
                       120, "a step of the restarted ranks")
                 rows[kind].append(_breakdown(run_dir, injected, cycle))
             times = [r["time"] for r in records(run_dir) if "loss" in r]

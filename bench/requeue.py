@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench.common import RESULTS, ROOT, Metric, env, hpcshard, records, run, save, show
+from bench.common import RESULTS, ROOT, Metric, env, hpcshard, records, run, save, show, wait
 
 NAME = "requeue"
 CONF = Path(os.environ.get("HPCSHARD_SLURM_DIR", "/tmp/hpcshard-slurm")) / "etc" / "slurm.conf"
@@ -21,15 +21,6 @@ CONF = Path(os.environ.get("HPCSHARD_SLURM_DIR", "/tmp/hpcshard-slurm")) / "etc"
 def ledger(run_dir: Path) -> list[dict]:
     path = run_dir / "attempts.jsonl"
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-
-
-def wait(cond, timeout: float, what: str):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not (value := cond()):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"timed out waiting for {what}")
-        time.sleep(0.2)
-    return value
 
 
 def slurm_start(job: str, e: dict[str, str]) -> float:
