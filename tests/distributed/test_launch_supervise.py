@@ -65,7 +65,7 @@ def test_a_stopped_rank_is_a_hang_found_in_seconds_and_the_run_ends_bitwise_equa
         uninterrupted: Path, tmp_path: Path) -> None:
     run = tmp_path / "hung"
     proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
-                       str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100, watchdog_floor_s=2))
+                       str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100, watchdog_floor_s=4))
     wait_for(partial(trained_to, run, 7), 180, "step 7, past the warm-up and a commit")
     victim = rank_pids(run)[1]
     os.kill(victim, signal.SIGSTOP)  # a hang: the process is there and does nothing
@@ -76,7 +76,7 @@ def test_a_stopped_rank_is_a_hang_found_in_seconds_and_the_run_ends_bitwise_equa
     (fault,) = faults(run)
     assert fault["restart"] and "made no progress in phase step" in fault["cause"]
     assert fault["culprit"]["pid"] == victim and fault["culprit"]["state"] == "stopped"
-    # The limit is learned from the steps (here the 2 s floor), not gloo's 30 minutes.
+    # The limit is learned from the steps (here the 4 s floor), not gloo's 30 minutes.
     assert fault["declared"] - stopped_at < 30
     # Before it was killed, the hung rank wrote where it was; `logs --culprit` shows it.
     shown = hpcshard("logs", str(run), "--culprit", "--lines", "200")
