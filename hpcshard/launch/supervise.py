@@ -31,7 +31,7 @@ from typing import Any
 from hpcshard.launch.watchdog import Limits, Watchdog, process_state
 from hpcshard.rundir import launchers, ledger, store
 from hpcshard.rundir.progress import Board, board_path
-from hpcshard.rundir.rankenv import BUG_EXIT, STACKS_SIGNAL, RankEnv
+from hpcshard.rundir.rankenv import BUG_EXIT, REQUEUE_EXIT, STACKS_SIGNAL, RankEnv
 from hpcshard.rundir.spec import RunSpec
 
 STACKS_WAIT_S = 1.0
@@ -263,12 +263,15 @@ class Supervisor:
             return self._record(cycle, watch, downs, restart=False, code=BUG_EXIT, committed=committed,
                                 reason=f"the job's own code raised {bug} again at the same step: a "
                                 "bug, not a fault; not restarted")
-        if cycle + 1 > self.spec.max_restarts:
-            return self._record(cycle, watch, downs, restart=False, code=1, committed=committed,
-                                reason=f"the restart budget ({self.spec.max_restarts}) is spent")
         if stalled >= self.spec.no_progress_restarts:
             return self._record(cycle, watch, downs, restart=False, code=1, committed=committed,
                                 reason=f"{stalled} restarts in a row without a newer checkpoint")
+        if cycle + 1 > self.spec.max_restarts:
+            # Training advanced, but this allocation has had its share of faults (a flaky
+            # node?): back through the queue, as after a preemption, up to max_requeues.
+            return self._record(cycle, watch, downs, restart=False, code=REQUEUE_EXIT,
+                                committed=committed, reason=f"the restart budget "
+                                f"({self.spec.max_restarts}) is spent: requeued")
         return self._record(cycle, watch, downs, restart=True, port=free_port(), committed=committed,
                             reason=f"restart {cycle + 1} of {self.spec.max_restarts}")
 

@@ -134,3 +134,28 @@ def test_a_nan_loss_stops_the_run_with_the_checkpoint_before_it_intact(tmp_path:
 
     weights = load(committed(run)[4])["model"]
     assert all(torch.isfinite(t).all() for t in weights.values())
+
+
+def test_a_spent_restart_budget_goes_back_through_the_queue_and_finishes(tmp_path: Path) -> None:
+    run = tmp_path / "budget"
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
+                       str(run), "--max-restarts", "1", *sets(steps=STEPS, ckpt_every=2))
+    def started(cycle: int) -> bool:
+        return any(r["event"] == "start" and r.get("cycle") == cycle for r in ledger.read(run))
+
+    def trained_since(t: float) -> bool:
+        return sum(1 for r in step_records(run) if r["time"] > t) >= 3
+
+    for cycle in range(2):  # two crashes, each after this cycle committed a checkpoint
+        wait_for(partial(started, cycle), 180, f"cycle {cycle}")
+        since = max(r["time"] for r in ledger.read(run) if r["event"] == "start")
+        wait_for(partial(trained_since, since), 180, f"cycle {cycle} to train")
+        os.kill(rank_pids(run)[-1], signal.SIGKILL)
+        wait_for(partial(lambda n: len(faults(run)) > n, cycle), 60, f"fault {cycle}")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:]
+    first, second = faults(run)
+    assert first["restart"] and not second["restart"] and "requeued" in second["reason"]
+    starts = [(r["attempt"], r["cycle"]) for r in ledger.read(run) if r["event"] == "start"]
+    assert starts == [(0, 0), (0, 1), (1, 0)]  # the requeued attempt has a budget of its own
+    assert STEPS in committed(run)
