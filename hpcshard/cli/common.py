@@ -65,9 +65,9 @@ def spec_of(target: str) -> tuple[Path, RunSpec]:
     """The run a command names (RUN_DIR or a Slurm job id), or a one-line error."""
     try:
         run_dir = run_dir_of(target)
-        return run_dir, read_spec(run_dir)
     except ValueError as err:
         fail(err)
+    return run_dir, read_run(run_dir)
 
 
 def read_run(run_dir: Path) -> RunSpec:

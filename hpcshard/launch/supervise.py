@@ -28,7 +28,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hpcshard.launch.watchdog import Limits, Watchdog, process_state
+from hpcshard.launch.watchdog import Limits, Watchdog, process_state, stat_fields
 from hpcshard.rundir import launchers, ledger, store
 from hpcshard.rundir.progress import Board, board_path
 from hpcshard.rundir.rankenv import BUG_EXIT, REQUEUE_EXIT, STACKS_SIGNAL, RankEnv
@@ -50,14 +50,10 @@ def children(pid: int) -> list[int]:
     """Direct children of `pid`, from /proc (Linux; works in containers without ps)."""
     found = []
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue  # exited while we looked
-        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-            found.append(int(entry))
+        if entry.isdigit():
+            fields = stat_fields(entry)  # empty when it exited while we looked
+            if fields and int(fields[1]) == pid:
+                found.append(int(entry))
     return found
 
 
@@ -76,11 +72,7 @@ def descendants(pid: int) -> list[int]:
 def alive(pid: int) -> bool:
     """Running or stopped, not a zombie: a killed rank stays a zombie until its agent reaps
     it, and must count as dead at once."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
+    return process_state(pid) not in ("", "Z", "X")
 
 
 def _send(pids: list[int], sig: int) -> None:
@@ -146,6 +138,8 @@ class Supervisor:
         """A TERM or INT came (cancel, the scheduler): the ranks end, nothing restarts."""
         self.noticed = False
         """A stop notice came: the ranks stop cleanly; a failure then is not restarted."""
+        self.where = {"node": node.node_rank, "host": socket.gethostname()}
+        """This node, in every record it writes."""
 
     # -- one cycle -------------------------------------------------------------------
     def run(self) -> int:
@@ -179,8 +173,7 @@ class Supervisor:
         while True:
             code = proc.poll()
             slots = board.read()
-            dead = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase,
-                     "node": self.node.node_rank, "host": socket.gethostname()}
+            dead = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase, **self.where}
                     for s in slots if s.phase != "done" and not alive(s.pid)]
             reached = max((s.step for s in slots), default=0)
             if code is None and not dead:
@@ -189,35 +182,31 @@ class Supervisor:
                 break
             time.sleep(POLL_S)
         if code == 0 or self.ending or self.noticed:
-            return Watch(code=code if code is not None else self._end(proc), reached=reached)
+            return Watch(code=code if code is not None else proc.wait(), reached=reached)
         if code is not None and not dead and self._final(cycle):
             return Watch(code=code, reached=reached)  # restarting would change nothing
         if hang:
             launchers.declare_fault(self.run_dir, attempt, cycle, {
-                "cause": hang["cause"], "node": self.node.node_rank, "host": socket.gethostname(),
+                "cause": hang["cause"], **self.where,
                 **{k: hang[k] for k in ("rank", "step", "phase", "pid", "state")}})
         elif dead:
             culprit = dead[0]
             launchers.declare_fault(self.run_dir, attempt, cycle, {
-                "cause": f"rank {culprit['rank']} died (its process is gone)", "node": self.node.node_rank,
-                "host": socket.gethostname(), "rank": culprit["rank"], "step": culprit["step"]})
+                "cause": f"rank {culprit['rank']} died (its process is gone)", **self.where,
+                "rank": culprit["rank"], "step": culprit["step"]})
         elif code is not None:
             launchers.declare_fault(self.run_dir, attempt, cycle, {
-                "cause": f"the ranks of node {self.node.node_rank} failed (exit {code})",
-                "node": self.node.node_rank, "host": socket.gethostname()})
-        stopped = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase,
-                    "node": self.node.node_rank, "host": socket.gethostname(), "state": "stopped"}
-                   for s in board.read() if s.phase != "done" and process_state(s.pid) in ("T", "t")]
-        live = [s.pid for s in board.read() if s.phase != "done" and alive(s.pid)]
+                "cause": f"the ranks of node {self.node.node_rank} failed (exit {code})", **self.where})
+        left = [s for s in board.read() if s.phase != "done" and alive(s.pid)]
+        stopped = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase, **self.where,
+                    "state": "stopped"} for s in left if process_state(s.pid) in ("T", "t")]
+        live = [s.pid for s in left]
         if proc.poll() is None:
             kill_tree(proc, stacks=live, also=live)
         elif live:  # the agent died and left its ranks behind: they must not train on
             kill_tree(proc, also=live)
         return Watch(code=proc.returncode or 1, fault=launchers.fault(self.run_dir, attempt, cycle),
                      dead=dead + stopped, reached=reached)
-
-    def _end(self, proc: subprocess.Popen[bytes]) -> int:
-        return proc.wait()
 
     def _final(self, cycle: int) -> bool:
         """The runtime ended this cycle on purpose: a bad value (exit 2, one line) or a
@@ -230,7 +219,7 @@ class Supervisor:
     def recover(self, cycle: int, watch: Watch) -> dict[str, Any]:
         attempt, node = self.ranks.attempt, self.node.node_rank
         launchers.mark_down(self.run_dir, attempt, cycle, node, {
-            "host": socket.gethostname(), "dead": watch.dead, "reached": watch.reached})
+            "host": self.where["host"], "dead": watch.dead, "reached": watch.reached})
         if node == 0:
             decided = self.decide(cycle, watch)
             launchers.decide(self.run_dir, attempt, cycle, decided)

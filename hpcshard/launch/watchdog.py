@@ -36,12 +36,18 @@ class Limits:
                    phase_s=float(cfg.get("watchdog_phase_s", d.phase_s)))
 
 
+def stat_fields(pid: int | str) -> list[str]:
+    """/proc/PID/stat after the command name: state, ppid, ... (empty when it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return []
+
+
 def process_state(pid: int) -> str:
     """R running, S sleeping (a rank waiting in a collective), T stopped, ... ("" if gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
+    fields = stat_fields(pid)
+    return fields[0] if fields else ""
 
 
 class Watchdog:
