@@ -16,6 +16,13 @@ profile's `script_signal`; SIGTERM outside hpcshard), so the notice sets a flag 
 of killing the rank. `requested()` all-reduces the flag: a notice that reached one rank
 stops every rank at the same step, which is what makes the resume exact.
 
+Hang detection for your own loop: call `progress(step)` at the start of every step, and
+`progress(step, "save")` / `progress(step, "eval")` before a save or an evaluation. The
+node's launcher then knows what each rank does, and a rank that overruns a step (a
+multiple of the steps it has seen, 5 s at least) or any other phase (`watchdog_phase_s`)
+is declared hung: its stacks go to its log and every rank restarts from your newest
+checkpoint. Without `progress`, a crashed rank is still restarted; a hung one is not seen.
+
 Stdlib at import; torch is used only by `requested()` once a process group exists.
 """
 
@@ -28,6 +35,7 @@ import time
 from types import FrameType
 from typing import NoReturn
 
+from hpcshard.rundir import progress as _board
 from hpcshard.rundir.rankenv import REQUEUE_EXIT
 
 REQUEUE = REQUEUE_EXIT
@@ -86,6 +94,19 @@ def deadline() -> float | None:
     """Unix time at which the job's time limit ends, or None (no limit known)."""
     value = os.environ.get("HPCSHARD_DEADLINE")
     return float(value) if value else None
+
+
+PHASES = ("step", "save", "eval", "load")
+"""What `progress` takes: a step of training, a save, an evaluation, a load."""
+
+
+def progress(step: int, phase: str = "step") -> None:
+    """Tell this node's launcher that this rank begins `phase` of `step` (cheap: a write
+    to shared memory, no collective, nothing on disk; nothing at all outside hpcshard).
+    Steps are judged by the time steps have taken, other phases by `watchdog_phase_s`."""
+    if phase not in PHASES:
+        raise ValueError(f"progress(phase={phase!r}): use one of {', '.join(PHASES)}")
+    _board.report(phase, int(step))
 
 
 def exit_for_requeue() -> NoReturn:

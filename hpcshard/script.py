@@ -20,21 +20,24 @@ Stdlib only: the CLI imports this module to check a script before anything is cr
 from __future__ import annotations
 
 import ast
+import faulthandler
 import importlib.util
 import os
 import runpy
 import signal
+import socket
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpcshard.rundir import ledger
+from hpcshard.rundir import flight, ledger, progress
 from hpcshard.rundir.rankenv import (
     ENV_DOC,
     REQUEUE_EXIT,
     SCRIPT_SIGNALS,
+    STACKS_SIGNAL,
     RankEnv,
     script_environ,
     signal_name,
@@ -137,10 +140,17 @@ def run(run_dir: Path, script: dict[str, Any], early: list[int]) -> int:
     os.environ.update(script_environ(run_dir, attempt, script.get("signal", "TERM")))
     os.environ.setdefault("HPCSHARD_RESTART_COUNT", "0")
     (run_dir / "logs").mkdir(exist_ok=True)
-    log = (run_dir / "logs" / f"rank-{rank}.log").open("a", buffering=1)
+    log_path = run_dir / "logs" / f"rank-{rank}.log"
+    log = log_path.open("a", buffering=1)
     sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)  # type: ignore[assignment]
+    # On the node's board from the start: a rank whose process dies is a crash, seen in a
+    # poll; `preemption.progress` moves it to "step" (then a hang is seen too). Before its
+    # launcher kills a hung rank, it asks for every thread's stack, into this log.
+    progress.report("idle", None)
+    faulthandler.register(STACKS_SIGNAL, file=log, all_threads=True, chain=False)
+    flight.arm(run_dir, attempt, env.cycle)  # before the script makes its process group
     if rank == 0:
-        ledger.append(run_dir, {"event": "start", "attempt": attempt, "script": True,
+        ledger.append(run_dir, {"event": "start", "attempt": attempt, "cycle": env.cycle, "script": True,
                                 "world": int(os.environ.get("WORLD_SIZE", "1")),
                                 "nodes": int(os.environ.get("WORLD_SIZE", "1"))
                                 // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
@@ -149,12 +159,15 @@ def run(run_dir: Path, script: dict[str, Any], early: list[int]) -> int:
         os.chdir(script["cwd"])
     for signum in early:  # a notice that came while the interpreter started
         handler(signum, None)
-    code = _run_main(script)
+    failure: dict[str, Any] = {}
+    code = _run_main(script, failure)
     # The script is over: a late notice means nothing now, and a Python handler would be
     # reset to the default action (terminate) while the interpreter shuts down.
     signal.signal(notice, signal.SIG_IGN)
     sys.stdout.flush()
     sys.stderr.flush()
+    if code in (0, REQUEUE_EXIT):
+        progress.report("done", None)  # left on purpose: not a crash, whatever comes next
     if code == REQUEUE_EXIT:
         # Stopped on request (its own checkpoint saved): the launcher requeues. Exit 0, or
         # torchrun would report a failure and tear the other ranks down mid-save.
@@ -164,13 +177,19 @@ def run(run_dir: Path, script: dict[str, Any], early: list[int]) -> int:
                                     **last_save(run_dir)})
         return 0
     if code:
-        ledger.append(run_dir, {"event": "rank_failed", "attempt": attempt, "rank": rank,
-                                "code": code, "after_notice": bool(RECEIVED)})
+        # What the launcher needs to tell a bug (the same error at the same step again)
+        # from a fault: the exception, or the exit code, and the step last reported.
+        ledger.append(run_dir, {"event": "rank_failed", "attempt": attempt, "cycle": env.cycle,
+                                "rank": rank, "host": socket.gethostname(), "code": code,
+                                "step": progress.LAST["step"], "error": f"exit {code}",
+                                "message": "", **failure, "log": str(log_path),
+                                "after_notice": bool(RECEIVED)})
     return code
 
 
-def _run_main(script: dict[str, Any]) -> int:
-    """runpy, as `python train.py ARGS` / `python -m pkg.mod ARGS` would run it."""
+def _run_main(script: dict[str, Any], failure: dict[str, Any]) -> int:
+    """runpy, as `python train.py ARGS` / `python -m pkg.mod ARGS` would run it. An
+    exception is named in `failure` (its type and first line)."""
     target, args = script["target"], list(script.get("args", []))
     try:
         if script["kind"] == "module":
@@ -190,6 +209,8 @@ def _run_main(script: dict[str, Any]) -> int:
         while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, "<frozen runpy>"):
             tb = tb.tb_next  # from the script's first frame: hpcshard's are noise here
         traceback.print_exception(type(err), err, tb)
+        text = str(err).strip()
+        failure.update(error=type(err).__name__, message=text.splitlines()[0][:300] if text else "")
         return 1
     return 0
 
@@ -211,6 +232,8 @@ def failures(run_dir: Path, attempt: int, lines: int = 10) -> list[str]:
               if r.get("event") == "rank_failed" and r.get("attempt") == attempt]
     if not failed:
         return []
+    last = max(r.get("cycle", 0) for r in failed)  # the ranks' last start, after restarts
+    failed = [r for r in failed if r.get("cycle", 0) == last]
     first = failed[0]
     path = run_dir / "logs" / f"rank-{first['rank']}.log"
     out = [f"rank {first['rank']} failed first (exit {first['code']}); "

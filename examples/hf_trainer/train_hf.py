@@ -1,4 +1,4 @@
-"""A Hugging Face Trainer script that knows nothing of hpcshard, preemption included.
+"""A Hugging Face Trainer script that knows almost nothing of hpcshard.
 
     hpcshard submit --nodes 2 --gpus 8 examples/hf_trainer/train_hf.py -- --max-steps 2000
 
@@ -6,6 +6,9 @@ A tiny Llama built from a config (no download) on random tokens. What makes it s
 preemption is all Hugging Face's own: `enable_jit_checkpoint` saves a checkpoint when
 SIGTERM comes (hpcshard's default notice for scripts) and ends `train()`; hpcshard then
 requeues the job and the next attempt resumes from the newest complete checkpoint.
+A rank that crashes is restarted in place (every rank, from that same checkpoint); one
+callback, `ReportProgress`, tells hpcshard each step, so that a hung rank is found too
+(without it, hangs are not seen). Outside hpcshard it does nothing.
 
 On GPUs it shards with FSDP2 through accelerate. On CPU it cannot: accelerate only
 turns FSDP on for GPU-like devices (`AcceleratorState` drops the FSDP plugin when the
@@ -25,6 +28,12 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainerCallback, TrainingArguments
+
+try:  # (before Trainer exists: Trainer's own SIGTERM handler, installed later, stays)
+    from hpcshard.preemption import progress  # a no-op outside hpcshard's launchers
+except ImportError:  # hpcshard not installed
+    def progress(step: int, phase: str = "step") -> None:
+        pass
 
 
 class RandomTokens(Dataset[dict[str, torch.Tensor]]):
@@ -46,6 +55,23 @@ class SlowDown(TrainerCallback):
 
     def on_step_end(self, *_args: Any, **_kwargs: Any) -> None:
         time.sleep(self.seconds)
+
+
+class ReportProgress(TrainerCallback):
+    """Each step, save and evaluation, told to hpcshard's launcher (hang detection)."""
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **_kwargs: Any) -> None:
+        progress(state.global_step + 1)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **_kwargs: Any) -> None:
+        # Trainer's flow callback has just decided what follows this step; a slow save or
+        # a long evaluation is then judged by its own limit, not the steps'.
+        if control.should_evaluate or control.should_save:
+            progress(state.global_step, "eval" if control.should_evaluate else "save")
+
+    def on_evaluate(self, args: Any, state: Any, control: Any, **_kwargs: Any) -> None:
+        if control.should_save:
+            progress(state.global_step, "save")
 
 
 def last_complete_checkpoint(out: Path) -> str | None:
@@ -80,8 +106,10 @@ def main() -> None:
         use_cpu=not gpu, ddp_backend=None if gpu else "gloo", disable_tqdm=True,
         enable_jit_checkpoint=True,  # SIGTERM: save at the next step, then stop
         **sharding)
-    trainer = Trainer(model=model, args=training, train_dataset=RandomTokens(),
-                      callbacks=[SlowDown(args.step_seconds)] if args.step_seconds else None)
+    callbacks: list[TrainerCallback] = [ReportProgress()]
+    if args.step_seconds:
+        callbacks.append(SlowDown(args.step_seconds))
+    trainer = Trainer(model=model, args=training, train_dataset=RandomTokens(), callbacks=callbacks)
     resume = last_complete_checkpoint(Path(args.out))
     trainer.train(resume_from_checkpoint=resume)
     if trainer.is_world_process_zero():

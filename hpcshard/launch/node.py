@@ -75,8 +75,9 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
              module: str = "hpcshard.entry") -> int:
     """Run this node's ranks; return the exit code, or REQUEUE_EXIT when the ranks stopped
     on request (the run continues in a requeued attempt). An hpcshard job's ranks are
-    supervised (`launch.supervise`): a rank that dies is restarted with all the others,
-    inside the allocation, from the newest committed checkpoint.
+    supervised (`launch.supervise`), an own script's too: a rank that dies (or, once it
+    reports progress, hangs) is restarted with all the others, inside the allocation, from
+    the newest checkpoint.
 
     INT and TERM go to torchrun, which forwards them to its workers and tears them down.
     The stop signal does not: torchrun forwards only INT/TERM/HUP/QUIT (pytorch issue
@@ -101,10 +102,10 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
                                 preexec_fn=lambda: signal.signal(stop_signal, signal.SIG_IGN))
 
     ranks = RankEnv.from_environ()
-    supervised = spec is not None and not own and module == "hpcshard.entry"
-    sup = Supervisor(node, run_dir, spec, ranks, start) if supervised and spec else None
+    grace = float(own.get("grace", 60))
+    sup = (Supervisor(node, run_dir, spec, ranks, start, grace=grace if own else None)
+           if spec is not None and module == "hpcshard.entry" else None)
     proc: list[subprocess.Popen[bytes]] = []
-    noticed: list[float] = []
 
     def current() -> subprocess.Popen[bytes] | None:
         return sup.proc if sup is not None else (proc[0] if proc else None)
@@ -116,9 +117,8 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
             p.send_signal(signum)
 
     def to_ranks(signum: int, _frame: object) -> None:
-        noticed.append(time.monotonic())
-        if sup is not None:
-            sup.noticed = True
+        if sup is not None and sup.noticed is None:
+            sup.noticed = time.monotonic()
         if (p := current()) is not None:
             _signal_ranks(p.pid, signum)
 
@@ -128,29 +128,20 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
     pids = pid_file(run_dir, node.node_rank)
     pids.parent.mkdir(exist_ok=True)
     pids.write_text(f"{os.getpid()}\n")
-    grace = float(own.get("grace", 60))
-    killed = False
     try:
         if sup is not None:
             code = sup.run()
-        else:
+        else:  # doctor's smoke test: no spec, nothing to supervise
             proc.append(start(node, {}))
-            while True:
-                try:
-                    code = proc[0].wait(timeout=0.5)
-                    break
-                except subprocess.TimeoutExpired:
-                    if own and noticed and not killed and time.monotonic() - noticed[0] > grace:
-                        _signal_ranks(proc[0].pid, signal.SIGKILL)  # torchrun then ends the rest
-                        killed = True
+            code = proc[0].wait()
     finally:
         pids.unlink(missing_ok=True)
         # No ranks left to tell. A Python handler would be reset to "terminate" while the
         # interpreter shuts down, and a late notice would then kill this task (-12).
         signal.signal(stop_signal, signal.SIG_IGN)
-    if own:
-        return _script_outcome(run_dir, node, ranks.attempt, code, noticed=bool(noticed),
-                               killed=killed, grace=grace)
+    if own and sup is not None:
+        return _script_outcome(run_dir, node, ranks.attempt, code, noticed=sup.noticed is not None,
+                               killed=sup.killed, grace=grace)
     end = ledger.end_of(run_dir, ranks.attempt)
     if end is not None and end.get("reason") == "stop":
         return REQUEUE_EXIT
@@ -175,6 +166,11 @@ def _script_outcome(run_dir: Path, node: NodeEnv, attempt: int, code: int, *, no
     if end is not None and end.get("reason") == "stop":
         return REQUEUE_EXIT
     first = node.node_rank == 0
+    if code == REQUEUE_EXIT:  # the supervisor's: faults spent this allocation's restarts
+        if first and end is None:
+            ledger.append(run_dir, {"event": "end", "attempt": attempt, "reason": "fault",
+                                    "how": "the restart budget is spent: requeued", **last_save(run_dir)})
+        return code
     if noticed:
         if first and end is None:
             how = (f"killed {grace:g}s after the notice (the grace period)" if killed

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcshard.launch.watchdog import Limits, Watchdog, process_state, stat_fields
-from hpcshard.rundir import launchers, ledger, store
+from hpcshard.rundir import flight, launchers, ledger, store
 from hpcshard.rundir.progress import Board, board_path
 from hpcshard.rundir.rankenv import BUG_EXIT, REQUEUE_EXIT, STACKS_SIGNAL, RankEnv
 from hpcshard.rundir.spec import RunSpec
@@ -88,8 +88,9 @@ def kill_tree(proc: subprocess.Popen[bytes], stacks: list[int] | tuple[int, ...]
     `also`: ranks that may no longer be below it (an agent that died leaves orphans)."""
     pids = [*descendants(proc.pid), *(p for p in also if alive(p)), proc.pid]
     _send(pids, signal.SIGCONT)  # a stopped process ignores all but SIGKILL until continued
-    if stacks:
+    if stacks:  # where each rank is (its Python stacks) and which collective it waits in
         _send(list(stacks), STACKS_SIGNAL)
+        flight.ask(list(stacks))
         time.sleep(STACKS_WAIT_S)
     _send([*descendants(proc.pid), *pids], signal.SIGKILL)
     proc.wait()
@@ -130,14 +131,19 @@ class Supervisor:
     """A node's ranks, cycle after cycle, until they finish, stop, or the budget ends."""
 
     def __init__(self, node: Any, run_dir: Path, spec: RunSpec, ranks: RankEnv,
-                 start: Callable[[Any, dict[str, str]], subprocess.Popen[bytes]]) -> None:
+                 start: Callable[[Any, dict[str, str]], subprocess.Popen[bytes]],
+                 grace: float | None = None) -> None:
         self.node, self.run_dir, self.spec, self.ranks = node, run_dir, spec, ranks
         self.start = start
+        self.grace = grace
+        """Own scripts: how long after a notice their ranks may run before they are killed."""
         self.proc: subprocess.Popen[bytes] | None = None
         self.ending = False
         """A TERM or INT came (cancel, the scheduler): the ranks end, nothing restarts."""
-        self.noticed = False
-        """A stop notice came: the ranks stop cleanly; a failure then is not restarted."""
+        self.noticed: float | None = None
+        """When a stop notice came: the ranks stop cleanly; a failure then is not restarted."""
+        self.killed = False
+        """The grace period ran out and the ranks were killed."""
         self.where = {"node": node.node_rank, "host": socket.gethostname()}
         """This node, in every record it writes."""
 
@@ -173,15 +179,19 @@ class Supervisor:
         while True:
             code = proc.poll()
             slots = board.read()
+            reached = max((s.step for s in slots), default=0)
+            if code is None and (self.ending or self.noticed is not None):
+                self._grace(proc)  # stopping on purpose: nothing is a fault now
+                time.sleep(POLL_S)
+                continue
             dead = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase, **self.where}
                     for s in slots if s.phase != "done" and not alive(s.pid)]
-            reached = max((s.step for s in slots), default=0)
             if code is None and not dead:
                 hang = dog.look(slots, time.time())
             if code is not None or dead or hang or launchers.fault(self.run_dir, attempt, cycle):
                 break
             time.sleep(POLL_S)
-        if code == 0 or self.ending or self.noticed:
+        if code == 0 or self.ending or self.noticed is not None:
             return Watch(code=code if code is not None else proc.wait(), reached=reached)
         if code is not None and not dead and self._final(cycle):
             return Watch(code=code, reached=reached)  # restarting would change nothing
@@ -207,6 +217,14 @@ class Supervisor:
             kill_tree(proc, also=live)
         return Watch(code=proc.returncode or 1, fault=launchers.fault(self.run_dir, attempt, cycle),
                      dead=dead + stopped, reached=reached)
+
+    def _grace(self, proc: subprocess.Popen[bytes]) -> None:
+        """A script still running `grace` seconds after the notice: kill its ranks (torchrun
+        then ends); an hpcshard job stops at its next step by itself."""
+        if (self.grace is not None and self.noticed is not None and not self.killed
+                and time.monotonic() - self.noticed > self.grace):
+            _send(children(proc.pid), signal.SIGKILL)
+            self.killed = True
 
     def _final(self, cycle: int) -> bool:
         """The runtime ended this cycle on purpose: a bad value (exit 2, one line) or a
@@ -245,7 +263,7 @@ class Supervisor:
                                     f"within {DOWN_TIMEOUT_S:.0f} s")
             time.sleep(POLL_S)
         downs = launchers.downs(self.run_dir, attempt, cycle, nodes)
-        committed = max((c.step for c in store.committed(self.run_dir / store.CHECKPOINTS)), default=0)
+        committed = self._committed()
         bug = self._same_bug(cycle)
         stalled = self._stalled(cycle, committed)
         if bug:
@@ -264,20 +282,32 @@ class Supervisor:
         return self._record(cycle, watch, downs, restart=True, port=free_port(), committed=committed,
                             reason=f"restart {cycle + 1} of {self.spec.max_restarts}")
 
+    def _committed(self) -> int:
+        """The newest step a restart resumes from: hpcshard's committed checkpoints, or a
+        script's own newest save in the checkpoint directory (step from its name)."""
+        if self.spec.script:
+            return int(store.last_save(self.run_dir)["saved_step"] or 0)
+        return max((c.step for c in store.committed(self.run_dir / store.CHECKPOINTS)), default=0)
+
     def _record(self, cycle: int, watch: Watch, downs: list[dict[str, Any]] | None = None,
                 **decided: Any) -> dict[str, Any]:
         downs = downs or []
         dead = [d for down in downs for d in down.get("dead", [])]
-        culprit = dead[0] if dead else self._failed_first(cycle)
+        # A rank whose own code raised is the culprit (it is dead too, as are ranks torchrun
+        # tore down after it); else the one killed, stopped or hung.
+        culprit = self._failed_first(cycle) or (dead[0] if dead else None)
         reached = max([watch.reached, *(d.get("reached", 0) for d in downs)])
         fault = watch.fault or {}
+        collectives = flight.missing(flight.read(self.run_dir, self.ranks.attempt, cycle))
         ledger.append(self.run_dir, {
             "event": "fault", "attempt": self.ranks.attempt, "cycle": cycle,
             "cause": fault.get("cause", "unknown"), "declared": fault.get("time"),
             "culprit": culprit, "reached": reached, **decided,
-            "lost_steps": max(0, reached - decided.get("committed", reached))})
+            "lost_steps": max(0, reached - decided.get("committed", reached)),
+            "collectives": collectives})
+        waits = flight.summary(collectives)
         print(f"hpcshard: fault: {fault.get('cause', 'unknown')}; {_who(culprit)}; "
-              f"{decided['reason']}", file=sys.stderr, flush=True)
+              f"{waits + '; ' if waits else ''}{decided['reason']}", file=sys.stderr, flush=True)
         return decided
 
     def _failures(self, cycle: int) -> list[dict[str, Any]]:

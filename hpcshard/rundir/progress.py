@@ -75,3 +75,30 @@ class Board:
         self._map.close()
         if remove:
             self.path.unlink(missing_ok=True)
+
+
+_own: list[tuple[Board, int, int]] = []
+"""This process's board and slot, once opened (`report`)."""
+LAST: dict[str, int | None] = {"step": None}
+"""The step this process last reported (a failing script's rank names it)."""
+
+
+def report(phase: str, step: int | None = None) -> bool:
+    """Put this process on its node's board, when a launcher of hpcshard's watches one
+    (HPCSHARD_BOARD, set for every rank): the slot of LOCAL_RANK, global RANK. `step`
+    None keeps the last one. False where there is no board (plain torchrun, a notebook):
+    then this costs one dictionary lookup."""
+    if not _own:
+        path = os.environ.get("HPCSHARD_BOARD")
+        if not path or not Path(path).exists():
+            return False
+        slots = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        _own.append((Board(Path(path), slots), int(os.environ.get("LOCAL_RANK", "0")),
+                     int(os.environ.get("RANK", "0"))))
+    board, local_rank, rank = _own[0]
+    if step is None:
+        step = LAST["step"] or 0
+    else:
+        LAST["step"] = step
+    board.publish(local_rank, rank=rank, step=step, phase=phase)
+    return True

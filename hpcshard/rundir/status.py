@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hpcshard.rundir import ledger, store
+from hpcshard.rundir import flight, ledger, store
 from hpcshard.rundir.metrics import read_metrics, train_records
 
 
@@ -124,8 +124,10 @@ def faults(run_dir: Path) -> list[str]:
         culprit = (f"rank {who['rank']}" + (f" on {who['host']} (node {who['node']})" if "host" in who
                                             else "")) if who else "culprit unknown"
         action = "restarted" if r.get("restart") else "stopped"
+        waits = flight.summary(r.get("collectives", []))
         lines.append(f"  {r['attempt']}.{r['cycle']} {_clock(r.get('declared'))}  {r.get('cause')}; "
-                     f"{culprit}; {r.get('lost_steps', 0)} step(s) to redo from step "
+                     f"{culprit}; {waits + '; ' if waits else ''}"
+                     f"{r.get('lost_steps', 0)} step(s) to redo from step "
                      f"{r.get('committed', '-')}; {action}: {r.get('reason', '')}")
     return lines
 

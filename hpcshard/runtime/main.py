@@ -21,7 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hpcshard.config import build_config
-from hpcshard.rundir import ledger
+from hpcshard.rundir import flight, ledger
 from hpcshard.rundir.progress import Board
 from hpcshard.rundir.rankenv import STACKS_SIGNAL, RankEnv
 from hpcshard.rundir.spec import RunSpec
@@ -74,6 +74,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
     ranks = RankEnv.from_environ()
     attempt, resume = ranks.attempt, ranks.resume
     startup = {"entry": start or time.time(), "torch": time.time()}
+    flight.arm(run_dir, attempt, ranks.cycle)  # before the process group: see rundir.flight
     env = init_distributed()
     startup["rendezvous"] = time.time()
     report = reporter(ranks, env)

@@ -11,7 +11,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from hpcshard.rundir import ledger
+from hpcshard.rundir import flight, ledger
 from hpcshard.rundir.rankenv import BUG_EXIT
 from tests.conftest import ROOT, STEPS, hpcshard, hpcshard_bg, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import (
@@ -76,6 +76,10 @@ def test_a_stopped_rank_is_a_hang_found_in_seconds_and_the_run_ends_bitwise_equa
     (fault,) = faults(run)
     assert fault["restart"] and "made no progress in phase step" in fault["cause"]
     assert fault["culprit"]["pid"] == victim and fault["culprit"]["state"] == "stopped"
+    # The flight records of the ranks that could answer: the stopped one is missing from
+    # a collective they wait in (gloo's flight recorder, read back by node 0).
+    assert flight.roots(fault["collectives"]) == [fault["culprit"]["rank"]], fault["collectives"]
+    assert f"rank {fault['culprit']['rank']} missing from gloo:" in out
     # The limit is learned from the steps (here the 4 s floor), not gloo's 30 minutes.
     assert fault["declared"] - stopped_at < 30
     # Before it was killed, the hung rank wrote where it was; `logs --culprit` shows it.

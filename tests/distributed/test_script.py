@@ -1,17 +1,23 @@
 """Bring your own script, end to end on the local backend: a plain script runs as it is
-(argv byte for byte, its variables), a failing one is reported and not requeued, one that
+(argv byte for byte, its variables), a failing one is retried once and reported as a bug,
+a killed or hung one (with `progress`) is restarted in place, one that
 ignores the notice is stopped and resumed from its own last save, and
 `hpcshard.preemption` turns the notice into a flag every rank agrees on."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from hpcshard.rundir import ledger
+from hpcshard.rundir.rankenv import BUG_EXIT
 from tests.conftest import ROOT, hpcshard, hpcshard_bg, quiet_env, wait_for
+from tests.distributed.test_runtime_checkpoint import rank_pids
 
 ECHO = str(ROOT / "tests" / "scripts" / "echo_env.py")
 COUNTER = str(ROOT / "tests" / "scripts" / "counter.py")
@@ -50,19 +56,69 @@ def test_a_module_runs_as_python_m_would(tmp_path: Path) -> None:
     assert seen["argv"] == [ECHO, "--flag", "x y"] and seen["name"] == "__main__"
 
 
-def test_a_script_failing_on_every_rank_is_reported_once_and_not_requeued(tmp_path: Path) -> None:
+def test_a_script_failing_on_every_rank_stops_after_one_retry_as_a_bug(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = hpcshard("submit", "--backend", "local", "--nodes", "2", "--gpus", "1", ECHO,
                     "--run-dir", str(run), env={"ECHO_FAIL": "1"})
-    assert proc.returncode == 1
+    assert proc.returncode == BUG_EXIT
     out = proc.stdout + proc.stderr
+    assert "RuntimeError: broken on purpose again at the same step: a bug" not in out
+    bug = [line for line in out.splitlines() if "a bug, not a fault" in line]
+    assert len(bug) == 1 and "RuntimeError: broken on purpose (traceback in " in bug[0], out
     assert "hpcshard: rank " in out and "failed first (exit 1)" in out, out
-    assert "RuntimeError: broken on purpose" in out and "about to fail" in out
+    assert "about to fail" in out
     assert "runpy" not in (run / "logs" / "rank-0.log").read_text()  # the script's frames only
     records = ledger.read(run)
-    assert sorted(r["rank"] for r in records if r["event"] == "rank_failed") == [0, 1]
+    failed = [(r["cycle"], r["rank"]) for r in records if r["event"] == "rank_failed"]
+    assert sorted(failed) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # one retry, no more
     assert [r["reason"] for r in records if r["event"] == "end"] == ["error"]
-    assert {r["attempt"] for r in records} == {0}  # never restarted
+    assert {r["attempt"] for r in records} == {0}  # never requeued
+
+
+def _script_fault(tmp_path: Path, sig: signal.Signals) -> tuple[Path, int, float, str]:
+    """counter.py on 2 nodes x 1 rank, reporting progress; `sig` to rank 1 after step 4."""
+    run = tmp_path / "run"
+    bg = hpcshard_bg("submit", "--backend", "local", "--nodes", "2", "--gpus", "1", COUNTER,
+                     "--run-dir", str(run), "--", "--steps", "24", "--save-every", "4",
+                     "--step-seconds", "0.3", "--progress")
+    wait_for(lambda: "rank 1 step 5" in _log(run, 1), 120, "rank 1 past step 4")
+    (victim,) = [p for p in rank_pids(run) if f"{p}" in _pids_of_rank(run, 1)]
+    os.kill(victim, sig)
+    at = time.time()
+    out, _ = bg.communicate(timeout=180)
+    assert bg.returncode == 0, out[-3000:]
+    return run, victim, at, out
+
+
+def _log(run: Path, rank: int) -> str:
+    path = run / "logs" / f"rank-{rank}.log"
+    return path.read_text() if path.exists() else ""
+
+
+def _pids_of_rank(run: Path, rank: int) -> str:
+    """The pid each start of `rank` printed."""
+    return " ".join(line.split()[-1] for line in _log(run, rank).splitlines() if line.startswith("pid "))
+
+
+def test_a_killed_script_rank_is_restarted_and_resumes_from_its_own_save(tmp_path: Path) -> None:
+    run, victim, killed_at, out = _script_fault(tmp_path, signal.SIGKILL)
+    (fault,) = [r for r in ledger.read(run) if r["event"] == "fault"]
+    assert fault["restart"] and "died" in fault["cause"] and fault["culprit"]["pid"] == victim
+    assert fault["declared"] - killed_at < 5
+    assert fault["committed"] >= 4  # the script's own checkpoint-N.json
+    restarted = _log(run, 1).split("starts after step")[-1]
+    assert restarted.split(";")[0].strip() == str(fault["committed"])
+    assert "rank 1 step 24" in restarted
+
+
+def test_a_hung_script_rank_that_reports_progress_is_found_and_restarted(tmp_path: Path) -> None:
+    run, victim, stopped_at, out = _script_fault(tmp_path, signal.SIGSTOP)
+    (fault,) = [r for r in ledger.read(run) if r["event"] == "fault"]
+    assert fault["restart"] and "made no progress in phase step" in fault["cause"]
+    assert fault["culprit"]["pid"] == victim and fault["culprit"]["state"] == "stopped"
+    assert fault["declared"] - stopped_at < 15  # the 5 s floor, not forever
+    assert "most recent call first" in _log(run, 1)  # its stacks, before it was killed
+    assert f"rank 1 starts after step {fault['committed']};" in _log(run, 1)
 
 
 def test_a_script_that_does_nothing_is_stopped_and_resumes_from_its_own_save(tmp_path: Path) -> None:
@@ -147,3 +203,27 @@ def test_preemption_flag_and_requeue_code(tmp_path: Path) -> None:
                           env=quiet_env(HPCSHARD_NOTICE_SIGNAL="SIGUSR1", HPCSHARD_DEADLINE="123.5"))
     assert proc.returncode == 75, proc.stderr
     assert proc.stdout.strip() == "123.5"
+
+
+def test_the_hugging_face_example_reports_progress_and_a_hung_rank_is_restarted(tmp_path: Path) -> None:
+    """Its `ReportProgress` callback puts Trainer's steps on the board: a rank stopped by
+    SIGSTOP (the other waits in DDP's all-reduce) is found, and both restart from the
+    newest complete checkpoint-N."""
+    run = tmp_path / "hf"
+    bg = hpcshard_bg("submit", "--backend", "local", "--gpus", "2",
+                     str(ROOT / "examples" / "hf_trainer" / "train_hf.py"), "--run-dir", str(run),
+                     "--", "--max-steps", "20", "--save-steps", "4", "--step-seconds", "0.3",
+                     "--logging-steps", "1")
+    wait_for(lambda: (run / "checkpoints" / "checkpoint-8" / "trainer_state.json").exists(), 300,
+             "checkpoint-8")
+    victim = rank_pids(run)[1]
+    os.kill(victim, signal.SIGSTOP)
+    stopped_at = time.time()
+    out, _ = bg.communicate(timeout=300)
+    assert bg.returncode == 0, out[-3000:]
+    (fault,) = [r for r in ledger.read(run) if r["event"] == "fault"]
+    assert "made no progress in phase step" in fault["cause"], fault
+    assert fault["culprit"]["pid"] == victim and fault["culprit"]["state"] == "stopped"
+    assert fault["declared"] - stopped_at < 15 and fault["committed"] >= 8
+    assert [r["reason"] for r in ledger.read(run) if r["event"] == "end"] == ["done"]
+    assert (run / "checkpoints" / "checkpoint-20").is_dir()
