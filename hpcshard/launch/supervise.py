@@ -125,6 +125,9 @@ class Watch:
     """Ranks of this node whose process died while they trained (the culprits)."""
     reached: int = 0
     """The highest step any rank of this node reported."""
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    """Where each rank of this node was when the fault came (a flight record names a
+    rank; this says where it ran)."""
 
 
 class Supervisor:
@@ -207,6 +210,8 @@ class Supervisor:
         elif code is not None:
             launchers.declare_fault(self.run_dir, attempt, cycle, {
                 "cause": f"the ranks of node {self.node.node_rank} failed (exit {code})", **self.where})
+        where = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase, **self.where,
+                  "state": process_state(s.pid) or "gone"} for s in board.read()]
         left = [s for s in board.read() if s.phase != "done" and alive(s.pid)]
         stopped = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase, **self.where,
                     "state": "stopped"} for s in left if process_state(s.pid) in ("T", "t")]
@@ -216,7 +221,7 @@ class Supervisor:
         elif live:  # the agent died and left its ranks behind: they must not train on
             kill_tree(proc, also=live)
         return Watch(code=proc.returncode or 1, fault=launchers.fault(self.run_dir, attempt, cycle),
-                     dead=dead + stopped, reached=reached)
+                     dead=dead + stopped, reached=reached, ranks=where)
 
     def _grace(self, proc: subprocess.Popen[bytes]) -> None:
         """A script still running `grace` seconds after the notice: kill its ranks (torchrun
@@ -237,7 +242,8 @@ class Supervisor:
     def recover(self, cycle: int, watch: Watch) -> dict[str, Any]:
         attempt, node = self.ranks.attempt, self.node.node_rank
         launchers.mark_down(self.run_dir, attempt, cycle, node, {
-            "host": self.where["host"], "dead": watch.dead, "reached": watch.reached})
+            "host": self.where["host"], "dead": watch.dead, "reached": watch.reached,
+            "ranks": watch.ranks})
         if node == 0:
             decided = self.decide(cycle, watch)
             launchers.decide(self.run_dir, attempt, cycle, decided)
@@ -295,10 +301,19 @@ class Supervisor:
         dead = [d for down in downs for d in down.get("dead", [])]
         # A rank whose own code raised is the culprit (it is dead too, as are ranks torchrun
         # tore down after it); else the one killed, stopped or hung.
-        culprit = self._failed_first(cycle) or (dead[0] if dead else None)
-        reached = max([watch.reached, *(d.get("reached", 0) for d in downs)])
         fault = watch.fault or {}
         collectives = flight.missing(flight.read(self.run_dir, self.ranks.attempt, cycle))
+        # The culprit, surest first: a rank whose own code raised (it is dead too, as are
+        # ranks torchrun tore down after it); one killed or stopped; the rank where the
+        # flight records' chain of waits begins (a livelock: busy while its peers wait,
+        # whichever node's watchdog spoke first); the rank the watchdog named.
+        everyone = {r["rank"]: r for down in downs for r in down.get("ranks", [])}
+        root = [everyone[r] for r in flight.roots(collectives) if r in everyone]
+        named = ("rank", "pid", "step", "phase", "node", "host", "state")
+        hung: dict[str, Any] | None = ({k: fault[k] for k in named if k in fault}
+                                       if "rank" in fault and "state" in fault else None)
+        culprit = self._failed_first(cycle) or (dead[0] if dead else root[0] if len(root) == 1 else hung)
+        reached = max([watch.reached, *(d.get("reached", 0) for d in downs)])
         ledger.append(self.run_dir, {
             "event": "fault", "attempt": self.ranks.attempt, "cycle": cycle,
             "cause": fault.get("cause", "unknown"), "declared": fault.get("time"),

@@ -91,6 +91,38 @@ def test_a_stopped_rank_is_a_hang_found_in_seconds_and_the_run_ends_bitwise_equa
         assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
 
 
+def test_a_rank_spinning_in_the_jobs_code_is_named_with_its_stack_and_the_collective(
+        tmp_path: Path) -> None:
+    """A livelock, not a stopped process: rank 2 spins (running) while its peers sleep in a
+    collective. The watchdog names the busy rank, its stack shows where, the flight records
+    show it missing from the collective its peers wait in; the restart then finishes."""
+    run = tmp_path / "spin"
+    proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", FAULTY, "--run-dir", str(run),
+                    *sets(steps=10, ckpt_every=4, spin_at=7, fail_rank=2, watchdog_floor_s=2))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (fault,) = faults(run)
+    assert fault["restart"] and fault["culprit"]["rank"] == 2 and fault["culprit"]["state"] == "R"
+    assert flight.roots(fault["collectives"]) == [2], fault["collectives"]
+    log = (run / "logs" / "rank-2.log").read_text()
+    assert "most recent call first" in log and 'faulty.py", line' in log
+
+
+def test_slow_saves_and_long_evaluations_are_not_taken_for_hangs(tmp_path: Path) -> None:
+    """Every save and evaluation 20x slower (3 s at least) while a step's limit is 1 s: the
+    phases the ranks report keep the watchdog on the outer limit for them. No fault."""
+    run = tmp_path / "slow"
+    proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", FAULTY, "--run-dir", str(run),
+                    *sets(steps=12, ckpt_every=4, eval_every=6, eval_batches=1, watchdog_floor_s=1),
+                    env={"FAULTY_SLOW": "20"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not faults(run)
+    log = (run / "logs" / "rank-0.log").read_text() + proc.stdout
+    slowed = [float(line.split(" to ")[1].split()[0]) for line in log.splitlines()
+              if line.startswith("faulty: ")]
+    assert len(slowed) >= 4 and min(slowed) >= 3  # saves of 4, 8, 12; evaluations of 6, 12
+    assert sorted(committed(run)) == [4, 8, 12]
+
+
 def test_a_bug_in_the_job_stops_after_one_retry_with_one_line(tmp_path: Path) -> None:
     run = tmp_path / "bug"
     proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", FAULTY, "--run-dir", str(run),

@@ -1,11 +1,16 @@
 """The demo job with a fault on request, for the supervision tests: its own code raises at a
-chosen forward pass of a rank's process (`fail_at`), as a bug in a job would."""
+chosen forward pass of a rank's process (`fail_at`), as a bug in a job would, or returns a
+nan loss (`nan_at`). FAULTY_SLOW=N in the environment makes every save and evaluation N
+times slower (and at least FAULTY_SLOW_MIN_S seconds, 3 by default): slow storage, a long
+evaluation, which the watchdog must not take for a hang."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +18,9 @@ import torch
 import torch.nn as nn
 
 from hpcshard.runtime import Job
+from hpcshard.runtime.checkpoint.manager import Checkpointer
 from hpcshard.runtime.job import lm_loss
+from hpcshard.runtime.train import Trainer
 
 _spec = importlib.util.spec_from_file_location("faulty_charlm",
                                                Path(__file__).parents[2] / "jobs" / "charlm.py")
@@ -31,6 +38,9 @@ class Config(charlm.Config):  # type: ignore[name-defined,misc]
     """Only this global rank raises (-1: every rank)."""
     nan_at: int = 0
     """Return a nan loss in this process's N-th forward pass (0: never)."""
+    spin_at: int = 0
+    """Spin forever, busy, in this process's N-th forward pass of the first cycle (a hang
+    that is not a stopped process: a livelock in the job's own code)."""
 
 
 calls = 0
@@ -43,6 +53,10 @@ def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     rank = int(os.environ.get("RANK", "0"))
     if cfg.fail_at and calls == cfg.fail_at and cfg.fail_rank in (-1, rank):
         raise RuntimeError(f"injected bug in the job's loss (forward pass {calls})")
+    if (cfg.spin_at and calls == cfg.spin_at and cfg.fail_rank in (-1, rank)
+            and os.environ.get("HPCSHARD_CYCLE") == "0"):
+        while True:
+            pass
     value = lm_loss(model, x, y)
     if cfg.nan_at and calls == cfg.nan_at and cfg.fail_rank in (-1, rank):
         return value * float("nan")
@@ -57,3 +71,22 @@ def model(cfg: Config) -> nn.Module:
 
 job = Job(config=Config, model=model, data=charlm.data, loss=loss, init=charlm.init,
           flops_per_token=charlm.flops_per_token)
+
+
+def _slowed(what: str, method: Callable[..., object]) -> Callable[..., object]:
+    factor, least = float(os.environ.get("FAULTY_SLOW", "0")), float(os.environ.get("FAULTY_SLOW_MIN_S", "3"))
+
+    def slow(self: object, *args: object) -> object:
+        start = time.perf_counter()
+        out = method(self, *args)
+        took = time.perf_counter() - start
+        pause = max((factor - 1) * took, least - took)
+        time.sleep(pause)
+        print(f"faulty: {what} slowed from {took:.2f} s to {took + pause:.2f} s", flush=True)
+        return out
+    return slow
+
+
+if os.environ.get("FAULTY_SLOW"):
+    Checkpointer.save = _slowed("save", Checkpointer.save)  # type: ignore[method-assign,assignment]
+    Trainer.evaluate = _slowed("eval", Trainer.evaluate)  # type: ignore[method-assign,assignment]
