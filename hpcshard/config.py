@@ -18,6 +18,7 @@ from hpcshard.rundir.rankenv import NOTICE, signal_name
 
 SHARDING_MODES = ("auto", "hybrid", "full", "grad-op", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
+NAN_POLICIES = ("stop", "rollback")
 
 C = typing.TypeVar("C", bound="TrainConfig")
 
@@ -110,10 +111,18 @@ class TrainConfig:
     """Steps of each (re)start judged by watchdog_phase_s instead (cold start, compile)."""
     watchdog_phase_s: float = 1800.0
     """The limit of everything else: setup, load, save, evaluation, the warm-up steps."""
+    nan_policy: str = "stop"
+    """A nan/inf loss or gradient norm: stop (the checkpoint before it intact) | rollback
+    (reload the newest checkpoint and skip the global batches that led to it)."""
+    nan_skip: int = 1
+    """rollback: global batches skipped, ending with the one whose step went non-finite."""
+    nan_rollbacks: int = 3
+    """rollback: at most this many per run; the next non-finite step stops it."""
 
     def __post_init__(self) -> None:
         _choice("sharding", self.sharding, SHARDING_MODES)
         _choice("precision", self.precision, PRECISIONS)
+        _choice("nan_policy", self.nan_policy, NAN_POLICIES)
         if self.ac not in ("none", "full") and not (self.ac.isdigit() and int(self.ac) > 0):
             raise ValueError(
                 f"ac={self.ac!r} is not valid; choose none, full, or a positive integer K "
@@ -123,10 +132,11 @@ class TrainConfig:
             _positive(name, getattr(self, name))
         for name in ("micro_batch_size", "warmup_steps", "weight_decay", "grad_clip",
                      "eval_every", "block_min_params", "peak_tflops", "min_lr_ratio",
-                     "ckpt_every", "ckpt_minutes", "keep_every", "watchdog_warmup_steps"):
+                     "ckpt_every", "ckpt_minutes", "keep_every", "watchdog_warmup_steps",
+                     "nan_rollbacks"):
             _positive(name, getattr(self, name), zero_ok=True)
 
-        for name in ("keep_last", "watchdog_factor", "watchdog_floor_s", "watchdog_phase_s"):
+        for name in ("keep_last", "watchdog_factor", "watchdog_floor_s", "watchdog_phase_s", "nan_skip"):
             _positive(name, getattr(self, name))
         signal_names(self.stop_signals)
 

@@ -110,6 +110,10 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
     for r in ledger.read(run_dir):
         if r["event"] == "gave_up":
             lines.append(f"gave up: {r['reason']}")
+        if r["event"] == "rollback":
+            lines.append(f"rollback {r['rollback']} of {r['of']} ({_clock(r.get('time'))}): nan or inf "
+                         f"at step {r['step']}, rolled back to step {r['to']}, skipping "
+                         f"{len(r['skipped'])} global batch(es)")
     return lines
 
 

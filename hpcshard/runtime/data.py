@@ -146,6 +146,9 @@ class GlobalBatches:
                              f"tokens, fewer than one batch ({batch_size}); lower batch_size or seq_len")
         self.epoch, self.offset = 0, 0
         self._perm: torch.Tensor | None = None
+        self.skip: set[tuple[int, int]] = set()
+        """Global batches never to train on, by the (epoch, offset) they start at (a
+        rollback after a non-finite loss skips the batches that led to it)."""
 
     @property
     def steps_per_epoch(self) -> int:
@@ -157,10 +160,19 @@ class GlobalBatches:
             self._perm = torch.randperm(self.samples, generator=gen)
         return self._perm
 
+    def upcoming(self) -> tuple[int, int]:
+        """Where the next global batch starts, (epoch, offset): the same on every rank and
+        for every world size."""
+        while True:
+            if self.offset + self.batch_size > self.samples:
+                self.epoch, self.offset, self._perm = self.epoch + 1, 0, None
+            if (self.epoch, self.offset) not in self.skip:
+                return self.epoch, self.offset
+            self.offset += self.batch_size
+
     def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches for the next optimizer step."""
-        if self.offset + self.batch_size > self.samples:
-            self.epoch, self.offset, self._perm = self.epoch + 1, 0, None
+        self.upcoming()
         per_rank = self.batch_size // self.world
         start = self.offset + self.rank * per_rank
         mine = self._permutation()[start:start + per_rank].tolist()

@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
         stop = StopRequest(f"{cfg.stop_signals},{ranks.notice}").install(early or [])
         trainer = Trainer(job, cfg, env, run_dir)
         trainer.report = report
+        _rollbacks(run_dir, trainer, attempt, ranks.cycle, env.is_main)
         startup["built"] = time.time()
         loaded = trainer.restore(resume)
         trainer.startup = {**startup, "loaded": time.time()}
@@ -127,16 +128,31 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
              saved_step=summary.saved_step)
     if summary.reason == "nonfinite":
         if env.is_main:
-            print(f"error: the loss or the gradient norm became nan or inf at step {summary.step}; "
-                  f"stopped with no save after it: the newest checkpoint, step {summary.saved_step}, "
-                  "is intact; lower the learning rate or check the data, then hpcshard resume",
-                  file=sys.stderr)
+            spent = (f" after {trainer.rollbacks} rollback(s), the most nan_rollbacks allows"
+                     if trainer is not None and trainer.rollbacks else "")
+            print(f"error: the loss or the gradient norm became nan or inf at step {summary.step}"
+                  f"{spent}; stopped with no save after it: the newest checkpoint, step "
+                  f"{summary.saved_step}, is intact; lower the learning rate or check the data "
+                  "(or --set nan_policy=rollback), then hpcshard resume", file=sys.stderr)
         return 1
     if summary.reason == "done" and summary.saved_step != summary.step:
         (log.error if env.is_main else log.debug)(
             "the final checkpoint (step %d) could not be saved; see the errors above", summary.step)
         return 1
     return 0
+
+
+def _rollbacks(run_dir: Path, trainer: Trainer, attempt: int, cycle: int, main: bool) -> None:
+    """The run's rollbacks so far (the ledger's, across restarts and requeues): their
+    batches stay skipped and they count against nan_rollbacks; new ones are recorded."""
+    before = [r for r in ledger.read(run_dir) if r["event"] == "rollback"]
+    trainer.batches.skip.update((int(e), int(o)) for r in before for e, o in r["skipped"])
+    trainer.rollbacks = len(before)
+
+    def record(fields: dict[str, object]) -> None:
+        if main:
+            ledger.append(run_dir, {"event": "rollback", "attempt": attempt, "cycle": cycle, **fields})
+    trainer.rolled_back = record
 
 
 def reporter(ranks: RankEnv, env: DistEnv) -> Callable[[str, int], None]:

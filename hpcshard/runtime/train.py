@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import time
@@ -109,6 +110,13 @@ class Trainer:
         self.report: Callable[[str, int], None] = lambda phase, step: None
         """Where this rank tells its launcher what it does (phase, step): the node's
         progress board under hpcshard's launchers, nothing elsewhere."""
+        self.recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=cfg.nan_skip)
+        """Where the last nan_skip global batches started (what a rollback skips)."""
+        self.rollbacks = 0
+        """Rollbacks after a non-finite step so far in this run (the runtime counts the
+        ledger's; `nan_rollbacks` is the budget)."""
+        self.rolled_back: Callable[[dict[str, object]], None] = lambda record: None
+        """Told of each rollback (the runtime writes it into the ledger)."""
         parts = TrainParts(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                            batches=self.batches, scaler=self.scaler,
                            layout={"mesh": list(self.mesh.shape), "sharding": self.mode})
@@ -134,6 +142,7 @@ class Trainer:
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches; returns (loss, grad norm)."""
+        self.recent.append(self.batches.upcoming())
         micro_batches = self.batches.next()
         total = torch.zeros((), device=self.env.device)
         for i, (x, y) in enumerate(micro_batches):
@@ -219,6 +228,27 @@ class Trainer:
         bad = ~torch.isfinite(loss)
         return bad if self.scaler is not None else bad | ~torch.isfinite(norm)
 
+    def _rollback(self) -> bool:
+        """nan_policy=rollback, within its budget: reload the newest committed checkpoint
+        (every rank: the decision is the all-reduced flag's) and never train on the global
+        batches that led here. False: stop instead (no budget left, nothing to reload)."""
+        cfg = self.cfg
+        if cfg.nan_policy != "rollback" or self.rollbacks >= cfg.nan_rollbacks or self.ckpt is None:
+            return False
+        self.ckpt.wait()  # an async write of an earlier, good step commits first
+        bad, skipped = self.step, sorted(self.recent)
+        self.batches.skip.update(skipped)
+        loaded = self.restore("auto")
+        if loaded is None:  # nothing committed yet: no state to go back to
+            return False
+        self.rollbacks += 1
+        self.rolled_back({"step": bad, "to": loaded.step, "skipped": [list(p) for p in skipped],
+                          "rollback": self.rollbacks, "of": cfg.nan_rollbacks})
+        log.warning("non-finite loss or gradient norm at step %d: rolled back to step %d and "
+                    "skipping %d global batch(es) (rollback %d of %d)", bad, loaded.step,
+                    len(skipped), self.rollbacks, cfg.nan_rollbacks)
+        return True
+
     def run(self, stop: StopRequest | None = None) -> Summary:
         cfg, env = self.cfg, self.env
         baseline = unigram_entropy(self.splits.train, self.splits.vocab_size)
@@ -256,6 +286,9 @@ class Trainer:
                     metrics.record(self.step, eval_loss=eval_loss)
                     last_t = time.perf_counter()  # evaluation time is not training throughput
                 ended = self._boundary(stop, self._nonfinite(step_loss, norm))
+                if ended == "nonfinite" and self._rollback():
+                    bar.advance(self.step)
+                    continue
                 if ended:
                     reason = ended
                     break

@@ -172,6 +172,29 @@ def test_a_nan_loss_stops_the_run_with_the_checkpoint_before_it_intact(tmp_path:
     assert all(torch.isfinite(t).all() for t in weights.values())
 
 
+def test_a_nan_with_rollback_reloads_skips_the_bad_batch_and_finishes(uninterrupted: Path,
+                                                                      tmp_path: Path) -> None:
+    """nan_policy=rollback: the 7th global batch makes the loss nan (on every replay too).
+    The ranks reload step 4, skip that batch (recorded in the ledger) and train to the end."""
+    run = tmp_path / "rollback"
+    proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", FAULTY, "--run-dir", str(run),
+                    *sets(steps=STEPS, ckpt_every=4, keep_last=100, nan_batch=7, nan_policy="rollback"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (rollback,) = [r for r in ledger.read(run) if r["event"] == "rollback"]
+    assert (rollback["step"], rollback["to"], rollback["skipped"]) == (7, 4, [[0, 6 * 24]])
+    assert not faults(run)  # handled inside the ranks: no restart
+    trained = [r["step"] for r in step_records(run)]
+    assert trained.count(5) == trained.count(6) == 2 and trained.count(7) == 2
+    import torch
+
+    final = load(committed(run)[STEPS])
+    assert final["progress"]["data"] == {"epoch": 0, "offset": (STEPS + 1) * 24}  # one skipped
+    assert all(torch.isfinite(t).all() for t in final["model"].values())
+    # Up to the commit it went back to, the run is the uninterrupted one, bit for bit.
+    assert_bitwise_equal(load(committed(run)[4]), load(committed(uninterrupted)[4]), "step 4")
+    assert "rolled back to step 4" in hpcshard("status", str(run)).stdout
+
+
 def test_a_spent_restart_budget_goes_back_through_the_queue_and_finishes(tmp_path: Path) -> None:
     run = tmp_path / "budget"
     proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",

@@ -19,6 +19,7 @@ import torch.nn as nn
 
 from hpcshard.runtime import Job
 from hpcshard.runtime.checkpoint.manager import Checkpointer
+from hpcshard.runtime.data import GlobalBatches
 from hpcshard.runtime.job import lm_loss
 from hpcshard.runtime.train import Trainer
 
@@ -38,12 +39,27 @@ class Config(charlm.Config):  # type: ignore[name-defined,misc]
     """Only this global rank raises (-1: every rank)."""
     nan_at: int = 0
     """Return a nan loss in this process's N-th forward pass (0: never)."""
+    nan_batch: int = 0
+    """Return a nan loss on the N-th global batch of the data (epoch 0): a bad batch, met
+    again by any replay that does not skip it (0: never)."""
     spin_at: int = 0
     """Spin forever, busy, in this process's N-th forward pass of the first cycle (a hang
     that is not a stopped process: a livelock in the job's own code)."""
 
 
 calls = 0
+batch = (0, 0)
+"""Where the global batch being trained on starts (epoch, offset)."""
+
+
+def _next(self: GlobalBatches) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    global batch
+    batch = self.upcoming()
+    return _batches_next(self)
+
+
+_batches_next = GlobalBatches.next
+GlobalBatches.next = _next  # type: ignore[method-assign]
 
 
 def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -59,6 +75,8 @@ def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             pass
     value = lm_loss(model, x, y)
     if cfg.nan_at and calls == cfg.nan_at and cfg.fail_rank in (-1, rank):
+        return value * float("nan")
+    if cfg.nan_batch and batch == (0, (cfg.nan_batch - 1) * cfg.batch_size):
         return value * float("nan")
     return value
 

@@ -57,6 +57,26 @@ def test_state_resumes_exactly_across_epochs() -> None:
         assert torch.equal(step_inputs(a), step_inputs(b))
 
 
+def test_skipped_global_batches_are_never_trained_on_at_any_world_size() -> None:
+    """A rollback's skip list: by where a batch starts, the same for 1 or 4 ranks, across
+    an epoch's end (the next epoch starts where it would have)."""
+    plain = batches(0, 1)
+    order = []
+    for _ in range(plain.steps_per_epoch + 2):
+        order.append(plain.upcoming())
+        order[-1] = (order[-1], step_inputs(plain))
+    last = plain.steps_per_epoch - 1
+    skip = {order[2][0], order[last][0]}  # the 3rd batch and the epoch's last
+    kept = [x for pos, x in order if pos not in skip]
+    one, four = batches(0, 1), [batches(r, 4) for r in range(4)]
+    for b in (one, *four):
+        b.skip = set(skip)
+    for want in kept:
+        assert torch.equal(step_inputs(one), want)
+        assert torch.equal(torch.cat([step_inputs(b) for b in four]), want)
+    assert one.state_dict() == plain.state_dict()  # into the next epoch as without skips
+
+
 def test_each_epoch_sees_every_sample_once() -> None:
     b = batches(0, 1, batch=1)
     seen = [int(step_inputs(b)[0, 0]) for _ in range(b.steps_per_epoch)]
