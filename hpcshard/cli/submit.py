@@ -151,7 +151,9 @@ def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None
         check_run_dir(run_dir)
         if resume not in ("auto", "never"):
             check_resume(run_dir, resume)
-        spec = RunSpec(job=ref, sets=parse_sets(sets), nodes=nodes, gpus=v["gpus_per_node"],
+        # The profile's training settings under the command line's.
+        train = {} if own else {**v["train"], **parse_sets(sets)}
+        spec = RunSpec(job=ref, sets=train, nodes=nodes, gpus=v["gpus_per_node"],
                        backend=pick_backend(v["backend"]), name=name or job_stem(label),
                        max_requeues=v["max_requeues"], requeue_policy=v["requeue_policy"],
                        max_restarts=v["max_restarts"], no_progress_restarts=v["no_progress_restarts"],

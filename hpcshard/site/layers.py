@@ -83,8 +83,14 @@ def _check_setting(where: str, key: str, value: Any) -> Any:
         raise _type_error(where, key, "an integer", value)
     if setting.kind == "list" and not _str_list(value):
         raise _type_error(where, key, "a list of strings", value)
-    if setting.kind in ("env", "vars", "container") and not isinstance(value, dict):
+    if setting.kind in ("env", "vars", "container", "sets") and not isinstance(value, dict):
         raise _type_error(where, key, "a table", value)
+    if setting.kind == "sets":  # as --set spells them: true/false, numbers, strings
+        bad = {k: v for k, v in value.items() if not isinstance(v, str | int | float | bool)}
+        if bad:
+            name, v = next(iter(bad.items()))
+            raise _type_error(where, f"{key}.{name}", "a string, number or boolean", v)
+        value = {k: str(v).lower() if isinstance(v, bool) else str(v) for k, v in value.items()}
     if setting.kind == "env":
         bad = {k: v for k, v in value.items() if isinstance(v, bool) or not isinstance(v, str | int | float)}
         if bad:

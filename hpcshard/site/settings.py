@@ -5,6 +5,7 @@ Stdlib (and `slurm.time`/`slurm.sbatch` for Slurm's own formats)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from hpcshard.slurm.time import parse_mem, parse_time
 
 BACKENDS = ("auto", "local", "slurm")
 CONTAINER_RUNTIMES = ("pyxis", "apptainer")
-MERGED = ("env", "vars")
+MERGED = ("env", "vars", "train")
 """Table settings merged key by key across layers (others are replaced whole)."""
 
 
@@ -57,13 +58,24 @@ def _var_names(value: dict[str, Any]) -> None:
             raise ValueError(f"{key!r} is already a template variable of hpcshard; pick another name")
 
 
+def _train_keys(value: dict[str, Any]) -> None:
+    from hpcshard.config import TrainConfig  # (stdlib; imported when a profile sets any)
+
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    for key in value:
+        if key not in known:
+            raise ValueError(f"{key!r} is not a training setting of every job; valid keys: "
+                             f"{', '.join(sorted(known))}")
+
+
 @dataclass(frozen=True)
 class Setting:
     """One setting: what the files accept, the command line's option (`cli.options`) and the
     admin guide's row all come from here."""
 
     kind: str
-    """str, int, list (of str), env (table of scalars), vars (table), container (table)."""
+    """str, int, list (of str), env (table of scalars), vars (table), container (table),
+    sets (table of scalars, as --set KEY=VALUE would give them)."""
     default: Any
     help: str
     check: Callable[[Any], None] | None = None
@@ -133,6 +145,9 @@ SETTINGS: dict[str, Setting] = {
                             option="--max-restarts"),
     "no_progress_restarts": Setting("int", 2, "Stop after this many restarts in a row that did "
                                     "not advance the committed checkpoint.", minimum=1),
+    "train": Setting("sets", {}, "Training settings every hpcshard job of the profile gets, "
+                     "as --set KEY=VALUE would give them (e.g. watchdog_floor_s = 30, nan_policy "
+                     "= \"rollback\"); a job's own --set wins. Scripts ignore them.", _train_keys),
     "storage_root": Setting("str", "runs", "Where run directories go (shared storage seen by "
                             "every node); ~ and $VARS expand, relative paths are from the "
                             "current directory."),

@@ -61,10 +61,10 @@ def test_skipped_global_batches_are_never_trained_on_at_any_world_size() -> None
     """A rollback's skip list: by where a batch starts, the same for 1 or 4 ranks, across
     an epoch's end (the next epoch starts where it would have)."""
     plain = batches(0, 1)
-    order = []
+    order: list[tuple[tuple[int, int], torch.Tensor]] = []
     for _ in range(plain.steps_per_epoch + 2):
-        order.append(plain.upcoming())
-        order[-1] = (order[-1], step_inputs(plain))
+        position = plain.upcoming()
+        order.append((position, step_inputs(plain)))
     last = plain.steps_per_epoch - 1
     skip = {order[2][0], order[last][0]}  # the 3rd batch and the epoch's last
     kept = [x for pos, x in order if pos not in skip]

@@ -405,3 +405,28 @@ def test_the_admin_guide_shows_the_settings_registry() -> None:
         text = guide.read_text()
     assert markdown_table() in text, ("docs/admins.md's settings table is stale; refresh with: "
                                       "HPCSHARD_REFRESH_GOLDEN=1 python -m pytest tests/unit/test_site.py")
+
+
+def test_a_profile_gives_training_settings_under_the_jobs_own_set(layers: dict[str, Path],
+                                                                 tmp_path: Path) -> None:
+    """`train` (fault limits, nan policy, ...): merged key by key like env, spelled as --set
+    would spell them, and a job's --set wins."""
+    from hpcshard.cli.submit import _prepare
+
+    layers["site"].write_text('[defaults]\ntrain = { watchdog_floor_s = 30, nan_policy = "rollback", '
+                              'compile = true }\n')
+    layers["user"].write_text('[defaults]\ntrain = { watchdog_floor_s = 60 }\n')
+    res = site.resolve(site.load())
+    assert res.values["train"] == {"watchdog_floor_s": "60", "nan_policy": "rollback", "compile": "true"}
+    assert res.source("train.watchdog_floor_s").startswith("user ")
+    spec, _, _ = _prepare(JOB, 1, tmp_path / "r", None, "auto", ("nan_policy=stop",), None,
+                          {"backend": "local"}, check_cluster=False, check_job=False)
+    assert spec.sets == {"watchdog_floor_s": "60", "nan_policy": "stop", "compile": "true"}
+
+
+def test_an_unknown_training_setting_in_a_profile_is_one_line(layers: dict[str, Path],
+                                                             tmp_path: Path) -> None:
+    layers["site"].write_text("[defaults]\ntrain = { watchdog_flor_s = 30 }\n")
+    code, out = invoke("submit", JOB, "--backend", "local", "--run-dir", str(tmp_path / "r"))
+    one_line_error(code, out, "watchdog_flor_s", "watchdog_floor_s", str(layers["site"]))
+    assert not (tmp_path / "r").exists()
