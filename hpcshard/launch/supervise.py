@@ -179,37 +179,50 @@ class Supervisor:
         attempt = self.ranks.attempt
         dog = Watchdog(Limits.from_config(self.spec.resolved.get("config", {})))
         hang: dict[str, Any] | None = None
+        started, told = time.monotonic(), False
         while True:
             code = proc.poll()
             slots = board.read()
             reached = max((s.step for s in slots), default=0)
-            if code is None and (self.ending or self.noticed is not None):
-                self._grace(proc)  # stopping on purpose: nothing is a fault now
+            if self.ending or self.killed:  # a cancel, or a script's grace ran out: they end
+                if code is not None:
+                    break
                 time.sleep(POLL_S)
                 continue
+            if self.noticed is not None:
+                self._grace(proc)
+                if not told and self.noticed < started and len(slots) == board.slots:
+                    # The notice came while the ranks were down (a fault's recovery): the
+                    # new ones hear it as soon as they are up (their handler is in by then).
+                    _send([s.pid for s in slots], self.ranks.notice_signal)
+                    told = True
             dead = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase, **self.where}
                     for s in slots if s.phase != "done" and not alive(s.pid)]
-            if code is None and not dead:
+            # A script saving on the notice may take any time inside a step: its grace judges it.
+            if code is None and not dead and not (self.noticed is not None and self.spec.script):
                 hang = dog.look(slots, time.time())
             if code is not None or dead or hang or launchers.fault(self.run_dir, attempt, cycle):
                 break
             time.sleep(POLL_S)
-        if code == 0 or self.ending or self.noticed is not None:
+        fault = launchers.fault(self.run_dir, attempt, cycle)
+        if code == 0 or self.ending or self.killed or (
+                self.noticed is not None and code is not None and not dead and fault is None):
+            # Done, cancelled, or stopped on the notice (whatever the exit: not restarted).
             return Watch(code=code if code is not None else proc.wait(), reached=reached)
         if code is not None and not dead and self._final(cycle):
             return Watch(code=code, reached=reached)  # restarting would change nothing
+        # A fault, also after a notice (a rank that died while the job stopped): node 0
+        # then sends the job back through the queue instead of restarting it here.
+        info: dict[str, Any] = {**self.where, "noticed": self.noticed is not None}
         if hang:
-            launchers.declare_fault(self.run_dir, attempt, cycle, {
-                "cause": hang["cause"], **self.where,
-                **{k: hang[k] for k in ("rank", "step", "phase", "pid", "state")}})
+            info.update({k: hang[k] for k in ("cause", "rank", "step", "phase", "pid", "state")})
         elif dead:
-            culprit = dead[0]
-            launchers.declare_fault(self.run_dir, attempt, cycle, {
-                "cause": f"rank {culprit['rank']} died (its process is gone)", **self.where,
-                "rank": culprit["rank"], "step": culprit["step"]})
-        elif code is not None:
-            launchers.declare_fault(self.run_dir, attempt, cycle, {
-                "cause": f"the ranks of node {self.node.node_rank} failed (exit {code})", **self.where})
+            info.update(cause=f"rank {dead[0]['rank']} died (its process is gone)", rank=dead[0]["rank"],
+                        step=dead[0]["step"])
+        else:
+            info.update(cause=f"the ranks of node {self.node.node_rank} failed (exit {code})")
+        if fault is None:
+            launchers.declare_fault(self.run_dir, attempt, cycle, info)
         where = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase, **self.where,
                   "state": process_state(s.pid) or "gone"} for s in board.read()]
         left = [s for s in board.read() if s.phase != "done" and alive(s.pid)]
@@ -270,6 +283,10 @@ class Supervisor:
             time.sleep(POLL_S)
         downs = launchers.downs(self.run_dir, attempt, cycle, nodes)
         committed = self._committed()
+        if self.noticed is not None or (watch.fault or {}).get("noticed"):
+            return self._record(cycle, watch, downs, restart=False, code=REQUEUE_EXIT,
+                                committed=committed, end="stop",
+                                reason="a stop notice came as well: requeued, not restarted here")
         bug = self._same_bug(cycle)
         stalled = self._stalled(cycle, committed)
         if bug:
@@ -283,7 +300,7 @@ class Supervisor:
             # Training advanced, but this allocation has had its share of faults (a flaky
             # node?): back through the queue, as after a preemption, up to max_requeues.
             return self._record(cycle, watch, downs, restart=False, code=REQUEUE_EXIT,
-                                committed=committed, reason=f"the restart budget "
+                                committed=committed, end="fault", reason=f"the restart budget "
                                 f"({self.spec.max_restarts}) is spent: requeued")
         return self._record(cycle, watch, downs, restart=True, port=free_port(), committed=committed,
                             reason=f"restart {cycle + 1} of {self.spec.max_restarts}")
@@ -323,6 +340,10 @@ class Supervisor:
         waits = flight.summary(collectives)
         print(f"hpcshard: fault: {fault.get('cause', 'unknown')}; {_who(culprit)}; "
               f"{waits + '; ' if waits else ''}{decided['reason']}", file=sys.stderr, flush=True)
+        if decided.get("end"):  # back through the queue: how this attempt ended, for status
+            ledger.append(self.run_dir, {"event": "end", "attempt": self.ranks.attempt, "cycle": cycle,
+                                         "reason": decided["end"], "how": decided["reason"],
+                                         "saved_step": decided.get("committed")})
         return decided
 
     def _failures(self, cycle: int) -> list[dict[str, Any]]:

@@ -69,8 +69,10 @@ def test_a_script_failing_on_every_rank_stops_after_one_retry_as_a_bug(tmp_path:
     assert "about to fail" in out
     assert "runpy" not in (run / "logs" / "rank-0.log").read_text()  # the script's frames only
     records = ledger.read(run)
-    failed = [(r["cycle"], r["rank"]) for r in records if r["event"] == "rank_failed"]
-    assert sorted(failed) == [(0, 0), (0, 1), (1, 0), (1, 1)]  # one retry, no more
+    # One retry, no more. (Each cycle's first failure stops the other rank; under load
+    # that can come before the other rank got as far as raising.)
+    failed = {r["cycle"] for r in records if r["event"] == "rank_failed" and r["error"] == "RuntimeError"}
+    assert failed == {0, 1}
     assert [r["reason"] for r in records if r["event"] == "end"] == ["error"]
     assert {r["attempt"] for r in records} == {0}  # never requeued
 

@@ -48,8 +48,7 @@ def test_a_killed_rank_is_restarted_within_the_allocation_and_the_run_ends_bitwi
     (fault,) = [r for r in records if r["event"] == "fault"]
     starts = [r for r in records if r["event"] == "start"]
     assert fault["restart"] and fault["culprit"]["pid"] == victim and "died" in fault["cause"]
-    # Seen by the second node's launcher, decided by the first node's, on other hosts.
-    assert fault["culprit"]["node"] == 1 and fault["culprit"]["host"] != starts[0]["host"]
+    assert fault["culprit"]["node"] == 1  # seen by the second task's launcher, decided by the first's
     assert fault["declared"] - killed_at < 5  # seconds, not torchrun's 300 s or gloo's 30 min
     assert [(s["attempt"], s["cycle"]) for s in starts] == [(0, 0), (0, 1)]
     assert starts[1]["resumed_step"] == fault["committed"] >= 4
