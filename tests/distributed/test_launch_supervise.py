@@ -61,6 +61,29 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_bitwise_equal(unin
     assert "0.1" in status and "faults (1):" in status and f"rank {fault['culprit']['rank']}" in status
 
 
+def test_a_notice_during_a_faults_recovery_requeues_and_the_run_ends_bitwise_equal(
+        uninterrupted: Path, tmp_path: Path) -> None:
+    """A rank dies and the preemption notice comes a moment later, while the ranks are down
+    or restarting: the notice is not lost. The job goes back through the queue (not
+    restarted in place) and the next attempt resumes exactly."""
+    run = tmp_path / "both"
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
+                       str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100))
+    wait_for(partial(trained_to, run, 6), 180, "step 6, past the commit of step 4")
+    os.kill(rank_pids(run)[-1], signal.SIGKILL)
+    assert hpcshard("preempt", str(run)).returncode == 0
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    starts = [(r["attempt"], r.get("cycle", 0)) for r in ledger.read(run) if r["event"] == "start"]
+    assert starts[-1][0] == 1, starts  # requeued once...
+    assert all(cycle == 0 for attempt, cycle in starts if attempt == 1)  # ...and not faulted again
+    ends = [r for r in ledger.read(run) if r["event"] == "end" and r["attempt"] == 0]
+    assert ends[-1]["reason"] == "stop", ends
+    reference = committed(uninterrupted)
+    for step, path in committed(run).items():
+        assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
+
+
 def test_a_stopped_rank_is_a_hang_found_in_seconds_and_the_run_ends_bitwise_equal(
         uninterrupted: Path, tmp_path: Path) -> None:
     run = tmp_path / "hung"
