@@ -177,7 +177,7 @@ class Supervisor:
 
     def _watch(self, proc: subprocess.Popen[bytes], board: Board, cycle: int) -> Watch:
         attempt = self.ranks.attempt
-        dog = Watchdog(Limits.from_config(self.spec.resolved.get("config", {})))
+        dog = Watchdog(Limits.from_config(self.spec.resolved.get("config", {})), poll_s=POLL_S)
         hang: dict[str, Any] | None = None
         started, told = time.monotonic(), False
         while True:

@@ -53,8 +53,11 @@ def process_state(pid: int) -> str:
 class Watchdog:
     """One cycle's view of a node's ranks: what a step takes, and who overran."""
 
-    def __init__(self, limits: Limits) -> None:
+    def __init__(self, limits: Limits, poll_s: float = 0.0) -> None:
         self.limits = limits
+        self.poll_s = poll_s
+        """How often `look` is called: a rank that would overrun its limit before the next
+        look is declared at this one, so a hang is declared by its limit at the latest."""
         self.seen: dict[int, Slot] = {}
         self.samples: list[float] = []
         self.steps: set[int] = set()
@@ -82,7 +85,7 @@ class Watchdog:
             if s.phase in ("done", "idle"):
                 continue
             limit = steady if s.phase == "step" and steady is not None else self.limits.phase_s
-            if now - s.since > limit:
+            if now - s.since + self.poll_s > limit:
                 overdue.append((s, limit))
         if not overdue:
             return None

@@ -65,3 +65,14 @@ def test_steps_faster_than_a_look_still_teach_the_step_time() -> None:
         t = 1000.0 + look * 0.2
         dog.look([slot(0, 5 * look, "step", t)], t + 0.01)
     assert dog.step_limit() == 5.0 and abs(dog.samples[-1] - 0.2 / 5) < 1e-9
+
+
+def test_a_hang_is_declared_by_its_limit_at_the_latest() -> None:
+    """Looked at every 0.2 s: a rank that would pass its 5 s limit before the next look is
+    declared at this one (after 4.85 s), not a look late (5.05 s)."""
+    dog = Watchdog(LIMITS, poll_s=0.2)
+    t = trained(dog, 10, 0.1)
+    stuck = [slot(0, 10, "step", t), slot(1, 11, "step", t)]
+    assert dog.look(stuck, t + 4.75) is None
+    hung = dog.look(stuck, t + 4.85)
+    assert hung is not None and hung["limit"] == 5.0
