@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcshard import script
-from hpcshard.launch.supervise import Supervisor, children
+from hpcshard.launch.supervise import Agent, Supervisor, children
+from hpcshard.launch.zygote import Zygote
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import pid_file
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, RankEnv
@@ -93,21 +94,27 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
     # torchrun would set 1 with a warning; on a CPU host, split the cores between ranks.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // node.per_node)))
 
-    def start(where: NodeEnv, extra: dict[str, str]) -> subprocess.Popen[bytes]:
+    warm = warm_start(module, own)
+    # Every cycle's warm agent forks from one zygote: a restart imports nothing again.
+    zygote = Zygote(env) if warm and spec is not None else None
+
+    def start(where: NodeEnv, extra: dict[str, str]) -> Agent:
+        argv = torchrun_argv(where, run_dir, module, warm)
+        if zygote is not None:  # (it ignores the notice in the agent, as below)
+            return zygote.start(argv[3:], {**env, **extra})
         # Slurm's --signal goes to every process of the step, torchrun included, and an
         # unhandled SIGUSR2 kills it mid-save. Ignored dispositions survive exec: torchrun
         # ignores the notice, and each rank's entry point installs its own handler first.
-        return subprocess.Popen(torchrun_argv(where, run_dir, module, warm_start(module, own)),
-                                env={**env, **extra},
+        return subprocess.Popen(argv, env={**env, **extra},
                                 preexec_fn=lambda: signal.signal(stop_signal, signal.SIG_IGN))
 
     ranks = RankEnv.from_environ()
     grace = float(own.get("grace", 60))
     sup = (Supervisor(node, run_dir, spec, ranks, start, grace=grace if own else None)
            if spec is not None and module == "hpcshard.entry" else None)
-    proc: list[subprocess.Popen[bytes]] = []
+    proc: list[Agent] = []
 
-    def current() -> subprocess.Popen[bytes] | None:
+    def current() -> Agent | None:
         return sup.proc if sup is not None else (proc[0] if proc else None)
 
     def forward(signum: int, _frame: object) -> None:
@@ -136,6 +143,8 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
             code = proc[0].wait()
     finally:
         pids.unlink(missing_ok=True)
+        if zygote is not None:
+            zygote.close()
         # No ranks left to tell. A Python handler would be reset to "terminate" while the
         # interpreter shuts down, and a late notice would then kill this task (-12).
         signal.signal(stop_signal, signal.SIG_IGN)

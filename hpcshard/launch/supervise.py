@@ -20,20 +20,33 @@ import contextlib
 import os
 import signal
 import socket
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from hpcshard.launch.watchdog import Limits, Watchdog, process_state, stat_fields
 from hpcshard.rundir import flight, launchers, ledger, store
-from hpcshard.rundir.progress import Board, board_path
+from hpcshard.rundir.progress import Board, board_path, boards
 from hpcshard.rundir.rankenv import BUG_EXIT, REQUEUE_EXIT, STACKS_SIGNAL, RankEnv
 from hpcshard.rundir.spec import RunSpec
 
+
+class Agent(Protocol):
+    """A cycle's torchrun (or warm) agent: a Popen, or a fork of the node's zygote."""
+
+    pid: int
+    returncode: int | None
+
+    def poll(self) -> int | None: ...
+    def wait(self, timeout: float | None = None) -> int: ...
+    def send_signal(self, signum: int) -> None: ...
+
+
+FLIGHT_WAIT_S = 0.3
+"""How long the ranks get to write their flight records (a few ms each, measured)."""
 STACKS_WAIT_S = 1.0
 """How long the ranks get to write their stacks before they are killed."""
 POLL_S = 0.2
@@ -69,6 +82,15 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def ranks_below(pids: list[int]) -> list[int]:
+    """The ranks (pids, by global rank) below these launchers, from the boards of this
+    host: whatever lies between (torchrun, a warm agent, the zygote), a rank is what
+    reports on a board."""
+    below = {d for pid in pids for d in descendants(pid)}
+    slots = sorted((s.rank, s.pid) for board in boards() for s in board if s.pid in below)
+    return [pid for _, pid in slots]
+
+
 def alive(pid: int) -> bool:
     """Running or stopped, not a zombie: a killed rank stays a zombie until its agent reaps
     it, and must count as dead at once."""
@@ -81,16 +103,18 @@ def _send(pids: list[int], sig: int) -> None:
             os.kill(pid, sig)
 
 
-def kill_tree(proc: subprocess.Popen[bytes], stacks: list[int] | tuple[int, ...] = (),
+def kill_tree(proc: Agent, stacks: list[int] | tuple[int, ...] = (),
               also: list[int] | tuple[int, ...] = ()) -> None:
     """End a cycle's agent and every rank below it, whatever state they are in. `stacks`:
     ranks asked first to write their Python stacks into their logs (what a hang was doing).
     `also`: ranks that may no longer be below it (an agent that died leaves orphans)."""
     pids = [*descendants(proc.pid), *(p for p in also if alive(p)), proc.pid]
+    if stacks:  # which collective each rank waits in, before a stopped one may move again
+        flight.ask([p for p in stacks if process_state(p) not in ("T", "t")])
+        time.sleep(FLIGHT_WAIT_S)
     _send(pids, signal.SIGCONT)  # a stopped process ignores all but SIGKILL until continued
-    if stacks:  # where each rank is (its Python stacks) and which collective it waits in
+    if stacks:  # where each rank is: its Python stacks, into its log
         _send(list(stacks), STACKS_SIGNAL)
-        flight.ask(list(stacks))
         time.sleep(STACKS_WAIT_S)
     _send([*descendants(proc.pid), *pids], signal.SIGKILL)
     proc.wait()
@@ -134,13 +158,13 @@ class Supervisor:
     """A node's ranks, cycle after cycle, until they finish, stop, or the budget ends."""
 
     def __init__(self, node: Any, run_dir: Path, spec: RunSpec, ranks: RankEnv,
-                 start: Callable[[Any, dict[str, str]], subprocess.Popen[bytes]],
+                 start: Callable[[Any, dict[str, str]], Agent],
                  grace: float | None = None) -> None:
         self.node, self.run_dir, self.spec, self.ranks = node, run_dir, spec, ranks
         self.start = start
         self.grace = grace
         """Own scripts: how long after a notice their ranks may run before they are killed."""
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Agent | None = None
         self.ending = False
         """A TERM or INT came (cancel, the scheduler): the ranks end, nothing restarts."""
         self.noticed: float | None = None
@@ -175,7 +199,7 @@ class Supervisor:
         finally:
             board.close(remove=True)
 
-    def _watch(self, proc: subprocess.Popen[bytes], board: Board, cycle: int) -> Watch:
+    def _watch(self, proc: Agent, board: Board, cycle: int) -> Watch:
         attempt = self.ranks.attempt
         dog = Watchdog(Limits.from_config(self.spec.resolved.get("config", {})), poll_s=POLL_S)
         hang: dict[str, Any] | None = None
@@ -184,29 +208,31 @@ class Supervisor:
             code = proc.poll()
             slots = board.read()
             reached = max((s.step for s in slots), default=0)
-            if self.ending or self.killed:  # a cancel, or a script's grace ran out: they end
+            if (self.noticed is not None and not told and self.noticed < started
+                    and len(slots) == board.slots):
+                # The notice came while the ranks were down (a fault's recovery): the new
+                # ones hear it as soon as they are up (their handler is in by then).
+                _send([s.pid for s in slots], self.ranks.notice_signal)
+                told = True
+            # A cancel, a script's grace that ran out, or a script told to stop (its ranks
+            # may die of the notice, or save inside a step for any time): they end as they
+            # will; nothing is a fault now.
+            if self.ending or self.killed or (self.noticed is not None and self.spec.script):
+                self._grace(proc)
                 if code is not None:
                     break
                 time.sleep(POLL_S)
                 continue
-            if self.noticed is not None:
-                self._grace(proc)
-                if not told and self.noticed < started and len(slots) == board.slots:
-                    # The notice came while the ranks were down (a fault's recovery): the
-                    # new ones hear it as soon as they are up (their handler is in by then).
-                    _send([s.pid for s in slots], self.ranks.notice_signal)
-                    told = True
             dead = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase, **self.where}
                     for s in slots if s.phase != "done" and not alive(s.pid)]
-            # A script saving on the notice may take any time inside a step: its grace judges it.
-            if code is None and not dead and not (self.noticed is not None and self.spec.script):
+            if code is None and not dead:
                 hang = dog.look(slots, time.time())
             if code is not None or dead or hang or launchers.fault(self.run_dir, attempt, cycle):
                 break
             time.sleep(POLL_S)
         fault = launchers.fault(self.run_dir, attempt, cycle)
-        if code == 0 or self.ending or self.killed or (
-                self.noticed is not None and code is not None and not dead and fault is None):
+        if code == 0 or self.ending or self.killed or (self.noticed is not None and (
+                self.spec.script or (code is not None and not dead and fault is None))):
             # Done, cancelled, or stopped on the notice (whatever the exit: not restarted).
             return Watch(code=code if code is not None else proc.wait(), reached=reached)
         if code is not None and not dead and self._final(cycle):
@@ -236,7 +262,7 @@ class Supervisor:
         return Watch(code=proc.returncode or 1, fault=launchers.fault(self.run_dir, attempt, cycle),
                      dead=dead + stopped, reached=reached, ranks=where)
 
-    def _grace(self, proc: subprocess.Popen[bytes]) -> None:
+    def _grace(self, proc: Agent) -> None:
         """A script still running `grace` seconds after the notice: kill its ranks (torchrun
         then ends); an hpcshard job stops at its next step by itself."""
         if (self.grace is not None and self.noticed is not None and not self.killed

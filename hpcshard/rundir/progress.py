@@ -33,10 +33,26 @@ class Slot:
     """Unix time at which this phase began."""
 
 
+def board_dir() -> Path:
+    """Node-local: /dev/shm when it exists (RAM files), else the temp directory."""
+    return Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+
+
 def board_path(run_id: str, node_rank: int) -> Path:
-    """Node-local: /dev/shm when it exists (a RAM file), else the temp directory."""
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
-    return base / f"hpcshard-{run_id}-node{node_rank}.board"
+    return board_dir() / f"hpcshard-{run_id}-node{node_rank}.board"
+
+
+def boards() -> list[list[Slot]]:
+    """Every board on this host, read (boards that vanish while read are left out)."""
+    found = []
+    for path in board_dir().glob("hpcshard-*.board"):
+        try:
+            board = Board(path, path.stat().st_size // _SLOT.size)
+        except (OSError, ValueError):
+            continue
+        found.append(board.read())
+        board.close()
+    return found
 
 
 class Board:

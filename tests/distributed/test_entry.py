@@ -10,10 +10,18 @@ import signal
 import time
 from pathlib import Path
 
+from hpcshard.launch.supervise import children
 from hpcshard.rundir import ledger
+from hpcshard.rundir.launchers import launchers
 from hpcshard.rundir.rankenv import REQUEUE_EXIT
 from tests.conftest import hpcshard_bg, sets, wait_for
-from tests.distributed.test_runtime_checkpoint import rank_pids
+
+
+def rank_pids(run: Path) -> list[int]:
+    """Plain torchrun's workers, from the moment they exist (before they report anywhere):
+    the children of each launcher's torchrun."""
+    return [rank for launcher in launchers(run) for agent in children(launcher)
+            for rank in children(agent)]
 
 
 def test_a_notice_during_start_up_stops_the_run_at_the_first_boundary(tmp_path: Path) -> None:

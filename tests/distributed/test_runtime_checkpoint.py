@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from hpcshard.launch.node import children
+from hpcshard.launch.supervise import ranks_below
 from hpcshard.rundir import ledger, store
 from hpcshard.rundir.launchers import launchers
 from hpcshard.rundir.rankenv import REQUEUE_EXIT
@@ -196,9 +196,8 @@ def test_damaged_newest_checkpoints_are_skipped_and_the_previous_used(uninterrup
 
 
 def rank_pids(run: Path) -> list[int]:
-    """The ranks of `run`: children of each node's torchrun agent, itself the launcher's child."""
-    return [rank for launcher in launchers(run) for agent in children(launcher)
-            for rank in children(agent)]
+    """The ranks of `run`, by global rank: what reports on a board below its launchers."""
+    return ranks_below(launchers(run))
 
 
 def test_rank_killed_mid_save_resumes_from_the_previous_commit(tmp_path: Path) -> None:
