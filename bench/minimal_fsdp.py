@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch._C._distributed_c10d import Backend as C10dBackend
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
@@ -40,16 +41,23 @@ def main() -> None:
     p.add_argument("--nodes", type=int, default=2)
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--timeout", type=float, default=0,
-                   help="gloo's collective timeout in seconds (0: torch's default, 30 min)")
+                   help="gloo's collective timeout in seconds, for every group including the "
+                        "mesh's (0: torch's default, 30 min)")
     p.add_argument("--stamps", help="rank 0 appends 'restart step time' after every step here")
     args = p.parse_args()
+    names = ("replicate", "shard")
+    override: dict[int | str, str | C10dBackend.Options | tuple[str, C10dBackend.Options]] = {}
     if args.timeout:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+        timeout = datetime.timedelta(seconds=args.timeout)
+        dist.init_process_group("gloo", timeout=timeout)
+        # The mesh's subgroups (where every FSDP collective runs) do not inherit the default
+        # group's timeout: without this they keep torch's 30 min default and a hang never ends.
+        override = {name: ("gloo", C10dBackend.Options("gloo", timeout)) for name in names}
     else:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh("cpu", (args.nodes, world // args.nodes),
-                            mesh_dim_names=("replicate", "shard"))
+    mesh = init_device_mesh("cpu", (args.nodes, world // args.nodes), mesh_dim_names=names,
+                            backend_override=override or None)
     job = charlm()
     cfg = job.Config()
     torch.manual_seed(0)

@@ -141,7 +141,8 @@ SETTINGS: dict[str, Setting] = {
     "max_requeues": Setting("int", 10, "Restarts after stop requests (preemptions) before the run "
                             "gives up.", minimum=0, option="--max-requeues"),
     "max_restarts": Setting("int", 3, "In-place restarts of the ranks per allocation after a "
-                            "fault (a crashed rank); then the run stops.", minimum=0,
+                            "fault (a crashed or hung rank); once spent while training advances, "
+                            "the job goes back through the queue.", minimum=0,
                             option="--max-restarts"),
     "no_progress_restarts": Setting("int", 2, "Stop after this many restarts in a row that did "
                                     "not advance the committed checkpoint.", minimum=1),
