@@ -204,10 +204,13 @@ class Supervisor:
         dog = Watchdog(Limits.from_config(self.spec.resolved.get("config", {})), poll_s=POLL_S)
         hang: dict[str, Any] | None = None
         started, told = time.monotonic(), False
+        before = launchers.decision(self.run_dir, attempt, cycle - 1) if cycle else None
         while True:
             code = proc.poll()
             slots = board.read()
             reached = max((s.step for s in slots), default=0)
+            if before is not None and self._recovered(cycle, before, slots):
+                before = None
             if (self.noticed is not None and not told and self.noticed < started
                     and len(slots) == board.slots):
                 # The notice came while the ranks were down (a fault's recovery): the new
@@ -241,7 +244,8 @@ class Supervisor:
         # then sends the job back through the queue instead of restarting it here.
         info: dict[str, Any] = {**self.where, "noticed": self.noticed is not None}
         if hang:
-            info.update({k: hang[k] for k in ("cause", "rank", "step", "phase", "pid", "state")})
+            info.update({k: hang[k] for k in ("cause", "rank", "step", "phase", "pid", "state",
+                                              "limit", "silent_s")})
         elif dead:
             info.update(cause=f"rank {dead[0]['rank']} died (its process is gone)", rank=dead[0]["rank"],
                         step=dead[0]["step"])
@@ -261,6 +265,18 @@ class Supervisor:
             kill_tree(proc, also=live)
         return Watch(code=proc.returncode or 1, fault=launchers.fault(self.run_dir, attempt, cycle),
                      dead=dead + stopped, reached=reached, ranks=where)
+
+    def _recovered(self, cycle: int, decided: dict[str, Any], slots: list[Any]) -> bool:
+        """Node 0, after a restart: once a rank trains past the step it resumed from, the
+        ledger says how long the fault cost (declared -> training again)."""
+        resumed = int(decided.get("committed") or 0)
+        if self.node.node_rank != 0 or not any(s.phase == "step" and s.step > resumed for s in slots):
+            return False
+        fault = launchers.fault(self.run_dir, self.ranks.attempt, cycle - 1) or {}
+        ledger.append(self.run_dir, {"event": "recovered", "attempt": self.ranks.attempt,
+                                     "cycle": cycle, "step": resumed + 1,
+                                     "seconds": round(time.time() - fault.get("time", time.time()), 2)})
+        return True
 
     def _grace(self, proc: Agent) -> None:
         """A script still running `grace` seconds after the notice: kill its ranks (torchrun
@@ -362,7 +378,9 @@ class Supervisor:
             "cause": fault.get("cause", "unknown"), "declared": fault.get("time"),
             "culprit": culprit, "reached": reached, **decided,
             "lost_steps": max(0, reached - decided.get("committed", reached)),
-            "collectives": collectives})
+            # how long the culprit had been silent when a hang was declared; a crash is
+            # seen within one look
+            "detect_s": fault.get("silent_s", POLL_S), "collectives": collectives})
         waits = flight.summary(collectives)
         print(f"hpcshard: fault: {fault.get('cause', 'unknown')}; {_who(culprit)}; "
               f"{waits + '; ' if waits else ''}{decided['reason']}", file=sys.stderr, flush=True)

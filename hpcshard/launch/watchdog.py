@@ -97,6 +97,6 @@ class Watchdog:
         return {"cause": f"rank {s.rank} made no progress in phase {s.phase} for "
                          f"{now - s.since:.1f} s (limit {limit:.1f} s)",
                 "rank": s.rank, "step": s.step, "phase": s.phase, "pid": s.pid,
-                "state": states[s.rank], "limit": limit,
+                "state": states[s.rank], "limit": limit, "silent_s": round(now - s.since, 2),
                 "suspects": [{"rank": o.rank, "state": states[o.rank], "step": o.step}
                              for o, _ in overdue]}

@@ -119,15 +119,19 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
 
 def faults(run_dir: Path) -> list[str]:
     """One line per fault: when, what, who, what it cost and what was done about it."""
-    found = [r for r in ledger.read(run_dir) if r["event"] == "fault"]
+    records = ledger.read(run_dir)
+    found = [r for r in records if r["event"] == "fault"]
     if not found:
         return []
     lines = [f"faults ({len(found)}):"]
+    back = {(r["attempt"], r["cycle"]): r["seconds"] for r in records if r["event"] == "recovered"}
     for r in found:
         who = r.get("culprit") or {}
         culprit = (f"rank {who['rank']}" + (f" on {who['host']} (node {who['node']})" if "host" in who
                                             else "")) if who else "culprit unknown"
         action = "restarted" if r.get("restart") else "stopped"
+        if (r["attempt"], r["cycle"] + 1) in back:
+            action += f", training again {back[(r['attempt'], r['cycle'] + 1)]:.1f} s after"
         waits = flight.summary(r.get("collectives", []))
         lines.append(f"  {r['attempt']}.{r['cycle']} {_clock(r.get('declared'))}  {r.get('cause')}; "
                      f"{culprit}; {waits + '; ' if waits else ''}"

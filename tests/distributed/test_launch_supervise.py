@@ -57,8 +57,12 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_bitwise_equal(unin
     assert STEPS in mine
     for step, path in mine.items():
         assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
+    (back,) = [r for r in ledger.read(run) if r["event"] == "recovered"]
+    assert back["cycle"] == 1 and back["step"] == fault["committed"] + 1 and 0 < back["seconds"] < 60
+    assert fault["detect_s"] <= 0.2  # a crash is seen within one look
     status = hpcshard("status", str(run)).stdout
     assert "0.1" in status and "faults (1):" in status and f"rank {fault['culprit']['rank']}" in status
+    assert f"training again {back['seconds']:.1f} s after" in status
 
 
 def test_a_notice_during_a_faults_recovery_requeues_and_the_run_ends_bitwise_equal(
@@ -99,6 +103,7 @@ def test_a_stopped_rank_is_a_hang_found_in_seconds_and_the_run_ends_bitwise_equa
     (fault,) = faults(run)
     assert fault["restart"] and "made no progress in phase step" in fault["cause"]
     assert fault["culprit"]["pid"] == victim and fault["culprit"]["state"] == "stopped"
+    assert 3.7 < fault["detect_s"] < 30  # silent for its limit (the 4 s floor), a look early
     # The flight records of the ranks that could answer: the stopped one is missing from
     # a collective they wait in (gloo's flight recorder, read back by node 0).
     assert flight.roots(fault["collectives"]) == [fault["culprit"]["rank"]], fault["collectives"]
