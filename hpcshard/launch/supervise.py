@@ -203,7 +203,7 @@ class Supervisor:
         attempt = self.ranks.attempt
         dog = Watchdog(Limits.from_config(self.spec.resolved.get("config", {})), poll_s=POLL_S)
         hang: dict[str, Any] | None = None
-        started, told = time.monotonic(), False
+        started, told, learned = time.monotonic(), False, False
         before = launchers.decision(self.run_dir, attempt, cycle - 1) if cycle else None
         while True:
             code = proc.poll()
@@ -230,6 +230,8 @@ class Supervisor:
                     for s in slots if s.phase != "done" and not alive(s.pid)]
             if code is None and not dead:
                 hang = dog.look(slots, time.time())
+                if not learned and dog.step_limit() is not None:
+                    learned = self._learned(dog, cycle)
             if code is not None or dead or hang or launchers.fault(self.run_dir, attempt, cycle):
                 break
             time.sleep(POLL_S)
@@ -265,6 +267,16 @@ class Supervisor:
             kill_tree(proc, also=live)
         return Watch(code=proc.returncode or 1, fault=launchers.fault(self.run_dir, attempt, cycle),
                      dead=dead + stopped, reached=reached, ranks=where)
+
+    def _learned(self, dog: Watchdog, cycle: int) -> bool:
+        """Node 0, once per cycle: the step limit its watchdog learned, in the ledger."""
+        if self.node.node_rank == 0:
+            limits = dog.limits
+            ledger.append(self.run_dir, {
+                "event": "watchdog", "attempt": self.ranks.attempt, "cycle": cycle,
+                "step_limit": round(dog.step_limit() or 0, 3), "median_step": round(dog.median(), 4),
+                "factor": limits.factor, "floor_s": limits.floor_s, "phase_s": limits.phase_s})
+        return True
 
     def _recovered(self, cycle: int, decided: dict[str, Any], slots: list[Any]) -> bool:
         """Node 0, after a restart: once a rank trains past the step it resumed from, the

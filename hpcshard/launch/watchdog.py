@@ -63,11 +63,15 @@ class Watchdog:
         self.steps: set[int] = set()
         """Steps this cycle has seen end (the warm-up counts steps, not ranks)."""
 
+    def median(self) -> float:
+        """The median step of the last 50 seen (0 before any)."""
+        return statistics.median(self.samples[-50:]) if self.samples else 0.0
+
     def step_limit(self) -> float | None:
         """The learned limit of a step, None before warm-up."""
         if len(self.steps) < self.limits.warmup_steps:
             return None
-        return max(self.limits.floor_s, self.limits.factor * statistics.median(self.samples[-50:]))
+        return max(self.limits.floor_s, self.limits.factor * self.median())
 
     def look(self, slots: list[Slot], now: float) -> dict[str, Any] | None:
         """Learn from the board; a hang record when a rank overran its phase, else None."""

@@ -107,7 +107,14 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
             lines.append(f"  {number:>3} {_clock(a.start):>8} {_clock(a.end):>8}  {a.reason:<10} "
                          f"{_fmt(a.loaded):>6} {_fmt(a.reached):>7} {_fmt(a.saved):>6} {a.lost_text:>5}")
     lines += faults(run_dir)
-    for r in ledger.read(run_dir):
+    records = ledger.read(run_dir)
+    learned = [r for r in records if r["event"] == "watchdog"]
+    if learned:  # the newest start's limits
+        r = learned[-1]
+        lines.append(f"watchdog ({r['attempt']}.{r['cycle']}): a step may take {r['step_limit']:.1f} s "
+                     f"({r['factor']:g} x the median {r['median_step']:.2f} s, at least "
+                     f"{r['floor_s']:g} s); other phases {r['phase_s']:g} s")
+    for r in records:
         if r["event"] == "gave_up":
             lines.append(f"gave up: {r['reason']}")
         if r["event"] == "rollback":

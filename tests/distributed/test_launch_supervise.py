@@ -63,6 +63,10 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_bitwise_equal(unin
     status = hpcshard("status", str(run)).stdout
     assert "0.1" in status and "faults (1):" in status and f"rank {fault['culprit']['rank']}" in status
     assert f"training again {back['seconds']:.1f} s after" in status
+    # The limits the watchdog learned, per start (node 0's), and the newest in status.
+    learned = [r for r in ledger.read(run) if r["event"] == "watchdog"]
+    assert [r["cycle"] for r in learned] == [0, 1] and learned[0]["step_limit"] == 5.0  # the floor
+    assert "watchdog (0.1): a step may take 5.0 s" in status
 
 
 def test_a_notice_during_a_faults_recovery_requeues_and_the_run_ends_bitwise_equal(
