@@ -43,7 +43,11 @@ def chain(run_dir: Path, job_id: str, attempt: int) -> str:
     script and submitit pickle under a new job id. Returns the new id."""
     folder = run_dir / "submitit"
     new = cluster.sbatch(f"--dependency=afterany:{job_id}", str(folder / f"{job_id}_submission.sh"))
-    shutil.copy(folder / f"{job_id}_submitted.pkl", folder / f"{new}_submitted.pkl")
+    # Under its own id, what submitit wrote for the first job: the pickle it unpickles, and
+    # the script the next continuation is submitted from. (It cannot start before this job
+    # ends: afterany.)
+    for suffix in ("_submitted.pkl", "_submission.sh"):
+        shutil.copy(folder / f"{job_id}{suffix}", folder / f"{new}{suffix}")
     chained = attempt_file(run_dir, new)
     chained.parent.mkdir(exist_ok=True)
     chained.write_text(f"{attempt}\n")

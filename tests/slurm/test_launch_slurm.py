@@ -4,6 +4,7 @@ by a higher-priority partition, time limits, hard requeues."""
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -138,26 +139,31 @@ def test_bad_requests_are_refused_before_submission(cluster: dict[str, str], tmp
     assert needle in proc.stderr and not run.exists()
 
 
-def test_chain_policy_continues_in_one_new_job_where_requeue_is_forbidden(
+def test_chain_policy_continues_in_new_jobs_where_requeue_is_forbidden(
         cluster: dict[str, str], tmp_path: Path) -> None:
+    """Preempted twice: two continuation jobs in a row (each submitted from the script the
+    one before it was given), and the run ends as one uninterrupted."""
     run = tmp_path / "chained"
     job = submit(cluster, run, "--time", "10:00", "--requeue-policy", "chain",
-                 *sets(steps=24, ckpt_every=4))
+                 *sets(steps=30, ckpt_every=4))
     assert "#SBATCH --no-requeue" in (run / "submitit" / f"{job}_submission.sh").read_text()
-    wait_for(lambda: trained_to(run, 6), 240, "training to start")
-    slurm("sbatch", "-p", "high", "-N2", "--gpus-per-node=2", "-o", "/dev/null", "--wrap", "sleep 2")
     jobs = lambda: json.loads((run / "spec.json").read_text())["jobs"]  # noqa: E731
-    wait_for(lambda: len(jobs()) == 2, 120, "the continuation job")
-    follow_up = jobs()[-1]
-    assert wait_state(follow_up, DONE, 400) == "COMPLETED"
-    assert restarts(job) == 0  # the original was never requeued
+    for n, step in ((2, 6), (3, 14)):
+        wait_for(partial(trained_to, run, step), 300, f"training to step {step}")
+        slurm("sbatch", "-p", "high", "-N2", "--gpus-per-node=2", "-o", "/dev/null", "--wrap", "sleep 2")
+        wait_for(partial(lambda count: len(jobs()) == count, n), 120, f"continuation job {n - 1}")
+    first, second = jobs()[1:]
+    assert wait_state(second, DONE, 400) == "COMPLETED"
+    assert restarts(job) == restarts(first) == 0  # nothing was requeued
     records = ledger.read(run)
     ends = [r for r in records if r["event"] == "end"]
     starts = [r for r in records if r["event"] == "start"]
-    assert [e["reason"] for e in ends] == ["stop", "done"] and [s["attempt"] for s in starts] == [0, 1]
-    assert [r["next"] for r in records if r["event"] == "chain"] == [follow_up]
-    assert starts[1]["resumed_step"] == ends[0]["saved_step"] == ends[0]["step"]
-    assert [r["step"] for r in step_records(run)] == list(range(1, 25))
+    assert [e["reason"] for e in ends] == ["stop", "stop", "done"]
+    assert [s["attempt"] for s in starts] == [0, 1, 2]
+    assert [r["next"] for r in records if r["event"] == "chain"] == [first, second]
+    for start, end in zip(starts[1:], ends, strict=False):
+        assert start["resumed_step"] == end["saved_step"] == end["step"]
+    assert [r["step"] for r in step_records(run)] == list(range(1, 31))
 
 
 @pytest.mark.debug_partition
