@@ -6,6 +6,7 @@ meet through a c10d rendezvous on loopback, exactly as nodes meet on a cluster.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -17,12 +18,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpcshard.launch.node import NodeEnv
+from hpcshard.launch.supervise import descendants
 from hpcshard.rundir import ledger
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, RankEnv
 
-# A node that failed takes the job down: the others get this long to notice (torchrun's
-# own rendezvous/collective timeouts) before they are terminated.
-PEER_GRACE_S = 30.0
+# A node that failed takes the job down: the others get this long to follow (they see
+# node 0's decision within a poll) before they are terminated, and as long again before
+# what is left of them (a frozen node ignores TERM) is killed. Their exit codes then say
+# nothing of the run.
+PEER_GRACE_S = 15.0
 
 
 def free_port() -> int:
@@ -84,16 +88,25 @@ def _attempt(run_dir: Path, nodes: int, per_node: int, attempt: int, resume: str
 def _wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
     """First non-zero exit code wins; survivors of a failed job are stopped after a grace."""
     failed_at: float | None = None
+    killed: set[int] = set()
     while True:
         codes = [p.poll() for p in procs]
         if all(c is not None for c in codes):
             # All nodes asking for a requeue is a requeue; any other failure wins over it.
-            failures = [c for c in codes if c and c != REQUEUE_EXIT]
-            return failures[0] if failures else next((c for c in codes if c), 0)  # type: ignore[return-value]
+            mine = [c for p, c in zip(procs, codes, strict=True) if p.pid not in killed]
+            failures = [c for c in mine if c and c != REQUEUE_EXIT]
+            return failures[0] if failures else next((c for c in mine if c), 0)  # type: ignore[return-value]
         if failed_at is None and any(c for c in codes):
             failed_at = time.monotonic()
         if failed_at is not None and time.monotonic() - failed_at > PEER_GRACE_S:
             for p in procs:
                 if p.poll() is None:
                     p.terminate()
+        if failed_at is not None and time.monotonic() - failed_at > 2 * PEER_GRACE_S:
+            for p in procs:
+                if p.poll() is None:  # a lost node (frozen, stuck): it and all below it
+                    for pid in [*descendants(p.pid), p.pid]:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                    killed.add(p.pid)
         time.sleep(0.2)

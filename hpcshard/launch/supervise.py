@@ -53,6 +53,10 @@ POLL_S = 0.2
 """How often a launcher looks at its board and for a declared fault."""
 DOWN_TIMEOUT_S = 120.0
 """How long node 0 waits for every node to report its ranks dead before it gives up."""
+BEAT_S = 1.0
+"""How often a launcher says it is alive (a small file in the run directory)."""
+LOST_S = 10.0
+"""A node whose launcher has said nothing for this long is lost (dead, frozen, cut off)."""
 COMMS_ERRORS = ("DistBackendError", "DistNetworkError", "DistError", "DistStoreError")
 """Exceptions a rank raises because a peer died: a consequence, never the culprit."""
 COMMS_MESSAGES = ("gloo/transport", "Connection reset", "Connection closed", "Broken pipe", "NCCL")
@@ -171,8 +175,25 @@ class Supervisor:
         """When a stop notice came: the ranks stop cleanly; a failure then is not restarted."""
         self.killed = False
         """The grace period ran out and the ranks were killed."""
-        self.where = {"node": node.node_rank, "host": socket.gethostname()}
+        self.where = {"node": node.node_rank, "host": socket.gethostname(),
+                      **({"slurm_node": os.environ["SLURMD_NODENAME"]}
+                         if os.environ.get("SLURMD_NODENAME") else {})}
         """This node, in every record it writes."""
+        self.beaten = 0.0
+        self.began = time.time()
+
+    def beat(self) -> None:
+        """Say this launcher is alive, at most every BEAT_S (called from every wait)."""
+        if time.monotonic() - self.beaten >= BEAT_S:
+            self.beaten = time.monotonic()
+            with contextlib.suppress(OSError):  # a full disk must not end supervision
+                launchers.beat(self.run_dir, self.ranks.attempt, self.node.node_rank, self.where)
+
+    def lost(self, nodes: list[int]) -> list[int]:
+        """Which of these nodes are lost: silent for LOST_S (or never heard of, LOST_S after
+        this launcher began)."""
+        now, beats = time.time(), launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
+        return [n for n in nodes if now - beats.get(n, {}).get("time", self.began) > LOST_S]
 
     # -- one cycle -------------------------------------------------------------------
     def run(self) -> int:
@@ -206,6 +227,7 @@ class Supervisor:
         started, told, learned = time.monotonic(), False, False
         before = launchers.decision(self.run_dir, attempt, cycle - 1) if cycle else None
         while True:
+            self.beat()
             code = proc.poll()
             slots = board.read()
             reached = max((s.step for s in slots), default=0)
@@ -317,9 +339,13 @@ class Supervisor:
             return decided
         deadline = time.monotonic() + DOWN_TIMEOUT_S + 30
         while time.monotonic() < deadline:
+            self.beat()
             found = launchers.decision(self.run_dir, attempt, cycle)
             if found is not None:
                 return found
+            if self.lost([0]):
+                return {"restart": False, "code": 1,
+                        "reason": f"node 0, which decides, is lost (silent for {LOST_S:.0f} s)"}
             time.sleep(POLL_S)
         return {"restart": False, "code": 1, "reason": "node 0 decided nothing (is it gone?)"}
 
@@ -328,6 +354,12 @@ class Supervisor:
         attempt, nodes = self.ranks.attempt, self.node.nnodes
         deadline = time.monotonic() + DOWN_TIMEOUT_S
         while len(launchers.nodes_down(self.run_dir, attempt, cycle, nodes)) < nodes:
+            self.beat()
+            missing = sorted(set(range(nodes)) - set(launchers.nodes_down(self.run_dir, attempt,
+                                                                            cycle, nodes)))
+            lost = self.lost(missing)
+            if lost:
+                return self._lost(cycle, watch, lost)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(nodes)) - set(launchers.nodes_down(self.run_dir, attempt,
                                                                                 cycle, nodes)))
@@ -358,6 +390,23 @@ class Supervisor:
                                 f"({self.spec.max_restarts}) is spent: requeued")
         return self._record(cycle, watch, downs, restart=True, port=free_port(), committed=committed,
                             reason=f"restart {cycle + 1} of {self.spec.max_restarts}")
+
+    def _lost(self, cycle: int, watch: Watch, lost: list[int]) -> dict[str, Any]:
+        """Nodes gone silent while the others stopped their ranks: they are bad for this run
+        (a ledger record each, with where they ran) and the job goes back through the queue
+        without them where the scheduler can do that."""
+        beats = launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
+        for n in lost:
+            seen = beats.get(n, {})
+            ledger.append(self.run_dir, {
+                "event": "bad_node", "attempt": self.ranks.attempt, "cycle": cycle, "node": n,
+                **{k: seen[k] for k in ("host", "slurm_node") if k in seen},
+                "reason": f"lost: its launcher was silent for {LOST_S:.0f} s",
+                "last_seen": seen.get("time")})
+        downs = launchers.downs(self.run_dir, self.ranks.attempt, cycle, self.node.nnodes)
+        return self._record(cycle, watch, downs, restart=False, code=REQUEUE_EXIT, end="fault",
+                            committed=self._committed(), lost=lost,
+                            reason=f"node(s) {lost} lost (silent for {LOST_S:.0f} s): requeued")
 
     def _committed(self) -> int:
         """The newest step a restart resumes from: hpcshard's committed checkpoints, or a

@@ -8,6 +8,8 @@
     down-A-C-N.json  node N's ranks of that cycle are dead, and what it saw
     next-A-C.json    node 0's decision once every node is down: restart (and where the
                      next rendezvous is) or stop
+    alive-A-N.json   node N's launcher's heartbeat in attempt A (rewritten every second):
+                     one that stops moving is a node lost (dead, frozen, cut off)
 
 The launchers of a job see each other only through these files: the run directory is
 shared storage, and a node whose launcher writes nothing is a node that is gone.
@@ -119,3 +121,19 @@ def decision(run_dir: Path, attempt: int, cycle: int) -> dict[str, Any] | None:
         return dict(json.loads(_cycle_file(run_dir, "next", attempt, cycle).read_text()))
     except FileNotFoundError:
         return None
+
+
+def beat(run_dir: Path, attempt: int, node: int, record: dict[str, Any]) -> None:
+    """This node's launcher is alive (written whole: a reader opens it afresh, which also
+    gets past NFS's attribute cache)."""
+    path = run_dir / LAUNCH / f"alive-{attempt}-{node}.json"
+    write_atomic(path, json.dumps({"time": time.time(), "node": node, **record}) + "\n")
+
+
+def beats(run_dir: Path, attempt: int, nodes: int) -> dict[int, dict[str, Any]]:
+    """The newest heartbeat of each node that has written one, by node."""
+    found = {}
+    for n in range(nodes):
+        with contextlib.suppress(FileNotFoundError, ValueError):
+            found[n] = dict(json.loads((run_dir / LAUNCH / f"alive-{attempt}-{n}.json").read_text()))
+    return found

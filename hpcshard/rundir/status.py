@@ -114,6 +114,11 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
         lines.append(f"watchdog ({r['attempt']}.{r['cycle']}): a step may take {r['step_limit']:.1f} s "
                      f"({r['factor']:g} x the median {r['median_step']:.2f} s, at least "
                      f"{r['floor_s']:g} s); other phases {r['phase_s']:g} s")
+    bad = [r for r in records if r["event"] == "bad_node"]
+    if bad:
+        lines.append(f"bad nodes ({len(bad)}), never used again by this run:")
+        lines += [f"  node {r['node']} ({r.get('slurm_node') or r.get('host', '?')}) in "
+                  f"{r['attempt']}.{r['cycle']}: {r['reason']}" for r in bad]
     for r in records:
         if r["event"] == "gave_up":
             lines.append(f"gave up: {r['reason']}")

@@ -11,8 +11,10 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from hpcshard.launch.supervise import descendants
 from hpcshard.rundir import flight, ledger
-from hpcshard.rundir.rankenv import BUG_EXIT
+from hpcshard.rundir.launchers import launchers
+from hpcshard.rundir.rankenv import BUG_EXIT, REQUEUE_EXIT
 from tests.conftest import ROOT, STEPS, hpcshard, hpcshard_bg, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import (
     assert_bitwise_equal,
@@ -90,6 +92,35 @@ def test_a_notice_during_a_faults_recovery_requeues_and_the_run_ends_bitwise_equ
     reference = committed(uninterrupted)
     for step, path in committed(run).items():
         assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
+
+
+def test_a_frozen_node_is_lost_in_seconds_and_the_run_requeues_and_ends_bitwise_equal(
+        uninterrupted: Path, tmp_path: Path) -> None:
+    """Every process of node 1 stopped (its launcher, agent and ranks: a node that froze or
+    fell off the network). Node 0's ranks hang; node 1 never reports down and its heartbeat
+    stops: lost after 10 s, marked bad, and the job goes back through the queue (locally: a
+    new attempt, after the frozen node is killed)."""
+    run = tmp_path / "frozen"
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
+                       str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100))
+    wait_for(partial(trained_to, run, 7), 180, "step 7, past the warm-up and a commit")
+    node1 = launchers(run)[1]
+    frozen = [node1, *descendants(node1)]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    frozen_at = time.time()
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-4000:]
+    (fault,) = faults(run)
+    assert fault["lost"] == [1] and fault["code"] == REQUEUE_EXIT and "lost" in fault["reason"]
+    assert fault["time"] - frozen_at < 30  # the hang (5 s) and the silence (10 s), not 120 s
+    (bad,) = [r for r in ledger.read(run) if r["event"] == "bad_node"]
+    assert bad["node"] == 1 and "silent" in bad["reason"]
+    assert [r["attempt"] for r in ledger.read(run) if r["event"] == "start"] == [0, 1]
+    reference = committed(uninterrupted)
+    for step, path in committed(run).items():
+        assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
+    assert "bad nodes (1)" in hpcshard("status", str(run)).stdout
 
 
 def test_a_stopped_rank_is_a_hang_found_in_seconds_and_the_run_ends_bitwise_equal(
