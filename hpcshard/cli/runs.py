@@ -57,9 +57,20 @@ def _scancel(*args: str) -> None:
 
 @click.command()
 @click.argument("target")
-def status(target: str) -> None:
+@click.option("--goodput", is_flag=True, help="Where the wall time went: effective training "
+              "time, and queue, start-up, saves, evaluations, faults and recomputed steps.")
+def status(target: str, goodput: bool) -> None:
     """Slurm state and training progress of a run (RUN_DIR, or a Slurm JOB id)."""
     run_dir, spec = spec_of(target)
+    if goodput:
+        from hpcshard.rundir.goodput import account
+
+        if spec.script:
+            fail(ValueError(f"{run_dir} runs a script: its steps are its own (no metrics to "
+                            "account); --goodput is for hpcshard jobs"))
+        for line in account(run_dir, spec.created).lines():
+            click.echo(line)
+        return
     for line in report(run_dir, asdict(spec), slurm_state(spec)):
         click.echo(line)
 

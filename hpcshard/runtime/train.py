@@ -115,6 +115,9 @@ class Trainer:
         self.rollbacks = 0
         """Rollbacks after a non-finite step so far in this run (the runtime counts the
         ledger's; `nan_rollbacks` is the budget)."""
+        self.paused = {"save_s": 0.0, "eval_s": 0.0}
+        """Seconds of saves and evaluations since the last metrics record (the next one
+        carries them: the time between records, less these, is training)."""
         self.rolled_back: Callable[[dict[str, object]], None] = lambda record: None
         """Told of each rollback (the runtime writes it into the ledger)."""
         parts = TrainParts(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
@@ -219,7 +222,9 @@ class Trainer:
             ckpt.wait()  # every rank's background write is done: commit it now
         if ckpt is not None and (stop_now or due) and not last:
             self.report("save", self.step)
+            start = time.perf_counter()
             ckpt.save(self.step, "stop" if stop_now else "periodic")
+            self.paused["save_s"] += time.perf_counter() - start
         return "stop" if stop_now and not last else ""
 
     def _nonfinite(self, loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
@@ -277,12 +282,16 @@ class Trainer:
                     metrics.record(self.step, loss=loss, lr=self.scheduler.get_last_lr()[0],
                                    grad_norm=norm.item(), tokens_per_s=tps,
                                    mfu=tps * self.flops_per_token / (peak * 1e12 * env.world)
-                                   if peak else None)
+                                   if peak else None,
+                                   **{k: round(v, 4) for k, v in self.paused.items() if v})
+                    self.paused = dict.fromkeys(self.paused, 0.0)
                     bar.show(loss)
                     last_t, last_step = time.perf_counter(), self.step
                 if self.eval_count and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
                     self.report("eval", self.step)
+                    start = time.perf_counter()
                     eval_loss = self.evaluate()
+                    self.paused["eval_s"] += time.perf_counter() - start
                     metrics.record(self.step, eval_loss=eval_loss)
                     last_t = time.perf_counter()  # evaluation time is not training throughput
                 ended = self._boundary(stop, self._nonfinite(step_loss, norm))

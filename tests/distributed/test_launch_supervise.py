@@ -11,10 +11,14 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from hpcshard.launch.supervise import descendants
 from hpcshard.rundir import flight, ledger
+from hpcshard.rundir.goodput import account
 from hpcshard.rundir.launchers import launchers
 from hpcshard.rundir.rankenv import BUG_EXIT, REQUEUE_EXIT
+from hpcshard.rundir.spec import RunSpec
 from tests.conftest import ROOT, STEPS, hpcshard, hpcshard_bg, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import (
     assert_bitwise_equal,
@@ -69,6 +73,14 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_bitwise_equal(unin
     learned = [r for r in ledger.read(run) if r["event"] == "watchdog"]
     assert [r["cycle"] for r in learned] == [0, 1] and learned[0]["step_limit"] == 5.0  # the floor
     assert "watchdog (0.1): a step may take 5.0 s" in status
+    # Goodput: the wall time, cut into what it went to, adds up (the fault's share shows).
+    spec = RunSpec.read(run)
+    good = account(run, spec.created)
+    assert sum(good.seconds.values()) == pytest.approx(good.wall, rel=0.01)
+    assert good.faults == 1 and good.starts == 2
+    assert all(good.seconds[k] > 0 for k in ("training", "recomputed", "start-up", "recovery"))
+    shown = hpcshard("status", str(run), "--goodput").stdout
+    assert "effective training time" in shown and "recomputed" in shown
 
 
 def test_a_notice_during_a_faults_recovery_requeues_and_the_run_ends_bitwise_equal(
