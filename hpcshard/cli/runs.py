@@ -6,11 +6,12 @@ from __future__ import annotations
 import signal
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import click
 
 from hpcshard.cli.common import fail, finished, follow_log, read_run, slurm_state, spec_of
-from hpcshard.rundir import store
+from hpcshard.rundir import ledger, store
 from hpcshard.rundir.launchers import signal_launchers
 from hpcshard.rundir.metrics import read_metrics, train_records
 from hpcshard.rundir.rankenv import NOTICE, short_name, signal_name
@@ -158,7 +159,8 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), help="PNG to write [default: RUN_DIR/plot.png].")
 def plot(run_dir: Path, out: Path | None) -> None:
-    """Loss and tokens/s over steps, with attempt boundaries marked, as a PNG."""
+    """Loss and tokens/s over steps, with attempts, restarts, faults and rollbacks marked,
+    as a PNG."""
 
     read_run(run_dir)
     try:
@@ -174,15 +176,38 @@ def plot(run_dir: Path, out: Path | None) -> None:
         fail(ValueError(f"{run_dir} has no training metrics yet"))
     evals = [r for r in records if r.get("eval_loss") is not None and "event" not in r]
     fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
-    ax1.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+    # One line per start of the ranks: steps trained again after a fault or a rollback
+    # overlap the ones before, instead of a line drawn back across them.
+    pieces: list[list[dict[str, Any]]] = [[]]
+    for r in records:
+        if r.get("event") == "start" or (pieces[-1] and "loss" in r and "event" not in r
+                                         and r["step"] <= pieces[-1][-1]["step"]):
+            pieces.append([])
+        if "loss" in r and "event" not in r:
+            pieces[-1].append(r)
+    for i, piece in enumerate(p for p in pieces if p):
+        ax1.plot([r["step"] for r in piece], [r["loss"] for r in piece], color="tab:blue",
+                 label="train loss" if i == 0 else None)
+        ax2.plot([r["step"] for r in piece], [r.get("tokens_per_s") or 0 for r in piece],
+                 color="tab:green")
     if evals:
         ax1.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
-    ax2.plot([r["step"] for r in train], [r.get("tokens_per_s") or 0 for r in train], color="tab:green")
-    for a in attempts(run_dir)[1:]:  # where each requeued attempt picked up
+    top = ax1.get_ylim()[1]
+    for a in attempts(run_dir)[1:]:  # where each requeued attempt or restart picked up
         for ax in (ax1, ax2):
             ax.axvline(a.loaded or 0, color="tab:red", linestyle="--", linewidth=1)
-        ax1.annotate(f"attempt {a.number}", (a.loaded or 0, ax1.get_ylim()[1]), fontsize=8,
-                     color="tab:red", va="top")
+        name = f"restart {a.number}.{a.cycle}" if a.cycle else f"attempt {a.number}"
+        ax1.annotate(name, (a.loaded or 0, top), fontsize=8, color="tab:red", va="top")
+    for r in ledger.read(run_dir):  # where faults and rollbacks hit
+        if r["event"] in ("fault", "rollback"):
+            at = r.get("reached") if r["event"] == "fault" else r.get("step")
+            who = (r.get("culprit") or {}).get("rank")
+            label = (f"fault (rank {who})" if who is not None else "fault") if r["event"] == "fault" \
+                else "nan: rolled back"
+            for ax in (ax1, ax2):
+                ax.axvline(at or 0, color="tab:orange", linewidth=1.5)
+            ax1.annotate(label, (at or 0, top), fontsize=8, color="tab:orange", va="top",
+                         ha="right", rotation=90)
     ax1.set_ylabel("loss (nats/token)")
     ax1.legend()
     ax2.set_ylabel("tokens/s")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -67,6 +68,33 @@ def test_plot_writes_a_png(run: Path, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = CliRunner().invoke(main, ["plot", str(run), "--out", str(tmp_path / "p.png")])
     assert out.exit_code == 0, out.output
+    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_marks_faults_and_rollbacks_and_draws_replayed_steps_apart(
+        run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    with (run / "metrics.jsonl").open("a") as f:  # a restart that trains 9..12 again
+        f.write(json.dumps({"event": "start", "time": 1020.0, "first_step": 9}) + "\n")
+        for s in range(9, 13):
+            f.write(json.dumps({"step": s, "time": 1020.0 + s, "loss": 3.0, "tokens_per_s": 1e4}) + "\n")
+    with (run / "attempts.jsonl").open("a") as f:
+        f.write(json.dumps({"event": "fault", "attempt": 2, "cycle": 0, "time": 1019.0, "reached": 12,
+                            "culprit": {"rank": 3}}) + "\n")
+        f.write(json.dumps({"event": "rollback", "attempt": 2, "cycle": 1, "time": 1030.0, "step": 11,
+                            "to": 8, "skipped": [[0, 240]], "rollback": 1, "of": 3}) + "\n")
+    marks: list[str] = []
+    real = matplotlib.axes.Axes.annotate
+
+    def annotate(self: matplotlib.axes.Axes, text: str, *args: Any, **kwargs: Any) -> Any:
+        marks.append(text)
+        return real(self, text, *args, **kwargs)
+    monkeypatch.setattr(matplotlib.axes.Axes, "annotate", annotate)
+    out = CliRunner().invoke(main, ["plot", str(run), "--out", str(tmp_path / "p.png")])
+    assert out.exit_code == 0, out.output
+    assert "fault (rank 3)" in marks and "nan: rolled back" in marks
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
