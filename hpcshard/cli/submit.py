@@ -157,6 +157,7 @@ def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None
                        backend=pick_backend(v["backend"]), name=name or job_stem(label),
                        max_requeues=v["max_requeues"], requeue_policy=v["requeue_policy"],
                        max_restarts=v["max_restarts"], no_progress_restarts=v["no_progress_restarts"],
+                       health_check=v["health_check"],
                        profile=res.profile, script=own)
         req = None
         if spec.backend == "slurm":

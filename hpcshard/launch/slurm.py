@@ -42,7 +42,9 @@ def chain(run_dir: Path, job_id: str, attempt: int) -> str:
     """Submit a continuation of this job that starts when it ends (`afterany`): the same
     script and submitit pickle under a new job id. Returns the new id."""
     folder = run_dir / "submitit"
-    new = cluster.sbatch(f"--dependency=afterany:{job_id}", str(folder / f"{job_id}_submission.sh"))
+    bad = bad_nodes(run_dir)
+    new = cluster.sbatch(f"--dependency=afterany:{job_id}", *([f"--exclude={','.join(bad)}"] if bad else []),
+                         str(folder / f"{job_id}_submission.sh"))
     # Under its own id, what submitit wrote for the first job: the pickle it unpickles, and
     # the script the next continuation is submitted from. (It cannot start before this job
     # ends: afterany.)
@@ -53,6 +55,12 @@ def chain(run_dir: Path, job_id: str, attempt: int) -> str:
     chained.write_text(f"{attempt}\n")
     RunSpec.add_job(run_dir, new)
     return new
+
+
+def bad_nodes(run_dir: Path) -> list[str]:
+    """The Slurm nodes this run must not use again (the ledger's bad nodes)."""
+    return sorted({r["slurm_node"] for r in ledger.read(run_dir)
+                   if r["event"] == "bad_node" and r.get("slurm_node")})
 
 
 def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int,
@@ -108,8 +116,9 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
         print(f"hpcshard: job {slurm.job_id} was already requeued ({by}); not requeued again",
               file=sys.stderr, flush=True)
         return
-    refused = cluster.requeue(slurm.job_id)
+    bad = bad_nodes(run)
+    refused = cluster.requeue(slurm.job_id, exclude=bad)
     ledger.append(run, {"event": "requeue", "attempt": attempt, "job": slurm.job_id,
-                        "error": refused or None})
+                        "error": refused or None, **({"excluded": bad} if bad else {})})
     print(f"hpcshard: requeued job {slurm.job_id}" + (f" (scontrol: {refused})" if refused else ""),
           file=sys.stderr, flush=True)

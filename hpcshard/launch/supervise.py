@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -29,6 +31,7 @@ from typing import Any, Protocol
 
 from hpcshard.launch.watchdog import Limits, Watchdog, process_state, stat_fields
 from hpcshard.rundir import flight, launchers, ledger, store
+from hpcshard.rundir.launchers import LAUNCH as LAUNCH_DIR
 from hpcshard.rundir.progress import Board, board_path, boards
 from hpcshard.rundir.rankenv import BUG_EXIT, REQUEUE_EXIT, STACKS_SIGNAL, RankEnv
 from hpcshard.rundir.spec import RunSpec
@@ -53,6 +56,8 @@ POLL_S = 0.2
 """How often a launcher looks at its board and for a declared fault."""
 DOWN_TIMEOUT_S = 120.0
 """How long node 0 waits for every node to report its ranks dead before it gives up."""
+HEALTH_TIMEOUT_S = 120.0
+"""How long the profile's health check may take."""
 BEAT_S = 1.0
 """How often a launcher says it is alive (a small file in the run directory)."""
 LOST_S = 10.0
@@ -198,6 +203,17 @@ class Supervisor:
     # -- one cycle -------------------------------------------------------------------
     def run(self) -> int:
         node, cycle = self.node, 0
+        why = self.health()
+        if why:  # this node must not train: the others stop, node 0 decides
+            self.bad(0, self.node.node_rank, self.where, f"health check: {why}")
+            launchers.declare_fault(self.run_dir, self.ranks.attempt, 0, {
+                "cause": f"node {self.node.node_rank} failed its health check: {why}", **self.where})
+            name = self.where.get("slurm_node", self.where["host"])
+            print(f"hpcshard: node {self.node.node_rank} ({name}) failed its health check: {why}",
+                  file=sys.stderr, flush=True)
+            fault = launchers.fault(self.run_dir, self.ranks.attempt, 0)
+            decided = self.recover(0, Watch(code=1, fault=fault))
+            return int(decided.get("code", 1))
         while True:
             watch = self.cycle(node, cycle)
             if watch.fault is None:
@@ -359,7 +375,7 @@ class Supervisor:
                                                                             cycle, nodes)))
             lost = self.lost(missing)
             if lost:
-                return self._lost(cycle, watch, lost)
+                return self._bad_nodes(cycle, watch, lost) or {}
             if time.monotonic() > deadline:
                 missing = sorted(set(range(nodes)) - set(launchers.nodes_down(self.run_dir, attempt,
                                                                                 cycle, nodes)))
@@ -369,6 +385,9 @@ class Supervisor:
             time.sleep(POLL_S)
         downs = launchers.downs(self.run_dir, attempt, cycle, nodes)
         committed = self._committed()
+        unhealthy = self._bad_nodes(cycle, watch)
+        if unhealthy is not None:
+            return unhealthy
         if self.noticed is not None or (watch.fault or {}).get("noticed"):
             return self._record(cycle, watch, downs, restart=False, code=REQUEUE_EXIT,
                                 committed=committed, end="stop",
@@ -391,22 +410,64 @@ class Supervisor:
         return self._record(cycle, watch, downs, restart=True, port=free_port(), committed=committed,
                             reason=f"restart {cycle + 1} of {self.spec.max_restarts}")
 
-    def _lost(self, cycle: int, watch: Watch, lost: list[int]) -> dict[str, Any]:
-        """Nodes gone silent while the others stopped their ranks: they are bad for this run
-        (a ledger record each, with where they ran) and the job goes back through the queue
-        without them where the scheduler can do that."""
-        beats = launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
-        for n in lost:
-            seen = beats.get(n, {})
-            ledger.append(self.run_dir, {
-                "event": "bad_node", "attempt": self.ranks.attempt, "cycle": cycle, "node": n,
-                **{k: seen[k] for k in ("host", "slurm_node") if k in seen},
-                "reason": f"lost: its launcher was silent for {LOST_S:.0f} s",
-                "last_seen": seen.get("time")})
+    def health(self) -> str:
+        """Before this attempt trains: can this node do its part? "" if so, else why not.
+        The run directory takes a write (every node: each mounts it), has room for another
+        checkpoint as big as the newest (node 0: the file system is shared), and the
+        profile's `health_check` command exits 0."""
+        probe = self.run_dir / LAUNCH_DIR / f".health-{self.node.node_rank}"
+        try:
+            probe.parent.mkdir(exist_ok=True)
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as err:
+            return f"the run directory {self.run_dir} takes no write ({err.strerror})"
+        if self.node.node_rank == 0:
+            newest = store.committed(self.run_dir / store.CHECKPOINTS)
+            need = max((c.bytes for c in newest), default=0) * 1.1
+            free = shutil.disk_usage(self.run_dir).free
+            if free < need:
+                return (f"{free / 1e9:.1f} GB free in {self.run_dir}, less than a checkpoint "
+                        f"needs ({need / 1e9:.1f} GB)")
+        if self.spec.health_check:
+            try:
+                done = subprocess.run(["bash", "-c", self.spec.health_check], capture_output=True,
+                                      text=True, timeout=HEALTH_TIMEOUT_S,
+                                      env={**os.environ, "HPCSHARD_RUN_DIR": str(self.run_dir)})
+            except subprocess.TimeoutExpired:
+                return f"`{self.spec.health_check}` took over {HEALTH_TIMEOUT_S:.0f} s"
+            if done.returncode:
+                said = (done.stderr.strip() or done.stdout.strip()).splitlines()
+                return (f"`{self.spec.health_check}` exited {done.returncode}"
+                        + (f": {said[-1]}" if said else ""))
+        return ""
+
+    def bad(self, cycle: int, node: int, where: dict[str, Any], reason: str) -> None:
+        """A node this run must not use again (a ledger record, with where it ran)."""
+        ledger.append(self.run_dir, {
+            "event": "bad_node", "attempt": self.ranks.attempt, "cycle": cycle, "node": node,
+            **{k: where[k] for k in ("host", "slurm_node") if k in where}, "reason": reason})
+
+    def _bad_nodes(self, cycle: int, watch: Watch, lost: list[int] | None = None) -> dict[str, Any] | None:
+        """Nodes gone silent (`lost`) or that failed their health check in this cycle: the
+        job goes back through the queue without them (Slurm), or stops (the local backend
+        has no other nodes). None when there are none."""
+        if lost:
+            beats = launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
+            for n in lost:
+                self.bad(cycle, n, beats.get(n, {}), f"lost: its launcher was silent for {LOST_S:.0f} s")
+        bad = sorted({int(r["node"]) for r in ledger.read(self.run_dir) if r["event"] == "bad_node"
+                      and r["attempt"] == self.ranks.attempt and r.get("cycle") == cycle})
+        if not bad:
+            return None
         downs = launchers.downs(self.run_dir, self.ranks.attempt, cycle, self.node.nnodes)
+        why = f"node(s) {bad} " + (f"lost (silent for {LOST_S:.0f} s)" if lost else "failed the health check")
+        if self.spec.backend == "local" and not lost:
+            return self._record(cycle, watch, downs, restart=False, code=1, committed=self._committed(),
+                                bad=bad, reason=f"{why}; the local backend has no other node to use")
         return self._record(cycle, watch, downs, restart=False, code=REQUEUE_EXIT, end="fault",
-                            committed=self._committed(), lost=lost,
-                            reason=f"node(s) {lost} lost (silent for {LOST_S:.0f} s): requeued")
+                            committed=self._committed(), lost=lost or [], bad=bad,
+                            reason=f"{why}: requeued without them")
 
     def _committed(self) -> int:
         """The newest step a restart resumes from: hpcshard's committed checkpoints, or a

@@ -46,6 +46,9 @@ class RunSpec:
     """Slurm: after a clean stop, requeue | chain (a continuation job) | none."""
     profile: str = ""
     """The site profile the run was submitted with (empty: none)."""
+    health_check: str = ""
+    """A shell command every node runs before each attempt trains (the profile's); a
+    non-zero exit makes the node bad for this run."""
     script: dict[str, Any] = field(default_factory=dict)
     """A script run as is (not an hpcshard job): kind (file|module), target, args, cwd,
     signal and grace (what it is sent on a notice, and how long it has). Empty for a job."""

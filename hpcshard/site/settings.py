@@ -144,6 +144,10 @@ SETTINGS: dict[str, Setting] = {
                             "fault (a crashed or hung rank); once spent while training advances, "
                             "the job goes back through the queue.", minimum=0,
                             option="--max-restarts"),
+    "health_check": Setting("str", "", "A shell command every node's launcher runs before each "
+                            "attempt trains (after its own checks: the run directory takes a "
+                            "write and has room for a checkpoint); a non-zero exit makes the node "
+                            "bad for the run: the job is requeued without it.", unset="none"),
     "no_progress_restarts": Setting("int", 2, "Stop after this many restarts in a row that did "
                                     "not advance the committed checkpoint.", minimum=1),
     "train": Setting("sets", {}, "Training settings every hpcshard job of the profile gets, "

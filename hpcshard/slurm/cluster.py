@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -142,15 +143,26 @@ def end_time(job_id: str) -> int | None:
         return None
 
 
-def requeue(job_id: str) -> str:
+def requeue(job_id: str, exclude: list[str] | tuple[str, ...] = ()) -> str:
     """Ask Slurm to requeue this job; "" when it agreed, else what it said. A job that
     reaches its time limit is never requeued by Slurm itself (it ends TIMEOUT), so the job
-    must do it before the limit."""
-    try:
-        proc = subprocess.run(["scontrol", "requeue", job_id], capture_output=True, text=True)
-    except OSError as err:  # e.g. inside a container without Slurm's client commands
-        return f"scontrol: {err.strerror}; the launcher's environment (its container) needs Slurm's client"
-    return proc.stderr.strip() if proc.returncode else ""
+    must do it before the limit. `exclude`: nodes it must not run on again (held while its
+    ExcNodeList is updated, so the scheduler cannot place it first)."""
+    # (Slurm changes ExcNodeList only while a job is pending. Once it is held, Slurm ends
+    # the job's steps, this process among them, with TERM: the commands after it ignore TERM;
+    # they take milliseconds, well inside KillWait.)
+    steps = ([["requeuehold", job_id], ["update", f"JobId={job_id}", f"ExcNodeList={','.join(exclude)}"],
+              ["release", job_id]] if exclude else [["requeue", job_id]])
+    for args in steps:
+        try:
+            proc = subprocess.run(["scontrol", *args], capture_output=True, text=True,
+                                  preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
+        except OSError as err:  # e.g. inside a container without Slurm's client commands
+            return (f"scontrol: {err.strerror}; the launcher's environment (its container) "
+                    "needs Slurm's client")
+        if proc.returncode:
+            return proc.stderr.strip() or f"scontrol {args[0]} exited {proc.returncode}"
+    return ""
 
 
 def requeued_by_other(job_id: str, restart_count: int) -> str:

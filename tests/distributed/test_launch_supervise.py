@@ -293,3 +293,19 @@ def test_a_spent_restart_budget_goes_back_through_the_queue_and_finishes(tmp_pat
     starts = [(r["attempt"], r["cycle"]) for r in ledger.read(run) if r["event"] == "start"]
     assert starts == [(0, 0), (0, 1), (1, 0)]  # the requeued attempt has a budget of its own
     assert STEPS in committed(run)
+
+
+def test_a_node_failing_the_profiles_health_check_never_trains(tmp_path: Path) -> None:
+    """Locally there is no other node to move to: the run stops with the node and why."""
+    site = tmp_path / "site.toml"
+    site.write_text("[defaults]\nhealth_check = '[ \"$HPCSHARD_NODE_RANK\" != 1 ] || "
+                    "{ echo \"no GPU answers\" >&2; exit 1; }'\n")
+    run = tmp_path / "unhealthy"
+    proc = hpcshard("submit", "--nodes", "2", "--gpus", "1", "jobs/charlm.py", "--run-dir", str(run),
+                    *sets(steps=4), env={"HPCSHARD_SITE": str(site)})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "node 1 (" in proc.stderr and "failed its health check" in proc.stderr
+    assert "no GPU answers" in proc.stderr and "no other node" in proc.stderr
+    (bad,) = [r for r in ledger.read(run) if r["event"] == "bad_node"]
+    assert bad["node"] == 1 and "no GPU answers" in bad["reason"]
+    assert not step_records(run)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hpcshard.rundir import ledger
-from tests.conftest import STEPS, sets, step_records, wait_for
+from tests.conftest import STEPS, hpcshard, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import (
     assert_bitwise_equal,
     committed,
@@ -20,7 +20,7 @@ from tests.distributed.test_runtime_checkpoint import (
     rank_pids,
     trained_to,
 )
-from tests.slurm.conftest import restarts, wait_state
+from tests.slurm.conftest import restarts, slurm, wait_state
 from tests.slurm.test_launch_slurm import DONE, submit
 
 
@@ -59,3 +59,38 @@ def test_a_killed_rank_is_restarted_within_the_allocation_and_the_run_ends_bitwi
     assert STEPS in mine
     for step, path in mine.items():
         assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
+
+
+HEALTH = ('f="$HPCSHARD_RUN_DIR/first-node"; [ -e "$f" ] || echo "$SLURMD_NODENAME" > "$f"; '
+          'if [ "$(cat "$f")" = "$SLURMD_NODENAME" ]; then echo "bad on purpose" >&2; exit 1; fi')
+"""A site health check that fails on the first node it ever runs on, and on no other."""
+
+
+@pytest.mark.debug_partition
+def test_a_node_failing_the_health_check_is_excluded_and_never_used_again(
+        cluster: dict[str, str], tmp_path: Path) -> None:
+    """The profile's health check fails on the node the job first lands on: that node is
+    bad for the run (ledger, status), the job is requeued with it excluded (held while
+    Slurm's ExcNodeList changes) and trains on another node, before any step is lost."""
+    site = tmp_path / "site.toml"
+    site.write_text(f"[defaults]\nhealth_check = '{HEALTH}'\n")
+    run = tmp_path / "health"
+    proc = hpcshard("submit", "--backend", "slurm", "--nodes", "1", "--gpus", "2", "jobs/charlm.py",
+                    "--run-dir", str(run), "--partition", "debug", "--time", "10:00",
+                    *sets(steps=6, ckpt_every=3), env={**cluster, "HPCSHARD_SITE": str(site)})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    job = str(json.loads((run / "spec.json").read_text())["jobs"][-1])
+    assert wait_state(job, DONE, 400) == "COMPLETED"
+    first = (run / "first-node").read_text().strip()
+    records = ledger.read(run)
+    (bad,) = [r for r in records if r["event"] == "bad_node"]
+    assert bad["slurm_node"] == first and "bad on purpose" in bad["reason"]
+    (requeue,) = [r for r in records if r["event"] == "requeue"]
+    assert requeue["excluded"] == [first] and not requeue["error"]
+    assert restarts(job) == 1
+    shown = slurm("scontrol", "show", "job", "-o", job)
+    assert f"ExcNodeList={first}" in shown and f" NodeList={first} " not in shown
+    assert [r["attempt"] for r in records if r["event"] == "start"] == [1]  # never trained there
+    assert [r["step"] for r in step_records(run)] == list(range(1, 7))
+    status = hpcshard("status", str(run), env=cluster).stdout
+    assert "bad nodes (1)" in status and first in status
