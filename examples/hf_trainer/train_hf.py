@@ -1,14 +1,18 @@
-"""A Hugging Face Trainer script that knows almost nothing of hpcshard.
+"""A Hugging Face Trainer script that knows one callback of hpcshard.
 
     hpcshard submit --nodes 2 --gpus 8 examples/hf_trainer/train_hf.py -- --max-steps 2000
 
-A tiny Llama built from a config (no download) on random tokens. What makes it survive a
-preemption is all Hugging Face's own: `enable_jit_checkpoint` saves a checkpoint when
-SIGTERM comes (hpcshard's default notice for scripts) and ends `train()`; hpcshard then
-requeues the job and the next attempt resumes from the newest complete checkpoint.
-A rank that crashes is restarted in place (every rank, from that same checkpoint); one
-callback, `ReportProgress`, tells hpcshard each step, so that a hung rank is found too
-(without it, hangs are not seen). Outside hpcshard it does nothing.
+A tiny Llama built from a config (no download) on random tokens. One callback,
+`Hpcshard`, is all it has of hpcshard (and outside hpcshard it does nothing):
+- a preemption: the notice (SIGTERM by default for scripts) sets `hpcshard.preemption`'s
+  flag; every rank agrees on it at the same step (one tiny all-reduce), saves
+  `checkpoint-N` there and ends `train()`; hpcshard requeues the job and the next attempt
+  resumes from the newest complete checkpoint. (Trainer's own `enable_jit_checkpoint`
+  saves on SIGTERM too, but each rank decides alone: with DDP, ranks that saw the signal a
+  step apart deadlocked in the save, once in a CI run here, until the grace period ended
+  them with nothing saved.)
+- each step, save and evaluation is reported, so that a hung rank is found; a rank that
+  crashes is restarted in place (every rank, from that same checkpoint).
 
 On GPUs it shards with FSDP2 through accelerate. On CPU it cannot: accelerate only
 turns FSDP on for GPU-like devices (`AcceleratorState` drops the FSDP plugin when the
@@ -29,11 +33,14 @@ import torch
 from torch.utils.data import Dataset
 from transformers import AutoModelForCausalLM, LlamaConfig, Trainer, TrainerCallback, TrainingArguments
 
-try:  # (before Trainer exists: Trainer's own SIGTERM handler, installed later, stays)
-    from hpcshard.preemption import progress  # a no-op outside hpcshard's launchers
+try:  # no-ops outside hpcshard's launchers
+    from hpcshard.preemption import progress, requested
 except ImportError:  # hpcshard not installed
     def progress(step: int, phase: str = "step") -> None:
         pass
+
+    def requested(sync: bool = True) -> bool:
+        return False
 
 
 class RandomTokens(Dataset[dict[str, torch.Tensor]]):
@@ -57,13 +64,16 @@ class SlowDown(TrainerCallback):
         time.sleep(self.seconds)
 
 
-class ReportProgress(TrainerCallback):
-    """Each step, save and evaluation, told to hpcshard's launcher (hang detection)."""
+class Hpcshard(TrainerCallback):
+    """A stop notice, agreed by every rank at the same step: save there and end `train()`.
+    Each step, save and evaluation, told to hpcshard's launcher (hang detection)."""
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **_kwargs: Any) -> None:
         progress(state.global_step + 1)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **_kwargs: Any) -> None:
+        if requested():  # every rank, the same answer (an all-reduce of the flag)
+            control.should_save = control.should_training_stop = True
         # Trainer's flow callback has just decided what follows this step; a slow save or
         # a long evaluation is then judged by its own limit, not the steps'.
         if control.should_evaluate or control.should_save:
@@ -104,9 +114,8 @@ def main() -> None:
         output_dir=args.out, max_steps=args.max_steps, per_device_train_batch_size=4,
         learning_rate=1e-3, logging_steps=args.logging_steps, save_steps=args.save_steps, report_to=[],
         use_cpu=not gpu, ddp_backend=None if gpu else "gloo", disable_tqdm=True,
-        enable_jit_checkpoint=True,  # SIGTERM: save at the next step, then stop
         **sharding)
-    callbacks: list[TrainerCallback] = [ReportProgress()]
+    callbacks: list[TrainerCallback] = [Hpcshard()]
     if args.step_seconds:
         callbacks.append(SlowDown(args.step_seconds))
     trainer = Trainer(model=model, args=training, train_dataset=RandomTokens(), callbacks=callbacks)

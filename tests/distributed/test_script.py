@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from hpcshard.rundir import ledger
 from hpcshard.rundir.rankenv import BUG_EXIT
 from tests.conftest import ROOT, hpcshard, hpcshard_bg, quiet_env, wait_for
@@ -167,9 +169,11 @@ def test_a_script_that_saves_and_exits_cleanly_on_the_notice_is_still_requeued(t
     assert done["reason"] == "done" and "rank 0 step 12\n" in text
 
 
+@pytest.mark.xdist_group("hf-trainer")  # one after the other: each is 2 ranks of Trainer
 def test_the_hugging_face_trainer_example_is_preempted_and_resumes(tmp_path: Path) -> None:
-    """The README's Hugging Face Trainer example, preempted: its own JIT checkpoint saves on
-    the notice, the run is requeued and Trainer resumes from that checkpoint to the end.
+    """The README's Hugging Face Trainer example, preempted: every rank agrees on the notice
+    at the same step and saves there (its callback), the run is requeued and Trainer resumes
+    from that checkpoint to the end.
     DDP over gloo here (accelerate turns FSDP on only for GPUs; README says why)."""
     run = tmp_path / "hf"
     bg = hpcshard_bg("submit", "--backend", "local", "--gpus", "2",
@@ -207,8 +211,9 @@ def test_preemption_flag_and_requeue_code(tmp_path: Path) -> None:
     assert proc.stdout.strip() == "123.5"
 
 
+@pytest.mark.xdist_group("hf-trainer")  # one after the other: each is 2 ranks of Trainer
 def test_the_hugging_face_example_reports_progress_and_a_hung_rank_is_restarted(tmp_path: Path) -> None:
-    """Its `ReportProgress` callback puts Trainer's steps on the board: a rank stopped by
+    """Its `Hpcshard` callback puts Trainer's steps on the board: a rank stopped by
     SIGSTOP (the other waits in DDP's all-reduce) is found, and both restart from the
     newest complete checkpoint-N."""
     run = tmp_path / "hf"
