@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from hpcshard.launch.supervise import ranks_below
 from hpcshard.rundir import ledger
+from hpcshard.rundir.launchers import launchers
 from tests.conftest import STEPS, hpcshard, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import (
     assert_bitwise_equal,
@@ -36,7 +38,9 @@ def test_a_killed_rank_is_restarted_within_the_allocation_and_the_run_ends_bitwi
                  *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS))
     wait_for(lambda: 4 in committed(run) and trained_to(run, 6), 240, "step 6, past the commit of step 4")
     wait_for(lambda: len(rank_pids(run)) == 4, 30, "the 4 ranks under the 2 node launchers")
-    victim = rank_pids(run)[-1]  # a rank of the second node
+    # A rank of the second task's launcher (c10d numbers agents by arrival: its ranks may
+    # be 0 and 1, so go by the launcher, not by the rank).
+    victim = ranks_below([launchers(run)[1]])[-1]
     os.kill(victim, signal.SIGKILL)
     killed_at = time.time()
     assert wait_state(job, DONE, 300) == "COMPLETED"
