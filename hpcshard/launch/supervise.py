@@ -260,7 +260,9 @@ class Supervisor:
             # will; nothing is a fault now.
             if self.ending or self.killed or (self.noticed is not None and self.spec.script):
                 self._grace(proc)
-                if code is not None:
+                # (another node may have declared a fault before its notice came: take part)
+                if code is not None or (self.spec.script and not self.ending and not self.killed
+                                        and launchers.fault(self.run_dir, attempt, cycle)):
                     break
                 time.sleep(POLL_S)
                 continue
@@ -274,8 +276,8 @@ class Supervisor:
                 break
             time.sleep(POLL_S)
         fault = launchers.fault(self.run_dir, attempt, cycle)
-        if code == 0 or self.ending or self.killed or (self.noticed is not None and (
-                self.spec.script or (code is not None and not dead and fault is None))):
+        if code == 0 or self.ending or self.killed or (self.noticed is not None and fault is None and (
+                self.spec.script or (code is not None and not dead))):
             # Done, cancelled, or stopped on the notice (whatever the exit: not restarted).
             return Watch(code=code if code is not None else proc.wait(), reached=reached)
         if code is not None and not dead and self._final(cycle):
