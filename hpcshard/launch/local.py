@@ -6,7 +6,6 @@ meet through a c10d rendezvous on loopback, exactly as nodes meet on a cluster.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import socket
@@ -18,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpcshard.launch.node import NodeEnv
-from hpcshard.launch.supervise import descendants
+from hpcshard.launch.supervise import descendants, send
 from hpcshard.rundir import ledger
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, RankEnv
 
@@ -105,8 +104,6 @@ def _wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
         if failed_at is not None and time.monotonic() - failed_at > 2 * PEER_GRACE_S:
             for p in procs:
                 if p.poll() is None:  # a lost node (frozen, stuck): it and all below it
-                    for pid in [*descendants(p.pid), p.pid]:
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(pid, signal.SIGKILL)
+                    send([*descendants(p.pid), p.pid], signal.SIGKILL)
                     killed.add(p.pid)
         time.sleep(0.2)

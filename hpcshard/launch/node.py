@@ -6,7 +6,6 @@ inside a Slurm allocation; only `NodeEnv.from_environ` differs between them.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcshard import script
-from hpcshard.launch.supervise import Agent, Supervisor, children
+from hpcshard.launch.supervise import Agent, Supervisor, children, send
 from hpcshard.launch.zygote import Zygote
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import pid_file
@@ -158,9 +157,7 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
 
 
 def _signal_ranks(torchrun: int, signum: int) -> None:
-    for pid in children(torchrun):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signum)
+    send(children(torchrun), signum)
 
 
 def _script_outcome(run_dir: Path, node: NodeEnv, attempt: int, code: int, *, noticed: bool,

@@ -106,7 +106,8 @@ def alive(pid: int) -> bool:
     return process_state(pid) not in ("", "Z", "X")
 
 
-def _send(pids: list[int], sig: int) -> None:
+def send(pids: list[int], sig: int) -> None:
+    """`sig` to each of `pids` that still exists."""
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, sig)
@@ -121,11 +122,11 @@ def kill_tree(proc: Agent, stacks: list[int] | tuple[int, ...] = (),
     if stacks:  # which collective each rank waits in, before a stopped one may move again
         flight.ask([p for p in stacks if process_state(p) not in ("T", "t")])
         time.sleep(FLIGHT_WAIT_S)
-    _send(pids, signal.SIGCONT)  # a stopped process ignores all but SIGKILL until continued
+    send(pids, signal.SIGCONT)  # a stopped process ignores all but SIGKILL until continued
     if stacks:  # where each rank is: its Python stacks, into its log
-        _send(list(stacks), STACKS_SIGNAL)
+        send(list(stacks), STACKS_SIGNAL)
         time.sleep(STACKS_WAIT_S)
-    _send([*descendants(proc.pid), *pids], signal.SIGKILL)
+    send([*descendants(proc.pid), *pids], signal.SIGKILL)
     proc.wait()
 
 
@@ -253,7 +254,7 @@ class Supervisor:
                     and len(slots) == board.slots):
                 # The notice came while the ranks were down (a fault's recovery): the new
                 # ones hear it as soon as they are up (their handler is in by then).
-                _send([s.pid for s in slots], self.ranks.notice_signal)
+                send([s.pid for s in slots], self.ranks.notice_signal)
                 told = True
             # A cancel, a script's grace that ran out, or a script told to stop (its ranks
             # may die of the notice, or save inside a step for any time): they end as they
@@ -295,9 +296,10 @@ class Supervisor:
             info.update(cause=f"the ranks of node {self.node.node_rank} failed (exit {code})")
         if fault is None:
             launchers.declare_fault(self.run_dir, attempt, cycle, info)
+        now = board.read()
         where = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase, **self.where,
-                  "state": process_state(s.pid) or "gone"} for s in board.read()]
-        left = [s for s in board.read() if s.phase != "done" and alive(s.pid)]
+                  "state": process_state(s.pid) or "gone"} for s in now]
+        left = [s for s in now if s.phase != "done" and alive(s.pid)]
         stopped = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase, **self.where,
                     "state": "stopped"} for s in left if process_state(s.pid) in ("T", "t")]
         live = [s.pid for s in left]
@@ -335,7 +337,7 @@ class Supervisor:
         then ends); an hpcshard job stops at its next step by itself."""
         if (self.grace is not None and self.noticed is not None and not self.killed
                 and time.monotonic() - self.noticed > self.grace):
-            _send(children(proc.pid), signal.SIGKILL)
+            send(children(proc.pid), signal.SIGKILL)
             self.killed = True
 
     def _final(self, cycle: int) -> bool:
@@ -371,16 +373,16 @@ class Supervisor:
         """Node 0, once every node is down: restart, or stop and why. Recorded in the ledger."""
         attempt, nodes = self.ranks.attempt, self.node.nnodes
         deadline = time.monotonic() + DOWN_TIMEOUT_S
-        while len(launchers.nodes_down(self.run_dir, attempt, cycle, nodes)) < nodes:
+        while True:
             self.beat()
             missing = sorted(set(range(nodes)) - set(launchers.nodes_down(self.run_dir, attempt,
                                                                             cycle, nodes)))
+            if not missing:
+                break
             lost = self.lost(missing)
             if lost:
                 return self._bad_nodes(cycle, watch, lost) or {}
             if time.monotonic() > deadline:
-                missing = sorted(set(range(nodes)) - set(launchers.nodes_down(self.run_dir, attempt,
-                                                                                cycle, nodes)))
                 return self._record(cycle, watch, restart=False, code=1,
                                     reason=f"node(s) {missing} did not report their ranks down "
                                     f"within {DOWN_TIMEOUT_S:.0f} s")
@@ -482,8 +484,6 @@ class Supervisor:
                 **decided: Any) -> dict[str, Any]:
         downs = downs or []
         dead = [d for down in downs for d in down.get("dead", [])]
-        # A rank whose own code raised is the culprit (it is dead too, as are ranks torchrun
-        # tore down after it); else the one killed, stopped or hung.
         fault = watch.fault or {}
         collectives = flight.missing(flight.read(self.run_dir, self.ranks.attempt, cycle))
         # The culprit, surest first: a rank whose own code raised (it is dead too, as are
