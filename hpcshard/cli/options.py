@@ -49,6 +49,11 @@ PROFILE = click.option("--profile", help="Site profile (`hpcshard profiles list`
                        "configuration's `profile`].")
 
 
+def spare_options(f: F) -> F:
+    """Spares and the fewest nodes a run may shrink to (both backends)."""
+    return _apply(f, [setting_option("spares"), setting_option("min_nodes")])
+
+
 def slurm_options(f: F) -> F:
     """sbatch settings (Slurm backend)."""
     return _apply(f, [PROFILE, *(setting_option(k) for k in (

@@ -27,10 +27,11 @@ from hpcshard.cli.options import (
     settings,
     shape_options,
     slurm_options,
+    spare_options,
 )
 from hpcshard.config import parse_sets
 from hpcshard.rundir import store
-from hpcshard.rundir.ledger import next_attempt
+from hpcshard.rundir.ledger import bad_slurm_nodes, next_attempt
 from hpcshard.rundir.metrics import METRICS, last_record
 from hpcshard.rundir.rankenv import REQUEUE_EXIT
 from hpcshard.rundir.spec import (
@@ -60,6 +61,7 @@ def pick_backend(backend: str) -> str:
 @click.argument("job", required=False)
 @script_options
 @shape_options()
+@spare_options
 @setting_option("backend")
 @click.option("--run-dir", type=click.Path(path_type=Path),
               help="Where the run writes config, logs, metrics, checkpoints [default: runs/JOB-TIME].")
@@ -88,6 +90,7 @@ def submit(job: str | None, nodes: int | None, run_dir: Path | None, name: str |
 @click.argument("job", required=False)
 @script_options
 @shape_options()
+@spare_options
 @click.option("--run-dir", type=click.Path(path_type=Path), help="As for submit.")
 @click.option("--name", help="Run name [default: the job's name].")
 @click.option("--check", is_flag=True, help="Also import the job and build its model on the meta "
@@ -157,12 +160,15 @@ def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None
                        backend=pick_backend(v["backend"]), name=name or job_stem(label),
                        max_requeues=v["max_requeues"], requeue_policy=v["requeue_policy"],
                        max_restarts=v["max_restarts"], no_progress_restarts=v["no_progress_restarts"],
-                       health_check=v["health_check"],
+                       health_check=v["health_check"], spares=v["spares"], min_nodes=v["min_nodes"],
+                       bad_nodes=v["bad_nodes"],
                        profile=res.profile, script=own)
+        check_spares(spec)
         req = None
         if spec.backend == "slurm":
             req = SbatchRequest.from_settings(v, res.template_dirs, job_name=spec.name,
-                                              nodes=spec.nodes, gpus=spec.gpus, run_dir=run_dir)
+                                              nodes=spec.nodes, gpus=spec.gpus, run_dir=run_dir,
+                                              spares=spec.spares, min_nodes=spec.min_nodes)
             # the template, before anything is made
             render(req, "true", run_dir / "submitit", site.SETTINGS)
             if own and own["grace"] >= req.signal_lead_s:
@@ -205,7 +211,7 @@ def _submit_slurm(spec: RunSpec, run_dir: Path, req: SbatchRequest, resume: str,
         fail(err)
     spec.jobs.append(job_id)
     spec.write(run_dir)
-    click.echo(f"submitted job {job_id}: {spec.nodes} node(s) x {spec.gpus} GPU(s), "
+    click.echo(f"submitted job {job_id}: {spec.nodes} node(s){_spares(spec)} x {spec.gpus} GPU(s), "
                + _what(spec))
     click.echo(f"run directory: {run_dir}")
     click.echo(f"logs: {run_dir / 'logs'}/rank-N.log, {run_dir / 'submitit'}/{job_id}_N_log.out")
@@ -242,10 +248,13 @@ def _follow(run_dir: Path, job_id: str) -> int:
 @click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @shape_options()
+@click.option("--spares", type=click.IntRange(min=0), help="Spare nodes [default: the run's].")
+@click.option("--min-nodes", type=click.IntRange(min=0),
+              help="Fewest nodes to go on with after a loss [default: the run's].")
 @RESUME
 @SETS
-def resume(run_dir: Path, nodes: int | None, gpus: int | None, resume: str,
-           sets: tuple[str, ...]) -> None:
+def resume(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | None,
+           min_nodes: int | None, resume: str, sets: tuple[str, ...]) -> None:
     """Continue the run in RUN_DIR from its newest checkpoint, on any shape."""
     with user_errors():
         spec = read_spec(run_dir)
@@ -255,6 +264,9 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, resume: str,
         probe_writable(run_dir)
         check_resume(run_dir, resume)
         spec.nodes, spec.gpus = nodes or spec.nodes, gpus or spec.gpus
+        spec.spares = spec.spares if spares is None else spares
+        spec.min_nodes = spec.min_nodes if min_nodes is None else min_nodes
+        check_spares(spec)
         spec.sets = {**spec.sets, **parse_sets(sets)}
         req = None
         if spec.backend == "slurm":  # the same sbatch settings, on the (new) shape
@@ -262,8 +274,10 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, resume: str,
 
             old = spec.slurm
             per_gpu = old.get("cpus_per_task", 0) // max(1, old.get("gpus_per_node", 1))
-            req = SbatchRequest(**{**old, "nodes": spec.nodes, "gpus_per_node": spec.gpus,
-                                   "cpus_per_task": per_gpu * spec.gpus, "run_dir": run_dir.resolve()})
+            req = SbatchRequest(**{**old, "nodes": spec.nodes + spec.spares, "gpus_per_node": spec.gpus,
+                                   "cpus_per_task": per_gpu * spec.gpus, "run_dir": run_dir.resolve(),
+                                   "no_kill": spec.spares > 0 or 0 < spec.min_nodes < spec.nodes,
+                                   "exclude": bad_slurm_nodes(run_dir)})
             render(req, "true", run_dir / "submitit", site.SETTINGS)
             cluster.check_request(req)
         if not spec.script:
@@ -275,7 +289,7 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, resume: str,
 
 def _launch(spec: RunSpec, run_dir: Path, resume: str) -> NoReturn:
     spec.write(run_dir)
-    click.echo(f"run {spec.name}: {spec.nodes} node(s) x {spec.gpus} rank(s), {_what(spec)}")
+    click.echo(f"run {spec.name}: {spec.nodes} node(s){_spares(spec)} x {spec.gpus} rank(s), {_what(spec)}")
     click.echo(f"run directory: {run_dir}")
     from hpcshard.launch.local import run_local
 
@@ -283,10 +297,21 @@ def _launch(spec: RunSpec, run_dir: Path, resume: str) -> NoReturn:
         click.echo(f"stopped on request with a committed checkpoint: requeued as attempt "
                    f"{attempt} ({count}/{spec.max_requeues})")
 
-    code = run_local(run_dir.resolve(), spec.nodes, spec.gpus, resume=resume,
+    code = run_local(run_dir.resolve(), spec.nodes, spec.gpus, spares=spec.spares, resume=resume,
                      max_requeues=spec.max_requeues, on_attempt=requeued)
     _report(run_dir, code)
     sys.exit(code)
+
+
+def check_spares(spec: RunSpec) -> None:
+    """--min-nodes above --nodes asks for the impossible."""
+    if spec.min_nodes > spec.nodes:
+        raise ValueError(f"--min-nodes {spec.min_nodes} is more than --nodes {spec.nodes}; give at "
+                         f"most {spec.nodes} (or 0: never fewer than --nodes)")
+
+
+def _spares(spec: RunSpec) -> str:
+    return f" + {spec.spares} spare(s)" if spec.spares else ""
 
 
 def _what(spec: RunSpec) -> str:

@@ -34,9 +34,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_local(run_dir: Path, nodes: int, per_node: int, *, resume: str = "auto",
+def run_local(run_dir: Path, nodes: int, per_node: int, *, spares: int = 0, resume: str = "auto",
               max_requeues: int = 10, on_attempt: Callable[[int, int], None] | None = None) -> int:
-    """Run the job in `run_dir` on `nodes` x `per_node` local ranks; returns its exit code.
+    """Run the job in `run_dir` on `nodes` x `per_node` local ranks (and `spares` more
+    emulated nodes, waiting to take a lost one's place); returns its exit code.
 
     An attempt that ends with REQUEUE_EXIT (stopped on request, checkpoint committed) is
     started again the way Slurm requeues a job, up to `max_requeues` times; the new
@@ -45,7 +46,7 @@ def run_local(run_dir: Path, nodes: int, per_node: int, *, resume: str = "auto",
     attempt = ledger.next_attempt(run_dir)
     requeues = 0
     while True:
-        code = _attempt(run_dir, nodes, per_node, attempt, resume, requeues)
+        code = _attempt(run_dir, nodes, per_node, attempt, resume, requeues, spares)
         if code != REQUEUE_EXIT or requeues >= max_requeues:
             return code
         requeues += 1
@@ -55,12 +56,12 @@ def run_local(run_dir: Path, nodes: int, per_node: int, *, resume: str = "auto",
 
 
 def _attempt(run_dir: Path, nodes: int, per_node: int, attempt: int, resume: str,
-             restarts: int = 0) -> int:
+             restarts: int = 0, spares: int = 0) -> int:
     port, run_id = free_port(), uuid.uuid4().hex[:12]
     cores = os.cpu_count() or 1
     procs = []
-    for rank in range(nodes):
-        node = NodeEnv(node_rank=rank, nnodes=nodes, per_node=per_node, rdzv_host="127.0.0.1",
+    for rank in range(nodes + spares):
+        node = NodeEnv(node_rank=rank, nnodes=nodes + spares, per_node=per_node, rdzv_host="127.0.0.1",
                        rdzv_port=port, run_id=run_id)
         ranks = RankEnv(attempt=attempt, resume=resume, restart_count=restarts)
         env = {**os.environ, **node.to_environ(), **ranks.to_environ()}
@@ -76,20 +77,28 @@ def _attempt(run_dir: Path, nodes: int, per_node: int, attempt: int, resume: str
     # this process: the launchers pass it to torchrun, which tears its workers down.
     previous = signal.signal(signal.SIGTERM, forward)
     try:
-        return _wait_all(procs)
+        return _wait_all(procs, run_dir, attempt)
     except KeyboardInterrupt:
         forward(signal.SIGINT, None)
-        return _wait_all(procs)
+        return _wait_all(procs, run_dir, attempt)
     finally:
         signal.signal(signal.SIGTERM, previous)
 
 
-def _wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
-    """First non-zero exit code wins; survivors of a failed job are stopped after a grace."""
+def _wait_all(procs: list[subprocess.Popen[bytes]], run_dir: Path, attempt: int) -> int:
+    """First non-zero exit code wins; survivors of a failed job are stopped after a grace.
+    A node the launchers declared lost (it froze: a spare took its place, or the job went
+    on with fewer nodes) is killed once another has ended: it will never end by itself."""
     failed_at: float | None = None
     killed: set[int] = set()
     while True:
         codes = [p.poll() for p in procs]
+        if any(c is not None for c in codes):
+            for n in _lost(run_dir, attempt):
+                if n < len(procs) and procs[n].poll() is None:
+                    send([*descendants(procs[n].pid), procs[n].pid], signal.SIGKILL)
+                    killed.add(procs[n].pid)
+            codes = [p.poll() if p.pid not in killed else p.wait() for p in procs]
         if all(c is not None for c in codes):
             # All nodes asking for a requeue is a requeue; any other failure wins over it.
             mine = [c for p, c in zip(procs, codes, strict=True) if p.pid not in killed]
@@ -107,3 +116,8 @@ def _wait_all(procs: list[subprocess.Popen[bytes]]) -> int:
                     send([*descendants(p.pid), p.pid], signal.SIGKILL)
                     killed.add(p.pid)
         time.sleep(0.2)
+
+
+def _lost(run_dir: Path, attempt: int) -> set[int]:
+    return {int(r["node"]) for r in ledger.read(run_dir) if r["event"] == "bad_node"
+            and r["attempt"] == attempt and str(r.get("reason", "")).startswith("lost")}

@@ -112,6 +112,8 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
     sup = (Supervisor(node, run_dir, spec, ranks, start, grace=grace if own else None)
            if spec is not None and module == "hpcshard.entry" else None)
     proc: list[Agent] = []
+    if zygote is not None and sup is not None:
+        zygote.waiting = sup.beat
 
     def current() -> Agent | None:
         return sup.proc if sup is not None else (proc[0] if proc else None)
@@ -148,8 +150,8 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
         # interpreter shuts down, and a late notice would then kill this task (-12).
         signal.signal(stop_signal, signal.SIG_IGN)
     if own and sup is not None:
-        return _script_outcome(run_dir, node, ranks.attempt, code, noticed=sup.noticed is not None,
-                               killed=sup.killed, grace=grace)
+        return _script_outcome(run_dir, sup.me == sup.roster.leader, ranks.attempt, code,
+                               noticed=sup.noticed is not None, killed=sup.killed, grace=grace)
     end = ledger.end_of(run_dir, ranks.attempt)
     if end is not None and end.get("reason") == "stop":
         return REQUEUE_EXIT
@@ -160,18 +162,17 @@ def _signal_ranks(torchrun: int, signum: int) -> None:
     send(children(torchrun), signum)
 
 
-def _script_outcome(run_dir: Path, node: NodeEnv, attempt: int, code: int, *, noticed: bool,
+def _script_outcome(run_dir: Path, first: bool, attempt: int, code: int, *, noticed: bool,
                     killed: bool, grace: float) -> int:
     """A script knows nothing of the ledger: each node's launcher decides what its exit
-    means, and the first node records it. After a notice every exit is a stop and the job
-    is requeued, a clean one too: Hugging Face's JIT checkpoint, say, saves on SIGTERM and
-    returns from train() as if it were done, and a run that quietly ended early is worse
-    than one more short attempt that resumes from the end. Without a notice, a failure is
-    reported and never requeued."""
+    means, and the cycle's leader (`first`: node 0 unless it was lost) records it. After a
+    notice every exit is a stop and the job is requeued, a clean one too: a framework may
+    save on SIGTERM and return from its loop as if it were done, and a run that quietly
+    ended early is worse than one more short attempt that resumes from the end. Without a
+    notice, a failure is reported and never requeued."""
     end = ledger.end_of(run_dir, attempt)
     if end is not None and end.get("reason") == "stop":
         return REQUEUE_EXIT
-    first = node.node_rank == 0
     if code == REQUEUE_EXIT:  # the supervisor's: faults spent this allocation's restarts
         if first and end is None:
             ledger.append(run_dir, {"event": "end", "attempt": attempt, "reason": "fault",

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from hpcshard.launch.node import NodeEnv, run_node
-from hpcshard.rundir import ledger
+from hpcshard.rundir import launchers, ledger
 from hpcshard.rundir.launchers import attempt_file
 from hpcshard.rundir.rankenv import NOTICE, REQUEUE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
@@ -42,7 +42,7 @@ def chain(run_dir: Path, job_id: str, attempt: int) -> str:
     """Submit a continuation of this job that starts when it ends (`afterany`): the same
     script and submitit pickle under a new job id. Returns the new id."""
     folder = run_dir / "submitit"
-    bad = bad_nodes(run_dir)
+    bad = ledger.bad_slurm_nodes(run_dir)
     new = cluster.sbatch(f"--dependency=afterany:{job_id}", *([f"--exclude={','.join(bad)}"] if bad else []),
                          str(folder / f"{job_id}_submission.sh"))
     # Under its own id, what submitit wrote for the first job: the pickle it unpickles, and
@@ -55,12 +55,6 @@ def chain(run_dir: Path, job_id: str, attempt: int) -> str:
     chained.write_text(f"{attempt}\n")
     RunSpec.add_job(run_dir, new)
     return new
-
-
-def bad_nodes(run_dir: Path) -> list[str]:
-    """The Slurm nodes this run must not use again (the ledger's bad nodes)."""
-    return sorted({r["slurm_node"] for r in ledger.read(run_dir)
-                   if r["event"] == "bad_node" and r.get("slurm_node")})
 
 
 def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int,
@@ -78,12 +72,14 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     # The profile's notice (--signal in the sbatch script): the ranks listen for it too.
     ranks = RankEnv(attempt=attempt, resume=resume if fresh else "auto",
                     restart_count=slurm.restart_count, notice=spec.slurm.get("signal", NOTICE),
-                    deadline=cluster.end_time(slurm.job_id))
+                    deadline=cluster.end_time(slurm.job_id),
+                    lead=spec.slurm.get("signal_lead_s"))
     os.environ.update(ranks.to_environ())
     # submitit installed its own SIGUSR2 handler (checkpoint, then requeue from global rank
     # 0 with its own timeout bookkeeping). run_node replaces it: the notice goes to the ranks.
     code = run_node(node_env(slurm, per_node), run, stop_signal=ranks.notice_signal)
-    if code == REQUEUE_EXIT and slurm.node_id == 0:
+    # One launcher sends the job on: node 0's, unless it was lost (then it never gets here).
+    if code == REQUEUE_EXIT and launchers.claim(run, f"continue-{attempt}"):
         _continue(run, slurm, attempt, first_attempt, max_requeues, policy)
     return code
 
@@ -116,7 +112,7 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
         print(f"hpcshard: job {slurm.job_id} was already requeued ({by}); not requeued again",
               file=sys.stderr, flush=True)
         return
-    bad = bad_nodes(run)
+    bad = ledger.bad_slurm_nodes(run)
     refused = cluster.requeue(slurm.job_id, exclude=bad)
     ledger.append(run, {"event": "requeue", "attempt": attempt, "job": slurm.job_id,
                         "error": refused or None, **({"excluded": bad} if bad else {})})

@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -60,8 +61,12 @@ HEALTH_TIMEOUT_S = 120.0
 """How long the profile's health check may take."""
 BEAT_S = 1.0
 """How often a launcher says it is alive (a small file in the run directory)."""
-LOST_S = 10.0
-"""A node whose launcher has said nothing for this long is lost (dead, frozen, cut off)."""
+LOST_S = 8.0
+"""A node whose launcher has said nothing for this long is lost (dead, frozen, cut off):
+eight missed heartbeats, so a launcher slowed by a loaded host is not taken for one."""
+UNHEARD_S = 30.0
+"""...and one never heard of is lost this long after this launcher began (launchers of one
+job start seconds apart)."""
 COMMS_ERRORS = ("DistBackendError", "DistNetworkError", "DistError", "DistStoreError")
 """Exceptions a rank raises because a peer died: a consequence, never the culprit."""
 COMMS_MESSAGES = ("gloo/transport", "Connection reset", "Connection closed", "Broken pipe", "NCCL")
@@ -134,6 +139,8 @@ def _who(culprit: dict[str, Any] | None) -> str:
     """The culprit in one phrase: rank, host, step, and for an exception its line and log."""
     if not culprit:
         return "culprit unknown"
+    if "rank" not in culprit:  # a whole node
+        return f"node {culprit['node']} ({culprit.get('slurm_node') or culprit.get('host')}), lost"
     text = f"rank {culprit['rank']} on {culprit.get('host', '?')}"
     if culprit.get("step") is not None:
         text += f" at step {culprit['step']}"
@@ -147,6 +154,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True)
+class Roster:
+    """Which launchers' ranks train in a cycle (`active`) and which wait, each ready to take
+    a lost node's place (`spares`: allocated for that, `--spares`). A node declared bad is
+    in neither, ever again in this attempt."""
+
+    active: tuple[int, ...]
+    spares: tuple[int, ...] = ()
+
+    @classmethod
+    def first(cls, launchers: int, spares: int) -> Roster:
+        """Cycle 0: the first launchers train, the last `spares` wait."""
+        spares = max(0, min(spares, launchers - 1))
+        return cls(tuple(range(launchers - spares)), tuple(range(launchers - spares, launchers)))
+
+    @property
+    def leader(self) -> int:
+        """The launcher that watches the others' heartbeats and writes the cycle's records."""
+        return self.active[0]
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        return (*self.active, *self.spares)
 
 
 @dataclass
@@ -185,46 +217,106 @@ class Supervisor:
                       **({"slurm_node": os.environ["SLURMD_NODENAME"]}
                          if os.environ.get("SLURMD_NODENAME") else {})}
         """This node, in every record it writes."""
-        self.beaten = 0.0
+        self.beaten = self.looked = 0.0
         self.began = time.time()
+        self.roster = Roster.first(node.nnodes, spec.spares)
+        """Who trains in the current cycle, and who waits."""
+        self.seen_bad: set[int] = set()
 
-    def beat(self) -> None:
-        """Say this launcher is alive, at most every BEAT_S (called from every wait)."""
-        if time.monotonic() - self.beaten >= BEAT_S:
+    @property
+    def me(self) -> int:
+        return int(self.node.node_rank)
+
+    def beat(self, done: int | None = None) -> None:
+        """Say this launcher is alive, at most every BEAT_S (called from every wait); `done`:
+        it ends with this exit code (never to be taken for lost, nor waited for)."""
+        if time.monotonic() - self.beaten >= BEAT_S or done is not None:
             self.beaten = time.monotonic()
             with contextlib.suppress(OSError):  # a full disk must not end supervision
-                launchers.beat(self.run_dir, self.ranks.attempt, self.node.node_rank, self.where)
+                launchers.beat(self.run_dir, self.ranks.attempt, self.me,
+                               {**self.where, **({"done": done} if done is not None else {})})
 
-    def lost(self, nodes: list[int]) -> list[int]:
-        """Which of these nodes are lost: silent for LOST_S (or never heard of, LOST_S after
-        this launcher began)."""
+    def lost(self, nodes: list[int] | tuple[int, ...]) -> list[int]:
+        """Which of these nodes are lost: silent for LOST_S (or never heard of, UNHEARD_S
+        after this launcher began). One that said it ended is not."""
         now, beats = time.time(), launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
-        return [n for n in nodes if now - beats.get(n, {}).get("time", self.began) > LOST_S]
+        unheard = self.began + UNHEARD_S - LOST_S
+        return [n for n in nodes if "done" not in beats.get(n, {})
+                and now - beats.get(n, {}).get("time", unheard) > LOST_S]
 
     # -- one cycle -------------------------------------------------------------------
     def run(self) -> int:
-        node, cycle = self.node, 0
+        code = self._run()
+        self.beat(done=code)
+        return code
+
+    def _run(self) -> int:
+        self.beat()
+        cycle, unhealthy = 0, False
+        node = replace(self.node, nnodes=len(self.roster.active))
         why = self.health()
-        if why:  # this node must not train: the others stop, node 0 decides
-            self.bad(0, self.node.node_rank, self.where, f"health check: {why}")
-            launchers.declare_fault(self.run_dir, self.ranks.attempt, 0, {
-                "cause": f"node {self.node.node_rank} failed its health check: {why}", **self.where})
+        if why:  # this node must not train: node 0 (or whoever decides) replaces it or stops
+            unhealthy = True
+            self.bad(0, self.me, self.where, f"health check: {why}")
+            if self.me in self.roster.active:  # (a spare that fails is simply never used)
+                launchers.declare_fault(self.run_dir, self.ranks.attempt, 0, {
+                    "cause": f"node {self.me} failed its health check: {why}", **self.where})
             name = self.where.get("slurm_node", self.where["host"])
-            print(f"hpcshard: node {self.node.node_rank} ({name}) failed its health check: {why}",
+            print(f"hpcshard: node {self.me} ({name}) failed its health check: {why}",
                   file=sys.stderr, flush=True)
-            fault = launchers.fault(self.run_dir, self.ranks.attempt, 0)
-            decided = self.recover(0, Watch(code=1, fault=fault))
-            return int(decided.get("code", 1))
         while True:
-            watch = self.cycle(node, cycle)
+            if self.me in self.roster.active and not unhealthy:
+                watch = self.cycle(replace(node, node_rank=self.roster.active.index(self.me)), cycle)
+            else:
+                watch = self.idle(cycle)
             if watch.fault is None:
                 return watch.code
             decided = self.recover(cycle, watch)
             if not decided.get("restart") or self.ending:
                 return int(decided.get("code", 1))
             cycle += 1
-            node = replace(self.node, rdzv_port=int(decided["port"]),
-                           run_id=f"{self.node.run_id}-c{cycle}")
+            self.roster = Roster(tuple(decided["active"]), tuple(decided["spares"]))
+            node = replace(self.node, nnodes=len(self.roster.active), rdzv_host=decided["host"],
+                           rdzv_port=int(decided["port"]), run_id=f"{self.node.run_id}-c{cycle}")
+
+    def idle(self, cycle: int) -> Watch:
+        """A launcher without ranks this cycle (a spare, or a node declared bad): alive and
+        watching until a fault needs it (it takes part in the recovery, and may be given a
+        lost node's place) or every launcher with ranks has ended (it ends as they did)."""
+        while True:
+            self.beat()
+            fault = launchers.fault(self.run_dir, self.ranks.attempt, cycle)
+            if fault is not None:
+                return Watch(code=1, fault=fault)
+            beats = launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
+            ended = [n for n in self.roster.active if "done" in beats.get(n, {})]
+            if ended and set(ended) | set(self.lost(self.roster.active)) >= set(self.roster.active):
+                return Watch(code=int(beats[ended[0]]["done"]))
+            if self.ending:
+                return Watch(code=0)
+            time.sleep(POLL_S)
+
+    def watch_peers(self, cycle: int) -> None:
+        """Every BEAT_S: the cycle's leader reads every other launcher's heartbeat, the
+        others the leader's. An active node gone silent for LOST_S is a fault declared at
+        once (its ranks may be stopped mid-collective: the others would only hang); a lost
+        spare is marked bad and never used."""
+        if time.monotonic() - self.looked < BEAT_S:
+            return
+        self.looked = time.monotonic()
+        roster = self.roster
+        watched = ([n for n in roster.members if n != self.me] if self.me == roster.leader
+                   else [roster.leader])
+        lost = self.lost(watched)
+        for n in (n for n in lost if n in roster.spares and n not in self.seen_bad):
+            self.seen_bad.add(n)
+            self.bad(cycle, n, launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
+                     .get(n, {}), f"lost: its launcher was silent for {LOST_S:.0f} s (a spare)")
+        gone = [n for n in lost if n in roster.active]
+        if gone:
+            launchers.declare_fault(self.run_dir, self.ranks.attempt, cycle, {
+                **self.where, "noticed": self.noticed is not None, "lost": gone,
+                "cause": f"node(s) {gone} lost: silent for {LOST_S:.0f} s"})
 
     def cycle(self, node: Any, cycle: int) -> Watch:
         path = board_path(node.run_id, node.node_rank)
@@ -245,6 +337,7 @@ class Supervisor:
         before = launchers.decision(self.run_dir, attempt, cycle - 1) if cycle else None
         while True:
             self.beat()
+            self.watch_peers(cycle)
             code = proc.poll()
             slots = board.read()
             reached = max((s.step for s in slots), default=0)
@@ -293,7 +386,7 @@ class Supervisor:
             info.update(cause=f"rank {dead[0]['rank']} died (its process is gone)", rank=dead[0]["rank"],
                         step=dead[0]["step"])
         else:
-            info.update(cause=f"the ranks of node {self.node.node_rank} failed (exit {code})")
+            info.update(cause=f"the ranks of node {self.me} failed (exit {code})")
         if fault is None:
             launchers.declare_fault(self.run_dir, attempt, cycle, info)
         now = board.read()
@@ -311,8 +404,8 @@ class Supervisor:
                      dead=dead + stopped, reached=reached, ranks=where)
 
     def _learned(self, dog: Watchdog, cycle: int) -> bool:
-        """Node 0, once per cycle: the step limit its watchdog learned, in the ledger."""
-        if self.node.node_rank == 0:
+        """The leader, once per cycle: the step limit its watchdog learned, in the ledger."""
+        if self.me == self.roster.leader:
             limits = dog.limits
             ledger.append(self.run_dir, {
                 "event": "watchdog", "attempt": self.ranks.attempt, "cycle": cycle,
@@ -321,10 +414,10 @@ class Supervisor:
         return True
 
     def _recovered(self, cycle: int, decided: dict[str, Any], slots: list[Any]) -> bool:
-        """Node 0, after a restart: once a rank trains past the step it resumed from, the
+        """The leader, after a restart: once a rank trains past the step it resumed from, the
         ledger says how long the fault cost (declared -> training again)."""
         resumed = int(decided.get("committed") or 0)
-        if self.node.node_rank != 0 or not any(s.phase == "step" and s.step > resumed for s in slots):
+        if self.me != self.roster.leader or not any(s.phase == "step" and s.step > resumed for s in slots):
             return False
         fault = launchers.fault(self.run_dir, self.ranks.attempt, cycle - 1) or {}
         ledger.append(self.run_dir, {"event": "recovered", "attempt": self.ranks.attempt,
@@ -349,55 +442,89 @@ class Supervisor:
 
     # -- between cycles --------------------------------------------------------------
     def recover(self, cycle: int, watch: Watch) -> dict[str, Any]:
-        attempt, node = self.ranks.attempt, self.node.node_rank
-        launchers.mark_down(self.run_dir, attempt, cycle, node, {
+        """Say this node is down, then wait for the decision: node 0's, or, once the
+        launchers below this one are all lost, this one's own."""
+        attempt = self.ranks.attempt
+        launchers.mark_down(self.run_dir, attempt, cycle, self.me, {
             "host": self.where["host"], "dead": watch.dead, "reached": watch.reached,
             "ranks": watch.ranks})
-        if node == 0:
-            decided = self.decide(cycle, watch)
-            launchers.decide(self.run_dir, attempt, cycle, decided)
-            return decided
         deadline = time.monotonic() + DOWN_TIMEOUT_S + 30
         while time.monotonic() < deadline:
             self.beat()
             found = launchers.decision(self.run_dir, attempt, cycle)
             if found is not None:
                 return found
-            if self.lost([0]):
-                return {"restart": False, "code": 1,
-                        "reason": f"node 0, which decides, is lost (silent for {LOST_S:.0f} s)"}
+            if self.decider() == self.me:
+                return launchers.decide(self.run_dir, attempt, cycle, self.decide(cycle, watch))
             time.sleep(POLL_S)
-        return {"restart": False, "code": 1, "reason": "node 0 decided nothing (is it gone?)"}
+        return {"restart": False, "code": 1, "reason": "no launcher decided (are they gone?)"}
+
+    def decider(self) -> int:
+        """Who decides after a fault: the lowest launcher of the job not lost (not bad)."""
+        members = sorted(n for n in self.roster.members if n not in self.seen_bad)
+        below = [n for n in members if n < self.me]
+        lost = set(self.lost(below))
+        return next(n for n in [*below, self.me] if n not in lost)
 
     def decide(self, cycle: int, watch: Watch) -> dict[str, Any]:
-        """Node 0, once every node is down: restart, or stop and why. Recorded in the ledger."""
-        attempt, nodes = self.ranks.attempt, self.node.nnodes
+        """Once every node is down (or lost): restart, on which nodes, or stop and why.
+        Recorded in the ledger. A lost or unhealthy node is replaced by a spare; without
+        one the run goes on with fewer nodes where `min_nodes` allows it, else back through
+        the queue without it."""
+        attempt, roster = self.ranks.attempt, self.roster
+        members = [n for n in roster.members if n not in self.seen_bad]
         deadline = time.monotonic() + DOWN_TIMEOUT_S
+        lost: list[int] = []
         while True:
             self.beat()
-            missing = sorted(set(range(nodes)) - set(launchers.nodes_down(self.run_dir, attempt,
-                                                                            cycle, nodes)))
-            if not missing:
-                break
+            missing = sorted(set(members) - set(launchers.nodes_down(self.run_dir, attempt, cycle,
+                                                                     self.node.nnodes)))
             lost = self.lost(missing)
-            if lost:
-                return self._bad_nodes(cycle, watch, lost) or {}
+            if set(lost) == set(missing):
+                break
             if time.monotonic() > deadline:
                 return self._record(cycle, watch, restart=False, code=1,
                                     reason=f"node(s) {missing} did not report their ranks down "
                                     f"within {DOWN_TIMEOUT_S:.0f} s")
             time.sleep(POLL_S)
-        downs = launchers.downs(self.run_dir, attempt, cycle, nodes)
+        beats = launchers.beats(self.run_dir, attempt, self.node.nnodes)
+        for n in lost:
+            self.bad(cycle, n, beats.get(n, {}), f"lost: its launcher was silent for {LOST_S:.0f} s")
+        downs = launchers.downs(self.run_dir, attempt, cycle, self.node.nnodes)
         committed = self._committed()
-        unhealthy = self._bad_nodes(cycle, watch)
-        if unhealthy is not None:
-            return unhealthy
         if self.noticed is not None or (watch.fault or {}).get("noticed"):
             return self._record(cycle, watch, downs, restart=False, code=REQUEUE_EXIT,
-                                committed=committed, end="stop",
+                                committed=committed, end="stop", lost=lost,
                                 reason="a stop notice came as well: requeued, not restarted here")
+        bad = self._bad()
+        active = [n for n in roster.active if n not in bad]
+        spares = [n for n in roster.spares if n not in bad]
+        gone = [n for n in roster.active if n in bad]
+        where: dict[str, Any] = {"lost": lost}
+        if gone:
+            why = (f"node(s) {gone} " + ("lost" if set(gone) <= set(lost) else "bad")
+                   + (f" (silent for {LOST_S:.0f} s)" if lost else " (failed the health check)"))
+            taken, spares = spares[:len(gone)], spares[len(gone):]
+            active = sorted([*active, *taken])
+            fewest = self.spec.min_nodes or len(roster.active)
+            if len(active) < fewest:
+                if self.spec.backend == "local" and not lost:
+                    return self._record(cycle, watch, downs, restart=False, code=1, committed=committed,
+                                        bad=gone, reason=f"{why}; the local backend has no other "
+                                        "node to use")
+                return self._record(cycle, watch, downs, restart=False, code=REQUEUE_EXIT, end="fault",
+                                    committed=committed, bad=sorted(bad), **where,
+                                    reason=f"{why}: requeued without them")
+            where.update(bad=gone, replaced=dict(zip(map(str, gone), taken, strict=False)))
+            if len(active) == len(roster.active):
+                why += f": spare node(s) {taken} take their place"
+            else:
+                why += (f": {len(taken)} spare(s) left, going on with {len(active)} nodes "
+                        f"(min_nodes {fewest}; the mesh is planned again)")
+        else:
+            why = ""
         bug = self._same_bug(cycle)
-        stalled = self._stalled(cycle, committed)
+        stalled = 0 if gone else self._stalled(cycle, committed)
         if bug:
             return self._record(cycle, watch, downs, restart=False, code=BUG_EXIT, committed=committed,
                                 reason=f"the job's own code raised {bug} again at the same step: a "
@@ -409,24 +536,40 @@ class Supervisor:
             # Training advanced, but this allocation has had its share of faults (a flaky
             # node?): back through the queue, as after a preemption, up to max_requeues.
             return self._record(cycle, watch, downs, restart=False, code=REQUEUE_EXIT,
-                                committed=committed, end="fault", reason=f"the restart budget "
+                                committed=committed, end="fault", **where,
+                                reason=(f"{why}; " if why else "") + f"the restart budget "
                                 f"({self.spec.max_restarts}) is spent: requeued")
-        return self._record(cycle, watch, downs, restart=True, port=free_port(), committed=committed,
-                            reason=f"restart {cycle + 1} of {self.spec.max_restarts}")
+        return self._record(cycle, watch, downs, restart=True, port=free_port(), host=self._host(),
+                            active=active, spares=spares, committed=committed, **where,
+                            reason=(f"{why}; " if why else "")
+                            + f"restart {cycle + 1} of {self.spec.max_restarts}")
+
+    def _host(self) -> str:
+        """Where the next rendezvous is: this launcher's host, as the others reach it."""
+        if self.me == 0:
+            return str(self.node.rdzv_host)
+        return str(self.where.get("slurm_node") or self.node.rdzv_host)
+
+    def _bad(self) -> set[int]:
+        """The nodes declared bad in this attempt (they never train in it again)."""
+        found = {int(r["node"]) for r in ledger.read(self.run_dir)
+                 if r["event"] == "bad_node" and r["attempt"] == self.ranks.attempt}
+        self.seen_bad |= found
+        return found
 
     def health(self) -> str:
         """Before this attempt trains: can this node do its part? "" if so, else why not.
         The run directory takes a write (every node: each mounts it), has room for another
         checkpoint as big as the newest (node 0: the file system is shared), and the
         profile's `health_check` command exits 0."""
-        probe = self.run_dir / LAUNCH_DIR / f".health-{self.node.node_rank}"
+        probe = self.run_dir / LAUNCH_DIR / f".health-{self.me}"
         try:
             probe.parent.mkdir(exist_ok=True)
             probe.write_text("ok")
             probe.unlink()
         except OSError as err:
             return f"the run directory {self.run_dir} takes no write ({err.strerror})"
-        if self.node.node_rank == 0:
+        if self.me == 0:
             newest = store.committed(self.run_dir / store.CHECKPOINTS)
             need = max((c.bytes for c in newest), default=0) * 1.1
             free = shutil.disk_usage(self.run_dir).free
@@ -434,44 +577,40 @@ class Supervisor:
                 return (f"{free / 1e9:.1f} GB free in {self.run_dir}, less than a checkpoint "
                         f"needs ({need / 1e9:.1f} GB)")
         if self.spec.health_check:
-            try:
-                done = subprocess.run(["bash", "-c", self.spec.health_check], capture_output=True,
-                                      text=True, timeout=HEALTH_TIMEOUT_S,
-                                      env={**os.environ, "HPCSHARD_RUN_DIR": str(self.run_dir)})
-            except subprocess.TimeoutExpired:
-                return f"`{self.spec.health_check}` took over {HEALTH_TIMEOUT_S:.0f} s"
-            if done.returncode:
-                said = (done.stderr.strip() or done.stdout.strip()).splitlines()
-                return (f"`{self.spec.health_check}` exited {done.returncode}"
-                        + (f": {said[-1]}" if said else ""))
+            return self._check(["bash", "-c", self.spec.health_check], f"`{self.spec.health_check}`")
         return ""
 
+    def _check(self, argv: list[str], name: str) -> str:
+        """Run a check command, still beating (a site's check may take a minute, and a
+        silent launcher is a lost one); "" when it exits 0, else what it said last."""
+        with tempfile.TemporaryFile("w+") as out, subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT,
+                env={**os.environ, "HPCSHARD_RUN_DIR": str(self.run_dir)}) as proc:
+            deadline = time.monotonic() + HEALTH_TIMEOUT_S
+            while proc.poll() is None:
+                self.beat()
+                if time.monotonic() > deadline:
+                    proc.kill()
+                    return f"{name} took over {HEALTH_TIMEOUT_S:.0f} s"
+                time.sleep(POLL_S)
+            out.seek(0)
+            said = out.read().strip().splitlines()
+        if not proc.returncode:
+            return ""
+        return f"{name} exited {proc.returncode}" + (f": {said[-1]}" if said else "")
+
     def bad(self, cycle: int, node: int, where: dict[str, Any], reason: str) -> None:
-        """A node this run must not use again (a ledger record, with where it ran)."""
+        """A node this run must not use again (a ledger record, with where it ran). On
+        Slurm, with `bad_nodes = drain`, Slurm is told too (where the user may)."""
+        told: dict[str, Any] = {}
+        if where.get("slurm_node") and self.spec.bad_nodes == "drain":
+            from hpcshard.slurm import cluster
+
+            refused = cluster.drain(where["slurm_node"], f"hpcshard {self.run_dir.name}: {reason}")
+            told = {"drained": not refused, **({"drain_error": refused} if refused else {})}
         ledger.append(self.run_dir, {
             "event": "bad_node", "attempt": self.ranks.attempt, "cycle": cycle, "node": node,
-            **{k: where[k] for k in ("host", "slurm_node") if k in where}, "reason": reason})
-
-    def _bad_nodes(self, cycle: int, watch: Watch, lost: list[int] | None = None) -> dict[str, Any] | None:
-        """Nodes gone silent (`lost`) or that failed their health check in this cycle: the
-        job goes back through the queue without them (Slurm), or stops (the local backend
-        has no other nodes). None when there are none."""
-        if lost:
-            beats = launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
-            for n in lost:
-                self.bad(cycle, n, beats.get(n, {}), f"lost: its launcher was silent for {LOST_S:.0f} s")
-        bad = sorted({int(r["node"]) for r in ledger.read(self.run_dir) if r["event"] == "bad_node"
-                      and r["attempt"] == self.ranks.attempt and r.get("cycle") == cycle})
-        if not bad:
-            return None
-        downs = launchers.downs(self.run_dir, self.ranks.attempt, cycle, self.node.nnodes)
-        why = f"node(s) {bad} " + (f"lost (silent for {LOST_S:.0f} s)" if lost else "failed the health check")
-        if self.spec.backend == "local" and not lost:
-            return self._record(cycle, watch, downs, restart=False, code=1, committed=self._committed(),
-                                bad=bad, reason=f"{why}; the local backend has no other node to use")
-        return self._record(cycle, watch, downs, restart=False, code=REQUEUE_EXIT, end="fault",
-                            committed=self._committed(), lost=lost or [], bad=bad,
-                            reason=f"{why}: requeued without them")
+            **{k: where[k] for k in ("host", "slurm_node") if k in where}, "reason": reason, **told})
 
     def _committed(self) -> int:
         """The newest step a restart resumes from: hpcshard's committed checkpoints, or a
@@ -487,7 +626,7 @@ class Supervisor:
         fault = watch.fault or {}
         collectives = flight.missing(flight.read(self.run_dir, self.ranks.attempt, cycle))
         # The culprit, surest first: a rank whose own code raised (it is dead too, as are
-        # ranks torchrun tore down after it); one killed or stopped; the rank where the
+        # ranks torchrun tore down after it); one killed or stopped; a node lost; the rank where the
         # flight records' chain of waits begins (a livelock: busy while its peers wait,
         # whichever node's watchdog spoke first); the rank the watchdog named.
         everyone = {r["rank"]: r for down in downs for r in down.get("ranks", [])}
@@ -495,7 +634,12 @@ class Supervisor:
         named = ("rank", "pid", "step", "phase", "node", "host", "state")
         hung: dict[str, Any] | None = ({k: fault[k] for k in named if k in fault}
                                        if "rank" in fault and "state" in fault else None)
-        culprit = self._failed_first(cycle) or (dead[0] if dead else root[0] if len(root) == 1 else hung)
+        beats = launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
+        gone = [{"node": n, "state": "lost", **{k: v for k, v in beats.get(n, {}).items()
+                                                 if k in ("host", "slurm_node")}}
+                for n in decided.get("lost", []) if n in self.roster.active]
+        culprit = self._failed_first(cycle) or (dead[0] if dead else gone[0] if gone else
+                                                root[0] if len(root) == 1 else hung)
         reached = max([watch.reached, *(d.get("reached", 0) for d in downs)])
         ledger.append(self.run_dir, {
             "event": "fault", "attempt": self.ranks.attempt, "cycle": cycle,

@@ -23,6 +23,7 @@ import select
 import signal
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from hpcshard.rundir.rankenv import RankEnv
@@ -40,11 +41,15 @@ class Zygote:
         os.close(orders_r)
         os.close(replies_w)
         self._buffer = b""
+        self.waiting: Callable[[], None] = lambda: None
+        """Called every half second while an order waits (the first one waits for the
+        zygote's imports, seconds on a loaded host): the launcher's heartbeat."""
 
     def start(self, argv: list[str], env: dict[str, str]) -> Forked:
         """Fork an agent running `launch.warm` with `argv` and exactly `env`."""
         os.write(self._orders, (json.dumps({"argv": argv, "env": env}) + "\n").encode())
-        reply = self.reply(None)
+        while (reply := self.reply(0.5)) is None and self.proc.poll() is None:
+            self.waiting()
         if reply is None or "pid" not in reply:
             raise RuntimeError(f"hpcshard's zygote did not start an agent (exit {self.proc.poll()})")
         return Forked(self, int(reply["pid"]))

@@ -6,10 +6,13 @@
     fault-A-C.json   a fault in cycle C of attempt A, declared by the first launcher to
                      see it (created exclusively: one declaration, whoever is first)
     down-A-C-N.json  node N's ranks of that cycle are dead, and what it saw
-    next-A-C.json    node 0's decision once every node is down: restart (and where the
-                     next rendezvous is) or stop
+    next-A-C.json    the decision once every node is down (node 0's, or the lowest
+                     launcher's that is not lost): restart (which nodes train, where the
+                     next rendezvous is) or stop; created exclusively, first decider wins
     alive-A-N.json   node N's launcher's heartbeat in attempt A (rewritten every second):
-                     one that stops moving is a node lost (dead, frozen, cut off)
+                     one that stops moving is a node lost (dead, frozen, cut off); a
+                     launcher that ends says so in it ("done": its exit code)
+    continue-A       claimed by the launcher that sends attempt A back through the queue
 
 The launchers of a job see each other only through these files: the run directory is
 shared storage, and a node whose launcher writes nothing is a node that is gone.
@@ -69,16 +72,30 @@ def _cycle_file(run_dir: Path, kind: str, attempt: int, cycle: int, suffix: str 
     return run_dir / LAUNCH / f"{kind}-{attempt}-{cycle}{suffix}"
 
 
-def declare_fault(run_dir: Path, attempt: int, cycle: int, record: dict[str, Any]) -> bool:
-    """Declare a fault in this cycle; False when another launcher declared one first."""
-    path = _cycle_file(run_dir, "fault", attempt, cycle)
+def _create(path: Path, text: str) -> bool:
+    """Write `path` whole unless it exists (written aside, then linked: no reader sees it
+    half written, and of two writers exactly one wins). False when it existed."""
+    path.parent.mkdir(exist_ok=True)
+    aside = path.with_name(f".{path.name}.{os.getpid()}")
+    aside.write_text(text)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
+        os.link(aside, path)
     except FileExistsError:
         return False
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps({"time": time.time(), **record}) + "\n")
+    finally:
+        aside.unlink()
     return True
+
+
+def claim(run_dir: Path, name: str) -> bool:
+    """The first launcher to claim `name` gets True; every other one False."""
+    return _create(run_dir / LAUNCH / name, f"{os.getpid()}\n")
+
+
+def declare_fault(run_dir: Path, attempt: int, cycle: int, record: dict[str, Any]) -> bool:
+    """Declare a fault in this cycle; False when another launcher declared one first."""
+    return _create(_cycle_file(run_dir, "fault", attempt, cycle),
+                   json.dumps({"time": time.time(), **record}) + "\n")
 
 
 def fault(run_dir: Path, attempt: int, cycle: int) -> dict[str, Any] | None:
@@ -88,8 +105,6 @@ def fault(run_dir: Path, attempt: int, cycle: int) -> dict[str, Any] | None:
         text = path.read_text()
     except FileNotFoundError:
         return None
-    if not text.endswith("\n"):  # being written: read again at the next look
-        return {"time": time.time(), "cause": "unknown"} if text else None
     return dict(json.loads(text))
 
 
@@ -112,8 +127,12 @@ def nodes_down(run_dir: Path, attempt: int, cycle: int, nodes: int) -> list[int]
     return [int(d["node"]) for d in downs(run_dir, attempt, cycle, nodes)]
 
 
-def decide(run_dir: Path, attempt: int, cycle: int, decision: dict[str, Any]) -> None:
-    write_atomic(_cycle_file(run_dir, "next", attempt, cycle), json.dumps(decision) + "\n")
+def decide(run_dir: Path, attempt: int, cycle: int, decided: dict[str, Any]) -> dict[str, Any]:
+    """Record the decision for this cycle; returns the one that stands (another decider's,
+    if it came first)."""
+    if _create(_cycle_file(run_dir, "next", attempt, cycle), json.dumps(decided) + "\n"):
+        return decided
+    return decision(run_dir, attempt, cycle) or decided
 
 
 def decision(run_dir: Path, attempt: int, cycle: int) -> dict[str, Any] | None:

@@ -32,3 +32,9 @@ def end_of(run_dir: Path, attempt: int) -> dict[str, Any] | None:
 
 def next_attempt(run_dir: Path) -> int:
     return 1 + max((int(r["attempt"]) for r in read(run_dir)), default=-1)
+
+
+def bad_slurm_nodes(run_dir: Path) -> list[str]:
+    """The Slurm nodes this run must never use again (its bad-node records)."""
+    return sorted({r["slurm_node"] for r in read(run_dir)
+                   if r["event"] == "bad_node" and r.get("slurm_node")})

@@ -77,6 +77,9 @@ class RankEnv:
     """HPCSHARD_STOP_SIGNAL: the launcher's notice, which the ranks listen for."""
     deadline: float | None = None
     """HPCSHARD_DEADLINE: Unix time at which the time limit ends; None: no limit known."""
+    lead: int | None = None
+    """HPCSHARD_NOTICE_LEAD: seconds before the deadline that the time-limit notice comes
+    (the profile's signal_lead); None: unknown (every notice stops at once)."""
     cycle: int = 0
     """HPCSHARD_CYCLE: in-place restarts of the ranks within this attempt (a fault)."""
     board: str = ""
@@ -94,6 +97,7 @@ class RankEnv:
                    restart_count=int(env.get("HPCSHARD_RESTART_COUNT", "0")),
                    notice=env.get("HPCSHARD_STOP_SIGNAL", DEFAULT_NOTICE),
                    deadline=float(deadline) if deadline else None,
+                   lead=int(env["HPCSHARD_NOTICE_LEAD"]) if env.get("HPCSHARD_NOTICE_LEAD") else None,
                    cycle=int(env.get("HPCSHARD_CYCLE", "0")), board=env.get("HPCSHARD_BOARD", ""))
 
     def to_environ(self) -> dict[str, str]:
@@ -103,6 +107,8 @@ class RankEnv:
                "HPCSHARD_BOARD": self.board}
         if self.deadline is not None:
             env["HPCSHARD_DEADLINE"] = str(int(self.deadline))
+        if self.lead is not None:
+            env["HPCSHARD_NOTICE_LEAD"] = str(self.lead)
         return env
 
     @property

@@ -32,6 +32,11 @@ class RunSpec:
     """Nodes (emulated nodes under the local backend)."""
     gpus: int
     """GPUs, i.e. ranks, per node."""
+    spares: int = 0
+    """Nodes allocated besides `nodes` that wait, each ready to take a lost node's place."""
+    min_nodes: int = 0
+    """Fewest nodes the run may go on with after losing nodes it has no spare for (the mesh
+    is planned again, DCP reshards); 0: `nodes`, i.e. never fewer."""
     backend: str
     """Where it runs: local."""
     name: str
@@ -46,6 +51,8 @@ class RunSpec:
     """Slurm: after a clean stop, requeue | chain (a continuation job) | none."""
     profile: str = ""
     """The site profile the run was submitted with (empty: none)."""
+    bad_nodes: str = "drain"
+    """Slurm: a bad node is also drained with the reason (drain) or only avoided (exclude)."""
     health_check: str = ""
     """A shell command every node runs before each attempt trains (the profile's); a
     non-zero exit makes the node bad for this run."""

@@ -68,7 +68,8 @@ def _clock(t: float | None) -> str:
 
 
 def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | None) -> list[str]:
-    lines = [f"run {spec.get('name')}: {spec.get('nodes')} node(s) x {spec.get('gpus')} GPU(s), "
+    spares = f" + {spec['spares']} spare(s)" if spec.get("spares") else ""
+    lines = [f"run {spec.get('name')}: {spec.get('nodes')} node(s){spares} x {spec.get('gpus')} GPU(s), "
              f"backend {spec.get('backend')}, {run_dir}"]
     if slurm_state is not None:
         job, get = spec["jobs"][-1], slurm_state.get
@@ -117,8 +118,12 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
     bad = [r for r in records if r["event"] == "bad_node"]
     if bad:
         lines.append(f"bad nodes ({len(bad)}), never used again by this run:")
+        told = {True: "; drained in Slurm", False: "; not drained (Slurm refused: {}), excluded "
+                "by this run only"}
         lines += [f"  node {r['node']} ({r.get('slurm_node') or r.get('host', '?')}) in "
-                  f"{r['attempt']}.{r['cycle']}: {r['reason']}" for r in bad]
+                  f"{r['attempt']}.{r['cycle']}: {r['reason']}"
+                  + (told[r["drained"]].format(r.get("drain_error", "")) if "drained" in r else "")
+                  for r in bad]
     for r in records:
         if r["event"] == "gave_up":
             lines.append(f"gave up: {r['reason']}")
@@ -138,9 +143,7 @@ def faults(run_dir: Path) -> list[str]:
     lines = [f"faults ({len(found)}):"]
     back = {(r["attempt"], r["cycle"]): r["seconds"] for r in records if r["event"] == "recovered"}
     for r in found:
-        who = r.get("culprit") or {}
-        culprit = (f"rank {who['rank']}" + (f" on {who['host']} (node {who['node']})" if "host" in who
-                                            else "")) if who else "culprit unknown"
+        culprit = _culprit(r.get("culprit") or {})
         action = "restarted" if r.get("restart") else "stopped"
         if (r["attempt"], r["cycle"] + 1) in back:
             action += f", training again {back[(r['attempt'], r['cycle'] + 1)]:.1f} s after"
@@ -150,6 +153,14 @@ def faults(run_dir: Path) -> list[str]:
                      f"{r.get('lost_steps', 0)} step(s) to redo from step "
                      f"{r.get('committed', '-')}; {action}: {r.get('reason', '')}")
     return lines
+
+
+def _culprit(who: dict[str, Any]) -> str:
+    if not who:
+        return "culprit unknown"
+    if "rank" not in who:  # a whole node (lost)
+        return f"node {who['node']} ({who.get('slurm_node') or who.get('host', '?')}) {who.get('state', '')}"
+    return f"rank {who['rank']}" + (f" on {who['host']} (node {who['node']})" if "host" in who else "")
 
 
 def _fmt(v: int | None) -> str:
@@ -163,7 +174,7 @@ LOG_START = "==== start of"
 def culprit_lines(run_dir: Path, tail: int) -> tuple[str, list[str]]:
     """The newest fault's culprit: a header and the last lines its log had when the fault
     came (a restarted rank appends below a LOG_START line of its own)."""
-    named = [r for r in ledger.read(run_dir) if r["event"] == "fault" and r.get("culprit")]
+    named = [r for r in ledger.read(run_dir) if r["event"] == "fault" and "rank" in (r.get("culprit") or {})]
     if not named:
         raise ValueError(f"{run_dir} has no fault with a known culprit; see hpcshard status {run_dir}")
     fault = named[-1]

@@ -18,6 +18,8 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
 from hpcshard.config import TrainConfig
+from hpcshard.rundir import store
+from hpcshard.rundir.rankenv import RankEnv
 from hpcshard.runtime.blocks import on_meta
 from hpcshard.runtime.checkpoint import Checkpointer, Loaded, TrainParts, seed_rank
 from hpcshard.runtime.data import GlobalBatches, eval_batch_count, eval_batches, unigram_entropy
@@ -78,6 +80,28 @@ class Summary:
     unigram_entropy: float
 
 
+NOTICE_SLACK_S = 60.0
+"""Slurm may send --signal up to a minute early (its event resolution): a notice that came
+within the lead time plus this of the deadline is the time limit's."""
+STOP_MARGIN_S = 10.0
+"""What a time-limit stop leaves spare beyond its estimate (the save, twice over, and two
+steps): the ranks must be done before Slurm kills them."""
+
+
+def stop_time(noticed: float, deadline: float | None, lead: int | None, saves: list[float],
+              steps: list[float]) -> float:
+    """When a notice that came at `noticed` should stop training. A preemption (or any
+    notice far from the deadline, or without a measured save) stops at once: the job is
+    killed a grace period later. The time limit's notice comes `lead` seconds before a
+    deadline Slurm keeps: training goes on until the deadline less twice the slowest of
+    the last saves, two steps and STOP_MARGIN_S, which loses no step and wastes less of
+    the allocation than stopping at the notice."""
+    if deadline is None or lead is None or not saves or deadline - noticed > lead + NOTICE_SLACK_S:
+        return noticed
+    step = sorted(steps)[len(steps) // 2] if steps else 0.0
+    return max(noticed, deadline - (2 * max(saves[-3:]) + 2 * step + STOP_MARGIN_S))
+
+
 class Trainer:
     """One job on one rank. Build it, then `run()`; the pieces stay usable on their own."""
 
@@ -120,6 +144,12 @@ class Trainer:
         carries them: the time between records, less these, is training)."""
         self.rolled_back: Callable[[dict[str, object]], None] = lambda record: None
         """Told of each rollback (the runtime writes it into the ledger)."""
+        self.step_times: collections.deque[float] = collections.deque(maxlen=32)
+        """Seconds the last steps took (what a step costs when the time limit nears)."""
+        self.stop_at: float | None = None
+        """When a stop notice takes effect: at once, or for a time-limit notice the deadline
+        less what saving needs (`stop_time`)."""
+        self.limits = RankEnv.from_environ()
         parts = TrainParts(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                            batches=self.batches, scaler=self.scaler,
                            layout={"mesh": list(self.mesh.shape), "sharding": self.mode})
@@ -211,7 +241,7 @@ class Trainer:
         ckpt, last = self.ckpt, self.step >= self.cfg.steps
         writing = ckpt is not None and ckpt.pending is not None and not ckpt.pending[0].done()
         due = ckpt is not None and not last and ckpt.due(self.step)
-        local = torch.tensor([float(bool(stop and stop.requested)), float(due), float(writing)],
+        local = torch.tensor([float(self._stop_due(stop)), float(due), float(writing)],
                              device=self.env.device)
         flags = torch.cat([local, bad.float().reshape(1)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
@@ -226,6 +256,32 @@ class Trainer:
             ckpt.save(self.step, "stop" if stop_now else "periodic")
             self.paused["save_s"] += time.perf_counter() - start
         return "stop" if stop_now and not last else ""
+
+    def _stop_due(self, stop: StopRequest | None) -> bool:
+        """This rank's view (the ranks then agree, all-reduced): does the notice stop
+        training at this step? Each rank works out the same time from the same deadline."""
+        if stop is None or not stop.requested:
+            return False
+        if self.stop_at is None:
+            saves = self._save_seconds()
+            self.stop_at = stop_time(stop.at, self.limits.deadline, self.limits.lead, saves,
+                                     list(self.step_times))
+            if self.stop_at > stop.at and self.env.is_main:
+                log.info("time-limit notice: training on until %s, %.0f s before the deadline "
+                         "(the save takes about %.1f s)", time.strftime("%H:%M:%S",
+                         time.localtime(self.stop_at)), (self.limits.deadline or 0) - self.stop_at,
+                         max(saves[-3:], default=0.0))
+        return time.time() >= self.stop_at
+
+    def _save_seconds(self) -> list[float]:
+        """How long saves took: this process's, else the newest committed checkpoint's."""
+        if self.ckpt is None or self.run_dir is None:
+            return []
+        if self.ckpt.save_seconds:
+            return list(self.ckpt.save_seconds)
+        newest = store.committed(self.run_dir / store.CHECKPOINTS)
+        return [float(newest[-1].manifest["save_seconds"])] if newest and "save_seconds" in \
+            newest[-1].manifest else []
 
     def _nonfinite(self, loss: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
         """This rank's loss or gradient norm is nan or inf (a tensor: no sync here). With the
@@ -271,7 +327,9 @@ class Trainer:
             while self.step < cfg.steps:
                 self.report("step", self.step)
                 first = self.state_bytes is None
+                began = time.perf_counter()
                 step_loss, norm = self.train_step()
+                self.step_times.append(time.perf_counter() - began)
                 if first and self.state_bytes is not None:
                     metrics.event("memory", **self.state_bytes)
                 bar.advance(self.step)

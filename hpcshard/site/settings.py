@@ -144,6 +144,18 @@ SETTINGS: dict[str, Setting] = {
                             "fault (a crashed or hung rank); once spent while training advances, "
                             "the job goes back through the queue.", minimum=0,
                             option="--max-restarts"),
+    "spares": Setting("int", 0, "Spare nodes allocated besides --nodes: each waits, and takes "
+                      "the place of a node that is lost or fails its health check, inside the "
+                      "allocation (the mesh keeps its shape; Slurm: the job gets --no-kill).",
+                      minimum=0, option="--spares"),
+    "min_nodes": Setting("int", 0, "Fewest nodes a run may go on with, inside the allocation, "
+                         "after losing nodes it has no spare for (the mesh is planned again; "
+                         "DCP reshards); 0: --nodes, i.e. never fewer (back through the queue "
+                         "without the lost node instead).", minimum=0, option="--min-nodes"),
+    "bad_nodes": Setting("str", "drain", "What else happens to a node a run declares bad (lost, "
+                         "failed its health check): drain (also DRAIN it in Slurm with the reason, "
+                         "where the user may: operators, root) or exclude (only this run avoids "
+                         "it).", choices=("drain", "exclude")),
     "health_check": Setting("str", "", "A shell command every node's launcher runs before each "
                             "attempt trains (after its own checks: the run directory takes a "
                             "write and has room for a checkpoint); a non-zero exit makes the node "

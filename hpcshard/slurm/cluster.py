@@ -165,6 +165,17 @@ def requeue(job_id: str, exclude: list[str] | tuple[str, ...] = ()) -> str:
     return ""
 
 
+def drain(node: str, reason: str) -> str:
+    """Tell Slurm a node is bad: DRAIN with a reason (no new job lands on it; an admin reads
+    why in `sinfo -R`). Needs operator rights; returns "" or what scontrol said."""
+    try:
+        proc = subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DRAIN",
+                               f"Reason={reason[:200]}"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return str(err)
+    return (proc.stderr.strip() or f"exit {proc.returncode}") if proc.returncode else ""
+
+
 def requeued_by_other(job_id: str, restart_count: int) -> str:
     """Has something else in the job (the script's framework) requeued it already? Slurm
     counts requeues in Restarts before the steps are even killed; a second requeue would

@@ -51,6 +51,11 @@ class SbatchRequest:
     """Memory per node, e.g. 200G; empty lets Slurm decide."""
     requeue: bool = True
     """--requeue in sbatch (off for the chain and none policies)."""
+    no_kill: bool = False
+    """--no-kill: the allocation outlives a failed node (spares or min_nodes: the job goes
+    on inside it without the node)."""
+    exclude: list[str] = field(default_factory=list)
+    """Nodes the run declared bad: never given to it again."""
     signal: str = NOTICE
     """The preemption notice; the ranks checkpoint on it."""
     signal_lead_s: int = 120
@@ -74,9 +79,12 @@ class SbatchRequest:
 
     @classmethod
     def from_settings(cls, v: Mapping[str, Any], template_dirs: Sequence[Path | str], *,
-                      job_name: str, nodes: int, gpus: int, run_dir: Path) -> SbatchRequest:
-        """The request that merged settings (a profile, the files, the options) describe."""
-        return cls(job_name=job_name, nodes=nodes, gpus_per_node=gpus, time=v["time"],
+                      job_name: str, nodes: int, gpus: int, run_dir: Path, spares: int = 0,
+                      min_nodes: int = 0) -> SbatchRequest:
+        """The request that merged settings (a profile, the files, the options) describe:
+        `nodes` plus `spares` nodes."""
+        return cls(job_name=job_name, nodes=nodes + spares, gpus_per_node=gpus, time=v["time"],
+                   no_kill=spares > 0 or 0 < min_nodes < nodes,
                    partition=v["partition"], account=v["account"], qos=v["qos"],
                    constraint=v["constraint"], cpus_per_task=v["cpus_per_gpu"] * gpus,
                    mem=v["mem"], signal=v["signal"], signal_lead_s=v["signal_lead"],
@@ -88,6 +96,8 @@ class SbatchRequest:
     def validate(self) -> None:
         for name in ("job_name", "time", "partition", "account", "qos", "constraint", "mem"):
             _single_line(name, getattr(self, name))
+        for node in self.exclude:
+            _single_line("exclude", node)
         _single_line("run_dir", str(self.run_dir))
         if self.mem:
             parse_mem(self.mem)

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from collections.abc import Iterator
 from functools import partial
@@ -107,6 +108,29 @@ def test_three_preemptions_resume_bitwise_with_nothing_recomputed(uninterrupted:
     assert STEPS in mine and {e["step"] for e in ends[:3]} <= set(mine)
     for step, path in mine.items():
         assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
+
+
+def test_a_time_limit_notice_trains_on_until_the_deadline_less_the_save(tmp_path: Path) -> None:
+    """The time limit's notice comes the lead time before the deadline (Slurm's launcher
+    hands both to the ranks; here the environment does). A preemption's notice stops at
+    once, but this one leaves time: the ranks train on and stop when what is left covers
+    twice the measured save, two steps and a margin. No step is lost, fewer are wasted."""
+    run = tmp_path / "deadline"
+    deadline = time.time() + 75
+    proc = hpcshard_bg("submit", "--nodes", "1", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
+                       "--max-requeues", "0", *sets(steps=2000, ckpt_every=3, keep_last=2),
+                       env={"HPCSHARD_DEADLINE": str(int(deadline)), "HPCSHARD_NOTICE_LEAD": "60"})
+    wait_for(partial(trained_to, run, 4), 180, "step 4, past a measured save")
+    noticed_step = max(r["step"] for r in step_records(run))
+    assert deadline - time.time() > 20, "the job started too slowly for this test's deadline"
+    assert hpcshard("preempt", str(run)).returncode == 0
+    out, _ = proc.communicate(timeout=200)
+    assert proc.returncode == REQUEUE_EXIT, out[-3000:]
+    end = ledger.end_of(run, 0)
+    assert end is not None and end["reason"] == "stop" and end["saved_step"] == end["step"]
+    assert end["step"] > noticed_step + 5  # it trained on after the notice...
+    assert deadline - 40 < end["time"] < deadline  # ...and was done before the deadline
+    assert "time-limit notice: training on until" in (run / "logs" / "rank-0.log").read_text()
 
 
 def test_export_loads_into_a_plain_model_with_the_same_eval_loss(uninterrupted: Path,

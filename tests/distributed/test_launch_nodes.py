@@ -1,0 +1,116 @@
+"""Whole nodes lost inside the allocation, on the local backend (the launchers Slurm runs):
+every process of an emulated node stopped with SIGSTOP (its launcher, agent and ranks: a
+node that froze or fell off the network). With a spare the spare takes its place and the
+run ends bitwise equal to an uninterrupted one; without one, `--min-nodes` lets the run go
+on with fewer nodes, seeing the same samples at the same steps."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpcshard.launch.supervise import LOST_S, descendants
+from hpcshard.rundir import ledger
+from hpcshard.rundir.launchers import launchers, pid_file
+from tests.conftest import STEPS, hpcshard, hpcshard_bg, metrics, sets, step_records, wait_for
+from tests.distributed.test_runtime_checkpoint import assert_bitwise_equal, committed, load, trained_to
+
+
+def freeze(run: Path, node: int) -> float:
+    """SIGSTOP every process of emulated node `node`; returns when."""
+    launcher = int(pid_file(run, node).read_text())
+    for pid in [launcher, *descendants(launcher)]:
+        os.kill(pid, signal.SIGSTOP)
+    return time.time()
+
+
+def records(run: Path, event: str) -> list[dict[str, Any]]:
+    return [r for r in ledger.read(run) if r["event"] == event]
+
+
+def assert_same_as(run: Path, uninterrupted: Path) -> None:
+    reference = committed(uninterrupted)
+    mine = committed(run)
+    assert STEPS in mine
+    for step, path in mine.items():
+        assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
+
+
+@pytest.mark.parametrize("victim", [1, 0], ids=["node-1", "node-0-the-decider"])
+def test_a_frozen_node_is_replaced_by_a_spare_and_the_run_ends_bitwise_equal(
+        uninterrupted: Path, tmp_path: Path, victim: int) -> None:
+    """Node 1 freezes: node 0 hears nothing from it for LOST_S and declares it lost. Node 0
+    freezes: it decided after faults and hosted the rendezvous; node 1 takes over both once
+    node 0 is silent. Either way spare node 2 takes the lost node's place in the same
+    attempt, the mesh keeps its 2x2 shape, and nothing else changes."""
+    run = tmp_path / f"spare-{victim}"
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "--spares", "1", "jobs/charlm.py",
+                       "--run-dir", str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100))
+    wait_for(partial(trained_to, run, 7), 180, "step 7, past the warm-up and a commit")
+    frozen_at = freeze(run, victim)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+
+    (fault,) = records(run, "fault")
+    assert fault["restart"] and fault["lost"] == [victim] and fault["bad"] == [victim]
+    assert fault["active"] == sorted({0, 1, 2} - {victim}) and fault["spares"] == []
+    assert "spare node(s) [2] take their place" in fault["reason"]
+    assert fault["declared"] - frozen_at < LOST_S + 3  # lost within seconds, from its silence
+    (bad,) = records(run, "bad_node")
+    assert bad["node"] == victim and "silent" in bad["reason"]
+    starts = [(r["attempt"], r["cycle"], r["world"]) for r in records(run, "start")]
+    assert starts == [(0, 0, 4), (0, 1, 4)]  # no requeue: inside the allocation, same shape
+    (back,) = records(run, "recovered")
+    assert back["seconds"] < 30
+    assert_same_as(run, uninterrupted)
+    status = hpcshard("status", str(run)).stdout
+    assert "bad nodes (1)" in status and "spare" in status
+
+
+def test_without_a_spare_min_nodes_lets_the_run_go_on_with_fewer_nodes(uninterrupted: Path,
+                                                                       tmp_path: Path) -> None:
+    """2 nodes, --min-nodes 1, node 1 freezes: the run goes on inside the attempt on node 0
+    alone (1x2: the mesh planned again, DCP reshards the 2x2 checkpoint) and every step sees
+    the same global batch it would have seen on 2x2."""
+    run = tmp_path / "fewer"
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "--min-nodes", "1", "jobs/charlm.py",
+                       "--run-dir", str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100))
+    wait_for(partial(trained_to, run, 7), 180, "step 7, past the warm-up and a commit")
+    freeze(run, 1)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    (fault,) = records(run, "fault")
+    assert fault["restart"] and fault["active"] == [0] and "going on with 1 nodes" in fault["reason"]
+    starts = [(r["attempt"], r["cycle"], r["world"]) for r in records(run, "start")]
+    assert starts == [(0, 0, 4), (0, 1, 2)]
+    resumed = records(run, "start")[-1]["resumed_step"]
+    losses = {r["step"]: r["loss"] for r in step_records(run)}
+    reference = {r["step"]: r["loss"] for r in step_records(uninterrupted)}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step in range(resumed + 1, STEPS + 1):  # another world size: another reduction order
+        assert losses[step] == pytest.approx(reference[step], rel=2e-4), step
+    progress = load(committed(run)[STEPS])["progress"]
+    assert progress["data"] == load(committed(uninterrupted)[STEPS])["progress"]["data"]
+    assert [r["world"] for r in metrics(run) if r.get("event") == "start"] == [4, 2]
+
+
+def test_a_node_failing_its_health_check_is_replaced_by_a_spare_before_training(tmp_path: Path) -> None:
+    site = tmp_path / "site.toml"
+    site.write_text("[defaults]\nhealth_check = '[ \"$HPCSHARD_NODE_RANK\" != 1 ] || "
+                    "{ echo \"no GPU answers\" >&2; exit 1; }'\n")
+    run = tmp_path / "unhealthy"
+    proc = hpcshard("submit", "--nodes", "2", "--gpus", "1", "--spares", "1", "jobs/charlm.py",
+                    "--run-dir", str(run), *sets(steps=4), env={"HPCSHARD_SITE": str(site)})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (bad,) = records(run, "bad_node")
+    assert bad["node"] == 1 and "no GPU answers" in bad["reason"]
+    (fault,) = records(run, "fault")
+    assert fault["active"] == [0, 2] and fault["bad"] == [1]
+    assert [r["step"] for r in step_records(run)][-1] == 4
+    assert launchers(run) == []

@@ -1,0 +1,33 @@
+"""When a stop notice takes effect: at once for a preemption, near the deadline for the
+time limit's own notice (`runtime.train.stop_time`)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcshard.runtime.train import NOTICE_SLACK_S, STOP_MARGIN_S, stop_time
+
+NOW = 1_000_000.0
+
+
+def test_the_time_limits_notice_trains_on_until_the_save_fits_before_the_deadline() -> None:
+    # The notice came 120 s before the deadline (the lead): saves took up to 4 s, steps 0.5 s.
+    at = stop_time(NOW, deadline=NOW + 120, lead=120, saves=[3.0, 4.0, 2.0], steps=[0.5, 0.4, 0.6])
+    assert at == pytest.approx(NOW + 120 - (2 * 4.0 + 2 * 0.5 + STOP_MARGIN_S))
+
+
+def test_slurm_sending_the_notice_early_is_still_the_time_limit() -> None:
+    early = NOW + 120 + NOTICE_SLACK_S - 1
+    assert stop_time(NOW, deadline=early, lead=120, saves=[1.0], steps=[0.1]) > NOW
+
+
+@pytest.mark.parametrize("deadline, lead, saves", [
+    (NOW + 3600, 120, [1.0]),   # far from the deadline: a preemption, the job dies soon
+    (None, 120, [1.0]),         # no time limit known
+    (NOW + 120, None, [1.0]),   # no lead known
+    (NOW + 120, 120, []),       # no save measured yet: nothing to plan with
+    (NOW + 15, 120, [10.0]),    # too late to train on: the save itself barely fits
+])
+def test_every_other_notice_stops_at_once(deadline: float | None, lead: int | None,
+                                          saves: list[float]) -> None:
+    assert stop_time(NOW, deadline=deadline, lead=lead, saves=saves, steps=[0.5]) == NOW
