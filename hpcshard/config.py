@@ -19,6 +19,7 @@ from hpcshard.rundir.rankenv import NOTICE, signal_name
 SHARDING_MODES = ("auto", "hybrid", "full", "grad-op", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
 NAN_POLICIES = ("stop", "rollback")
+STRAGGLER_POLICIES = ("warn", "bad_node")
 
 C = typing.TypeVar("C", bound="TrainConfig")
 
@@ -118,11 +119,22 @@ class TrainConfig:
     """rollback: global batches skipped, ending with the one whose step went non-finite."""
     nan_rollbacks: int = 3
     """rollback: at most this many per run; the next non-finite step stops it."""
+    straggler_every: int = 20
+    """Every this many steps each rank times the same small local computation (a few ms)
+    and the times are compared (runtime.straggler); 0: off."""
+    straggler_margin: float = 1.4
+    """A rank is a straggler when its time exceeds the median of the others' by this factor..."""
+    straggler_patience: int = 3
+    """...at this many looks in a row."""
+    straggler_policy: str = "warn"
+    """warn (named in the log, metrics and status) | bad_node (the ranks save and stop, and
+    the straggler's node is declared bad: a spare replaces it, or the run goes on without it)."""
 
     def __post_init__(self) -> None:
         _choice("sharding", self.sharding, SHARDING_MODES)
         _choice("precision", self.precision, PRECISIONS)
         _choice("nan_policy", self.nan_policy, NAN_POLICIES)
+        _choice("straggler_policy", self.straggler_policy, STRAGGLER_POLICIES)
         if self.ac not in ("none", "full") and not (self.ac.isdigit() and int(self.ac) > 0):
             raise ValueError(
                 f"ac={self.ac!r} is not valid; choose none, full, or a positive integer K "
@@ -133,10 +145,11 @@ class TrainConfig:
         for name in ("micro_batch_size", "warmup_steps", "weight_decay", "grad_clip",
                      "eval_every", "block_min_params", "peak_tflops", "min_lr_ratio",
                      "ckpt_every", "ckpt_minutes", "keep_every", "watchdog_warmup_steps",
-                     "nan_rollbacks"):
+                     "nan_rollbacks", "straggler_every"):
             _positive(name, getattr(self, name), zero_ok=True)
 
-        for name in ("keep_last", "watchdog_factor", "watchdog_floor_s", "watchdog_phase_s", "nan_skip"):
+        for name in ("keep_last", "watchdog_factor", "watchdog_floor_s", "watchdog_phase_s", "nan_skip",
+                     "straggler_margin", "straggler_patience"):
             _positive(name, getattr(self, name))
         signal_names(self.stop_signals)
 

@@ -385,6 +385,8 @@ class Supervisor:
         elif dead:
             info.update(cause=f"rank {dead[0]['rank']} died (its process is gone)", rank=dead[0]["rank"],
                         step=dead[0]["step"])
+        elif code is not None and self._straggled(cycle):
+            info.update(cause="a straggler (straggler_policy=bad_node): the ranks saved and stopped")
         else:
             info.update(cause=f"the ranks of node {self.me} failed (exit {code})")
         if fault is None:
@@ -496,14 +498,16 @@ class Supervisor:
             return self._record(cycle, watch, downs, restart=False, code=REQUEUE_EXIT,
                                 committed=committed, end="stop", lost=lost,
                                 reason="a stop notice came as well: requeued, not restarted here")
+        self._slow_nodes(cycle, downs)
         bad = self._bad()
         active = [n for n in roster.active if n not in bad]
         spares = [n for n in roster.spares if n not in bad]
         gone = [n for n in roster.active if n in bad]
         where: dict[str, Any] = {"lost": lost}
         if gone:
-            why = (f"node(s) {gone} " + ("lost" if set(gone) <= set(lost) else "bad")
-                   + (f" (silent for {LOST_S:.0f} s)" if lost else " (failed the health check)"))
+            said = {int(r["node"]): r["reason"] for r in ledger.read(self.run_dir)
+                    if r["event"] == "bad_node" and r["attempt"] == self.ranks.attempt}
+            why = f"node(s) {gone} bad ({'; '.join(sorted({said.get(n, '?') for n in gone}))})"
             taken, spares = spares[:len(gone)], spares[len(gone):]
             active = sorted([*active, *taken])
             fewest = self.spec.min_nodes or len(roster.active)
@@ -543,6 +547,23 @@ class Supervisor:
                             active=active, spares=spares, committed=committed, **where,
                             reason=(f"{why}; " if why else "")
                             + f"restart {cycle + 1} of {self.spec.max_restarts}")
+
+    def _straggled(self, cycle: int) -> list[dict[str, Any]]:
+        """The stragglers the ranks named in this cycle under straggler_policy=bad_node."""
+        return [r for r in ledger.read(self.run_dir) if r["event"] == "straggler"
+                and r.get("policy") == "bad_node" and r["attempt"] == self.ranks.attempt
+                and r.get("cycle") == cycle]
+
+    def _slow_nodes(self, cycle: int, downs: list[dict[str, Any]]) -> None:
+        """The node of each straggler named under straggler_policy=bad_node is bad (the
+        down records say which node each rank ran on)."""
+        node_of = {int(r["rank"]): r for down in downs for r in down.get("ranks", [])}
+        for r in self._straggled(cycle):
+            if int(r["rank"]) in node_of:
+                where = node_of[int(r["rank"])]
+                if int(where["node"]) not in self._bad():
+                    self.bad(cycle, int(where["node"]), where, f"straggler: rank {r['rank']} computed "
+                             f"{r['ratio']}x slower than the median of the others")
 
     def _host(self) -> str:
         """Where the next rendezvous is: this launcher's host, as the others reach it."""

@@ -22,6 +22,9 @@ own scripts (`hpcshard.preemption.REQUEUE`) and the launchers all use this one."
 BUG_EXIT = 3
 """Exit code meaning "the job's own code raised the same exception at the same step on a
 retry: a bug, not a fault"; never restarted or requeued."""
+STRAGGLER_EXIT = 76
+"""The ranks stopped together after saving because a node straggles and the policy is
+bad_node: a fault (its node is declared bad), not the end of the run."""
 
 STACKS_SIGNAL = signal.SIGRTMIN + 4
 """What a launcher sends a rank to have it write every thread's Python stack into its log

@@ -115,6 +115,13 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
         lines.append(f"watchdog ({r['attempt']}.{r['cycle']}): a step may take {r['step_limit']:.1f} s "
                      f"({r['factor']:g} x the median {r['median_step']:.2f} s, at least "
                      f"{r['floor_s']:g} s); other phases {r['phase_s']:g} s")
+    slow = [r for r in records if r["event"] == "straggler"]
+    if slow:
+        lines.append(f"stragglers ({len(slow)}):")
+        lines += [f"  rank {r['rank']} on {r.get('host', '?')} in {r['attempt']}.{r['cycle']}, step "
+                  f"{r['step']}: {r['ratio']}x slower than the others' median "
+                  + ("(its node declared bad)" if r.get("policy") == "bad_node" else "(a warning)")
+                  for r in slow]
     bad = [r for r in records if r["event"] == "bad_node"]
     if bad:
         lines.append(f"bad nodes ({len(bad)}), never used again by this run:")

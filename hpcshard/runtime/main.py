@@ -23,7 +23,7 @@ import torch.distributed as dist
 from hpcshard.config import build_config
 from hpcshard.rundir import flight, ledger
 from hpcshard.rundir.progress import Board
-from hpcshard.rundir.rankenv import STACKS_SIGNAL, RankEnv
+from hpcshard.rundir.rankenv import STACKS_SIGNAL, STRAGGLER_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.rundir.status import LOG_START
 from hpcshard.runtime.device import DistEnv, init_distributed
@@ -123,6 +123,8 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
             stop.ignore_from_now()
         if dist.is_initialized():
             dist.destroy_process_group()
+    if summary.reason == "straggler":  # not an end: the launchers replace the node
+        return STRAGGLER_EXIT
     if env.is_main:
         _end(run_dir, attempt, reason=summary.reason, cycle=ranks.cycle, step=summary.step,
              saved_step=summary.saved_step)
@@ -149,10 +151,10 @@ def _rollbacks(run_dir: Path, trainer: Trainer, attempt: int, cycle: int, main: 
     trainer.batches.skip.update((int(e), int(o)) for r in before for e, o in r["skipped"])
     trainer.rollbacks = len(before)
 
-    def record(fields: dict[str, object]) -> None:
+    def record(event: str, fields: dict[str, object]) -> None:
         if main:
-            ledger.append(run_dir, {"event": "rollback", "attempt": attempt, "cycle": cycle, **fields})
-    trainer.rolled_back = record
+            ledger.append(run_dir, {"event": event, "attempt": attempt, "cycle": cycle, **fields})
+    trainer.record = record
 
 
 def reporter(ranks: RankEnv, env: DistEnv) -> Callable[[str, int], None]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from hpcshard.runtime.mesh import build_mesh, resolve_sharding
 from hpcshard.runtime.metrics import Metrics
 from hpcshard.runtime.shard import ShardPlan, materialize, shard_model, state_bytes
 from hpcshard.runtime.stop import StopRequest
+from hpcshard.runtime.straggler import Stragglers, gather, probe
 
 log = logging.getLogger("hpcshard")
 
@@ -74,7 +76,8 @@ class Summary:
     eval_loss: float | None
     reason: str
     """done: all steps trained; stop: stopped on request at a step boundary; nonfinite: a
-    nan/inf loss or gradient norm stopped it, with no save after it."""
+    nan/inf loss or gradient norm stopped it, with no save after it; straggler: saved and
+    stopped for the launchers to replace a straggling node (straggler_policy=bad_node)."""
     saved_step: int
     """The newest committed checkpoint's step (-1: none)."""
     unigram_entropy: float
@@ -142,8 +145,10 @@ class Trainer:
         self.paused = {"save_s": 0.0, "eval_s": 0.0}
         """Seconds of saves and evaluations since the last metrics record (the next one
         carries them: the time between records, less these, is training)."""
-        self.rolled_back: Callable[[dict[str, object]], None] = lambda record: None
-        """Told of each rollback (the runtime writes it into the ledger)."""
+        self.record: Callable[[str, dict[str, object]], None] = lambda event, fields: None
+        """Told of each rollback and straggler (the runtime writes them into the ledger)."""
+        self.stragglers = Stragglers(cfg.straggler_margin, cfg.straggler_patience)
+        self.hosts: list[str] = []
         self.step_times: collections.deque[float] = collections.deque(maxlen=32)
         """Seconds the last steps took (what a step costs when the time limit nears)."""
         self.stop_at: float | None = None
@@ -273,6 +278,33 @@ class Trainer:
                          max(saves[-3:], default=0.0))
         return time.time() >= self.stop_at
 
+    def _stragglers(self, metrics: Metrics) -> str:
+        """Time the probe on every rank and compare (runtime.straggler). Every rank sees the
+        same gathered times, so all take the same decision. "straggler": the policy is
+        bad_node and one was found: this step is saved and the ranks stop together."""
+        env, cfg = self.env, self.cfg
+        if env.world < 2 or self.step >= cfg.steps:
+            return ""
+        if not self.hosts:
+            self.hosts = [""] * env.world
+            dist.all_gather_object(self.hosts, socket.gethostname())
+        found = self.stragglers.look(gather(probe(env.device), env.device))
+        for rank, ratio in found:
+            fields: dict[str, object] = {"step": self.step, "rank": rank, "host": self.hosts[rank],
+                                         "ratio": round(ratio, 2), "policy": cfg.straggler_policy}
+            if env.is_main:
+                log.warning("straggler: rank %d on %s computes %.1fx slower than the median of "
+                            "the others (%d looks in a row)%s", rank, self.hosts[rank], ratio,
+                            cfg.straggler_patience, "; its node is declared bad" if
+                            cfg.straggler_policy == "bad_node" else "")
+                metrics.event("straggler", **fields)
+            self.record("straggler", fields)
+        if not found or cfg.straggler_policy != "bad_node" or self.ckpt is None:
+            return ""
+        self.report("save", self.step)
+        self.ckpt.save(self.step, "stop")
+        return "straggler"
+
     def _save_seconds(self) -> list[float]:
         """How long saves took: this process's, else the newest committed checkpoint's."""
         if self.ckpt is None or self.run_dir is None:
@@ -303,7 +335,7 @@ class Trainer:
         if loaded is None:  # nothing committed yet: no state to go back to
             return False
         self.rollbacks += 1
-        self.rolled_back({"step": bad, "to": loaded.step, "skipped": [list(p) for p in skipped],
+        self.record("rollback", {"step": bad, "to": loaded.step, "skipped": [list(p) for p in skipped],
                           "rollback": self.rollbacks, "of": cfg.nan_rollbacks})
         log.warning("non-finite loss or gradient norm at step %d: rolled back to step %d and "
                     "skipping %d global batch(es) (rollback %d of %d)", bad, loaded.step,
@@ -356,6 +388,8 @@ class Trainer:
                 if ended == "nonfinite" and self._rollback():
                     bar.advance(self.step)
                     continue
+                if not ended and cfg.straggler_every and self.step % cfg.straggler_every == 0:
+                    ended = self._stragglers(metrics)
                 if ended:
                     reason = ended
                     break

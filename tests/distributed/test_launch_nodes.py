@@ -6,8 +6,10 @@ on with fewer nodes, seeing the same samples at the same steps."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import threading
 import time
 from functools import partial
 from pathlib import Path
@@ -19,7 +21,13 @@ from hpcshard.launch.supervise import LOST_S, descendants
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import launchers, pid_file
 from tests.conftest import STEPS, hpcshard, hpcshard_bg, metrics, sets, step_records, wait_for
-from tests.distributed.test_runtime_checkpoint import assert_bitwise_equal, committed, load, trained_to
+from tests.distributed.test_runtime_checkpoint import (
+    assert_bitwise_equal,
+    committed,
+    load,
+    rank_pids,
+    trained_to,
+)
 
 
 def freeze(run: Path, node: int) -> float:
@@ -114,3 +122,45 @@ def test_a_node_failing_its_health_check_is_replaced_by_a_spare_before_training(
     assert fault["active"] == [0, 2] and fault["bad"] == [1]
     assert [r["step"] for r in step_records(run)][-1] == 4
     assert launchers(run) == []
+
+
+def test_a_straggling_node_is_named_and_with_policy_bad_node_a_spare_replaces_it(tmp_path: Path) -> None:
+    """One rank's process gets only a quarter of the time (stopped 30 ms of every 40: a node
+    throttled or shared). The probe names it; with straggler_policy=bad_node the ranks save
+    and stop at that step, its node is declared bad and the spare takes its place: no step
+    is lost or trained twice."""
+    run = tmp_path / "straggler"
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "1", "--spares", "1", "jobs/charlm.py",
+                       "--run-dir", str(run), *sets(steps=40, ckpt_every=100, straggler_every=2,
+                                                    straggler_patience=3, straggler_margin=2.0,
+                                                    straggler_policy="bad_node"))
+    wait_for(partial(trained_to, run, 4), 180, "step 4")
+    slow = rank_pids(run)[1]
+    done = threading.Event()
+
+    def throttle() -> None:
+        while not done.is_set():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(slow, signal.SIGSTOP)
+                time.sleep(0.03)
+                os.kill(slow, signal.SIGCONT)
+            time.sleep(0.01)
+
+    threading.Thread(target=throttle, daemon=True).start()
+    try:
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        done.set()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(slow, signal.SIGCONT)
+    assert proc.returncode == 0, out[-4000:]
+    (named,) = records(run, "straggler")
+    assert named["rank"] == 1 and named["ratio"] > 2 and named["policy"] == "bad_node"
+    (fault,) = records(run, "fault")
+    assert "straggler" in fault["cause"] and fault["restart"] and fault["committed"] == named["step"]
+    (bad,) = records(run, "bad_node")
+    assert "straggler: rank 1" in bad["reason"] and fault["active"] == sorted({0, 1, 2} - {bad["node"]})
+    assert [r["step"] for r in step_records(run)] == list(range(1, 41))  # nothing lost or redone
+    assert any(r.get("event") == "straggler" for r in metrics(run))
+    status = hpcshard("status", str(run)).stdout
+    assert "stragglers (1):" in status and "its node declared bad" in status

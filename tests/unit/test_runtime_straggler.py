@@ -1,0 +1,31 @@
+"""Which ranks are stragglers, from successive looks at every rank's probe time."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpcshard.runtime.straggler import Stragglers
+
+
+def test_a_rank_slower_than_the_others_at_patience_looks_in_a_row_is_named_once() -> None:
+    s = Stragglers(margin=1.4, patience=3)
+    fast, slow = 0.010, 0.020
+    assert s.look([fast, fast, slow, fast]) == []
+    assert s.look([fast, fast, slow, fast]) == []
+    (found,) = s.look([fast, fast, slow, fast])
+    assert found[0] == 2 and found[1] == pytest.approx(2.0)
+    assert s.look([fast, fast, slow, fast]) == []  # named once
+
+
+def test_a_look_within_the_margin_resets_the_streak() -> None:
+    s = Stragglers(margin=1.4, patience=2)
+    assert s.look([0.01, 0.02]) == []
+    assert s.look([0.01, 0.012]) == []  # within 1.4x: the streak starts again
+    assert s.look([0.01, 0.02]) == []
+    assert [r for r, _ in s.look([0.01, 0.02])] == [1]
+
+
+def test_two_ranks_compare_with_each_other_and_noise_is_not_a_straggler() -> None:
+    s = Stragglers(margin=1.4, patience=1)
+    assert s.look([0.010, 0.013]) == []  # 1.3x
+    assert [r for r, _ in s.look([0.030, 0.010])] == [0]
