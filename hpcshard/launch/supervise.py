@@ -149,6 +149,25 @@ def _who(culprit: dict[str, Any] | None) -> str:
     return text
 
 
+MIN_FREE_MEMORY = 0.05
+"""A node with less than this share of its memory available fails its health check (a
+leaked process from an earlier job, a full tmpfs)."""
+
+
+def memory_short(meminfo: Path = Path("/proc/meminfo")) -> str:
+    """"" when at least MIN_FREE_MEMORY of the node's memory is available, else why not."""
+    try:
+        fields = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in
+                                                         meminfo.read_text().splitlines()) if v}
+    except (OSError, ValueError):
+        return ""  # not Linux, or no /proc: nothing to judge by
+    total, available = fields.get("MemTotal", 0), fields.get("MemAvailable", 0)
+    if total and available < MIN_FREE_MEMORY * total:
+        return (f"{available / 2**20:.1f} GiB of {total / 2**20:.0f} GiB memory available, under "
+                f"{MIN_FREE_MEMORY:.0%} (a process left from another job?)")
+    return ""
+
+
 def free_port() -> int:
     """A port for the next cycle's rendezvous, on this host (node 0 hosts it)."""
     with socket.socket() as s:
@@ -581,8 +600,9 @@ class Supervisor:
     def health(self) -> str:
         """Before this attempt trains: can this node do its part? "" if so, else why not.
         The run directory takes a write (every node: each mounts it), has room for another
-        checkpoint as big as the newest (node 0: the file system is shared), and the
-        profile's `health_check` command exits 0."""
+        checkpoint as big as the newest (node 0: the file system is shared), memory is
+        free, the node's GPUs answer (where nvidia-smi is), and the profile's
+        `health_check` command exits 0."""
         probe = self.run_dir / LAUNCH_DIR / f".health-{self.me}"
         try:
             probe.parent.mkdir(exist_ok=True)
@@ -597,16 +617,37 @@ class Supervisor:
             if free < need:
                 return (f"{free / 1e9:.1f} GB free in {self.run_dir}, less than a checkpoint "
                         f"needs ({need / 1e9:.1f} GB)")
+        why = memory_short() or self._gpus_short()
+        if why:
+            return why
         if self.spec.health_check:
             return self._check(["bash", "-c", self.spec.health_check], f"`{self.spec.health_check}`")
         return ""
 
-    def _check(self, argv: list[str], name: str) -> str:
+    def _gpus_short(self) -> str:
+        """Where nvidia-smi is (a GPU node): it must list a GPU for every rank of the node."""
+        smi = shutil.which("nvidia-smi")
+        if not smi:
+            return ""
+        with tempfile.NamedTemporaryFile("w+") as out:
+            said = self._check([smi, "--query-gpu=index", "--format=csv,noheader"], "nvidia-smi",
+                               out=out)
+            if said:
+                return said
+            out.seek(0)
+            found = len([line for line in out.read().splitlines() if line.strip()])
+        ranks = int(self.node.per_node)
+        return "" if found >= ranks else f"nvidia-smi lists {found} GPU(s); this node runs {ranks} ranks"
+
+    def _check(self, argv: list[str], name: str, out: Any = None) -> str:
         """Run a check command, still beating (a site's check may take a minute, and a
-        silent launcher is a lost one); "" when it exits 0, else what it said last."""
-        with tempfile.TemporaryFile("w+") as out, subprocess.Popen(
+        silent launcher is a lost one); "" when it exits 0, else what it said last.
+        `out`: a file that gets what it printed (else a temporary one)."""
+        with contextlib.ExitStack() as stack:
+            out = out or stack.enter_context(tempfile.TemporaryFile("w+"))
+            proc = stack.enter_context(subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT,
-                env={**os.environ, "HPCSHARD_RUN_DIR": str(self.run_dir)}) as proc:
+                env={**os.environ, "HPCSHARD_RUN_DIR": str(self.run_dir)}))
             deadline = time.monotonic() + HEALTH_TIMEOUT_S
             while proc.poll() is None:
                 self.beat()

@@ -164,3 +164,20 @@ def test_a_straggling_node_is_named_and_with_policy_bad_node_a_spare_replaces_it
     assert any(r.get("event") == "straggler" for r in metrics(run))
     status = hpcshard("status", str(run)).stdout
     assert "stragglers (1):" in status and "its node declared bad" in status
+
+
+def test_a_node_whose_gpus_do_not_all_answer_fails_its_health_check(tmp_path: Path) -> None:
+    """Where nvidia-smi is, it must list a GPU for every rank (here a stand-in that lists
+    one, for a node of two ranks)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 0\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    run = tmp_path / "gpus"
+    proc = hpcshard("submit", "--nodes", "1", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
+                    *sets(steps=2), env={"PATH": f"{bin_dir}:{os.environ['PATH']}"})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "nvidia-smi lists 1 GPU(s); this node runs 2 ranks" in proc.stderr
+    (bad,) = records(run, "bad_node")
+    assert "nvidia-smi lists 1 GPU" in bad["reason"]
+    assert not step_records(run)

@@ -95,3 +95,14 @@ def test_a_late_notice_cannot_kill_a_finished_rank() -> None:
         assert signal.getsignal(signal.SIGUSR2) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGUSR2, signal.SIG_DFL)
+
+
+def test_a_node_with_almost_no_memory_available_fails_its_health_check(tmp_path: Path) -> None:
+    from hpcshard.launch.supervise import memory_short
+
+    info = tmp_path / "meminfo"
+    info.write_text("MemTotal:       25165824 kB\nMemFree:  100 kB\nMemAvailable:     524288 kB\n")
+    assert "0.5 GiB of 24 GiB memory available" in memory_short(info)
+    info.write_text("MemTotal:       25165824 kB\nMemAvailable:   20000000 kB\n")
+    assert memory_short(info) == ""
+    assert memory_short(tmp_path / "absent") == ""
