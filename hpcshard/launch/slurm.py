@@ -78,10 +78,26 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     # submitit installed its own SIGUSR2 handler (checkpoint, then requeue from global rank
     # 0 with its own timeout bookkeeping). run_node replaces it: the notice goes to the ranks.
     code = run_node(node_env(slurm, per_node), run, stop_signal=ranks.notice_signal)
-    # One launcher sends the job on: node 0's, unless it was lost (then it never gets here).
-    if code == REQUEUE_EXIT and launchers.claim(run, f"continue-{attempt}"):
-        _continue(run, slurm, attempt, first_attempt, max_requeues, policy)
+    # One launcher reports lost nodes and sends the job on: node 0's, unless it was lost.
+    if launchers.claim(run, f"ended-{attempt}"):
+        _down_lost(run, spec, attempt)
+        if code == REQUEUE_EXIT:
+            _continue(run, slurm, attempt, first_attempt, max_requeues, policy)
     return code
+
+
+def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:
+    """The nodes this attempt lost are frozen or dead, and their srun tasks never end: the
+    job step (and the job, or its requeue) would wait for Slurm to mark them DOWN after
+    SlurmdTimeout (300 s by default). With `bad_nodes = drain`, say so now."""
+    if spec.bad_nodes != "drain":
+        return
+    for r in ledger.read(run):
+        if (r["event"] == "bad_node" and r["attempt"] == attempt and r.get("slurm_node")
+                and str(r.get("reason", "")).startswith("lost")):
+            refused = cluster.drain(r["slurm_node"], f"hpcshard {run.name}: {r['reason']}", "DOWN")
+            ledger.append(run, {"event": "node_down", "attempt": attempt, "slurm_node": r["slurm_node"],
+                                **({"error": refused} if refused else {})})
 
 
 def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_requeues: int,

@@ -621,7 +621,7 @@ class Supervisor:
         if why:
             return why
         if self.spec.health_check:
-            return self._check(["bash", "-c", self.spec.health_check], f"`{self.spec.health_check}`")
+            return self._check(["bash", "-c", self.spec.health_check], "the profile's health_check")
         return ""
 
     def _gpus_short(self) -> str:

@@ -165,11 +165,13 @@ def requeue(job_id: str, exclude: list[str] | tuple[str, ...] = ()) -> str:
     return ""
 
 
-def drain(node: str, reason: str) -> str:
+def drain(node: str, reason: str, state: str = "DRAIN") -> str:
     """Tell Slurm a node is bad: DRAIN with a reason (no new job lands on it; an admin reads
-    why in `sinfo -R`). Needs operator rights; returns "" or what scontrol said."""
+    why in `sinfo -R`), or DOWN for one that is gone (what Slurm does itself after
+    SlurmdTimeout; until then a job step with a task on it cannot end). Needs operator
+    rights; returns "" or what scontrol said."""
     try:
-        proc = subprocess.run(["scontrol", "update", f"NodeName={node}", "State=DRAIN",
+        proc = subprocess.run(["scontrol", "update", f"NodeName={node}", f"State={state}",
                                f"Reason={reason[:200]}"], capture_output=True, text=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired) as err:
         return str(err)

@@ -1,10 +1,12 @@
-"""One real local Slurm cluster (2 nodes x 2 fake GPUs, partitions low and high, and 2
+"""One real local Slurm cluster (2 nodes x 2 fake GPUs, partitions low and high, and 3
 more nodes in partition debug) for the whole session, started through the project's own
 script. It fails loudly, never skips: CI installs Slurm and must run these tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -23,12 +25,12 @@ CONF = Path(os.environ.get("HPCSHARD_SLURM_DIR", "/tmp/hpcshard-slurm")) / "etc"
 def cluster(shared_tmp: Path) -> Iterator[dict[str, str]]:
     """Up once for every pytest-xdist worker that runs Slurm tests (a lock and a count in
     their common temporary directory); the last one to finish takes it down. 2 nodes for
-    low/high, 2 more for the debug partition."""
+    low/high, 3 more for the debug partition (2 nodes and a spare)."""
     users, lock = shared_tmp / "slurm.users", FileLock(str(shared_tmp / "slurm.lock"))
     with lock:
         count = int(users.read_text()) if users.exists() else 0
         if count == 0:
-            up = subprocess.run([str(SCRIPT), "up", "2", "2"], capture_output=True, text=True,
+            up = subprocess.run([str(SCRIPT), "up", "2", "3"], capture_output=True, text=True,
                                 timeout=600)
             if up.returncode:
                 pytest.fail(f"the local Slurm cluster did not start:\n{up.stdout}\n{up.stderr}")
@@ -63,3 +65,28 @@ def wait_state(job: str, states: set[str], timeout: float = 300) -> str:
             raise AssertionError(f"job {job} still {now} after {timeout}s (wanted {states})")
         time.sleep(1)
     return now
+
+
+def freeze(node: str, sig: signal.Signals = signal.SIGSTOP) -> list[int]:
+    """SIGSTOP (or SIGCONT) every process of a local-cluster node: its slurmd, the
+    slurmstepds it started (they daemonize, but stay in its UTS namespace: each slurmd of
+    scripts/local-slurm has its own) and the job's processes below them. A node frozen
+    this way sends nothing, as one that died or fell off the network."""
+    slurmd = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit()
+                  and _cmdline(pid).endswith(f"-N {node}") and "slurmd -D" in _cmdline(pid))
+    ns = os.readlink(f"/proc/{slurmd}/ns/uts")
+    assert ns != os.readlink("/proc/self/ns/uts"), f"{node}'s slurmd shares this process's UTS namespace"
+    pids = []
+    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
+        with contextlib.suppress(OSError):
+            if os.readlink(f"/proc/{pid}/ns/uts") == ns:
+                os.kill(pid, sig)
+                pids.append(pid)
+    return pids
+
+
+def _cmdline(pid: str) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+    except OSError:
+        return ""

@@ -8,6 +8,7 @@ import os
 import signal
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,7 @@ from tests.distributed.test_runtime_checkpoint import (
     rank_pids,
     trained_to,
 )
-from tests.slurm.conftest import restarts, slurm, wait_state
+from tests.slurm.conftest import freeze, restarts, slurm, wait_state
 from tests.slurm.test_launch_slurm import DONE, submit
 
 
@@ -84,11 +85,17 @@ def test_a_node_failing_the_health_check_is_excluded_and_never_used_again(
                     *sets(steps=6, ckpt_every=3), env={**cluster, "HPCSHARD_SITE": str(site)})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = str(json.loads((run / "spec.json").read_text())["jobs"][-1])
-    assert wait_state(job, DONE, 400) == "COMPLETED"
+    wait_for(lambda: (run / "first-node").exists(), 120, "the first health check")
     first = (run / "first-node").read_text().strip()
+    try:
+        assert wait_state(job, DONE, 400) == "COMPLETED"
+        # Drained in Slurm with the reason (root may: bad_nodes = "drain", the default).
+        assert "bad on purpose" in slurm("sinfo", "-R", "-h", "-n", first, "-o", "%E")
+    finally:
+        slurm("scontrol", "update", f"NodeName={first}", "State=RESUME")
     records = ledger.read(run)
     (bad,) = [r for r in records if r["event"] == "bad_node"]
-    assert bad["slurm_node"] == first and "bad on purpose" in bad["reason"]
+    assert bad["slurm_node"] == first and "bad on purpose" in bad["reason"] and bad["drained"]
     (requeue,) = [r for r in records if r["event"] == "requeue"]
     assert requeue["excluded"] == [first] and not requeue["error"]
     assert restarts(job) == 1
@@ -98,3 +105,48 @@ def test_a_node_failing_the_health_check_is_excluded_and_never_used_again(
     assert [r["step"] for r in step_records(run)] == list(range(1, 7))
     status = hpcshard("status", str(run), env=cluster).stdout
     assert "bad nodes (1)" in status and first in status
+
+
+def heartbeat(run: Path, node: int) -> dict[str, Any]:
+    """The newest heartbeat of launcher `node` (it says which Slurm node it runs on)."""
+    found: dict[str, Any] = json.loads((run / "launch" / f"alive-0-{node}.json").read_text())
+    return found
+
+
+@pytest.mark.debug_partition
+def test_a_frozen_node_is_replaced_by_the_spare_inside_the_allocation(
+        cluster: dict[str, str], uninterrupted: Path, tmp_path: Path) -> None:
+    """2 nodes and a spare (`--spares 1`: 3 nodes, --no-kill). Every process of the second
+    launcher's node is stopped: Slurm hears nothing from it (it would mark it DOWN after
+    SlurmdTimeout, 300 s). The launchers declare it lost after 8 s, the spare takes its
+    place in the same job, the run ends bitwise equal to an uninterrupted one, and the lost
+    node is marked DOWN with the reason so that the job can end."""
+    run = tmp_path / "spare"
+    job = submit(cluster, run, "--partition", "debug", "--time", "10:00", "--spares", "1",
+                 *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS))
+    wait_for(lambda: trained_to(run, 7), 240, "step 7, past the warm-up and a commit")
+    victim = heartbeat(run, 1)["slurm_node"]
+    frozen = freeze(victim)
+    frozen_at = time.time()
+    try:
+        assert len(frozen) >= 3  # slurmd, a slurmstepd, the launcher and what is below it
+        assert wait_state(job, DONE, 300) == "COMPLETED"
+        assert restarts(job) == 0  # never requeued: the spare took the node's place
+        records = ledger.read(run)
+        (fault,) = [r for r in records if r["event"] == "fault"]
+        assert fault["restart"] and fault["lost"] == [1] and fault["active"] == [0, 2]
+        assert fault["declared"] - frozen_at < 12  # lost within seconds, from its silence
+        (bad,) = [r for r in records if r["event"] == "bad_node"]
+        assert bad["slurm_node"] == victim and bad["drained"]
+        (down,) = [r for r in records if r["event"] == "node_down"]
+        assert down["slurm_node"] == victim and "error" not in down
+        (back,) = [r for r in records if r["event"] == "recovered"]
+        assert back["seconds"] < 30
+        reference, mine = committed(uninterrupted), committed(run)
+        assert STEPS in mine
+        for step, path in mine.items():
+            assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
+        assert "hpcshard" in slurm("sinfo", "-R", "-h", "-n", victim, "-o", "%E")  # the reason an admin reads
+    finally:
+        freeze(victim, signal.SIGCONT)
+        slurm("scontrol", "update", f"NodeName={victim}", "State=RESUME")
