@@ -100,6 +100,26 @@ def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:
                                 **({"error": refused} if refused else {})})
 
 
+def _fewer_nodes(run: Path, slurm: SlurmEnv, attempt: int, bad: list[str]) -> int | None:
+    """With the run's bad nodes excluded, can the partition still hold the job? None: as
+    it is. Fewer: without (some of) its spares, or down to `min_nodes`. 0: not at all:
+    the run gives up (recorded) instead of waiting in the queue forever."""
+    spec = RunSpec.read(run)
+    partition = (cluster.show_job(slurm.job_id, timeout=30) or {}).get("Partition", "")
+    usable = cluster.usable_nodes(partition, bad) if partition else None
+    wanted = len(slurm.nodes)
+    if usable is None or usable >= wanted:
+        return None
+    fewest = min(spec.nodes, spec.min_nodes or spec.nodes)
+    if usable >= fewest:
+        return usable
+    ledger.append(run, {"event": "gave_up", "attempt": attempt,
+                        "reason": f"the run's bad nodes ({','.join(bad)}) leave partition {partition} "
+                        f"{usable} usable node(s); it needs {fewest}: continue elsewhere with "
+                        f"`hpcshard resume {run} --nodes N`"})
+    return 0
+
+
 def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_requeues: int,
               policy: str) -> None:
     # Continuations since this submission: `hpcshard resume` starts a fresh count.
@@ -129,8 +149,12 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
               file=sys.stderr, flush=True)
         return
     bad = ledger.bad_slurm_nodes(run)
-    refused = cluster.requeue(slurm.job_id, exclude=bad)
+    fewer = _fewer_nodes(run, slurm, attempt, bad) if bad else None
+    if fewer == 0:
+        return
+    refused = cluster.requeue(slurm.job_id, exclude=bad, nodes=fewer)
     ledger.append(run, {"event": "requeue", "attempt": attempt, "job": slurm.job_id,
-                        "error": refused or None, **({"excluded": bad} if bad else {})})
+                        "error": refused or None, **({"excluded": bad} if bad else {}),
+                        **({"nodes": fewer} if fewer else {})})
     print(f"hpcshard: requeued job {slurm.job_id}" + (f" (scontrol: {refused})" if refused else ""),
           file=sys.stderr, flush=True)

@@ -185,10 +185,11 @@ class Roster:
     spares: tuple[int, ...] = ()
 
     @classmethod
-    def first(cls, launchers: int, spares: int) -> Roster:
-        """Cycle 0: the first launchers train, the last `spares` wait."""
-        spares = max(0, min(spares, launchers - 1))
-        return cls(tuple(range(launchers - spares)), tuple(range(launchers - spares, launchers)))
+    def first(cls, launchers: int, nodes: int) -> Roster:
+        """Cycle 0: the first `nodes` launchers train, the others wait. (An allocation with
+        fewer launchers than `nodes`, requeued without bad nodes, trains on them all.)"""
+        active = min(nodes, launchers)
+        return cls(tuple(range(active)), tuple(range(active, launchers)))
 
     @property
     def leader(self) -> int:
@@ -238,7 +239,7 @@ class Supervisor:
         """This node, in every record it writes."""
         self.beaten = self.looked = 0.0
         self.began = time.time()
-        self.roster = Roster.first(node.nnodes, spec.spares)
+        self.roster = Roster.first(node.nnodes, spec.nodes)
         """Who trains in the current cycle, and who waits."""
         self.seen_bad: set[int] = set()
 

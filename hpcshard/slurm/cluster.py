@@ -89,7 +89,14 @@ def check_request(req: SbatchRequest) -> str:
                          + ", ".join(sorted(parts)))
     part = parts[name]
     if req.nodes > part.nodes:
-        raise ValueError(f"--nodes {req.nodes} is more than partition {name!r} has ({part.nodes})")
+        raise ValueError(f"{req.nodes} nodes (--nodes, plus --spares) is more than partition {name!r} "
+                         f"has ({part.nodes})")
+    if req.exclude:
+        usable = usable_nodes(name, req.exclude)
+        if usable is not None and req.nodes > usable:
+            raise ValueError(f"the run's bad nodes ({','.join(req.exclude)}) and the nodes Slurm cannot "
+                             f"use leave partition {name!r} {usable} node(s) for {req.nodes}; resume with "
+                             f"fewer (--nodes, --spares 0) or in another partition")
     if req.gpus_per_node > part.gpus_per_node:
         raise ValueError(f"{req.gpus_per_node} GPUs per node (--gpus, or the profile's gpus_per_node) "
                          f"is more than the nodes of partition {name!r} have ({part.gpus_per_node}); "
@@ -143,16 +150,33 @@ def end_time(job_id: str) -> int | None:
         return None
 
 
-def requeue(job_id: str, exclude: list[str] | tuple[str, ...] = ()) -> str:
+def usable_nodes(partition: str, exclude: list[str] | tuple[str, ...] = ()) -> int | None:
+    """How many nodes of `partition` a job could still be given: responding, not down,
+    drained or failed, and not in `exclude`. None: sinfo did not answer."""
+    try:
+        proc = subprocess.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N %t"],
+                              capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode:
+        return None
+    states = dict(line.split() for line in proc.stdout.splitlines() if len(line.split()) == 2)
+    return sum(1 for node, state in states.items() if node not in exclude and not state.endswith("*")
+               and state.rstrip("~#!%$@^-") in ("idle", "alloc", "mix", "comp", "resv", "plnd"))
+
+
+def requeue(job_id: str, exclude: list[str] | tuple[str, ...] = (), nodes: int | None = None) -> str:
     """Ask Slurm to requeue this job; "" when it agreed, else what it said. A job that
     reaches its time limit is never requeued by Slurm itself (it ends TIMEOUT), so the job
     must do it before the limit. `exclude`: nodes it must not run on again (held while its
-    ExcNodeList is updated, so the scheduler cannot place it first)."""
+    ExcNodeList is updated, so the scheduler cannot place it first). `nodes`: fewer nodes
+    than it had (what is left of the partition once those are excluded)."""
     # (Slurm changes ExcNodeList only while a job is pending. Once it is held, Slurm ends
     # the job's steps, this process among them, with TERM: the commands after it ignore TERM;
     # they take milliseconds, well inside KillWait.)
-    steps = ([["requeuehold", job_id], ["update", f"JobId={job_id}", f"ExcNodeList={','.join(exclude)}"],
-              ["release", job_id]] if exclude else [["requeue", job_id]])
+    update = [f"ExcNodeList={','.join(exclude)}", *([f"NumNodes={nodes}"] if nodes else [])]
+    steps = ([["requeuehold", job_id], ["update", f"JobId={job_id}", *update], ["release", job_id]]
+             if exclude or nodes else [["requeue", job_id]])
     for args in steps:
         try:
             proc = subprocess.run(["scontrol", *args], capture_output=True, text=True,
