@@ -196,7 +196,8 @@ def drain(node: str, reason: str, state: str = "DRAIN") -> str:
     rights; returns "" or what scontrol said."""
     try:
         proc = subprocess.run(["scontrol", "update", f"NodeName={node}", f"State={state}",
-                               f"Reason={reason[:200]}"], capture_output=True, text=True, timeout=30)
+                               f"Reason={reason[:200]}"], capture_output=True, text=True, timeout=30,
+                              preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
     except (OSError, subprocess.TimeoutExpired) as err:
         return str(err)
     return (proc.stderr.strip() or f"exit {proc.returncode}") if proc.returncode else ""
