@@ -153,3 +153,20 @@ def test_a_frozen_node_is_replaced_by_the_spare_inside_the_allocation(
     finally:
         freeze(victim, signal.SIGCONT)
         slurm("scontrol", "update", f"NodeName={victim}", "State=RESUME")
+
+
+def test_bad_nodes_that_leave_the_partition_too_small_are_refused_before_submitting(
+        cluster: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hpcshard resume` asks for the partition without the run's bad nodes: with 2 of
+    debug's 3 nodes excluded, a 2-node request is one line, and a 1-node one fits."""
+    from hpcshard.slurm import cluster as slurm_cluster
+    from hpcshard.slurm.sbatch import SbatchRequest
+
+    monkeypatch.setenv("SLURM_CONF", cluster["SLURM_CONF"])
+    nodes = slurm("sinfo", "-h", "-N", "-p", "debug", "-o", "%N").split()
+    assert slurm_cluster.usable_nodes("debug", nodes[:1]) == len(nodes) - 1
+    req = SbatchRequest(job_name="x", nodes=2, gpus_per_node=1, partition="debug", exclude=nodes[:2])
+    with pytest.raises(ValueError, match="leave partition 'debug' 1 node"):
+        slurm_cluster.check_request(req)
+    assert slurm_cluster.check_request(SbatchRequest(job_name="x", nodes=1, gpus_per_node=1,
+                                                     partition="debug", exclude=nodes[:2])) == "debug"

@@ -151,3 +151,24 @@ def test_render_agrees_with_submitit_without_importing_it(tmp_path: Path) -> Non
     paths = JobPaths(folder=tmp_path / "submitit")
     text = sbatch_text(request(), tmp_path)
     assert f"--output {paths.stdout} --error {paths.stderr}" in text
+
+
+def test_spares_ask_for_more_nodes_with_no_kill_and_bad_nodes_are_excluded() -> None:
+    v = {"time": "01:00:00", "partition": "gpu", "account": "", "qos": "", "constraint": "",
+         "cpus_per_gpu": 0, "mem": "", "signal": "USR2", "signal_lead": 120,
+         "requeue_policy": "requeue", "modules": [], "env": {}, "setup": [], "container": {},
+         "python": "", "template": "sbatch.j2", "vars": {}}
+    spared = SbatchRequest.from_settings(v, [], job_name="x", nodes=4, gpus=8, run_dir=Path("/r"),
+                                         spares=1)
+    text = render(spared, COMMAND, Path("/r/submitit"))
+    assert "#SBATCH --nodes=5\n" in text and "#SBATCH --no-kill\n" in text
+    plain = render(SbatchRequest.from_settings(v, [], job_name="x", nodes=4, gpus=8, run_dir=Path("/r")),
+                   COMMAND, Path("/r/submitit"))
+    assert "--no-kill" not in plain and "--exclude" not in plain
+    fewer = SbatchRequest.from_settings(v, [], job_name="x", nodes=4, gpus=8, run_dir=Path("/r"),
+                                        min_nodes=2)
+    assert fewer.no_kill and fewer.nodes == 4
+    excluded = render(request(exclude=["n3", "n7"]), COMMAND, Path("/r/submitit"))
+    assert "#SBATCH --exclude=n3,n7\n" in excluded
+    with pytest.raises(ValueError, match="exclude"):
+        request(exclude=["n3\n#SBATCH --x"]).validate()
