@@ -126,6 +126,12 @@ class TrainConfig:
     """A rank is a straggler when its time exceeds the median of the others' by this factor..."""
     straggler_patience: int = 3
     """...at this many looks in a row."""
+    health_link_mb: float = 64.0
+    """Before an attempt trains, each node's first rank sends this many MB to its neighbours
+    on a ring of the nodes, timed (runtime.links); 0: off."""
+    health_link_gbps: float = 0.0
+    """A link slower than this many GB/s is slow, and a node every slow link touches is bad
+    (3 nodes or more); 0: measure and report only."""
     straggler_policy: str = "warn"
     """warn (named in the log, metrics and status) | bad_node (the ranks save and stop, and
     the straggler's node is declared bad: a spare replaces it, or the run goes on without it)."""
@@ -145,7 +151,7 @@ class TrainConfig:
         for name in ("micro_batch_size", "warmup_steps", "weight_decay", "grad_clip",
                      "eval_every", "block_min_params", "peak_tflops", "min_lr_ratio",
                      "ckpt_every", "ckpt_minutes", "keep_every", "watchdog_warmup_steps",
-                     "nan_rollbacks", "straggler_every"):
+                     "nan_rollbacks", "straggler_every", "health_link_mb", "health_link_gbps"):
             _positive(name, getattr(self, name), zero_ok=True)
 
         for name in ("keep_last", "watchdog_factor", "watchdog_floor_s", "watchdog_phase_s", "nan_skip",

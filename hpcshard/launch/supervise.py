@@ -405,8 +405,10 @@ class Supervisor:
         elif dead:
             info.update(cause=f"rank {dead[0]['rank']} died (its process is gone)", rank=dead[0]["rank"],
                         step=dead[0]["step"])
-        elif code is not None and self._straggled(cycle):
-            info.update(cause="a straggler (straggler_policy=bad_node): the ranks saved and stopped")
+        elif code is not None and (slow := self._straggled(cycle)):
+            info.update(cause="a node behind every slow link (health_link_gbps): stopped before training"
+                        if slow[0].get("kind") == "link" else
+                        "a straggler (straggler_policy=bad_node): the ranks saved and stopped")
         else:
             info.update(cause=f"the ranks of node {self.me} failed (exit {code})")
         if fault is None:
@@ -582,7 +584,9 @@ class Supervisor:
             if int(r["rank"]) in node_of:
                 where = node_of[int(r["rank"])]
                 if int(where["node"]) not in self._bad():
-                    self.bad(cycle, int(where["node"]), where, f"straggler: rank {r['rank']} computed "
+                    self.bad(cycle, int(where["node"]), where, f"slow link: behind every link under "
+                             f"{r['floor_gbps']:g} GB/s (slowest {r['gbps']} GB/s)"
+                             if r.get("kind") == "link" else f"straggler: rank {r['rank']} computed "
                              f"{r['ratio']}x slower than the median of the others")
 
     def _host(self) -> str:

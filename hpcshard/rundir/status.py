@@ -115,7 +115,12 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
         lines.append(f"watchdog ({r['attempt']}.{r['cycle']}): a step may take {r['step_limit']:.1f} s "
                      f"({r['factor']:g} x the median {r['median_step']:.2f} s, at least "
                      f"{r['floor_s']:g} s); other phases {r['phase_s']:g} s")
-    slow = [r for r in records if r["event"] == "straggler"]
+    for r in (r for r in records if r["event"] == "links"):
+        low = r["slowest"]
+        lines.append(f"links ({r['attempt']}.{r['cycle']}): slowest node {low['from']} -> {low['to']} at "
+                     f"{low['gbps']:g} GB/s ({r['mb']:g} MB each way"
+                     + (f"; floor {r['floor_gbps']:g} GB/s)" if r.get("floor_gbps") else ")"))
+    slow = [r for r in records if r["event"] == "straggler" and r.get("kind") != "link"]
     if slow:
         lines.append(f"stragglers ({len(slow)}):")
         lines += [f"  rank {r['rank']} on {r.get('host', '?')} in {r['attempt']}.{r['cycle']}, step "

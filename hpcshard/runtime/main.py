@@ -20,12 +20,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hpcshard.config import build_config
+from hpcshard.config import TrainConfig, build_config
 from hpcshard.rundir import flight, ledger
 from hpcshard.rundir.progress import Board
 from hpcshard.rundir.rankenv import STACKS_SIGNAL, STRAGGLER_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.rundir.status import LOG_START
+from hpcshard.runtime import links
 from hpcshard.runtime.device import DistEnv, init_distributed
 from hpcshard.runtime.job import load_job
 from hpcshard.runtime.stop import StopRequest
@@ -107,6 +108,9 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
                                     "resumed_step": loaded.step if loaded else None,
                                     "resumed_from": loaded.path if loaded else None,
                                     "skipped": loaded.skipped if loaded else []})
+        if ranks.cycle == 0 and env.nodes > 1 and cfg.health_link_mb and _slow_link(run_dir, env, cfg,
+                                                                                      attempt):
+            return STRAGGLER_EXIT
         summary = trainer.run(stop)
     except ValueError as err:
         log.debug("user error", exc_info=True)
@@ -142,6 +146,33 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
             "the final checkpoint (step %d) could not be saved; see the errors above", summary.step)
         return 1
     return 0
+
+
+def _slow_link(run_dir: Path, env: DistEnv, cfg: TrainConfig, attempt: int) -> bool:
+    """Time the links between the nodes (runtime.links); True when one node is behind
+    every link under health_link_gbps: it is declared bad (the launchers replace it)."""
+    found = links.measure(env, cfg.health_link_mb)
+    slowest = min(found, key=lambda link: link.gbps)
+    bad = links.culprit(found, cfg.health_link_gbps, env.nodes) if cfg.health_link_gbps else None
+    if env.is_main:
+        ledger.append(run_dir, {"event": "links", "attempt": attempt, "cycle": 0,
+                                "mb": cfg.health_link_mb, "floor_gbps": cfg.health_link_gbps,
+                                "slowest": {"from": slowest.source, "to": slowest.target,
+                                            "gbps": round(slowest.gbps, 3)},
+                                "links": [[x.source, x.target, round(x.gbps, 3)] for x in found]})
+        slow = [x for x in found if x.gbps < cfg.health_link_gbps]
+        if slow:
+            log.warning("%d link(s) between nodes under health_link_gbps=%g GB/s (slowest: node %d "
+                        "-> %d at %.2f GB/s)%s", len(slow), cfg.health_link_gbps, slowest.source,
+                        slowest.target, slowest.gbps, f"; node {bad} is behind every one: declared "
+                        "bad" if bad is not None else "; no single node is behind them all")
+        if bad is not None:
+            ledger.append(run_dir, {"event": "straggler", "attempt": attempt, "cycle": 0, "kind": "link",
+                                    "step": 0, "rank": bad * env.per_node, "host": "",
+                                    "ratio": round(cfg.health_link_gbps / max(slowest.gbps, 1e-9), 2),
+                                    "gbps": round(slowest.gbps, 3), "floor_gbps": cfg.health_link_gbps,
+                                    "policy": "bad_node"})
+    return bad is not None
 
 
 def _rollbacks(run_dir: Path, trainer: Trainer, attempt: int, cycle: int, main: bool) -> None:

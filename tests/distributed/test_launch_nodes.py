@@ -29,6 +29,11 @@ from tests.distributed.test_runtime_checkpoint import (
     trained_to,
 )
 
+LINK_MB = 64
+LINK_FLOOR = 0.5
+"""GB/s: between two ranks on loopback 1.1-1.7 GB/s here (gloo, 16 MB); a node that gets
+a tenth of the time, a fraction of that."""
+
 
 def freeze(run: Path, node: int) -> float:
     """SIGSTOP every process of emulated node `node`; returns when."""
@@ -181,3 +186,49 @@ def test_a_node_whose_gpus_do_not_all_answer_fails_its_health_check(tmp_path: Pa
     (bad,) = records(run, "bad_node")
     assert "nvidia-smi lists 1 GPU" in bad["reason"]
     assert not step_records(run)
+
+
+def test_a_node_behind_every_slow_link_is_declared_bad_before_training(tmp_path: Path) -> None:
+    """3 nodes and a spare. Node 1's processes get a tenth of the time from the start (a
+    node with a degraded link or host): before the attempt trains, the ring of links between
+    the nodes is timed; every link under the floor touches node 1, so it is bad and the
+    spare takes its place. The other nodes' links, at full speed, stay above the floor."""
+    run = tmp_path / "links"
+    proc = hpcshard_bg("submit", "--nodes", "3", "--gpus", "1", "--spares", "1", "jobs/charlm.py",
+                       "--run-dir", str(run), *sets(steps=4, health_link_mb=LINK_MB,
+                                                    health_link_gbps=LINK_FLOOR, straggler_every=0))
+    wait_for(lambda: pid_file(run, 1).exists(), 60, "node 1's launcher")
+    slow = int(pid_file(run, 1).read_text())
+    done = threading.Event()
+
+    def throttle() -> None:  # the launcher and everything it starts: 10% of the time
+        pids, looked = [slow], 0.0
+        while not done.is_set():
+            if time.monotonic() - looked > 0.5:
+                pids, looked = [slow, *descendants(slow)], time.monotonic()
+            for sig, pause in ((signal.SIGSTOP, 0.045), (signal.SIGCONT, 0.005)):
+                for pid in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, sig)
+                time.sleep(pause)
+
+    threading.Thread(target=throttle, daemon=True).start()
+    try:
+        wait_for(lambda: records(run, "bad_node"), 240, "a bad node")
+    finally:
+        done.set()
+        for pid in [slow, *descendants(slow)]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    (links_seen, *_) = records(run, "links")
+    slow_links = [link for link in links_seen["links"] if link[2] < LINK_FLOOR]
+    # (the ring numbers nodes as torchrun's rendezvous did: node 1's place may be any)
+    assert slow_links and len(set.intersection(*(set(link[:2]) for link in slow_links))) == 1, links_seen
+    (bad,) = records(run, "bad_node")
+    assert bad["node"] == 1 and "slow link: behind every link under 0.5 GB/s" in bad["reason"]
+    (fault,) = records(run, "fault")
+    assert fault["active"] == [0, 2, 3] and fault["restart"]
+    assert [r["step"] for r in step_records(run)] == [1, 2, 3, 4]
+    assert "links (0.0): slowest node" in hpcshard("status", str(run)).stdout

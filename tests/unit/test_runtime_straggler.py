@@ -29,3 +29,19 @@ def test_two_ranks_compare_with_each_other_and_noise_is_not_a_straggler() -> Non
     s = Stragglers(margin=1.4, patience=1)
     assert s.look([0.010, 0.013]) == []  # 1.3x
     assert [r for r, _ in s.look([0.030, 0.010])] == [0]
+
+
+def test_the_node_behind_every_slow_link_is_the_culprit_from_three_nodes_on() -> None:
+    from hpcshard.runtime.links import Link, culprit
+
+    def ring(nodes: int, slow: int | None) -> list[Link]:
+        return [Link(source=(n - step) % nodes, target=n,
+                     gbps=1.0 if slow in (n, (n - step) % nodes) else 10.0)
+                for step in (1, -1) for n in range(nodes)]
+
+    assert culprit(ring(4, slow=2), floor_gbps=5, nodes=4) == 2
+    assert culprit(ring(3, slow=0), floor_gbps=5, nodes=3) == 0
+    assert culprit(ring(4, slow=None), floor_gbps=5, nodes=4) is None  # nothing slow
+    assert culprit(ring(2, slow=1), floor_gbps=5, nodes=2) is None  # either end may be at fault
+    everything = [Link(source=(n + 1) % 4, target=n, gbps=1.0) for n in range(4)]
+    assert culprit(everything, floor_gbps=5, nodes=4) is None  # no single node behind them all
