@@ -175,7 +175,7 @@ def test_resume_on_another_shape_continues_the_same_samples(uninterrupted: Path,
     shutil.copytree(uninterrupted, run)
     proc = hpcshard("resume", str(run), "--nodes", shape[0], "--gpus", shape[1], "--resume", "12")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    start = ledger.read(run)[-2]
+    start = [r for r in ledger.read(run) if r["event"] == "start"][-1]
     assert start["resumed_step"] == 12 and start["world"] == int(shape[0]) * int(shape[1])
     mine = [r for r in metrics(run)]
     last_start = max(i for i, r in enumerate(mine) if r.get("event") == "start")
@@ -206,7 +206,7 @@ def test_damaged_newest_checkpoints_are_skipped_and_the_previous_used(uninterrup
     meta.write_bytes(b"\0" * meta.stat().st_size)  # same size, garbage: caught by the load
     proc = hpcshard("resume", str(run), "--nodes", "1", "--gpus", "2", "--set", f"steps={STEPS + 1}")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    start = ledger.read(run)[-2]
+    start = [r for r in ledger.read(run) if r["event"] == "start"][-1]
     assert start["resumed_step"] == STEPS - 2 and start["resumed_from"] == str(third)
     reasons = dict(start["skipped"])
     assert "size differs" in reasons[newest.name] and "failed to load" in reasons[second.name]
@@ -317,7 +317,7 @@ def test_a_group_writable_umask_still_resumes(tmp_path: Path) -> None:
                            cwd=ROOT, env=quiet_env(), capture_output=True, text=True,
                            preexec_fn=umask002, timeout=300)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
-    assert ledger.read(run)[-2]["resumed_step"] == 2
+    assert [r for r in ledger.read(run) if r["event"] == "start"][-1]["resumed_step"] == 2
 
 
 def test_a_checkpoint_that_no_longer_fits_the_model_stops_the_job(uninterrupted: Path,

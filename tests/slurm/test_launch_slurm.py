@@ -54,7 +54,8 @@ def test_demo_runs_as_four_ranks_on_two_nodes(cluster: dict[str, str], tmp_path:
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     job2 = str(json.loads((run / "spec.json").read_text())["jobs"][-1])
     assert job2 != job and wait_state(job2, DONE) == "COMPLETED"
-    assert ledger.read(run)[-2]["resumed_step"] == 8 and 10 in committed(run)
+    starts = [r for r in ledger.read(run) if r["event"] == "start"]
+    assert starts[-1]["resumed_step"] == 8 and 10 in committed(run)
 
 
 @pytest.mark.debug_partition
