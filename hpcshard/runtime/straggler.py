@@ -46,6 +46,20 @@ def probe(device: torch.device) -> float:
     return statistics.median(runs)
 
 
+def crowded(places: list[tuple[str, int, int]], device: torch.device) -> str:
+    """Why CPU ranks cannot be compared ("" if they can): `places` is every rank's (host,
+    cores, threads). Ranks whose threads outnumber their host's cores share cores, and who
+    gets more of them is the scheduler's choice, not a slow device (the local backend's
+    emulated nodes on a laptop). GPUs are always compared."""
+    if device.type != "cpu":
+        return ""
+    for host in {h for h, _, _ in places}:
+        mine = [(cores, threads) for h, cores, threads in places if h == host]
+        if sum(threads for _, threads in mine) > mine[0][0]:
+            return f"{len(mine)} ranks x {mine[0][1]} thread(s) on {host}'s {mine[0][0]} cores"
+    return ""
+
+
 def gather(seconds: float, device: torch.device) -> list[float]:
     """Every rank's probe time, by rank (an all-gather of one number per rank)."""
     mine = torch.tensor([seconds], dtype=torch.float64, device=device)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import collections
 import logging
 import math
+import os
 import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +32,7 @@ from hpcshard.runtime.mesh import build_mesh, resolve_sharding
 from hpcshard.runtime.metrics import Metrics
 from hpcshard.runtime.shard import ShardPlan, materialize, shard_model, state_bytes
 from hpcshard.runtime.stop import StopRequest
-from hpcshard.runtime.straggler import Stragglers, gather, probe
+from hpcshard.runtime.straggler import Stragglers, crowded, gather, probe
 
 log = logging.getLogger("hpcshard")
 
@@ -149,6 +151,8 @@ class Trainer:
         """Told of each rollback and straggler (the runtime writes them into the ledger)."""
         self.stragglers = Stragglers(cfg.straggler_margin, cfg.straggler_patience)
         self.hosts: list[str] = []
+        self.crowded = ""
+        """Why stragglers are not judged in this run ("": they are)."""
         self.step_times: collections.deque[float] = collections.deque(maxlen=32)
         """Seconds the last steps took (what a step costs when the time limit nears)."""
         self.stop_at: float | None = None
@@ -286,8 +290,16 @@ class Trainer:
         if env.world < 2 or self.step >= cfg.steps:
             return ""
         if not self.hosts:
-            self.hosts = [""] * env.world
-            dist.all_gather_object(self.hosts, socket.gethostname())
+            places: list[Any] = [None] * env.world
+            dist.all_gather_object(places, (socket.gethostname(), os.cpu_count() or 1,
+                                            torch.get_num_threads()))
+            self.hosts = [str(p[0]) for p in places]
+            self.crowded = crowded(places, env.device)
+            if self.crowded and env.is_main:
+                log.info("straggler checks are off: %s (ranks that share cores cannot be "
+                         "compared)", self.crowded)
+        if self.crowded:
+            return ""
         found = self.stragglers.look(gather(probe(env.device), env.device))
         for rank, ratio in found:
             fields: dict[str, object] = {"step": self.step, "rank": rank, "host": self.hosts[rank],

@@ -45,3 +45,14 @@ def test_the_node_behind_every_slow_link_is_the_culprit_from_three_nodes_on() ->
     assert culprit(ring(2, slow=1), floor_gbps=5, nodes=2) is None  # either end may be at fault
     everything = [Link(source=(n + 1) % 4, target=n, gbps=1.0) for n in range(4)]
     assert culprit(everything, floor_gbps=5, nodes=4) is None  # no single node behind them all
+
+
+def test_cpu_ranks_that_share_cores_are_not_compared_and_gpus_always_are() -> None:
+    import torch
+
+    from hpcshard.runtime.straggler import crowded
+
+    laptop = [("vm", 2, 1)] * 4  # the local backend's 2x2 on 2 cores
+    assert "4 ranks x 1 thread(s) on vm's 2 cores" in crowded(laptop, torch.device("cpu"))
+    assert crowded([("a", 8, 2), ("a", 8, 2), ("b", 8, 4)], torch.device("cpu")) == ""
+    assert crowded(laptop, torch.device("cuda", 0)) == ""
