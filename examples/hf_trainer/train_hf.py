@@ -85,10 +85,13 @@ class Hpcshard(TrainerCallback):
 
 
 def last_complete_checkpoint(out: Path) -> str | None:
-    """transformers' get_last_checkpoint, minus checkpoints a kill cut short (their
-    `checkpoint-is-incomplete.txt` marker is still there)."""
+    """transformers' get_last_checkpoint, minus checkpoints a kill cut short: their
+    `checkpoint-is-incomplete.txt` marker is still there, or the main process never wrote
+    `trainer_state.json`, its last file (another rank may have created the directory with
+    its RNG state before the main process began: seen when a hung rank was killed)."""
     done = [p for p in out.glob("checkpoint-*")
-            if p.name[11:].isdigit() and not (p / "checkpoint-is-incomplete.txt").exists()]
+            if p.name[11:].isdigit() and (p / "trainer_state.json").exists()
+            and not (p / "checkpoint-is-incomplete.txt").exists()]
     return str(max(done, key=lambda p: int(p.name[11:]))) if done else None
 
 
