@@ -18,18 +18,14 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from bench.common import PY, RESULTS, ROOT, Metric, env, median, records, save, show, wait
+from hpcshard.rundir import ledger
 
 NAME = "faults"
 REPEATS = 5
 TORCHRUN_REPEATS = 3
 
-
-def _ledger(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "attempts.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
 def _ranks(run_dir: Path) -> list[int]:
@@ -42,7 +38,7 @@ def _ranks(run_dir: Path) -> list[int]:
 def _inject(run_dir: Path, kind: str) -> tuple[float, int]:
     """Fault one rank (not rank 0's process: its node hosts the rendezvous), once the
     current cycle has trained 13 steps; returns when and which cycle it hit."""
-    cycle = sum(1 for r in _ledger(run_dir) if r["event"] == "fault")
+    cycle = sum(1 for r in ledger.read(run_dir) if r["event"] == "fault")
     since = wait(lambda: _resumed(run_dir, cycle), 300, f"cycle {cycle} to start")
     wait(lambda: sum(1 for r in records(run_dir) if "loss" in r and r["time"] > since) >= 13, 300,
           f"cycle {cycle} to train 13 steps")
@@ -52,7 +48,7 @@ def _inject(run_dir: Path, kind: str) -> tuple[float, int]:
 
 
 def _breakdown(run_dir: Path, injected: float, cycle: int) -> dict[str, float]:
-    led = _ledger(run_dir)
+    led = ledger.read(run_dir)
     fault = next(r for r in led if r["event"] == "fault" and r["cycle"] == cycle)
     downs = [json.loads(p.read_text()) for p in (run_dir / "launch").glob(f"down-0-{cycle}-*.json")]
     start = next(r for r in records(run_dir) if r.get("event") == "start" and r["time"] > fault["time"])
@@ -173,7 +169,7 @@ def main(repeats: int = REPEATS) -> list[Metric]:
 
 def _resumed(run_dir: Path, cycle: int) -> float | None:
     """When cycle `cycle` started training (its ledger start record), once it has."""
-    starts = [r for r in _ledger(run_dir) if r["event"] == "start" and r.get("cycle") == cycle]
+    starts = [r for r in ledger.read(run_dir) if r["event"] == "start" and r.get("cycle") == cycle]
     return float(starts[0]["time"]) if starts else None
 
 

@@ -8,24 +8,19 @@ spare <= 20 s after that."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from bench.common import PY, RESULTS, ROOT, Metric, env, median, records, save, show, wait
+from hpcshard.rundir import ledger
 
 NAME = "nodes"
 REPEATS = 3
 
-
-def _ledger(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "attempts.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
 def _freeze(run_dir: Path, node: int) -> float:
@@ -52,7 +47,7 @@ def main(repeats: int = REPEATS) -> list[Metric]:
         active = [0, 1]
         try:
             for cycle in range(repeats):
-                since = wait(lambda c=cycle: next((r["time"] for r in _ledger(run_dir)
+                since = wait(lambda c=cycle: next((r["time"] for r in ledger.read(run_dir)
                                                    if r["event"] == "start" and r.get("cycle") == c), None),
                              300, f"cycle {cycle}")
                 wait(lambda t=since: sum(1 for r in records(run_dir) if "loss" in r and r["time"] > t) >= 13,
@@ -60,9 +55,9 @@ def main(repeats: int = REPEATS) -> list[Metric]:
                 victim = active[-1]
                 frozen = _freeze(run_dir, victim)
                 print(f"  node {victim} frozen in cycle {cycle}", flush=True)
-                back = wait(lambda c=cycle: next((r for r in _ledger(run_dir) if r["event"] == "recovered"
+                back = wait(lambda c=cycle: next((r for r in ledger.read(run_dir) if r["event"] == "recovered"
                                                   and r["cycle"] == c + 1), None), 300, "the spare")
-                led = _ledger(run_dir)
+                led = ledger.read(run_dir)
                 fault = next(r for r in led if r["event"] == "fault" and r["cycle"] == cycle)
                 bad = next(r for r in led if r["event"] == "bad_node" and r["node"] == victim)
                 active = fault["active"]

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RESULTS, ROOT, Metric, env, hpcshard, records, run, save, show, wait
+from hpcshard.rundir import ledger
 from hpcshard.rundir.goodput import account
 
 NAME = "requeue"
@@ -27,10 +28,6 @@ PERIOD = 60.0
 """Seconds between preemptions (the issue's figure: submitit reaches 0.80 on a trivial job)."""
 PREEMPTIONS = 4
 
-
-def ledger(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "attempts.jsonl"
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
 def slurm_times(job: str, e: dict[str, str]) -> dict[str, float]:
@@ -56,13 +53,13 @@ def preempted(policy: str, tmp: Path, e: dict[str, str]) -> dict[str, Any]:
             time.sleep(max(0.0, created + (attempt + 1) * PERIOD - time.time()))
             notice = time.time()
             hpcshard("preempt", str(run_dir), env=e)
-            start = wait(lambda a=attempt: next((r for r in ledger(run_dir) if r["event"] == "start"
+            start = wait(lambda a=attempt: next((r for r in ledger.read(run_dir) if r["event"] == "start"
                                                  and r["attempt"] == a + 1), None), 300,
                          f"{policy}: attempt {attempt + 1}")
             first = wait(lambda s=start: next((r for r in records(run_dir) if "loss" in r
                                                and r["time"] > s["time"]), None), 300,
                          f"{policy}: a resumed step")
-            end = next(r for r in ledger(run_dir) if r["event"] == "end" and r["attempt"] == attempt)
+            end = next(r for r in ledger.read(run_dir) if r["event"] == "end" and r["attempt"] == attempt)
             job = json.loads((run_dir / "spec.json").read_text())["jobs"][-1]
             began = slurm_times(job, e)["StartTime"]
             cycles.append({"notice": notice, "committed": end["time"] - notice,

@@ -119,5 +119,4 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], run_dir: Path, attempt: int)
 
 
 def _lost(run_dir: Path, attempt: int) -> set[int]:
-    return {int(r["node"]) for r in ledger.read(run_dir) if r["event"] == "bad_node"
-            and r["attempt"] == attempt and str(r.get("reason", "")).startswith("lost")}
+    return {int(r["node"]) for r in ledger.bad_nodes(run_dir, attempt, lost=True)}

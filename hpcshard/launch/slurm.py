@@ -95,9 +95,8 @@ def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:
     spare leaves its allocation to Slurm's own timeout."""
     if spec.bad_nodes != "drain":
         return
-    for r in ledger.read(run):
-        if (r["event"] == "bad_node" and r["attempt"] == attempt and r.get("slurm_node")
-                and str(r.get("reason", "")).startswith("lost")):
+    for r in ledger.bad_nodes(run, attempt, lost=True):
+        if r.get("slurm_node"):
             refused = cluster.drain(r["slurm_node"], f"hpcshard {run.name}: {r['reason']}", "DOWN")
             ledger.append(run, {"event": "node_down", "attempt": attempt, "slurm_node": r["slurm_node"],
                                 **({"error": refused} if refused else {})})

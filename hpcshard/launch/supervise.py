@@ -521,15 +521,14 @@ class Supervisor:
                                 committed=committed, end="stop", lost=lost,
                                 reason="a stop notice came as well: requeued, not restarted here")
         self._slow_nodes(cycle, downs)
-        bad = self._bad()
+        said = self._bad()
+        bad = set(said)
         active = [n for n in roster.active if n not in bad]
         spares = [n for n in roster.spares if n not in bad]
         gone = [n for n in roster.active if n in bad]
         where: dict[str, Any] = {"lost": lost}
         if gone:
-            said = {int(r["node"]): r["reason"] for r in ledger.read(self.run_dir)
-                    if r["event"] == "bad_node" and r["attempt"] == self.ranks.attempt}
-            why = f"node(s) {gone} bad ({'; '.join(sorted({said.get(n, '?') for n in gone}))})"
+            why = f"node(s) {gone} bad ({'; '.join(sorted({said[n] for n in gone}))})"
             taken, spares = spares[:len(gone)], spares[len(gone):]
             active = sorted([*active, *taken])
             fewest = self.spec.min_nodes or len(roster.active)
@@ -580,10 +579,12 @@ class Supervisor:
         """The node of each straggler named under straggler_policy=bad_node is bad (the
         down records say which node each rank ran on)."""
         node_of = {int(r["rank"]): r for down in downs for r in down.get("ranks", [])}
+        bad = set(self._bad())
         for r in self._straggled(cycle):
             if int(r["rank"]) in node_of:
                 where = node_of[int(r["rank"])]
-                if int(where["node"]) not in self._bad():
+                if int(where["node"]) not in bad:
+                    bad.add(int(where["node"]))
                     self.bad(cycle, int(where["node"]), where, f"slow link: behind every link under "
                              f"{r['floor_gbps']:g} GB/s (slowest {r['gbps']} GB/s)"
                              if r.get("kind") == "link" else f"straggler: rank {r['rank']} computed "
@@ -595,11 +596,10 @@ class Supervisor:
             return str(self.node.rdzv_host)
         return str(self.where.get("slurm_node") or self.node.rdzv_host)
 
-    def _bad(self) -> set[int]:
-        """The nodes declared bad in this attempt (they never train in it again)."""
-        found = {int(r["node"]) for r in ledger.read(self.run_dir)
-                 if r["event"] == "bad_node" and r["attempt"] == self.ranks.attempt}
-        self.seen_bad |= found
+    def _bad(self) -> dict[int, str]:
+        """The nodes declared bad in this attempt (they never train in it again), and why."""
+        found = {int(r["node"]): str(r["reason"]) for r in ledger.bad_nodes(self.run_dir, self.ranks.attempt)}
+        self.seen_bad |= set(found)
         return found
 
     def health(self) -> str:

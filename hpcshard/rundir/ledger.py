@@ -34,7 +34,14 @@ def next_attempt(run_dir: Path) -> int:
     return 1 + max((int(r["attempt"]) for r in read(run_dir)), default=-1)
 
 
+def bad_nodes(run_dir: Path, attempt: int | None = None, lost: bool = False) -> list[dict[str, Any]]:
+    """The run's bad-node records (those of one attempt; only nodes lost, i.e. silent,
+    whose launchers never end by themselves)."""
+    return [r for r in read(run_dir) if r["event"] == "bad_node"
+            and (attempt is None or r["attempt"] == attempt)
+            and (not lost or str(r.get("reason", "")).startswith("lost"))]
+
+
 def bad_slurm_nodes(run_dir: Path) -> list[str]:
     """The Slurm nodes this run must never use again (its bad-node records)."""
-    return sorted({r["slurm_node"] for r in read(run_dir)
-                   if r["event"] == "bad_node" and r.get("slurm_node")})
+    return sorted({r["slurm_node"] for r in bad_nodes(run_dir) if r.get("slurm_node")})
