@@ -67,10 +67,18 @@ def assert_one_line_error(code: int, output: str, *needles: str) -> None:
     (["--nodes", "0"], ["'--nodes'", "0"]),
     (["--gpus", "-1"], ["'--gpus'", "-1"]),
     (["--backend", "mpi"], ["'mpi'", "local"]),
+    (["--spares", "-1"], ["'--spares'", "-1"]),
+    (["--min-nodes", "-2"], ["'--min-nodes'", "-2"]),
 ])
 def test_bad_shape_options(args: list[str], needles: list[str], tmp_path: Path) -> None:
     code, out = invoke("submit", *args, JOB, "--run-dir", str(tmp_path / "r"))
     assert code == 2 and all(n in out for n in needles), out
+    assert not (tmp_path / "r").exists()
+
+
+def test_min_nodes_above_nodes_is_one_line_and_nothing_is_made(tmp_path: Path) -> None:
+    code, out = invoke("submit", "--nodes", "2", "--min-nodes", "3", JOB, "--run-dir", str(tmp_path / "r"))
+    assert_one_line_error(code, out, "--min-nodes 3 is more than --nodes 2", "at most 2")
     assert not (tmp_path / "r").exists()
 
 
