@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from hpcshard.launch.watchdog import Limits, Watchdog, process_state, stat_fields
+from hpcshard.launch.watchdog import Limits, Watchdog, process_state, started, stat_fields
 from hpcshard.rundir import flight, launchers, ledger, store
 from hpcshard.rundir.launchers import LAUNCH as LAUNCH_DIR
 from hpcshard.rundir.progress import Board, board_path, boards
@@ -99,9 +99,11 @@ def descendants(pid: int) -> list[int]:
 def ranks_below(pids: list[int]) -> list[int]:
     """The ranks (pids, by global rank) below these launchers, from the boards of this
     host: whatever lies between (torchrun, a warm agent, the zygote), a rank is what
-    reports on a board."""
+    reports on a board. A board left by a killed launcher may name a pid that now is
+    another process (pids wrap): only a slot written since its process started counts."""
     below = {d for pid in pids for d in descendants(pid)}
-    slots = sorted((s.rank, s.pid) for board in boards() for s in board if s.pid in below)
+    slots = sorted((s.rank, s.pid) for board in boards() for s in board
+                   if s.pid in below and s.since >= started(s.pid) - 1.0)
     return [pid for _, pid in slots]
 
 

@@ -11,6 +11,7 @@ is named as the culprit.
 
 from __future__ import annotations
 
+import os
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,17 @@ def stat_fields(pid: int | str) -> list[str]:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return []
+
+
+def started(pid: int) -> float:
+    """Unix time at which `pid` started (0.0 if it is gone): a record naming a pid is about
+    this process only if it was written after that (pids wrap, at 32768 by default)."""
+    fields = stat_fields(pid)
+    if not fields:
+        return 0.0
+    boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                if line.startswith("btime "))
+    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def process_state(pid: int) -> str:

@@ -4,9 +4,13 @@ the slow phases that are never a hang, and which rank it names."""
 from __future__ import annotations
 
 import os
+import struct
+import time
+import uuid
 
-from hpcshard.launch.watchdog import Limits, Watchdog
-from hpcshard.rundir.progress import Slot
+from hpcshard.launch.supervise import ranks_below
+from hpcshard.launch.watchdog import Limits, Watchdog, started
+from hpcshard.rundir.progress import _SLOT, Board, Slot, board_path
 
 LIMITS = Limits(factor=3.0, floor_s=5.0, warmup_steps=3, phase_s=100.0)
 
@@ -76,3 +80,23 @@ def test_a_hang_is_declared_by_its_limit_at_the_latest() -> None:
     assert dog.look(stuck, t + 4.75) is None
     hung = dog.look(stuck, t + 4.85)
     assert hung is not None and hung["limit"] == 5.0
+
+
+def test_a_board_left_by_a_killed_launcher_does_not_name_a_reused_pid() -> None:
+    """pids wrap (32768 by default): a board of a SIGKILLed launcher stays in /dev/shm, and
+    its slot's pid may belong to a new process by now. ranks_below counts only slots written
+    since their process started (one stale slot once made a test throttle the wrong rank)."""
+    stale = board_path(f"unit-stale-{uuid.uuid4().hex}", 0)
+    live = board_path(f"unit-live-{uuid.uuid4().hex}", 0)
+    boards = [Board.create(stale, 1), Board.create(live, 1)]
+    try:
+        boards[0].publish(0, rank=0, step=7, phase="step")
+        with boards[0].path.open("r+b") as f:  # as written by an old process of this pid
+            f.seek(_SLOT.size - 8)
+            f.write(struct.pack("d", started(os.getpid()) - 3600.0))
+        boards[1].publish(0, rank=5, step=1, phase="step")
+        assert ranks_below([os.getppid()]) == [os.getpid()]
+        assert started(os.getpid()) <= time.time()
+    finally:
+        for board in boards:
+            board.close(remove=True)
