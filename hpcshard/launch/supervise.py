@@ -17,6 +17,7 @@ rendezvous is; every node starts the next cycle from the newest committed checkp
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -241,6 +242,10 @@ class Supervisor:
         """This node, in every record it writes."""
         self.beaten = self.looked = 0.0
         self.began = time.time()
+        self.heard_since = self.began
+        """Since when this launcher's own heartbeats reach the run directory: a peer's
+        silence counts from then (on a full or hung disk nobody's beats land, and nobody
+        is lost for it)."""
         self.roster = Roster.first(node.nnodes, spec.nodes)
         """Who trains in the current cycle, and who waits."""
         self.seen_bad: set[int] = set()
@@ -254,9 +259,14 @@ class Supervisor:
         it ends with this exit code (never to be taken for lost, nor waited for)."""
         if time.monotonic() - self.beaten >= BEAT_S or done is not None:
             self.beaten = time.monotonic()
-            with contextlib.suppress(OSError):  # a full disk must not end supervision
+            try:
                 launchers.beat(self.run_dir, self.ranks.attempt, self.me,
                                {**self.where, **({"done": done} if done is not None else {})})
+            except OSError:  # a full disk must not end supervision, nor lose every peer
+                self.heard_since = math.inf
+                return
+            if self.heard_since == math.inf:
+                self.heard_since = time.time()
 
     def lost(self, nodes: list[int] | tuple[int, ...]) -> list[int]:
         """Which of these nodes are lost: silent for LOST_S (or never heard of, UNHEARD_S
@@ -264,7 +274,7 @@ class Supervisor:
         now, beats = time.time(), launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
         unheard = self.began + UNHEARD_S - LOST_S
         return [n for n in nodes if "done" not in beats.get(n, {})
-                and now - beats.get(n, {}).get("time", unheard) > LOST_S]
+                and now - max(beats.get(n, {}).get("time", unheard), self.heard_since) > LOST_S]
 
     # -- one cycle -------------------------------------------------------------------
     def run(self) -> int:

@@ -75,12 +75,25 @@ class Metrics:
         self.path = run_dir / "metrics.jsonl" if run_dir and env.is_main else None
         self.t0 = time.time()
         self.interactive = env.is_main and sys.stderr.isatty()
+        self.dropped = 0
+        """Records lost since the last write that worked (a full disk)."""
 
     def _write(self, record: dict[str, Any]) -> None:
         if self.path is None:
             return
-        with self.path.open("a") as f:
-            f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        line = json.dumps({k: _clean(v) for k, v in record.items()}) + "\n"
+        try:
+            with self.path.open("a") as f:
+                f.write(line)
+        except OSError as err:  # a full disk loses records, never the training
+            if not self.dropped:
+                log.warning("metrics not written (%s); training goes on, records are lost "
+                            "until the disk has room again", err)
+            self.dropped += 1
+            return
+        if self.dropped:
+            log.warning("metrics written again; %d record(s) lost", self.dropped)
+            self.dropped = 0
 
     def event(self, name: str, **fields: Any) -> None:
         self._write({"event": name, "time": time.time(), **fields})

@@ -4,7 +4,6 @@ script. It fails loudly, never skips: CI installs Slurm and must run these tests
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import subprocess
@@ -68,25 +67,9 @@ def wait_state(job: str, states: set[str], timeout: float = 300) -> str:
 
 
 def freeze(node: str, sig: signal.Signals = signal.SIGSTOP) -> list[int]:
-    """SIGSTOP (or SIGCONT) every process of a local-cluster node: its slurmd, the
-    slurmstepds it started (they daemonize, but stay in its UTS namespace: each slurmd of
-    scripts/local-slurm has its own) and the job's processes below them. A node frozen
-    this way sends nothing, as one that died or fell off the network."""
-    slurmd = next(int(pid) for pid in os.listdir("/proc") if pid.isdigit()
-                  and _cmdline(pid).endswith(f"-N {node}") and "slurmd -D" in _cmdline(pid))
-    ns = os.readlink(f"/proc/{slurmd}/ns/uts")
-    assert ns != os.readlink("/proc/self/ns/uts"), f"{node}'s slurmd shares this process's UTS namespace"
-    pids = []
-    for pid in (int(p) for p in os.listdir("/proc") if p.isdigit()):
-        with contextlib.suppress(OSError):
-            if os.readlink(f"/proc/{pid}/ns/uts") == ns:
-                os.kill(pid, sig)
-                pids.append(pid)
-    return pids
-
-
-def _cmdline(pid: str) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
-    except OSError:
-        return ""
+    """SIGSTOP (or SIGCONT) every process of a local-cluster node (`scripts/local-slurm
+    freeze|thaw`): its slurmd, the slurmstepds it started and the job's processes below
+    them. A node frozen this way sends nothing, as one that died or fell off the network."""
+    verb = {signal.SIGSTOP: "freeze", signal.SIGCONT: "thaw", signal.SIGKILL: "kill"}[sig]
+    out = subprocess.run([str(SCRIPT), verb, node], capture_output=True, text=True, check=True)
+    return [int(pid) for pid in out.stdout.split()]

@@ -106,3 +106,38 @@ def test_a_node_with_almost_no_memory_available_fails_its_health_check(tmp_path:
     info.write_text("MemTotal:       25165824 kB\nMemAvailable:   20000000 kB\n")
     assert memory_short(info) == ""
     assert memory_short(tmp_path / "absent") == ""
+
+
+def test_a_peer_is_not_lost_while_this_launchers_own_heartbeats_cannot_be_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a full (or hung) disk nobody's heartbeat lands: silence then says nothing about a
+    peer. It counts again from the first beat of this launcher's that lands."""
+    import time
+
+    from hpcshard.launch import supervise
+    from hpcshard.rundir import launchers
+    from hpcshard.rundir.rankenv import RankEnv
+    from hpcshard.rundir.spec import RunSpec
+
+    spec = RunSpec(job="jobs/charlm.py", sets={}, nodes=2, gpus=1, backend="local", name="x")
+    node = NodeEnv(node_rank=0, nnodes=2, per_node=1, rdzv_host="localhost", rdzv_port=1, run_id="x")
+    sup = supervise.Supervisor(node, tmp_path, spec, RankEnv(), start=lambda *_: None)  # type: ignore[arg-type,return-value]
+    (tmp_path / launchers.LAUNCH).mkdir()
+    launchers.beat(tmp_path, 0, 1, {"node": 1})
+    clock = [time.time() + supervise.LOST_S + 1]
+    monkeypatch.setattr(supervise.time, "time", lambda: clock[0])
+    assert sup.lost([1]) == [1]  # silent for LOST_S while this launcher's beats land
+
+    def full(*_: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(launchers, "beat", full)
+    sup.beat()
+    assert sup.lost([1]) == []
+    monkeypatch.undo()
+    monkeypatch.setattr(supervise.time, "time", lambda: clock[0])
+    sup.beaten = 0.0
+    sup.beat()  # the disk has room again
+    assert sup.lost([1]) == []
+    clock[0] += supervise.LOST_S + 1
+    assert sup.lost([1]) == [1]

@@ -48,3 +48,16 @@ def test_records_go_to_jsonl_on_rank_0_only(tmp_path: Path) -> None:
     (rec,) = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert rec["step"] == 2 and rec["loss"] == 1.5 and rec["bad"] is None
     assert rec["peak_mem_gb"] > 0
+
+
+def test_a_full_disk_loses_records_not_the_training(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    metrics = Metrics(tmp_path, env(0), total_steps=4)
+    metrics.record(1, loss=2.0)
+    metrics.path = Path("/dev/full")  # writes fail with ENOSPC, as on a full disk
+    metrics.record(2, loss=1.9)
+    metrics.record(3, loss=1.8)
+    assert metrics.dropped == 2 and "training goes on" in caplog.text
+    metrics.path = tmp_path / "metrics.jsonl"
+    metrics.record(4, loss=1.7)
+    steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 4] and "2 record(s) lost" in caplog.text
