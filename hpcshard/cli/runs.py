@@ -3,6 +3,7 @@ stdlib; Slurm through `hpcshard.slurm`, matplotlib only inside `plot`)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from dataclasses import asdict
 from pathlib import Path
@@ -12,7 +13,7 @@ import click
 
 from hpcshard.cli.common import fail, finished, follow_log, read_run, slurm_state, spec_of
 from hpcshard.rundir import ledger, store
-from hpcshard.rundir.launchers import signal_launchers
+from hpcshard.rundir.launchers import guards, signal_launchers
 from hpcshard.rundir.metrics import read_metrics, train_records
 from hpcshard.rundir.rankenv import NOTICE, short_name, signal_name
 from hpcshard.rundir.spec import RunSpec
@@ -115,6 +116,11 @@ def cancel(target: str) -> None:
     """Stop a run now, without a checkpoint (see `preempt` for a clean stop)."""
     run_dir, spec = spec_of(target)
     if spec.backend == "slurm" and spec.jobs:
+        from hpcshard.slurm import cluster
+
+        for job in guards(run_dir):  # first: a cancelled job is what a guard waits for
+            with contextlib.suppress(ValueError):  # one that ran or Slurm dropped
+                cluster.scancel(job)
         _scancel(spec.jobs[-1])
         click.echo(f"cancelled Slurm job {spec.jobs[-1]} ({run_dir})")
         return

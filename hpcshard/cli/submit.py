@@ -276,7 +276,7 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | Non
             per_gpu = old.get("cpus_per_task", 0) // max(1, old.get("gpus_per_node", 1))
             req = SbatchRequest(**{**old, "nodes": spec.nodes + spec.spares, "gpus_per_node": spec.gpus,
                                    "cpus_per_task": per_gpu * spec.gpus, "run_dir": run_dir.resolve(),
-                                   "no_kill": spec.spares > 0 or 0 < spec.min_nodes < spec.nodes,
+                                   "no_kill": spec.no_kill,
                                    "exclude": bad_slurm_nodes(run_dir)})
             render(req, "true", run_dir / "submitit", site.SETTINGS)
             cluster.check_request(req)

@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 from hpcshard.launch.node import NodeEnv, run_node
@@ -57,12 +58,85 @@ def chain(run_dir: Path, job_id: str, attempt: int) -> str:
     return new
 
 
+GUARD_WAIT_S = 60.0
+"""How long a guard's other launchers wait for the one that takes the run over."""
+ENDED = ("CANCELLED", "COMPLETED")
+"""A guarded job that ended so was ended by someone, or finished: its guard does nothing."""
+
+
+def guard(run_dir: Path, job_id: str) -> str:
+    """Submit job `job_id`'s guard: the same script, held until the job ends in a failed
+    state (afternotok) and dropped by Slurm when it completes (kill-on-invalid-dep). A job
+    with --no-kill outlives a failed node except the one running its batch script: Slurm
+    then kills the batch step and the job FAILS, with no requeue (measured: `scontrol
+    update State=DOWN` of the batch node, JobLaunchFailure). The guard then takes the run
+    over from its last checkpoint. Returns the guard's id."""
+    folder = run_dir / "submitit"
+    bad = ledger.bad_slurm_nodes(run_dir)
+    spec = RunSpec.read(run_dir)
+    fewest = min(spec.nodes, spec.min_nodes or spec.nodes)
+    # A node less (the failed one) may leave no room for the spares: fewer are taken then.
+    new = cluster.sbatch(f"--dependency=afternotok:{job_id}", "--kill-on-invalid-dep=yes",
+                         f"--nodes={fewest}-{spec.nodes + spec.spares}",
+                         *([f"--exclude={','.join(bad)}"] if bad else []),
+                         str(folder / f"{job_id}_submission.sh"))
+    for suffix in ("_submitted.pkl", "_submission.sh"):
+        shutil.copy(folder / f"{job_id}{suffix}", folder / f"{new}{suffix}")
+    launchers.guard_file(run_dir, new).write_text(f"{job_id}\n")
+    return new
+
+
+def _take_over(run: Path, slurm: SlurmEnv, guarded: str) -> bool:
+    """A guard job started: its job ended in a failed state. It takes the run over (as a
+    continuation: the next attempt, from the last checkpoint) only when that job was still
+    the run's newest, nobody cancelled it, and its attempt never closed (no end, requeue,
+    continuation or give-up: it was killed from outside). One launcher decides; the others
+    wait for its word."""
+    mine = attempt_file(run, slurm.job_id)
+    declined = launchers.guard_file(run, slurm.job_id).with_suffix(".no")
+    if not launchers.claim(run, f"take-over-{slurm.job_id}"):
+        deadline = time.monotonic() + GUARD_WAIT_S
+        while not mine.exists() and not declined.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return mine.exists()
+    spec = RunSpec.read(run)
+    state = (cluster.show_job(guarded, timeout=30) or {}).get("JobState", "")
+    led = ledger.read(run)
+    attempt = max((int(r["attempt"]) for r in led), default=0)
+    closed = [r["event"] for r in led if r.get("attempt") == attempt
+              and r["event"] in ("end", "requeue", "chain", "gave_up", "guard")]
+    why = ("its job is no longer the run's newest" if not spec.newest_job(guarded) else
+           f"job {guarded} ended {state}" if state in ENDED else
+           f"attempt {attempt} ended ({closed[0]})" if closed else "")
+    if why:
+        print(f"hpcshard: guard {slurm.job_id} not needed: {why}", file=sys.stderr, flush=True)
+        declined.write_text(why + "\n")
+        return False
+    ledger.append(run, {"event": "guard", "attempt": attempt, "job": guarded, "next": slurm.job_id,
+                        "state": state or "unknown"})
+    RunSpec.add_job(run, slurm.job_id)
+    mine.write_text(f"{attempt + 1}\n")
+    print(f"hpcshard: job {guarded} ended {state or 'without a word'} while training: "
+          f"guard job {slurm.job_id} takes the run over", file=sys.stderr, flush=True)
+    return True
+
+
 def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int,
               resume: str = "auto", policy: str = "requeue") -> int:
     """What submitit runs in each task: one per node. Returns the node's exit code."""
     slurm = SlurmEnv.from_environ()
     run = Path(run_dir)
+    guarded = launchers.guard_file(run, slurm.job_id)
+    if (guarded.exists() and not attempt_file(run, slurm.job_id).exists()
+            and not _take_over(run, slurm, guarded.read_text().strip())):
+        return 0
     spec = RunSpec.read(run)
+    if spec.no_kill and launchers.claim(run, f"guard-{slurm.job_id}"):
+        try:
+            guard(run, slurm.job_id)
+        except (OSError, ValueError) as err:  # the run goes on, unguarded
+            print(f"hpcshard: no guard job ({err}); a failure of the batch node will end the run",
+                  file=sys.stderr, flush=True)
     if not spec.newest_job(slurm.job_id):
         print(f"hpcshard: job {slurm.job_id} is not the run's newest job; exiting", file=sys.stderr)
         return 0
@@ -126,7 +200,7 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
               policy: str) -> None:
     # Continuations since this submission: `hpcshard resume` starts a fresh count.
     done = sum(1 for r in ledger.read(run)
-               if r["event"] in ("requeue", "chain") and r["attempt"] >= first_attempt)
+               if r["event"] in ("requeue", "chain", "guard") and r["attempt"] >= first_attempt)
     if policy == "none" or done >= max_requeues:
         why = "the requeue policy is none" if policy == "none" else f"the cap of {max_requeues} is reached"
         ledger.append(run, {"event": "gave_up", "attempt": attempt, "reason": why})

@@ -41,6 +41,17 @@ def attempt_file(run_dir: Path, job_id: str) -> Path:
     return run_dir / LAUNCH / f"job-{job_id}.attempt"
 
 
+def guard_file(run_dir: Path, job_id: str) -> Path:
+    """Present when job `job_id` is a guard: it holds the id of the job it guards."""
+    return run_dir / LAUNCH / f"job-{job_id}.guards"
+
+
+def guards(run_dir: Path) -> list[str]:
+    """The run's guard jobs (pending, run or cancelled by Slurm), oldest first."""
+    found = sorted((run_dir / LAUNCH).glob("job-*.guards"), key=lambda p: p.stat().st_mtime)
+    return [p.name[len("job-"):-len(".guards")] for p in found]
+
+
 def launchers(run_dir: Path) -> list[int]:
     """The pids of the launchers that are still alive (a pid file left behind by one
     killed with -9 does not count; another user's live process does)."""

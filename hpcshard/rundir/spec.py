@@ -82,6 +82,11 @@ class RunSpec:
         spec.write(run_dir)
         return spec
 
+    @property
+    def no_kill(self) -> bool:
+        """Slurm: the allocation outlives a failed node (spares, or fewer nodes allowed)."""
+        return self.spares > 0 or 0 < self.min_nodes < self.nodes
+
     def newest_job(self, job_id: str) -> bool:
         """Only the run's newest job may train: a stale requeue or a second continuation
         exits at once instead of racing it for the checkpoints."""

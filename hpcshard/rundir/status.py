@@ -139,6 +139,10 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
     for r in records:
         if r["event"] == "gave_up":
             lines.append(f"gave up: {r['reason']}")
+        if r["event"] == "guard":
+            lines.append(f"job {r['job']} ended {r['state']} while attempt {r['attempt']} trained (its "
+                         f"batch node failed?): guard job {r['next']} took the run over "
+                         f"({_clock(r.get('time'))})")
         if r["event"] == "rollback":
             lines.append(f"rollback {r['rollback']} of {r['of']} ({_clock(r.get('time'))}): nan or inf "
                          f"at step {r['step']}, rolled back to step {r['to']}, skipping "

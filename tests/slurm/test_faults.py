@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ import pytest
 
 from hpcshard.launch.supervise import ranks_below
 from hpcshard.rundir import ledger
-from hpcshard.rundir.launchers import launchers
+from hpcshard.rundir.launchers import guards, launchers
 from tests.conftest import STEPS, hpcshard, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import (
     assert_bitwise_equal,
@@ -153,6 +154,44 @@ def test_a_frozen_node_is_replaced_by_the_spare_inside_the_allocation(
     finally:
         freeze(victim, signal.SIGCONT)
         slurm("scontrol", "update", f"NodeName={victim}", "State=RESUME")
+
+
+@pytest.mark.debug_partition
+def test_a_batch_node_set_down_ends_the_job_and_its_guard_takes_the_run_over(
+        cluster: dict[str, str], uninterrupted: Path, tmp_path: Path) -> None:
+    """`scontrol update State=DOWN` of the node that runs the batch script (an admin, a
+    health daemon): Slurm kills the batch step with it, and a --no-kill job FAILS without
+    a requeue. The job's guard (held with afternotok since the job started) takes the run
+    over on the 2 nodes left, without the spare: the run ends bitwise equal to an
+    uninterrupted one, and the guard's own guard is dropped by Slurm once it completes."""
+    run = tmp_path / "guarded"
+    job = submit(cluster, run, "--partition", "debug", "--time", "10:00", "--spares", "1",
+                 *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS))
+    wait_for(lambda: trained_to(run, 7), 240, "step 7, past the commit of step 4")
+    (guard,) = guards(run)
+    assert state(guard) == "PENDING"
+    batch = heartbeat(run, 0)["slurm_node"]
+    slurm("scontrol", "update", f"NodeName={batch}", "State=DOWN", "Reason=test: batch node down")
+    try:
+        assert wait_state(job, DONE, 120) == "FAILED"
+        assert wait_state(guard, DONE, 300) == "COMPLETED"
+    finally:  # (ReturnToService=2 may have brought it back already: RESUME then fails)
+        subprocess.run(["scontrol", "update", f"NodeName={batch}", "State=RESUME"],
+                       env={**os.environ, **cluster}, capture_output=True)
+    records = ledger.read(run)
+    (took,) = [r for r in records if r["event"] == "guard"]
+    assert took["job"] == job and took["next"] == guard and took["attempt"] == 0
+    assert json.loads((run / "spec.json").read_text())["jobs"] == [job, guard]
+    starts = [r for r in records if r["event"] == "start"]
+    assert [(s["attempt"], s["nodes"]) for s in starts] == [(0, 2), (1, 2)]
+    reference, mine = committed(uninterrupted), committed(run)
+    assert STEPS in mine and starts[1]["resumed_step"] in mine
+    for step, path in mine.items():
+        assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
+    status = hpcshard("status", str(run), env=cluster).stdout
+    assert f"guard job {guard} took the run over" in status
+    second = guards(run)[-1]
+    assert second != guard and wait_state(second, {"CANCELLED"}, 60) == "CANCELLED"
 
 
 def test_bad_nodes_that_leave_the_partition_too_small_are_refused_before_submitting(
