@@ -192,7 +192,7 @@ class Doctor:
         probe = root / f".hpcshard-doctor-{uuid.uuid4().hex[:8]}"
         (probe / "logs").mkdir(parents=True)
         self.probe_dir = probe
-        requeue = self.v["requeue_policy"] == "requeue"
+        requeue, chain = (self.v["requeue_policy"] == p for p in ("requeue", "chain"))
         d = shlex.quote(str(probe))
         lines = ["#!/bin/bash", f"d={d}",
                  'if [ -e "$d/first" ]; then hostname > "$d/restarted"; exit 0; fi',
@@ -201,6 +201,9 @@ class Doctor:
         if requeue:
             lines += ['scontrol requeue "$SLURM_JOB_ID" > "$d/requeue.log" 2>&1; '
                       'echo $? > "$d/requeue.rc"', "sleep 120"]
+        if chain:  # what a continuation (and a guard) needs: sbatch from a compute node
+            lines += ['j=$(sbatch --parsable --hold -o /dev/null --wrap true 2> "$d/chain.log"); '
+                      'rc=$?; [ -n "$j" ] && scancel "$j"; echo $rc > "$d/chain.rc"']
         script = probe / "probe.sh"
         script.write_text("\n".join(lines) + "\n")
         req = self.request("hpcshard-doctor", 1, probe)
@@ -222,7 +225,7 @@ class Doctor:
                      "check partition, account and qos with your admins")
             return
         # Slurm may kill the step before it records scontrol's answer: a restart also says yes.
-        wants = ("requeue.rc", "restarted") if requeue else ("first",)
+        wants = ("requeue.rc", "restarted") if requeue else ("chain.rc",) if chain else ("first",)
         state = self._wait_for(job, lambda: any((probe / w).exists() for w in wants))
         _cancel(job)
         if not (probe / "first").exists():
@@ -250,6 +253,13 @@ class Doctor:
                      ("make Slurm's client commands and munge socket visible in the image, or "
                       if runtime else "") + self.where("requeue_policy")
                      + " to 'chain' (a continuation job per stop)")
+        elif chain:
+            rc = _rc(probe / "chain.rc")
+            said = (probe / "chain.log").read_text().strip() if (probe / "chain.log").exists() else ""
+            self.add("requeue", rc == 0, "chain: sbatch from a compute node accepted (a held job, "
+                     "cancelled)" if rc == 0 else f"chain: sbatch from a compute node failed: "
+                     f"{said.splitlines()[-1] if said else 'no answer'}",
+                     self.where("requeue_policy") + " to 'requeue' (scontrol requeue of the job)")
         else:
             self.skip("requeue", f"requeue_policy is {self.v['requeue_policy']}")
 

@@ -4,6 +4,7 @@ after a clean stop (requeue, a continuation job, or nothing)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -69,8 +70,9 @@ def guard(run_dir: Path, job_id: str) -> str:
     state (afternotok) and dropped by Slurm when it completes (kill-on-invalid-dep). A job
     with --no-kill outlives a failed node except the one running its batch script: Slurm
     then kills the batch step and the job FAILS, with no requeue (measured: `scontrol
-    update State=DOWN` of the batch node, JobLaunchFailure). The guard then takes the run
-    over from its last checkpoint. Returns the guard's id."""
+    update State=DOWN` of the batch node, JobLaunchFailure); a chain's job (--no-requeue)
+    is never requeued when a node fails. The guard then takes the run over from its last
+    checkpoint. Returns the guard's id."""
     folder = run_dir / "submitit"
     bad = ledger.bad_slurm_nodes(run_dir)
     spec = RunSpec.read(run_dir)
@@ -84,6 +86,14 @@ def guard(run_dir: Path, job_id: str) -> str:
         shutil.copy(folder / f"{job_id}{suffix}", folder / f"{new}{suffix}")
     launchers.guard_file(run_dir, new).write_text(f"{job_id}\n")
     return new
+
+
+def _drop_guards(run: Path, job_id: str) -> None:
+    """The job was continued: its guard would only start to find nothing to do."""
+    for guard_id in launchers.guards(run):
+        if launchers.guard_file(run, guard_id).read_text().strip() == job_id:
+            with contextlib.suppress(ValueError):
+                cluster.scancel(guard_id)
 
 
 def _take_over(run: Path, slurm: SlurmEnv, guarded: str) -> bool:
@@ -131,7 +141,7 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
             and not _take_over(run, slurm, guarded.read_text().strip())):
         return 0
     spec = RunSpec.read(run)
-    if spec.no_kill and launchers.claim(run, f"guard-{slurm.job_id}"):
+    if spec.guarded and launchers.claim(run, f"guard-{slurm.job_id}"):
         try:
             guard(run, slurm.job_id)
         except (OSError, ValueError) as err:  # the run goes on, unguarded
@@ -214,6 +224,7 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
             ledger.append(run, {"event": "gave_up", "attempt": attempt, "reason": f"chain failed: {err}"})
             return
         ledger.append(run, {"event": "chain", "attempt": attempt, "job": slurm.job_id, "next": new})
+        _drop_guards(run, slurm.job_id)
         print(f"hpcshard: continuation job {new} submitted (afterany:{slurm.job_id})",
               file=sys.stderr, flush=True)
         return

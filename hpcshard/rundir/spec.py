@@ -87,6 +87,12 @@ class RunSpec:
         """Slurm: the allocation outlives a failed node (spares, or fewer nodes allowed)."""
         return self.spares > 0 or 0 < self.min_nodes < self.nodes
 
+    @property
+    def guarded(self) -> bool:
+        """Slurm: a job that Slurm itself would not requeue when a node fails (--no-kill, or
+        --no-requeue for a chain) gets a guard job (`launch.slurm.guard`)."""
+        return self.no_kill or self.requeue_policy == "chain"
+
     def newest_job(self, job_id: str) -> bool:
         """Only the run's newest job may train: a stale requeue or a second continuation
         exits at once instead of racing it for the checkpoints."""

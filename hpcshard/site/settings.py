@@ -135,8 +135,9 @@ SETTINGS: dict[str, Setting] = {
     "script_grace": Setting("int", 60, "Scripts: seconds after the notice before the ranks are "
                             "killed and the job requeued (keep it below signal_lead).", minimum=0,
                             option="--grace"),
-    "requeue_policy": Setting("str", "requeue", "After a clean stop: requeue the job, chain a "
-                              "continuation job (for sites that forbid requeue), or none.",
+    "requeue_policy": Setting("str", "chain", "After a clean stop: chain a continuation job "
+                              "(afterany: the fastest road back, measured), requeue the job "
+                              "(scontrol requeue: waits requeue_delay), or none.",
                               choices=POLICIES, option="--requeue-policy"),
     "max_requeues": Setting("int", 10, "Restarts after stop requests (preemptions) before the run "
                             "gives up.", minimum=0, option="--max-requeues"),

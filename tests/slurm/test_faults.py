@@ -24,7 +24,7 @@ from tests.distributed.test_runtime_checkpoint import (
     rank_pids,
     trained_to,
 )
-from tests.slurm.conftest import freeze, restarts, slurm, state, wait_state
+from tests.slurm.conftest import SCRIPT, freeze, restarts, slurm, state, wait_state
 from tests.slurm.test_launch_slurm import DONE, submit
 
 
@@ -76,8 +76,10 @@ HEALTH = ('f="$HPCSHARD_RUN_DIR/first-node"; [ -e "$f" ] || echo "$SLURMD_NODENA
 def test_a_node_failing_the_health_check_is_excluded_and_never_used_again(
         cluster: dict[str, str], tmp_path: Path) -> None:
     """The profile's health check fails on the node the job first lands on: that node is
-    bad for the run (ledger, status), the job is requeued with it excluded (held while
-    Slurm's ExcNodeList changes) and trains on another node, before any step is lost."""
+    bad for the run (ledger, status), the run goes on in a continuation job that excludes
+    it (requeue_policy chain, the default) and trains on another node, before any step is
+    lost. (The requeue policy's road, `ExcNodeList` on the same job, is the spare test's
+    and the bench's.)"""
     site = tmp_path / "site.toml"
     site.write_text(f"[defaults]\nhealth_check = '{HEALTH}'\n")
     run = tmp_path / "health"
@@ -88,8 +90,10 @@ def test_a_node_failing_the_health_check_is_excluded_and_never_used_again(
     job = str(json.loads((run / "spec.json").read_text())["jobs"][-1])
     wait_for(lambda: (run / "first-node").exists(), 120, "the first health check")
     first = (run / "first-node").read_text().strip()
+    jobs = lambda: json.loads((run / "spec.json").read_text())["jobs"]  # noqa: E731
     try:
-        assert wait_state(job, DONE, 400) == "COMPLETED"
+        wait_for(lambda: len(jobs()) == 2, 120, "the continuation job")
+        assert wait_state(jobs()[1], DONE, 400) == "COMPLETED"
         # Drained in Slurm with the reason (root may: bad_nodes = "drain", the default).
         assert "bad on purpose" in slurm("sinfo", "-R", "-h", "-n", first, "-o", "%E")
     finally:
@@ -97,10 +101,10 @@ def test_a_node_failing_the_health_check_is_excluded_and_never_used_again(
     records = ledger.read(run)
     (bad,) = [r for r in records if r["event"] == "bad_node"]
     assert bad["slurm_node"] == first and "bad on purpose" in bad["reason"] and bad["drained"]
-    (requeue,) = [r for r in records if r["event"] == "requeue"]
-    assert requeue["excluded"] == [first] and not requeue["error"]
-    assert restarts(job) == 1
-    shown = slurm("scontrol", "show", "job", "-o", job)
+    (chained,) = [r for r in records if r["event"] == "chain"]
+    assert chained["job"] == job and chained["next"] == jobs()[1]
+    assert restarts(job) == 0
+    shown = slurm("scontrol", "show", "job", "-o", jobs()[1])
     assert f"ExcNodeList={first}" in shown and f" NodeList={first} " not in shown
     assert [r["attempt"] for r in records if r["event"] == "start"] == [1]  # never trained there
     assert [r["step"] for r in step_records(run)] == list(range(1, 7))
@@ -192,6 +196,43 @@ def test_a_batch_node_set_down_ends_the_job_and_its_guard_takes_the_run_over(
     assert f"guard job {guard} took the run over" in status
     second = guards(run)[-1]
     assert second != guard and wait_state(second, {"CANCELLED"}, 60) == "CANCELLED"
+
+
+@pytest.mark.debug_partition
+def test_a_killed_node_without_a_spare_leaves_the_run_on_fewer_nodes(
+        cluster: dict[str, str], uninterrupted: Path, tmp_path: Path) -> None:
+    """--min-nodes 1 and no spare: every process of node 1 SIGKILLed, its slurmd included (a
+    dead node: Slurm itself hears nothing for SlurmdTimeout). Node 0's launcher declares it
+    lost within seconds and the run goes on inside the allocation on node 0 alone (1x2: the
+    mesh planned again, DCP reshards the 2x2 checkpoint), every step seeing the same global
+    batch it would have seen on 2x2."""
+    run = tmp_path / "fewer"
+    job = submit(cluster, run, "--partition", "debug", "--time", "10:00", "--min-nodes", "1",
+                 *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS))
+    wait_for(lambda: trained_to(run, 7), 240, "step 7, past the warm-up and a commit")
+    victim = heartbeat(run, 1)["slurm_node"]
+    assert freeze(victim, signal.SIGKILL)
+    killed_at = time.time()
+    try:
+        wait_for(lambda: (ledger.end_of(run, 0) or {}).get("reason") == "done", 300, "the run's end")
+    finally:  # the dead node's task holds the job until SlurmdTimeout: cancel it, bring n back
+        hpcshard("cancel", str(run), env=cluster)
+        subprocess.run([str(SCRIPT), "revive", victim], capture_output=True, timeout=60)
+        subprocess.run(["scontrol", "update", f"NodeName={victim}", "State=RESUME"],
+                       env={**os.environ, **cluster}, capture_output=True)
+    records = ledger.read(run)
+    (fault,) = [r for r in records if r["event"] == "fault"]
+    assert fault["restart"] and fault["active"] == [0] and "going on with 1 nodes" in fault["reason"]
+    assert fault["lost"] == [1] and fault["declared"] - killed_at < 12
+    assert [(r["attempt"], r["cycle"], r["world"]) for r in records if r["event"] == "start"] == [
+        (0, 0, 4), (0, 1, 2)]
+    assert restarts(job) == 0 and not any(r["event"] == "guard" for r in records)
+    resumed = [r for r in records if r["event"] == "start"][-1]["resumed_step"]
+    losses = {r["step"]: r["loss"] for r in step_records(run)}
+    reference = {r["step"]: r["loss"] for r in step_records(uninterrupted)}
+    assert sorted(losses) == list(range(1, STEPS + 1))
+    for step in range(resumed + 1, STEPS + 1):  # another world size: another reduction order
+        assert losses[step] == pytest.approx(reference[step], rel=2e-4), step
 
 
 def test_bad_nodes_that_leave_the_partition_too_small_are_refused_before_submitting(

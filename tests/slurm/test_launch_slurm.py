@@ -70,7 +70,7 @@ def test_time_limit_notice_comes_before_the_limit_and_the_job_requeues(cluster: 
     run = tmp_path / "timed"
     proc = hpcshard("submit", "--backend", "slurm", "--nodes", "2", "--gpus", "1", COUNTER,
                     "--run-dir", str(run), "--partition", "debug", "--time", "2", "--signal-lead", "70",
-                    "--grace", "5",
+                    "--grace", "5", "--requeue-policy", "requeue",
                     "--", "--steps", "150", "--save-every", "10", "--step-seconds", "0.5",
                     env=cluster)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -93,7 +93,8 @@ def test_time_limit_notice_comes_before_the_limit_and_the_job_requeues(cluster: 
 def test_hard_requeue_without_notice_resumes_from_the_last_periodic_checkpoint(
         cluster: dict[str, str], tmp_path: Path) -> None:
     run = tmp_path / "hard"
-    job = submit(cluster, run, "--partition", "debug", "--time", "10:00", *sets(steps=24, ckpt_every=4))
+    job = submit(cluster, run, "--partition", "debug", "--time", "10:00", "--requeue-policy", "requeue",
+                 *sets(steps=24, ckpt_every=4))
     wait_for(lambda: 8 in committed(run) and trained_to(run, 10), 240, "a periodic checkpoint")
     before = max(committed(run))
     slurm("scontrol", "requeue", job)  # no notice: Slurm kills the tasks outright

@@ -45,8 +45,8 @@ def test_own_loop_example_preempted_ends_with_the_uninterrupted_weights(
 
     run = tmp_path / "preempted"
     job = submit_script(cluster, run, str(EXAMPLE / "train.py"), "--nodes", "2", "--gpus", "2",
-                        "--time", "10:00", "--", *args, "--final", str(run / "final.pt"),
-                        "--step-seconds", "0.2")
+                        "--time", "10:00", "--requeue-policy", "requeue", "--", *args,
+                        "--final", str(run / "final.pt"), "--step-seconds", "0.2")
     wait_for(lambda: log_has(run, "step 10 "), 240, "training to reach step 10")
     # A job in the high partition needs every GPU: Slurm preempts ours (notice, then requeue).
     slurm("sbatch", "-p", "high", "-N2", "--gpus-per-node=2", "-o", "/dev/null", "--wrap", "sleep 2")
@@ -68,6 +68,7 @@ def test_a_script_ignoring_the_notice_is_requeued_exactly_once(cluster: dict[str
     run = tmp_path / "ignores"
     submitted = time.time()
     job = submit_script(cluster, run, COUNTER, "--nodes", "2", "--gpus", "1", "--time", "10:00",
+                        "--requeue-policy", "requeue",
                         "--script-signal", "none", "--grace", "3", "--",
                         "--steps", "48", "--save-every", "8", "--step-seconds", "0.4")
     # Noticed at step 3, killed about 8 steps later (more on a loaded machine: the notice
@@ -101,6 +102,7 @@ def test_a_framework_that_requeues_itself_is_not_requeued_twice(cluster: dict[st
                                                                 tmp_path: Path) -> None:
     run = tmp_path / "self-requeue"
     job = submit_script(cluster, run, COUNTER, "--nodes", "2", "--gpus", "1", "--time", "10:00",
+                        "--requeue-policy", "requeue",
                         "--script-signal", "USR1", "--grace", "20", "--",
                         "--steps", "24", "--save-every", "4", "--step-seconds", "0.4",
                         "--requeue-on-usr1")

@@ -57,6 +57,7 @@ storage_root = "{tmp_path}/shared"
 [profiles.local]
 description = "the local test cluster"
 partition = "low"
+requeue_policy = "requeue"
 gpus_per_node = 2
 time = "00:10:00"
 modules = ["demo/1.0"]
@@ -65,6 +66,12 @@ setup = ['echo "setup saw $SITE_MARK on $(hostname)" >> "{tmp_path}/setup.log"']
 signal = "USR1"
 template = "launch.j2"
 vars = {{ reservation = "none" }}
+
+[profiles.chained]
+description = "the local test cluster, continuation jobs"
+partition = "low"
+gpus_per_node = 2
+requeue_policy = "chain"
 
 [profiles.big]
 partition = "high"
@@ -136,6 +143,12 @@ def test_doctor_passes_on_the_local_cluster_with_a_smoke_all_reduce(site_env: di
                     "modules": "pass", "requeue": "pass", "all-reduce": "pass"}, proc.stdout
     assert "4 ranks on n1,n2 (gloo)" in proc.stdout and "all checks passed" in proc.stdout
     assert not list((tmp_path / "shared").iterdir())  # the probe cleaned up after itself
+
+
+def test_doctor_checks_that_compute_nodes_may_submit_a_continuation(site_env: dict[str, str]) -> None:
+    proc = hpcshard("doctor", "--profile", "chained", env=site_env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "chain: sbatch from a compute node accepted (a held job, cancelled)" in proc.stdout
 
 
 def test_doctor_names_each_failure_with_its_fix(site_env: dict[str, str], tmp_path: Path) -> None:

@@ -141,3 +141,39 @@ def test_a_peer_is_not_lost_while_this_launchers_own_heartbeats_cannot_be_writte
     assert sup.lost([1]) == []
     clock[0] += supervise.LOST_S + 1
     assert sup.lost([1]) == [1]
+
+
+@pytest.mark.parametrize("state,records,jobs,takes", [
+    ("FAILED", [], ["7"], True),  # its batch node failed: nothing closed the attempt
+    ("NODE_FAIL", [{"event": "start", "attempt": 2}], ["7"], True),
+    ("CANCELLED", [], ["7"], False),  # somebody cancelled it
+    ("COMPLETED", [], ["7"], False),
+    ("FAILED", [{"event": "end", "attempt": 0, "reason": "error"}], ["7"], False),  # a real failure
+    ("FAILED", [{"event": "chain", "attempt": 0}], ["7"], False),  # continued already
+    ("FAILED", [], ["7", "8"], False),  # a newer job has the run
+])
+def test_a_guard_takes_the_run_over_only_from_a_job_that_failed_without_a_word(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, state: str, records: list[dict[str, object]],
+        jobs: list[str], takes: bool) -> None:
+    from hpcshard.launch import slurm
+    from hpcshard.rundir import ledger
+    from hpcshard.rundir.launchers import LAUNCH, attempt_file
+    from hpcshard.rundir.spec import RunSpec
+
+    RunSpec(job="jobs/charlm.py", sets={}, nodes=2, gpus=1, backend="slurm", name="x", spares=1,
+            jobs=jobs).write(tmp_path)
+    (tmp_path / LAUNCH).mkdir()
+    for r in records:
+        ledger.append(tmp_path, r)
+    monkeypatch.setattr(slurm.cluster, "show_job", lambda job, timeout=0: {"JobState": state})
+    env = slurm.SlurmEnv(job_id="9", nodes=["n1", "n2"], node_id=0, restart_count=0, gpus_on_node=1)
+    assert slurm._take_over(tmp_path, env, "7") is takes
+    if takes:
+        attempt = max([0, *(int(str(r["attempt"])) for r in records)])
+        assert attempt_file(tmp_path, "9").read_text() == f"{attempt + 1}\n"
+        assert RunSpec.read(tmp_path).jobs == [*jobs, "9"]
+        (guard,) = [r for r in ledger.read(tmp_path) if r["event"] == "guard"]
+        assert guard["job"] == "7" and guard["state"] == state
+    else:
+        assert not attempt_file(tmp_path, "9").exists() and RunSpec.read(tmp_path).jobs == jobs
+        assert [r["event"] for r in ledger.read(tmp_path)] == [r["event"] for r in records]
