@@ -15,6 +15,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hpcshard.rundir.metrics import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 PY = sys.executable
@@ -66,10 +68,7 @@ def median(values: list[float]) -> float:
 
 
 def records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(run_dir)
 
 
 def save(bench: str, metrics: list[Metric], details: dict[str, Any]) -> None:

@@ -9,19 +9,17 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcshard.rundir.files import append_line, read_lines
+
 LEDGER = "attempts.jsonl"
 
 
 def append(run_dir: Path, record: dict[str, Any]) -> None:
-    with (run_dir / LEDGER).open("a") as f:
-        f.write(json.dumps({"time": time.time(), **record}) + "\n")
+    append_line(run_dir / LEDGER, json.dumps({"time": time.time(), **record}) + "\n")
 
 
 def read(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / LEDGER
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_lines(run_dir / LEDGER)
 
 
 def end_of(run_dir: Path, attempt: int) -> dict[str, Any] | None:

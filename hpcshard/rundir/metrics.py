@@ -3,19 +3,17 @@ record per logged step, evaluation or event. Stdlib: the CLI and status read it.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
+
+from hpcshard.rundir.files import read_lines
 
 METRICS = "metrics.jsonl"
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
     """Every record of RUN_DIR/metrics.jsonl, oldest first (none yet: empty)."""
-    path = run_dir / METRICS
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_lines(run_dir / METRICS)
 
 
 def train_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
+from hpcshard.rundir.files import append_line
 from hpcshard.runtime.device import DistEnv, peak_memory_bytes
 
 log = logging.getLogger("hpcshard")
@@ -83,8 +84,7 @@ class Metrics:
             return
         line = json.dumps({k: _clean(v) for k, v in record.items()}) + "\n"
         try:
-            with self.path.open("a") as f:
-                f.write(line)
+            append_line(self.path, line)
         except OSError as err:  # a full disk loses records, never the training
             if not self.dropped:
                 log.warning("metrics not written (%s); training goes on, records are lost "

@@ -213,3 +213,33 @@ def test_write_atomic_ignores_a_group_writable_umask(tmp_path: Path) -> None:
     finally:
         os.umask(old)
     assert (tmp_path / "manifest.json").stat().st_mode & 0o777 == 0o640
+
+
+def test_a_record_cut_short_by_a_full_disk_is_taken_back_and_torn_lines_are_skipped(
+        tmp_path: Path) -> None:
+    """A full disk cuts a write short (here: a file size limit, which does the same). The
+    file must not keep half a record, with the next one glued to it: every reader of the
+    ledger and the metrics (the launchers' decisions, `status`) would fail on it."""
+    import resource
+    import signal
+
+    from hpcshard.rundir.files import append_line, read_lines
+
+    path = tmp_path / "log.jsonl"
+    append_line(path, json.dumps({"step": 1}) + "\n")
+    size = path.stat().st_size
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, old[1]))
+    try:
+        with pytest.raises(OSError):
+            append_line(path, json.dumps({"step": 2, "loss": 1.0, "pad": "x" * 80}) + "\n")
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert path.stat().st_size == size
+    append_line(path, json.dumps({"step": 3}) + "\n")
+    with path.open("a") as f:  # a line torn before appends were taken back
+        f.write('{"step": 4, "lo\n')
+    append_line(path, json.dumps({"step": 5}) + "\n")
+    assert [r["step"] for r in read_lines(path)] == [1, 3, 5]
