@@ -165,8 +165,23 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     # One launcher sends the job on: node 0's, unless it was lost.
     if code == REQUEUE_EXIT and launchers.claim(run, f"continue-{attempt}"):
         _continue(run, slurm, attempt, first_attempt, max_requeues, policy)
+        if policy == "chain":
+            _end_orphan(run, slurm, attempt)
         _down_lost(run, spec, attempt)
     return code
+
+
+def _end_orphan(run: Path, slurm: SlurmEnv, attempt: int) -> None:
+    """A job whose batch node was lost never ends by itself (measured: that node frozen,
+    then DOWN, the job stays RUNNING on the nodes left, and its continuation waits on it
+    forever): cancel it, now that its continuation is submitted; after the DOWN that
+    `_down_lost` sends (which removes the lost node from the job, and may end this
+    launcher), from a process of its own."""
+    batch = (cluster.show_job(slurm.job_id, timeout=30) or {}).get("BatchHost", "")
+    if batch and batch in {r.get("slurm_node") for r in ledger.bad_nodes(run, attempt, lost=True)}:
+        ledger.append(run, {"event": "cancel", "attempt": attempt, "job": slurm.job_id,
+                            "reason": f"its batch node {batch} was lost: it cannot end by itself"})
+        cluster.scancel_detached(slurm.job_id)
 
 
 def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:
@@ -179,11 +194,17 @@ def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:
     spare leaves its allocation to Slurm's own timeout."""
     if spec.bad_nodes != "drain":
         return
-    for r in ledger.bad_nodes(run, attempt, lost=True):
-        if r.get("slurm_node"):
-            refused = cluster.drain(r["slurm_node"], f"hpcshard {run.name}: {r['reason']}", "DOWN")
-            ledger.append(run, {"event": "node_down", "attempt": attempt, "slurm_node": r["slurm_node"],
-                                **({"error": refused} if refused else {})})
+    lost = sorted({r["slurm_node"] for r in ledger.bad_nodes(run, attempt, lost=True) if r.get("slurm_node")})
+    if not lost:
+        return
+    # Recorded first and in one call: marking a node of this job DOWN kills this very
+    # launcher (the whole step), so nothing after it runs (one call per node downed one).
+    for node in lost:
+        ledger.append(run, {"event": "node_down", "attempt": attempt, "slurm_node": node})
+    refused = cluster.drain(",".join(lost), f"hpcshard {run.name}: lost: silent", "DOWN")
+    if refused:
+        ledger.append(run, {"event": "node_down", "attempt": attempt, "slurm_node": ",".join(lost),
+                            "error": refused})
 
 
 def _fewer_nodes(run: Path, slurm: SlurmEnv, attempt: int, bad: list[str]) -> int | None:

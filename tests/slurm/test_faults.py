@@ -235,6 +235,41 @@ def test_a_killed_node_without_a_spare_leaves_the_run_on_fewer_nodes(
         assert losses[step] == pytest.approx(reference[step], rel=2e-4), step
 
 
+@pytest.mark.debug_partition
+def test_a_frozen_batch_node_without_a_spare_continues_in_a_new_job(
+        cluster: dict[str, str], uninterrupted: Path, tmp_path: Path) -> None:
+    """No spare, the default chain policy: the node that runs the batch script freezes.
+    Node 1's launcher declares it lost, decides alone, submits the continuation without it
+    and marks it DOWN, which ends the job (NODE_FAIL: it is not --no-kill) at once instead
+    of after SlurmdTimeout. The continuation trains on the 2 other nodes; the run ends
+    bitwise equal. (With --no-kill the job would stay RUNNING on the nodes left, its batch
+    script on the frozen node: then it is also cancelled. The chaos soak meets that.)"""
+    run = tmp_path / "orphan"
+    job = submit(cluster, run, "--partition", "debug", "--time", "10:00",
+                 *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS))
+    wait_for(lambda: trained_to(run, 7), 240, "step 7, past the commit of step 4")
+    batch = heartbeat(run, 0)["slurm_node"]
+    jobs = lambda: json.loads((run / "spec.json").read_text())["jobs"]  # noqa: E731
+    freeze(batch)
+    try:
+        assert wait_state(job, DONE, 120) in ("NODE_FAIL", "CANCELLED")
+        wait_for(lambda: len(jobs()) == 2, 30, "the continuation job")
+        assert wait_state(jobs()[1], DONE, 300) == "COMPLETED"
+    finally:
+        freeze(batch, signal.SIGCONT)
+        subprocess.run(["scontrol", "update", f"NodeName={batch}", "State=RESUME"],
+                       env={**os.environ, **cluster}, capture_output=True)
+    records = ledger.read(run)
+    (chained,) = [r for r in records if r["event"] == "chain"]
+    assert chained["job"] == job and chained["next"] == jobs()[1]
+    assert [r["slurm_node"] for r in records if r["event"] == "node_down"] == [batch]
+    assert f"ExcNodeList={batch}" in slurm("scontrol", "show", "job", "-o", jobs()[1])
+    reference, mine = committed(uninterrupted), committed(run)
+    assert STEPS in mine
+    for step, path in mine.items():
+        assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
+
+
 def test_bad_nodes_that_leave_the_partition_too_small_are_refused_before_submitting(
         cluster: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """`hpcshard resume` asks for the partition without the run's bad nodes: with 2 of
