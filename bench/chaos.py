@@ -55,7 +55,7 @@ CLUSTER = 9
 SEED = int(os.environ.get("HPCSHARD_CHAOS_SEED", "15"))
 INTERVAL = float(os.environ.get("HPCSHARD_CHAOS_INTERVAL", "120"))
 FAULTS = int(os.environ.get("HPCSHARD_CHAOS_FAULTS", "12"))
-STEP_S = 0.31
+STEP_S = 0.39
 """The 2x2 demo's step here (measured): the run's length is sized from it."""
 DISK_MB = 256
 PER_15 = 900.0

@@ -8,6 +8,7 @@ import contextlib
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from pathlib import Path
@@ -172,16 +173,18 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
 
 
 def _end_orphan(run: Path, slurm: SlurmEnv, attempt: int) -> None:
-    """A job whose batch node was lost never ends by itself (measured: that node frozen,
-    then DOWN, the job stays RUNNING on the nodes left, and its continuation waits on it
-    forever): cancel it, now that its continuation is submitted; after the DOWN that
-    `_down_lost` sends (which removes the lost node from the job, and may end this
-    launcher), from a process of its own."""
+    """A --no-kill job whose batch node was lost never ends by itself (measured: that node
+    frozen, then DOWN, the job stays RUNNING on the nodes left, and its continuation waits
+    on it forever): cancel it, now that its continuation is submitted, and before its lost
+    nodes are marked DOWN (`_down_lost`: Slurm then KILLs every process of the step, this
+    launcher and whatever it started). The cancel's TERM is ignored from here on."""
     batch = (cluster.show_job(slurm.job_id, timeout=30) or {}).get("BatchHost", "")
     if batch and batch in {r.get("slurm_node") for r in ledger.bad_nodes(run, attempt, lost=True)}:
         ledger.append(run, {"event": "cancel", "attempt": attempt, "job": slurm.job_id,
                             "reason": f"its batch node {batch} was lost: it cannot end by itself"})
-        cluster.scancel_detached(slurm.job_id)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        with contextlib.suppress(ValueError):
+            cluster.scancel(slurm.job_id)
 
 
 def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:

@@ -6,10 +6,8 @@ that does not answer): callers get None, an empty dict or a ValueError, not a tr
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import shlex
 import shutil
 import signal
 import subprocess
@@ -203,16 +201,6 @@ def drain(node: str, reason: str, state: str = "DRAIN") -> str:
     except (OSError, subprocess.TimeoutExpired) as err:
         return str(err)
     return (proc.stderr.strip() or f"exit {proc.returncode}") if proc.returncode else ""
-
-
-def scancel_detached(job_id: str, delay: float = 2.0) -> None:
-    """`scancel JOB` from inside that job, `delay` seconds from now (what the caller does
-    meanwhile, such as marking nodes DOWN, may end the caller): not waited for, and deaf to
-    the TERM that Slurm sends every process of the job step (KillWait passes before KILL)."""
-    with contextlib.suppress(OSError):
-        subprocess.Popen(["sh", "-c", f"sleep {delay:.1f}; exec scancel {shlex.quote(job_id)}"],
-                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                         preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
 
 
 def requeued_by_other(job_id: str, restart_count: int) -> str:
