@@ -41,18 +41,25 @@ def node_env(slurm: SlurmEnv, per_node: int) -> NodeEnv:
                    run_id=f"{slurm.job_id}-{slurm.restart_count}")
 
 
-def chain(run_dir: Path, job_id: str, attempt: int) -> str:
-    """Submit a continuation of this job that starts when it ends (`afterany`): the same
-    script and submitit pickle under a new job id. Returns the new id."""
+def _resubmit(run_dir: Path, job_id: str, *args: str) -> str:
+    """Submit job `job_id`'s script again (with sbatch `args`, a dependency on it among
+    them), excluding the run's bad nodes. Returns the new id."""
     folder = run_dir / "submitit"
     bad = ledger.bad_slurm_nodes(run_dir)
-    new = cluster.sbatch(f"--dependency=afterany:{job_id}", *([f"--exclude={','.join(bad)}"] if bad else []),
+    new = cluster.sbatch(*args, *([f"--exclude={','.join(bad)}"] if bad else []),
                          str(folder / f"{job_id}_submission.sh"))
     # Under its own id, what submitit wrote for the first job: the pickle it unpickles, and
     # the script the next continuation is submitted from. (It cannot start before this job
-    # ends: afterany.)
+    # ends: its dependency.)
     for suffix in ("_submitted.pkl", "_submission.sh"):
         shutil.copy(folder / f"{job_id}{suffix}", folder / f"{new}{suffix}")
+    return new
+
+
+def chain(run_dir: Path, job_id: str, attempt: int) -> str:
+    """Submit a continuation of this job that starts when it ends (`afterany`): the same
+    script and submitit pickle under a new job id. Returns the new id."""
+    new = _resubmit(run_dir, job_id, f"--dependency=afterany:{job_id}")
     chained = attempt_file(run_dir, new)
     chained.parent.mkdir(exist_ok=True)
     chained.write_text(f"{attempt}\n")
@@ -74,17 +81,11 @@ def guard(run_dir: Path, job_id: str) -> str:
     update State=DOWN` of the batch node, JobLaunchFailure); a chain's job (--no-requeue)
     is never requeued when a node fails. The guard then takes the run over from its last
     checkpoint. Returns the guard's id."""
-    folder = run_dir / "submitit"
-    bad = ledger.bad_slurm_nodes(run_dir)
     spec = RunSpec.read(run_dir)
     fewest = min(spec.nodes, spec.min_nodes or spec.nodes)
     # A node less (the failed one) may leave no room for the spares: fewer are taken then.
-    new = cluster.sbatch(f"--dependency=afternotok:{job_id}", "--kill-on-invalid-dep=yes",
-                         f"--nodes={fewest}-{spec.nodes + spec.spares}",
-                         *([f"--exclude={','.join(bad)}"] if bad else []),
-                         str(folder / f"{job_id}_submission.sh"))
-    for suffix in ("_submitted.pkl", "_submission.sh"):
-        shutil.copy(folder / f"{job_id}{suffix}", folder / f"{new}{suffix}")
+    new = _resubmit(run_dir, job_id, f"--dependency=afternotok:{job_id}", "--kill-on-invalid-dep=yes",
+                    f"--nodes={fewest}-{spec.nodes + spec.spares}")
     launchers.guard_file(run_dir, new).write_text(f"{job_id}\n")
     return new
 
