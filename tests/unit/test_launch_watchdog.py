@@ -95,7 +95,8 @@ def test_a_board_left_by_a_killed_launcher_does_not_name_a_reused_pid() -> None:
             f.seek(_SLOT.size - 8)
             f.write(struct.pack("d", started(os.getpid()) - 3600.0))
         boards[1].publish(0, rank=5, step=1, phase="step")
-        assert ranks_below([os.getppid()]) == [os.getpid()]
+        # other xdist workers' launchers are below the same parent: count this pid only
+        assert ranks_below([os.getppid()]).count(os.getpid()) == 1
         assert started(os.getpid()) <= time.time()
     finally:
         for board in boards:
