@@ -56,10 +56,11 @@ def _resubmit(run_dir: Path, job_id: str, *args: str) -> str:
     return new
 
 
-def chain(run_dir: Path, job_id: str, attempt: int) -> str:
+def chain(run_dir: Path, job_id: str, attempt: int, after: bool = True) -> str:
     """Submit a continuation of this job that starts when it ends (`afterany`): the same
-    script and submitit pickle under a new job id. Returns the new id."""
-    new = _resubmit(run_dir, job_id, f"--dependency=afterany:{job_id}")
+    script and submitit pickle under a new job id. Returns the new id. `after=False`: at
+    once, on other nodes (this job is an orphan, cancelled next: see `_orphaned`)."""
+    new = _resubmit(run_dir, job_id, *([f"--dependency=afterany:{job_id}"] if after else []))
     chained = attempt_file(run_dir, new)
     chained.parent.mkdir(exist_ok=True)
     chained.write_text(f"{attempt}\n")
@@ -166,26 +167,37 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     code = run_node(node_env(slurm, per_node), run, stop_signal=ranks.notice_signal)
     # One launcher sends the job on: node 0's, unless it was lost.
     if code == REQUEUE_EXIT and launchers.claim(run, f"continue-{attempt}"):
-        _continue(run, slurm, attempt, first_attempt, max_requeues, policy)
-        if policy == "chain":
-            _end_orphan(run, slurm, attempt)
+        orphan = _orphaned(run, slurm, attempt) if policy == "chain" else ""
+        _continue(run, slurm, attempt, first_attempt, max_requeues, policy, after=not orphan)
+        if orphan:
+            _end_orphan(run, slurm, attempt, orphan)
         _down_lost(run, spec, attempt)
     return code
 
 
-def _end_orphan(run: Path, slurm: SlurmEnv, attempt: int) -> None:
-    """A --no-kill job whose batch node was lost never ends by itself (measured: that node
-    frozen, then DOWN, the job stays RUNNING on the nodes left, and its continuation waits
-    on it forever): cancel it, now that its continuation is submitted, and before its lost
-    nodes are marked DOWN (`_down_lost`: Slurm then KILLs every process of the step, this
-    launcher and whatever it started). The cancel's TERM is ignored from here on."""
+def _orphaned(run: Path, slurm: SlurmEnv, attempt: int) -> str:
+    """The job's batch node if this attempt lost it, else "". Such a --no-kill job never
+    ends by itself (measured: that node frozen, then DOWN, the job stays RUNNING on the
+    nodes left, and a continuation after it waits forever); cancelled, Slurm still holds it
+    about 60 s while its step sits on the frozen node (measured in the chaos soak: 82-86 s
+    from the stop to training again). So its continuation starts at once, on other nodes,
+    without waiting for it: nothing of it writes to the run any more (every launcher left
+    has stopped, the lost one is marked DOWN next), and only the newest job may train."""
     batch = (cluster.show_job(slurm.job_id, timeout=30) or {}).get("BatchHost", "")
-    if batch and batch in {r.get("slurm_node") for r in ledger.bad_nodes(run, attempt, lost=True)}:
-        ledger.append(run, {"event": "cancel", "attempt": attempt, "job": slurm.job_id,
-                            "reason": f"its batch node {batch} was lost: it cannot end by itself"})
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        with contextlib.suppress(ValueError):
-            cluster.scancel(slurm.job_id)
+    lost = {r.get("slurm_node") for r in ledger.bad_nodes(run, attempt, lost=True)}
+    return batch if batch and batch in lost else ""
+
+
+def _end_orphan(run: Path, slurm: SlurmEnv, attempt: int, batch: str) -> None:
+    """Cancel an orphaned job (`_orphaned`) now that its continuation is submitted, and
+    before its lost nodes are marked DOWN (`_down_lost`: Slurm then KILLs every process of
+    the step, this launcher and whatever it started). The cancel's TERM is ignored from
+    here on."""
+    ledger.append(run, {"event": "cancel", "attempt": attempt, "job": slurm.job_id,
+                        "reason": f"its batch node {batch} was lost: it cannot end by itself"})
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with contextlib.suppress(ValueError):
+        cluster.scancel(slurm.job_id)
 
 
 def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:
@@ -232,7 +244,7 @@ def _fewer_nodes(run: Path, slurm: SlurmEnv, attempt: int, bad: list[str]) -> in
 
 
 def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_requeues: int,
-              policy: str) -> None:
+              policy: str, after: bool = True) -> None:
     # Continuations since this submission: `hpcshard resume` starts a fresh count.
     done = sum(1 for r in ledger.read(run)
                if r["event"] in ("requeue", "chain", "guard") and r["attempt"] >= first_attempt)
@@ -244,13 +256,15 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
         return
     if policy == "chain":
         try:
-            new = chain(run, slurm.job_id, attempt + 1)
+            new = chain(run, slurm.job_id, attempt + 1, after=after)
         except (OSError, ValueError) as err:
             ledger.append(run, {"event": "gave_up", "attempt": attempt, "reason": f"chain failed: {err}"})
             return
-        ledger.append(run, {"event": "chain", "attempt": attempt, "job": slurm.job_id, "next": new})
+        ledger.append(run, {"event": "chain", "attempt": attempt, "job": slurm.job_id, "next": new,
+                            **({} if after else {"at_once": True})})
         _drop_guards(run, slurm.job_id)
-        print(f"hpcshard: continuation job {new} submitted (afterany:{slurm.job_id})",
+        print(f"hpcshard: continuation job {new} submitted "
+              + (f"(afterany:{slurm.job_id})" if after else "(at once: this job is cancelled)"),
               file=sys.stderr, flush=True)
         return
     by = cluster.requeued_by_other(slurm.job_id, slurm.restart_count)

@@ -240,8 +240,9 @@ def test_a_frozen_batch_node_without_a_spare_continues_in_a_new_job(
         cluster: dict[str, str], uninterrupted: Path, tmp_path: Path) -> None:
     """No spare, the default chain policy: the node that runs the batch script freezes.
     Node 1's launcher declares it lost, decides alone, submits the continuation without it
-    and marks it DOWN, which ends the job (NODE_FAIL: it is not --no-kill) at once instead
-    of after SlurmdTimeout. The continuation trains on the 2 other nodes; the run ends
+    (at once, not after the job: Slurm holds a job whose step sits on a frozen node), cancels
+    the job and marks the node DOWN, which ends the job at once instead of after
+    SlurmdTimeout. The continuation trains on the 2 other nodes; the run ends
     bitwise equal. (With --no-kill the job would stay RUNNING on the nodes left, its batch
     script on the frozen node: then it is also cancelled. The chaos soak meets that.)"""
     run = tmp_path / "orphan"
@@ -262,6 +263,7 @@ def test_a_frozen_batch_node_without_a_spare_continues_in_a_new_job(
     records = ledger.read(run)
     (chained,) = [r for r in records if r["event"] == "chain"]
     assert chained["job"] == job and chained["next"] == jobs()[1]
+    assert chained.get("at_once")  # not after the orphan: Slurm holds it ~60 s once cancelled
     assert [r["slurm_node"] for r in records if r["event"] == "node_down"] == [batch]
     assert f"ExcNodeList={batch}" in slurm("scontrol", "show", "job", "-o", jobs()[1])
     reference, mine = committed(uninterrupted), committed(run)
