@@ -112,6 +112,9 @@ class TrainConfig:
     """Steps of each (re)start judged by watchdog_phase_s instead (cold start, compile)."""
     watchdog_phase_s: float = 1800.0
     """The limit of everything else: setup, load, save, evaluation, the warm-up steps."""
+    watchdog_join_s: float = 120.0
+    """The limit of joining the process group (every rank already started: seconds even at
+    thousands of ranks; a rank stuck connecting to the store waits 30 min otherwise)."""
     nan_policy: str = "stop"
     """A nan/inf loss or gradient norm: stop (the checkpoint before it intact) | rollback
     (reload the newest checkpoint and skip the global batches that led to it)."""
@@ -154,8 +157,8 @@ class TrainConfig:
                      "nan_rollbacks", "straggler_every", "health_link_mb", "health_link_gbps"):
             _positive(name, getattr(self, name), zero_ok=True)
 
-        for name in ("keep_last", "watchdog_factor", "watchdog_floor_s", "watchdog_phase_s", "nan_skip",
-                     "straggler_margin", "straggler_patience"):
+        for name in ("keep_last", "watchdog_factor", "watchdog_floor_s", "watchdog_phase_s",
+                     "watchdog_join_s", "nan_skip", "straggler_margin", "straggler_patience"):
             _positive(name, getattr(self, name))
         signal_names(self.stop_signals)
 

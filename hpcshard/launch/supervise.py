@@ -446,7 +446,8 @@ class Supervisor:
             ledger.append(self.run_dir, {
                 "event": "watchdog", "attempt": self.ranks.attempt, "cycle": cycle,
                 "step_limit": round(dog.step_limit() or 0, 3), "median_step": round(dog.median(), 4),
-                "factor": limits.factor, "floor_s": limits.floor_s, "phase_s": limits.phase_s})
+                "factor": limits.factor, "floor_s": limits.floor_s, "phase_s": limits.phase_s,
+                "join_s": limits.join_s})
         return True
 
     def _recovered(self, cycle: int, decided: dict[str, Any], slots: list[Any]) -> bool:

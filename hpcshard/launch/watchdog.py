@@ -5,8 +5,10 @@ starts seen on this node in this cycle, with a floor (`watchdog_factor`,
 `watchdog_floor_s`). The first `watchdog_warmup_steps` steps of a cycle (a cold start, a
 `torch.compile` warm-up) and every other phase (setup, load, save, eval) get the outer
 limit `watchdog_phase_s` instead: a slow save or a long evaluation is never taken for a
-hang. A rank stopped by a signal, or still running while its peers wait in a collective,
-is named as the culprit.
+hang. Joining the process group has its own, `watchdog_join_s`: every rank has started by
+then, and a rank stuck connecting to the store (seen: rarely, after a hard requeue) would
+wait for torch's 30 minutes. A rank stopped by a signal, or still running while its peers
+wait in a collective, is named as the culprit.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Limits:
     floor_s: float = 5.0
     warmup_steps: int = 3
     phase_s: float = 1800.0
+    join_s: float = 120.0
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> Limits:
@@ -34,7 +37,8 @@ class Limits:
         return cls(factor=float(cfg.get("watchdog_factor", d.factor)),
                    floor_s=float(cfg.get("watchdog_floor_s", d.floor_s)),
                    warmup_steps=int(cfg.get("watchdog_warmup_steps", d.warmup_steps)),
-                   phase_s=float(cfg.get("watchdog_phase_s", d.phase_s)))
+                   phase_s=float(cfg.get("watchdog_phase_s", d.phase_s)),
+                   join_s=float(cfg.get("watchdog_join_s", d.join_s)))
 
 
 def stat_fields(pid: int | str) -> list[str]:
@@ -100,7 +104,8 @@ class Watchdog:
         for s in slots:
             if s.phase in ("done", "idle"):
                 continue
-            limit = steady if s.phase == "step" and steady is not None else self.limits.phase_s
+            limit = (steady if s.phase == "step" and steady is not None else
+                     self.limits.join_s if s.phase == "join" else self.limits.phase_s)
             if now - s.since + self.poll_s > limit:
                 overdue.append((s, limit))
         if not overdue:

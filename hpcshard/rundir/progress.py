@@ -16,8 +16,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-PHASES = ("idle", "setup", "load", "step", "eval", "save", "done")
-"""What a rank is doing. `done`: it left the training loop (finished, stopped, failed)."""
+PHASES = ("idle", "setup", "load", "step", "eval", "save", "done", "join")
+"""What a rank is doing. `done`: it left the training loop (finished, stopped, failed);
+`join`: it joins the process group (init_process_group: the store, the backend's mesh)."""
 
 _SLOT = struct.Struct("<qqqqd")  # pid, rank, step, phase, phase start (Unix time)
 

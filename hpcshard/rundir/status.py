@@ -114,7 +114,8 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
         r = learned[-1]
         lines.append(f"watchdog ({r['attempt']}.{r['cycle']}): a step may take {r['step_limit']:.1f} s "
                      f"({r['factor']:g} x the median {r['median_step']:.2f} s, at least "
-                     f"{r['floor_s']:g} s); other phases {r['phase_s']:g} s")
+                     f"{r['floor_s']:g} s); joining {r.get('join_s', 120):g} s, "
+                     f"other phases {r['phase_s']:g} s")
     for r in (r for r in records if r["event"] == "links"):
         low = r["slowest"]
         lines.append(f"links ({r['attempt']}.{r['cycle']}): slowest node {low['from']} -> {low['to']} at "

@@ -76,9 +76,10 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
     attempt, resume = ranks.attempt, ranks.resume
     startup = {"entry": start or time.time(), "torch": time.time()}
     flight.arm(run_dir, attempt, ranks.cycle)  # before the process group: see rundir.flight
+    report = reporter(ranks)
+    report("join", 0)  # the launcher's watchdog gives it watchdog_join_s
     env = init_distributed()
     startup["rendezvous"] = time.time()
-    report = reporter(ranks, env)
     report("setup", 0)
     signal.signal(signal.SIGTERM, _terminated(report))
     stop: StopRequest | None = None
@@ -188,14 +189,16 @@ def _rollbacks(run_dir: Path, trainer: Trainer, attempt: int, cycle: int, main: 
     trainer.record = record
 
 
-def reporter(ranks: RankEnv, env: DistEnv) -> Callable[[str, int], None]:
-    """This rank's slot on its node's progress board, which its launcher watches."""
+def reporter(ranks: RankEnv) -> Callable[[str, int], None]:
+    """This rank's slot on its node's progress board, which its launcher watches. From
+    torchrun's variables: it reports before it joins the process group."""
     if not ranks.board:
         return lambda phase, step: None
-    board = Board(Path(ranks.board), env.per_node)
+    local_rank, rank = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("RANK", 0))
+    board = Board(Path(ranks.board), int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
 
     def report(phase: str, step: int) -> None:
-        board.publish(env.local_rank, rank=env.rank, step=step, phase=phase)
+        board.publish(local_rank, rank=rank, step=step, phase=phase)
     return report
 
 

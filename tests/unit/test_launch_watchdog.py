@@ -82,6 +82,19 @@ def test_a_hang_is_declared_by_its_limit_at_the_latest() -> None:
     assert hung is not None and hung["limit"] == 5.0
 
 
+def test_a_rank_stuck_joining_the_process_group_is_hung_after_the_join_limit() -> None:
+    """Joining (init_process_group) gets watchdog_join_s, not the 30 min of other phases: a
+    rank stuck connecting to the store once cost a test 240 s; its peers wait for it in
+    the same phase, and the one furthest behind on the board is named."""
+    dog = Watchdog(Limits(phase_s=1800.0, join_s=120.0))
+    joining = [slot(0, 0, "join", 1000.0), slot(1, 0, "join", 1000.5)]
+    assert dog.look(joining, 1119.0) is None
+    hung = dog.look(joining, 1121.0)
+    assert hung is not None and hung["phase"] == "join" and hung["limit"] == 120.0
+    assert dog.look([slot(0, 0, "setup", 1000.0)], 1121.0) is None  # setup: phase_s
+    assert Limits.from_config({"watchdog_join_s": 30}).join_s == 30.0
+
+
 def test_a_board_left_by_a_killed_launcher_does_not_name_a_reused_pid() -> None:
     """pids wrap (32768 by default): a board of a SIGKILLed launcher stays in /dev/shm, and
     its slot's pid may belong to a new process by now. ranks_below counts only slots written
