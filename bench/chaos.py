@@ -42,7 +42,7 @@ from typing import Any
 
 from bench.common import RESULTS, ROOT, Metric, env, hpcshard, records, run, save, show, wait
 from hpcshard.rundir import launchers, ledger
-from hpcshard.rundir.goodput import account
+from hpcshard.rundir.goodput import account, between, timeline
 
 NAME = "chaos"
 SCRIPT = ROOT / "scripts" / "local-slurm"
@@ -204,10 +204,9 @@ def main() -> list[Metric]:
         finished = end["time"]
         good = account(run_dir, created, finished)
         led = ledger.read(run_dir)
-        trained = [r for r in records(run_dir) if "loss" in r]
-        step_s = (good.seconds["training"] + good.seconds["checkpoint"]) / len({r["step"] for r in trained})
-        costs(soak.faults, trained, finished, step_s)
-        details = {"seed": SEED, "interval_s": INTERVAL, "steps": steps, "step_s": step_s, "ckpt_every": 16,
+        costs(soak.faults, run_dir, created, finished)
+        details = {"seed": SEED, "interval_s": INTERVAL, "steps": steps, "ckpt_every": 16,
+                   "created": created, "end": finished,
                    "finished": end["reason"] == "done",
                    "faults": soak.faults, "goodput": good.seconds, "wall": good.wall,
                    "ledger_events": [r["event"] for r in led], "replays": replays(run_dir),
@@ -234,19 +233,19 @@ def gap(rng: random.Random) -> float:
     return rng.uniform(0.5 * INTERVAL, 1.5 * INTERVAL)
 
 
-def costs(faults: list[dict[str, Any]], trained: list[dict[str, Any]], finished: float,
-          step_s: float) -> None:
+def costs(faults: list[dict[str, Any]], run_dir: Path, created: float, finished: float) -> None:
     """Each fault's cost: the wall time from it to the next fault (or the run's end), less
-    what training advanced in that time at the steady pace (`step_s`: training and periodic
-    saves per step). It holds detection, recovery, the queue, steps trained again, and the
-    hold a full disk or a stop save puts on training."""
-    def reached(t: float) -> int:
-        return max((r["step"] for r in trained if r["time"] <= t), default=0)
-
+    the time that window spent training steps for the first time, saving and evaluating
+    (the goodput accounting's own pieces, cut at the faults). It holds detection,
+    recovery, the queue, start-up and the steps trained again (`recomputed`, its share);
+    a save that fails on a full disk and a preemption's stop save count as saves."""
+    pieces, _, _ = timeline(run_dir, created, finished)
     ends = [f["time"] for f in faults[1:]] + [finished]
     for fault, end in zip(faults, ends, strict=True):
-        advanced = reached(end) - reached(fault["time"])
-        fault["cost"] = max(0.0, end - fault["time"] - advanced * step_s)
+        spent = between(pieces, fault["time"], end)
+        useful = sum(spent.get(k, 0.0) for k in ("training", "checkpoint", "evaluation"))
+        fault["cost"] = max(0.0, end - fault["time"] - useful)
+        fault["recomputed"] = spent.get("recomputed", 0.0)
 
 
 def replays(run_dir: Path) -> dict[str, int]:
@@ -292,6 +291,9 @@ def report(d: dict[str, Any], run_dir: Path) -> list[Metric]:
     --report` makes it again from the last soak's)."""
     good, wall = d["goodput"], d["wall"]
     effective = good["training"] / wall
+    if (run_dir / "spec.json").exists():  # the costs from the run itself (an older soak's too)
+        created = d.get("created") or json.loads((run_dir / "spec.json").read_text())["created"]
+        costs(d["faults"], run_dir, created, d.get("end") or created + wall)
     spent = [f["cost"] for f in d["faults"]]
     per_fault = statistics.mean(spent) if spent else 0.0
     # One fault per 15 minutes, from what was measured. With the soak's checkpoint interval:
@@ -303,7 +305,8 @@ def report(d: dict[str, Any], run_dir: Path) -> list[Metric]:
     # start-up: the cost less the steps trained again) and half an interval recomputed.
     stalls = [r["save_s"] for r in records(run_dir) if r.get("save_s")]
     stall = statistics.median(stalls) if stalls else 0.0
-    fixed = max(0.0, per_fault - good.get("recomputed", 0.0) / max(1, len(spent)))
+    fixed = (statistics.mean(max(0.0, f["cost"] - f.get("recomputed", 0.0)) for f in d["faults"])
+             if spent else 0.0)
     tau = math.sqrt(2 * stall * PER_15) if stall else 0.0
     young = 1 - (stall / tau if tau else 0.0) - (fixed + tau / 2) / PER_15
     by_kind: dict[str, list[float]] = {}
@@ -316,7 +319,7 @@ def report(d: dict[str, Any], run_dir: Path) -> list[Metric]:
         Metric(NAME, "effective training time over the soak", 100 * effective, "%", ">= 90",
                effective >= 0.90, note=f"{wall:.0f} s wall from submission to the end, measured from "
                "the ledger and metrics"),
-        Metric(NAME, "cost of a fault (mean: wall time less training advanced until the next)",
+        Metric(NAME, "cost of a fault (mean: wall time to the next less training, saves, evaluation)",
                per_fault, "s", note=f"of which {fixed:.1f} s not recomputing lost steps"),
         Metric(NAME, "effective at one fault per 15 min, the soak's checkpoint interval",
                100 * at_15, "%", ">= 98", at_15 >= 0.98,

@@ -32,7 +32,7 @@ import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpcshard.rundir import flight, ledger, progress
+from hpcshard.rundir import flight, launchers, ledger, progress
 from hpcshard.rundir.rankenv import (
     ENV_DOC,
     REQUEUE_EXIT,
@@ -176,7 +176,7 @@ def run(run_dir: Path, script: dict[str, Any], early: list[int]) -> int:
                                     "how": "the script exited with hpcshard.preemption.REQUEUE",
                                     **last_save(run_dir)})
         return 0
-    if code:
+    if code and not launchers.over(run_dir, attempt, env.cycle):  # (else: stale, see `over`)
         # What the launcher needs to tell a bug (the same error at the same step again)
         # from a fault: the exception, or the exit code, and the step last reported.
         ledger.append(run_dir, {"event": "rank_failed", "attempt": attempt, "cycle": env.cycle,

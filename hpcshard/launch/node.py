@@ -149,6 +149,8 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
         # No ranks left to tell. A Python handler would be reset to "terminate" while the
         # interpreter shuts down, and a late notice would then kill this task (-12).
         signal.signal(stop_signal, signal.SIG_IGN)
+    if sup is not None and sup.fenced:
+        return 0  # it left the run while the others went on: nothing of it is its to say
     if own and sup is not None:
         return _script_outcome(run_dir, sup.me == sup.roster.leader, ranks.attempt, code,
                                noticed=sup.noticed is not None, killed=sup.killed, grace=grace)

@@ -204,6 +204,10 @@ class Roster:
         return (*self.active, *self.spares)
 
 
+class Fenced(Exception):
+    """This launcher was stopped (its node frozen) and its peers went on without it."""
+
+
 @dataclass
 class Watch:
     """What one cycle came to."""
@@ -249,6 +253,9 @@ class Supervisor:
         self.roster = Roster.first(node.nnodes, spec.nodes)
         """Who trains in the current cycle, and who waits."""
         self.seen_bad: set[int] = set()
+        self.at_cycle = 0
+        self.fenced = False
+        """It stood still while the run went on without it: it has left the run."""
 
     @property
     def me(self) -> int:
@@ -258,7 +265,10 @@ class Supervisor:
         """Say this launcher is alive, at most every BEAT_S (called from every wait); `done`:
         it ends with this exit code (never to be taken for lost, nor waited for)."""
         if time.monotonic() - self.beaten >= BEAT_S or done is not None:
+            stalled = time.monotonic() - self.beaten if self.beaten else 0.0
             self.beaten = time.monotonic()
+            if stalled > LOST_S:
+                self._stood_still(stalled)
             try:
                 launchers.beat(self.run_dir, self.ranks.attempt, self.me,
                                {**self.where, **({"done": done} if done is not None else {})})
@@ -268,9 +278,30 @@ class Supervisor:
             if self.heard_since == math.inf:
                 self.heard_since = time.time()
 
+    def _stood_still(self, seconds: float) -> None:
+        """This launcher did not run for `seconds` (its node was frozen, stopped, starved):
+        its peers may have declared it lost and gone on without it. Then it leaves the run
+        at once and says nothing (Fenced: measured in the chaos soak, a node thawed after
+        the run went on declared its peers lost, drained a healthy node in Slurm, and wrote
+        failures of an attempt long over). Else its peers' silence counts from now: it
+        heard nothing while it stood still."""
+        attempt, cycle = self.ranks.attempt, self.at_cycle
+        # Decided facts only: a peer's suspicion (a fault naming it lost) is not one, and a
+        # launcher that comes back before the decision is kept (it says it is down).
+        decided = launchers.decision(self.run_dir, attempt, cycle) or {}
+        kept = [*decided.get("active", []), *decided.get("spares", [])]
+        if (decided.get("restart") and self.me not in kept) or any(
+                r.get("node") == self.me for r in ledger.bad_nodes(self.run_dir, attempt, lost=True)):
+            raise Fenced(f"declared lost while it stood still for {seconds:.0f} s")
+        if ledger.moved_on(self.run_dir, attempt, cycle):
+            raise Fenced(f"the run started again without it while it stood still for {seconds:.0f} s")
+        if self.heard_since != math.inf:
+            self.heard_since = time.time()
+
     def lost(self, nodes: list[int] | tuple[int, ...]) -> list[int]:
         """Which of these nodes are lost: silent for LOST_S (or never heard of, UNHEARD_S
         after this launcher began). One that said it ended is not."""
+        self.beat()  # (a launcher stopped since its last beat must not judge before it knows)
         now, beats = time.time(), launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
         unheard = self.began + UNHEARD_S - LOST_S
         return [n for n in nodes if "done" not in beats.get(n, {})
@@ -278,8 +309,18 @@ class Supervisor:
 
     # -- one cycle -------------------------------------------------------------------
     def run(self) -> int:
-        code = self._run()
-        self.beat(done=code)
+        """Supervise this node's ranks until the run ends here; the exit code. A launcher
+        fenced off (`_stood_still`) returns 0 and must write nothing more (`fenced`)."""
+        try:
+            code = self._run()
+            self.beat(done=code)
+        except Fenced as why:  # its ranks must not train on, nor it speak for the run
+            self.fenced = True
+            below = descendants(os.getpid())  # agents, ranks, zygote, a health check
+            send(below, signal.SIGCONT)
+            send(below, signal.SIGKILL)
+            print(f"hpcshard: node {self.me} leaves the run: {why}", file=sys.stderr, flush=True)
+            return 0  # (not a failure: a non-zero exit would take the others' job down)
         return code
 
     def _run(self) -> int:
@@ -297,6 +338,7 @@ class Supervisor:
             print(f"hpcshard: node {self.me} ({name}) failed its health check: {why}",
                   file=sys.stderr, flush=True)
         while True:
+            self.at_cycle = cycle
             if self.me in self.roster.active and not unhealthy:
                 watch = self.cycle(replace(node, node_rank=self.roster.active.index(self.me)), cycle)
             else:
@@ -486,15 +528,16 @@ class Supervisor:
             "host": self.where["host"], "dead": watch.dead, "reached": watch.reached,
             "ranks": watch.ranks})
         deadline = time.monotonic() + DOWN_TIMEOUT_S + 30
-        while time.monotonic() < deadline:
-            self.beat()
+        while True:
+            self.beat()  # (first: one frozen here past the deadline is fenced, not failed)
             found = launchers.decision(self.run_dir, attempt, cycle)
             if found is not None:
                 return found
             if self.decider() == self.me:
                 return launchers.decide(self.run_dir, attempt, cycle, self.decide(cycle, watch))
+            if time.monotonic() >= deadline:
+                return {"restart": False, "code": 1, "reason": "no launcher decided (are they gone?)"}
             time.sleep(POLL_S)
-        return {"restart": False, "code": 1, "reason": "no launcher decided (are they gone?)"}
 
     def decider(self) -> int:
         """Who decides after a fault: the lowest launcher of the job not lost (not bad)."""
@@ -668,7 +711,11 @@ class Supervisor:
                 env={**os.environ, "HPCSHARD_RUN_DIR": str(self.run_dir)}))
             deadline = time.monotonic() + HEALTH_TIMEOUT_S
             while proc.poll() is None:
-                self.beat()
+                try:
+                    self.beat()
+                except Fenced:  # (Popen's exit would wait for the command)
+                    proc.kill()
+                    raise
                 if time.monotonic() > deadline:
                     proc.kill()
                     return f"{name} took over {HEALTH_TIMEOUT_S:.0f} s"
@@ -682,6 +729,7 @@ class Supervisor:
     def bad(self, cycle: int, node: int, where: dict[str, Any], reason: str) -> None:
         """A node this run must not use again (a ledger record, with where it ran). On
         Slurm, with `bad_nodes = drain`, Slurm is told too (where the user may)."""
+        self.beat()  # (a launcher stopped since its last beat must not judge before it knows)
         told: dict[str, Any] = {}
         if where.get("slurm_node") and self.spec.bad_nodes == "drain":
             from hpcshard.slurm import cluster

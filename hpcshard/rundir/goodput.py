@@ -56,9 +56,15 @@ class Goodput:
         return out
 
 
-def account(run_dir: Path, created: float, now: float | None = None) -> Goodput:
-    """The run's wall time, cut and classified (see the module's text). `created`: when it
-    was submitted (RunSpec.created)."""
+Piece = tuple[float, float, dict[str, float]]
+"""A stretch of the timeline (start, end) and its seconds by category (they add up to it,
+but for a step record whose save and evaluation times exceed the stretch)."""
+
+
+def timeline(run_dir: Path, created: float, now: float | None = None) -> tuple[list[Piece], int, int]:
+    """The run's wall time, cut at its marks and classified (see the module's text):
+    the pieces in order, the faults and the starts of the ranks. `created`: when it was
+    submitted (RunSpec.created)."""
     marks: list[tuple[float, str, dict[str, Any]]] = [(created, "submit", {})]
     for r in read_metrics(run_dir):
         if r.get("event") == "start":
@@ -77,40 +83,65 @@ def account(run_dir: Path, created: float, now: float | None = None) -> Goodput:
             marks.append((r["time"], "end", r))
     marks.sort(key=lambda m: m[0])
     last = marks[-1][0] if now is None else max(now, marks[-1][0])
-    out: dict[str, float] = defaultdict(float)
+    pieces: list[Piece] = []
     done = 0  # the furthest step trained so far
     before = 0  # the step the previous mark of this start stood at
     faulted = False  # since the last start: the ranks died of a fault
     for (t0, kind0, _), (t1, kind1, r1) in zip(marks, [*marks[1:], (last, "now", {})], strict=True):
         span = max(0.0, t1 - t0)
+        out: dict[str, float] = {}
         if kind1 == "entry":
-            out["recovery" if faulted else "queue+launch"] += span
+            out["recovery" if faulted else "queue+launch"] = span
             faulted = False
         elif kind1 == "loaded":
-            out["start-up"] += span
+            out["start-up"] = span
             before = r1["first"] - 1
         elif kind1 == "step":
             paused = {"checkpoint": float(r1.get("save_s", 0)), "evaluation": float(r1.get("eval_s", 0))}
-            paused = {k: min(v, span) for k, v in paused.items()}
-            for k, v in paused.items():
-                out[k] += v
-            rest = max(0.0, span - sum(paused.values()))
+            out = {k: min(v, span) for k, v in paused.items()}
+            rest = max(0.0, span - sum(out.values()))
             step = int(r1["step"])
             covered = max(1, step - before)
             new = max(0, step - max(before, done))
-            out["training"] += rest * new / covered
-            out["recomputed"] += rest * (covered - new) / covered
+            out["training"] = rest * new / covered
+            out["recomputed"] = rest * (covered - new) / covered
             done, before = max(done, step), step
         elif kind1 == "fault":
-            out["recovery" if kind0 == "fault" else "detection"] += span
+            out["recovery" if kind0 == "fault" else "detection"] = span
             faulted = True
         elif faulted or kind0 == "fault":
-            out["recovery"] += span  # an end record written while the ranks died
+            out["recovery"] = span  # an end record written while the ranks died
         elif kind1 == "end" and r1.get("reason") == "error":
-            out["detection"] += span
+            out["detection"] = span
         elif kind0 == "end" or kind0 == "submit":
-            out["queue+launch"] += span  # stopped, waiting for the next start (or still queued)
+            out["queue+launch"] = span  # stopped, waiting for the next start (or still queued)
         else:
-            out["checkpoint"] += span  # the last step -> its end: the final (or stop) save
-    starts = sum(1 for m in marks if m[1] == "entry")
+            out["checkpoint"] = span  # the last step -> its end: the final (or stop) save
+        pieces.append((t0, max(t0, t1), out))
+    return pieces, faults, sum(1 for m in marks if m[1] == "entry")
+
+
+def between(pieces: list[Piece], start: float, end: float) -> dict[str, float]:
+    """Seconds by category from `start` to `end` (a piece cut by either counts in
+    proportion: e.g. the cost of one fault, up to the next)."""
+    out: dict[str, float] = defaultdict(float)
+    for t0, t1, seconds in pieces:
+        inside = min(t1, end) - max(t0, start)
+        if inside <= 0:
+            continue
+        share = inside / (t1 - t0) if t1 > t0 else 0.0
+        for name, s in seconds.items():
+            out[name] += s * share
+    return dict(out)
+
+
+def account(run_dir: Path, created: float, now: float | None = None) -> Goodput:
+    """The run's wall time, cut and classified (see the module's text). `created`: when it
+    was submitted (RunSpec.created)."""
+    pieces, faults, starts = timeline(run_dir, created, now)
+    out: dict[str, float] = defaultdict(float)
+    for _, _, seconds in pieces:
+        for name, s in seconds.items():
+            out[name] += s
+    last = pieces[-1][1] if pieces else created
     return Goodput(wall=last - created, seconds=dict(out), faults=faults, starts=starts)

@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcshard.rundir import ledger
 from hpcshard.rundir.files import write_atomic
 
 LAUNCH = "launch"
@@ -151,6 +152,13 @@ def decision(run_dir: Path, attempt: int, cycle: int) -> dict[str, Any] | None:
         return dict(json.loads(_cycle_file(run_dir, "next", attempt, cycle).read_text()))
     except FileNotFoundError:
         return None
+
+
+def over(run_dir: Path, attempt: int, cycle: int) -> bool:
+    """Is this cycle over: decided after a fault, or the run started again since? A rank
+    of it that fails now was stopped meanwhile (a frozen node, thawed): what it would
+    record (a failure, its end) is stale, and the decision was made without it."""
+    return decision(run_dir, attempt, cycle) is not None or ledger.moved_on(run_dir, attempt, cycle)
 
 
 def beat(run_dir: Path, attempt: int, node: int, record: dict[str, Any]) -> None:

@@ -32,6 +32,14 @@ def next_attempt(run_dir: Path) -> int:
     return 1 + max((int(r["attempt"]) for r in read(run_dir)), default=-1)
 
 
+def moved_on(run_dir: Path, attempt: int, cycle: int) -> bool:
+    """Has the run started again since this attempt's cycle (a restart, a requeue)? A
+    process of an older one was stopped or cut off meanwhile (a frozen node, thawed):
+    it has nothing more to say, and what it would say (a failure, a lost peer) is stale."""
+    return any(r["event"] == "start" and (int(r["attempt"]), int(r.get("cycle", 0))) > (attempt, cycle)
+               for r in read(run_dir))
+
+
 def bad_nodes(run_dir: Path, attempt: int | None = None, lost: bool = False) -> list[dict[str, Any]]:
     """The run's bad-node records (those of one attempt; only nodes lost, i.e. silent,
     whose launchers never end by themselves)."""

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hpcshard.config import TrainConfig, build_config
-from hpcshard.rundir import flight, ledger
+from hpcshard.rundir import flight, launchers, ledger
 from hpcshard.rundir.progress import Board
 from hpcshard.rundir.rankenv import STACKS_SIGNAL, STRAGGLER_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
@@ -215,8 +215,12 @@ def _terminated(report: Callable[[str, int], None]) -> Callable[[int, object], N
 
 def _failed(run_dir: Path, ranks: RankEnv, env: DistEnv, step: int | None, err: BaseException) -> None:
     """Every rank that fails says how, for the launchers to tell a bug in the job (the same
-    exception at the same step again) from a fault (a peer that died, a signal)."""
+    exception at the same step again) from a fault (a peer that died, a signal). A rank of
+    a node that was frozen while the run went on (its peers gone when it is thawed) says
+    nothing: the run has moved on."""
     with contextlib.suppress(OSError):
+        if launchers.over(run_dir, ranks.attempt, ranks.cycle):
+            return
         ledger.append(run_dir, {"event": "rank_failed", "attempt": ranks.attempt,
                                 "cycle": ranks.cycle, "rank": env.rank, "host": socket.gethostname(),
                                 "step": step, "error": type(err).__name__,

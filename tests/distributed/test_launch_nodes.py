@@ -19,7 +19,7 @@ import pytest
 
 from hpcshard.launch.supervise import LOST_S, descendants
 from hpcshard.rundir import ledger
-from hpcshard.rundir.launchers import launchers, pid_file
+from hpcshard.rundir.launchers import beats, launchers, pid_file
 from tests.conftest import STEPS, hpcshard, hpcshard_bg, metrics, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import (
     assert_bitwise_equal,
@@ -36,11 +36,11 @@ LINK_FLOOR = 0.12
 the whole suite runs on the 2 cores; a node that gets 3% of the time, 0.04-0.07."""
 
 
-def freeze(run: Path, node: int) -> float:
-    """SIGSTOP every process of emulated node `node`; returns when."""
+def freeze(run: Path, node: int, sig: int = signal.SIGSTOP) -> float:
+    """SIGSTOP (or `sig`) every process of emulated node `node`; returns when."""
     launcher = int(pid_file(run, node).read_text())
     for pid in [launcher, *descendants(launcher)]:
-        os.kill(pid, signal.SIGSTOP)
+        os.kill(pid, sig)
     return time.time()
 
 
@@ -62,14 +62,23 @@ def test_a_frozen_node_is_replaced_by_a_spare_and_the_run_ends_bitwise_equal(
     """Node 1 freezes: node 0 hears nothing from it for LOST_S and declares it lost. Node 0
     freezes: it decided after faults and hosted the rendezvous; node 1 takes over both once
     node 0 is silent. Either way spare node 2 takes the lost node's place in the same
-    attempt, the mesh keeps its 2x2 shape, and nothing else changes."""
+    attempt, the mesh keeps its 2x2 shape, and nothing else changes. Once the run trains
+    again, the frozen node thaws (a network partition heals): it sees it was declared lost
+    and leaves without a word; its ranks are killed (in the chaos soak one thawed node
+    declared its peers lost, drained a healthy node and wrote failures long over)."""
     run = tmp_path / f"spare-{victim}"
     proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "--spares", "1", "jobs/charlm.py",
                        "--run-dir", str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100))
     wait_for(partial(trained_to, run, 7), 180, "step 7, past the warm-up and a commit")
     frozen_at = freeze(run, victim)
+    wait_for(lambda: records(run, "recovered"), 120, "training again on the spare")
+    thawed_at = freeze(run, victim, signal.SIGCONT)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
+    assert f"hpcshard: node {victim} leaves the run: declared lost while it stood still" in out
+    late = [r for r in ledger.read(run) if r["time"] > thawed_at and r.get("cycle", 0) == 0]
+    assert late == []  # nothing from the cycle it froze in
+    assert beats(run, 0, 3)[victim]["time"] < thawed_at  # not a beat more: it left at once
 
     (fault,) = records(run, "fault")
     assert fault["restart"] and fault["lost"] == [victim] and fault["bad"] == [victim]
