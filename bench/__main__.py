@@ -6,12 +6,12 @@ from __future__ import annotations
 import sys
 import time
 
-from bench import chaos, checkpoint, cli_latency, faults, nodes, overhead, requeue, resume, scaling
+from bench import chaos, checkpoint, cli_latency, faults, nodes, overhead, requeue, resume, scaling, tp
 from bench.common import RESULTS, show
 
 BENCHES = {"overhead": overhead, "checkpoint": checkpoint, "resume": resume, "requeue": requeue,
            "cli": cli_latency, "scaling": scaling, "faults": faults,
-           "nodes": nodes, "chaos": chaos}
+           "nodes": nodes, "chaos": chaos, "tp": tp}
 
 
 def main(names: list[str]) -> int:

@@ -70,6 +70,10 @@ class TrainConfig:
     """auto (hybrid on >1 node, else full) | hybrid (shard in a node, replicate across
     nodes: HSDP) | full (shard over all ranks) | grad-op (full, but keep parameters
     gathered between forward and backward) | none (replicate only, DDP-like)."""
+    tp: int = 1
+    """Tensor parallel degree: this many ranks of one node share each block's matrices
+    (the innermost mesh dimension; FSDP shards over the rest of the node, HSDP replicates
+    across nodes). 1: no tensor parallelism. Needs the job's `tp_plan`."""
     precision: str = "fp32"
     """fp32 | bf16 (bf16 compute, fp32 reduce) | fp16 (fp16 compute with a grad scaler)."""
     ac: str = "none"
@@ -157,7 +161,7 @@ class TrainConfig:
                      "nan_rollbacks", "straggler_every", "health_link_mb", "health_link_gbps"):
             _positive(name, getattr(self, name), zero_ok=True)
 
-        for name in ("keep_last", "watchdog_factor", "watchdog_floor_s", "watchdog_phase_s",
+        for name in ("tp", "keep_last", "watchdog_factor", "watchdog_floor_s", "watchdog_phase_s",
                      "watchdog_join_s", "nan_skip", "straggler_margin", "straggler_patience"):
             _positive(name, getattr(self, name))
         signal_names(self.stop_signals)

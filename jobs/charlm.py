@@ -42,6 +42,39 @@ class Config(TrainConfig, DataConfig):
         if self.dim % self.n_heads:
             raise ValueError(f"n_heads={self.n_heads} does not divide dim={self.dim}; "
                              "pick n_heads among the divisors of dim")
+        if self.n_heads % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide n_heads={self.n_heads}: each tensor "
+                             "parallel rank computes whole heads; pick tp among its divisors")
+        if self.seq_len % self.tp:
+            raise ValueError(f"tp={self.tp} does not divide seq_len={self.seq_len} (sequence "
+                             "parallelism splits the sequence); pick tp among its divisors")
+
+
+class Attention(nn.Module):
+    """Causal self-attention. Under tensor parallelism q, k and v hold this rank's heads
+    (their output features), so the head count is read from the tensors."""
+
+    def __init__(self, dim: int, n_heads: int, dropout: float) -> None:
+        super().__init__()
+        self.head_dim, self.dropout = dim // n_heads, dropout
+        self.q, self.k, self.v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t = x.shape[:2]
+        q, k, v = (f(x).view(b, t, -1, self.head_dim).transpose(1, 2) for f in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.proj(a.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.fc(x)))
 
 
 class Block(nn.Module):
@@ -49,23 +82,13 @@ class Block(nn.Module):
 
     def __init__(self, dim: int, n_heads: int, dropout: float) -> None:
         super().__init__()
-        self.n_heads, self.dropout = n_heads, dropout
-        self.ln1 = nn.LayerNorm(dim)
-        self.qkv = nn.Linear(dim, 3 * dim)
-        self.proj = nn.Linear(dim, dim)
-        self.ln2 = nn.LayerNorm(dim)
-        self.fc = nn.Linear(dim, 4 * dim)
-        self.out = nn.Linear(4 * dim, dim)
+        self.ln1, self.attn = nn.LayerNorm(dim), Attention(dim, n_heads, dropout)
+        self.ln2, self.mlp = nn.LayerNorm(dim), MLP(dim)
         self.drop = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.n_heads, c // self.n_heads).permute(
-            2, 0, 3, 1, 4)
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, c)))
-        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+        x = x + self.drop(self.attn(self.ln1(x)))
+        return x + self.drop(self.mlp(self.ln2(x)))
 
 
 class CharLM(nn.Module):
@@ -100,6 +123,39 @@ def init(root: nn.Module, name: str, module: nn.Module) -> None:
         module.reset_parameters()
 
 
+def tp_plan(cfg: Config, model: nn.Module) -> dict[str, object]:
+    """Tensor parallelism for `--set tp=K` (Megatron-style, with sequence parallelism):
+    q, k, v and fc split by output features (a rank computes whole heads, a slice of the
+    MLP), proj and out by input features, their sum reduce-scattered back to the sequence
+    split; norms and the residual stream hold a slice of the sequence; the embeddings
+    split by rows; the head gathers the sequence and returns whole logits."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {
+        "tok": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "pos": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),  # (t, dim)
+        "blocks.*.ln1": SequenceParallel(),
+        "blocks.*.attn": gather,
+        "blocks.*.attn.q": ColwiseParallel(),
+        "blocks.*.attn.k": ColwiseParallel(),
+        "blocks.*.attn.v": ColwiseParallel(),
+        "blocks.*.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+        "blocks.*.ln2": SequenceParallel(),
+        "blocks.*.mlp": gather,
+        "blocks.*.mlp.fc": ColwiseParallel(),
+        "blocks.*.mlp.out": RowwiseParallel(output_layouts=Shard(1)),
+        "ln_f": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
+
+
 def data(cfg: Config) -> DataSplits:
     return load_splits(cfg)
 
@@ -110,4 +166,5 @@ def flops_per_token(cfg: Config, model: nn.Module) -> float:
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * cfg.seq_len
 
 
-job = Job(config=Config, model=CharLM, data=data, init=init, flops_per_token=flops_per_token)
+job = Job(config=Config, model=CharLM, data=data, init=init, flops_per_token=flops_per_token,
+          tp_plan=tp_plan)

@@ -280,5 +280,53 @@ def flops_per_token(cfg: Config, model: nn.Module) -> float:
     return 6.0 * n + 12.0 * layers * heads * head_dim * cfg.seq_len
 
 
+def tp_plan(cfg: Config, model: nn.Module) -> dict[str, object]:
+    """Tensor parallelism for `--set tp=K` from the model type's own plan in transformers
+    (`config.base_model_tp_plan`: Llama, Mistral, Qwen2, ... name their attention q/k/v/o
+    and MLP gate/up/down projections colwise or rowwise), under the base model's prefix.
+    The input embedding is split by vocabulary rows, the head by vocabulary columns
+    (whole logits come back), and every other module with parameters (the norms) is
+    `Replicated`: no sequence parallelism, since the decoder computes positions and the
+    causal mask from its input's length."""
+    from fnmatch import fnmatch
+
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from hpcshard.runtime.shard import Replicated
+
+    config: Any = model.config
+    base = getattr(config, "base_model_tp_plan", None) or {}
+    if not base:
+        raise ValueError(f"model_type={config.model_type!r} has no tensor parallel plan in transformers; "
+                         "use tp=1, or a job with a tp_plan of its own")
+    for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value % cfg.tp:
+            raise ValueError(f"tp={cfg.tp} does not divide the model's {key}={value}; "
+                             "pick tp among its divisors")
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()  # type: ignore[operator]
+    if head is not None and head.weight is emb.weight:
+        raise ValueError("tie_embeddings with tp > 1: the embedding and the head would split the "
+                         "same matrix two ways; set tie_embeddings=false or tp=1")
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    prefix = f"{model.base_model_prefix}." if getattr(model, "base_model_prefix", "") else ""
+    plan: dict[str, object] = {}
+    for pattern, style in base.items():
+        if style not in styles:
+            raise ValueError(f"model_type={config.model_type!r}'s tensor parallel plan uses style "
+                             f"{style!r} ({pattern}), which hpcshard does not map; use tp=1")
+        plan[prefix + pattern] = styles[style]()
+    names = {m: n for n, m in model.named_modules()}
+    plan[names[emb]] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+    if head is not None:
+        plan[names[head]] = ColwiseParallel(output_layouts=Replicate())
+    for name, module in model.named_modules():
+        owns = next(module.parameters(recurse=False), None) is not None
+        if owns and not any(fnmatch(name, p) for p in plan):
+            plan[name] = Replicated()  # norms
+    return plan
+
+
 job = Job(config=Config, model=build_model, data=data, loss=loss, init=init,
-          flops_per_token=flops_per_token)
+          flops_per_token=flops_per_token, tp_plan=tp_plan)

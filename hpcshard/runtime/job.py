@@ -59,6 +59,13 @@ class Job:
     place. Called once per module, on full-size tensors, under a seed of its name."""
     flops_per_token: Callable[[Any, nn.Module], float] = param_flops_per_token
     """Training FLOPs per token for MFU, given the config and the (meta) model."""
+    tp_plan: Callable[[Any, nn.Module], dict[str, Any]] | None = None
+    """tp_plan(cfg, model) -> {module name pattern: ParallelStyle}: how `--set tp=K` splits
+    the (meta) model over a node's tensor parallel group, as torch's `parallelize_module`
+    takes it (fnmatch patterns such as `blocks.*.attn.q`; ColwiseParallel, RowwiseParallel,
+    SequenceParallel, PrepareModuleInput). Every parameter must end up a DTensor of the
+    tp mesh (norms under SequenceParallel, embeddings under RowwiseParallel). None: the
+    job cannot run with tp > 1."""
 
 
 def _import_file(path: Path) -> Any:

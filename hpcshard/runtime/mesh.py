@@ -1,4 +1,5 @@
-"""The 2D HSDP mesh and the FSDP1-style sharding modes that map onto it."""
+"""The device mesh: HSDP's (replicate, shard), the FSDP1-style sharding modes that map onto
+it, and tensor parallelism as an innermost `tp` dimension inside a node."""
 
 from __future__ import annotations
 
@@ -19,23 +20,50 @@ def resolve_sharding(mode: str, nodes: int) -> str:
     return mode
 
 
-def mesh_shape(mode: str, nodes: int, per_node: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+def check_tp(tp: int, per_node: int) -> None:
+    """A tensor parallel group lives inside one node (its collectives run every layer)."""
+    if tp < 1 or per_node % tp:
+        divisors = [d for d in range(1, per_node + 1) if per_node % d == 0]
+        raise ValueError(f"tp={tp} does not divide the {per_node} ranks of a node; "
+                         f"use one of {', '.join(map(str, divisors))}")
+
+
+def mesh_shape(mode: str, nodes: int, per_node: int, tp: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """hybrid: (nodes, per_node) as (replicate, shard); none: (world, 1); full/grad-op: (world,).
+    With tp > 1 a `tp` dimension of that size comes last and the others hold world / tp.
 
     Ranks of one node are contiguous (torchrun numbers each agent's workers together), so
-    the shard dimension stays inside a node and only the replicate all-reduce crosses nodes.
+    the tp dimension (innermost) and the shard dimension stay inside a node and only the
+    replicate all-reduce crosses nodes.
     """
-    world = nodes * per_node
+    check_tp(tp, per_node)
+    dp, inner = nodes * per_node // tp, per_node // tp
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
     if mode == "hybrid":
-        return (nodes, per_node), ("replicate", "shard")
-    if mode == "none":
-        return (world, 1), ("replicate", "shard")
-    return (world,), ("shard",)
+        shape, names = (nodes, inner), ("replicate", "shard")
+    elif mode == "none":
+        shape, names = (dp, 1), ("replicate", "shard")
+    else:
+        shape, names = (dp,), ("shard",)
+    return (shape + (tp,), names + ("tp",)) if tp > 1 else (shape, names)
 
 
-def build_mesh(device_type: str, nodes: int, per_node: int, sharding: str = "auto") -> DeviceMesh:
+def build_mesh(device_type: str, nodes: int, per_node: int, sharding: str = "auto",
+               tp: int = 1) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
     mode = resolve_sharding(sharding, nodes)
-    shape, names = mesh_shape(mode, nodes, per_node)
+    shape, names = mesh_shape(mode, nodes, per_node, tp)
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data parallel part (what FSDP shards and replicates over): all but `tp`."""
+    names = tuple(n for n in (mesh.mesh_dim_names or ()) if n != "tp")
+    return mesh if len(names) == mesh.ndim else mesh[names]
+
+
+def tp_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The tensor parallel group of this rank, or None without tensor parallelism."""
+    return mesh["tp"] if "tp" in (mesh.mesh_dim_names or ()) else None

@@ -19,7 +19,7 @@ from hpcshard.config import build_config
 from hpcshard.runtime.blocks import find_blocks, on_meta
 from hpcshard.runtime.data import GlobalBatches
 from hpcshard.runtime.job import load_job
-from hpcshard.runtime.mesh import resolve_sharding
+from hpcshard.runtime.mesh import check_tp, resolve_sharding
 
 
 def preflight(request: dict[str, Any]) -> dict[str, Any]:
@@ -27,13 +27,19 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
     world = nodes * gpus
     job = load_job(request["job"])
     cfg = build_config(job.config, request["sets"])
-    micro, accum = cfg.accumulation(world)
+    check_tp(cfg.tp, gpus)
+    if cfg.tp > 1 and job.tp_plan is None:
+        raise ValueError(f"tp={cfg.tp}: job {request['job']} has no tp_plan (how to split its "
+                         "model); add one to its Job (see the README) or use tp=1")
+    micro, accum = cfg.accumulation(world // cfg.tp)
     with on_meta():
         model = job.model(cfg)
     blocks = find_blocks(model, cfg.block, cfg.block_min_params)
+    if cfg.tp > 1 and job.tp_plan is not None:
+        job.tp_plan(cfg, model)  # its own checks (heads, tied weights), before anything queues
     splits = job.data(cfg)
     GlobalBatches(splits.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, micro=micro,
-                  rank=0, world=world, seed=cfg.seed)
+                  rank=0, world=world // cfg.tp, seed=cfg.seed)
     return {
         "config": dataclasses.asdict(cfg),
         "sharding": resolve_sharding(cfg.sharding, nodes),

@@ -4,6 +4,7 @@ materialise the meta-device model with the same values on every world size."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -15,7 +16,8 @@ from torch.distributed.fsdp import (
     OffloadPolicy,
     fully_shard,
 )
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ParallelStyle
 
 from hpcshard.runtime.blocks import InitFn, canonical_name, find_blocks, module_seed, reset_init
 
@@ -56,6 +58,51 @@ def _replace_child(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
                 setattr(parent, name, new)
                 return
     raise AssertionError("block is not a child of the model")
+
+
+class Replicated(ParallelStyle):
+    """A tensor parallel style for a module every rank of the group computes whole (a norm
+    outside sequence parallelism, a router): its parameters become Replicate DTensors of
+    the tp mesh (so FSDP and the optimizer see one kind of parameter), its tensor inputs
+    are taken as replicated, its outputs handed back as plain tensors. torchtitan's
+    `NoParallel`; torch has no public one."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def partition(_name: str, mod: nn.Module, mesh: DeviceMesh) -> None:
+            for pname, p in list(mod.named_parameters(recurse=False)):
+                # src_data_rank=None: every rank already holds the same values
+                mod.register_parameter(pname, nn.Parameter(
+                    distribute_tensor(p.data, mesh, [Replicate()], src_data_rank=None),
+                    requires_grad=p.requires_grad))
+
+        def inputs(_mod: nn.Module, args: Any, mesh: DeviceMesh) -> Any:
+            return tuple(DTensor.from_local(a, mesh, [Replicate()], run_check=False)
+                         if isinstance(a, torch.Tensor) and not isinstance(a, DTensor) else a
+                         for a in args)
+
+        def outputs(_mod: nn.Module, out: Any, _mesh: DeviceMesh) -> Any:
+            return out.to_local() if isinstance(out, DTensor) else out
+
+        return distribute_module(module, device_mesh, partition, inputs, outputs)
+
+
+def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> None:
+    """Tensor parallelism on the (meta) model before FSDP: `plan` as `parallelize_module`
+    takes it, over the tp mesh. Every parameter must then be a DTensor of that mesh: FSDP
+    and the optimizer cannot mix a plain tensor with them."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    if not plan:
+        raise ValueError("the job's tp_plan is empty; name the modules to split "
+                         "(see the README's section on tensor parallel plans)")
+    # src_data_rank=None: nothing to send, the model is on the meta device (materialize
+    # initialises every shard the same way on every rank).
+    parallelize_module(model, mesh, plan, src_data_rank=None)
+    left = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if left:
+        raise ValueError(f"the job's tp_plan leaves {len(left)} parameter(s) out of tensor "
+                         f"parallelism, e.g. {left[0]!r}: give its module a style "
+                         "(SequenceParallel for a norm, RowwiseParallel for an embedding)")
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, plan: ShardPlan) -> list[nn.Module]:

@@ -28,9 +28,9 @@ from hpcshard.runtime.checkpoint import Checkpointer, Loaded, TrainParts, seed_r
 from hpcshard.runtime.data import GlobalBatches, eval_batch_count, eval_batches, unigram_entropy
 from hpcshard.runtime.device import DistEnv, device_peak_tflops
 from hpcshard.runtime.job import Job
-from hpcshard.runtime.mesh import build_mesh, resolve_sharding
+from hpcshard.runtime.mesh import build_mesh, dp_mesh, resolve_sharding, tp_mesh
 from hpcshard.runtime.metrics import Metrics
-from hpcshard.runtime.shard import ShardPlan, materialize, shard_model, state_bytes
+from hpcshard.runtime.shard import ShardPlan, apply_tp, materialize, shard_model, state_bytes
 from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.straggler import Stragglers, crowded, gather, probe
 
@@ -113,8 +113,11 @@ class Trainer:
     def __init__(self, job: Job, cfg: TrainConfig, env: DistEnv, run_dir: Path | None) -> None:
         self.job, self.cfg, self.env, self.run_dir = job, cfg, env, run_dir
         self.mode = resolve_sharding(cfg.sharding, env.nodes)
-        self.micro, self.accum = cfg.accumulation(env.world)
-        self.mesh = build_mesh(env.device.type, env.nodes, env.per_node, self.mode)
+        # Tensor parallel ranks share their data: the data parallel rank and world count
+        # groups of tp ranks (contiguous: tp is the mesh's innermost dimension).
+        self.dp_rank, self.dp_world = env.rank // cfg.tp, env.world // cfg.tp
+        self.micro, self.accum = cfg.accumulation(self.dp_world)
+        self.mesh = build_mesh(env.device.type, env.nodes, env.per_node, self.mode, cfg.tp)
         self.model = self._build_model()
         self.params = list(self.model.parameters())
         self.optimizer = build_optimizer(self.model, cfg)
@@ -126,7 +129,8 @@ class Trainer:
         splits = job.data(cfg)
         self.splits = splits
         self.batches = GlobalBatches(splits.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
-                                     micro=self.micro, rank=env.rank, world=env.world, seed=cfg.seed)
+                                     micro=self.micro, rank=self.dp_rank, world=self.dp_world,
+                                     seed=cfg.seed)
         self.eval_count = eval_batch_count(splits.eval, cfg.seq_len, cfg.batch_size,
                                            cfg.eval_batches) if cfg.eval_every else 0
         if cfg.eval_every and not self.eval_count and env.is_main:
@@ -161,7 +165,8 @@ class Trainer:
         self.limits = RankEnv.from_environ()
         parts = TrainParts(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                            batches=self.batches, scaler=self.scaler,
-                           layout={"mesh": list(self.mesh.shape), "sharding": self.mode})
+                           layout={"mesh": list(self.mesh.shape), "sharding": self.mode,
+                                   "tp": cfg.tp})
         self.ckpt = Checkpointer(parts, env, cfg, run_dir) if run_dir is not None else None
         # Dropout and any other in-step randomness: per rank, seeded, restorable.
         seed_rank(cfg.seed, env.rank)
@@ -175,7 +180,13 @@ class Trainer:
         plan = ShardPlan(mode=self.mode, precision=cfg.precision, block=cfg.block,
                          block_min_params=cfg.block_min_params, ac_every=cfg.ac_every(),
                          compile=cfg.compile, cpu_offload=cfg.cpu_offload)
-        self.blocks = shard_model(model, self.mesh, plan)
+        tp = tp_mesh(self.mesh)
+        if tp is not None:
+            if self.job.tp_plan is None:
+                raise ValueError(f"tp={cfg.tp}: this job has no tp_plan; add one to its Job "
+                                 "(see the README) or use tp=1")
+            apply_tp(model, tp, self.job.tp_plan(cfg, model))
+        self.blocks = shard_model(model, dp_mesh(self.mesh), plan)
         materialize(model, self.env.device, cfg.seed, self.job.init)
         return model
 
@@ -221,7 +232,7 @@ class Trainer:
         self.model.eval()
         total = torch.zeros(2, device=env.device)
         for x, y in eval_batches(self.splits.eval, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
-                                 micro=self.micro, rank=env.rank, world=env.world,
+                                 micro=self.micro, rank=self.dp_rank, world=self.dp_world,
                                  count=self.eval_count):
             total[0] += self.job.loss(self.model, self._to_device(x), self._to_device(y)) * len(x)
             total[1] += len(x)

@@ -57,6 +57,24 @@ def test_one_rank_and_four_ranks_agree(one: dict[str, Any], four: dict[str, Any]
     assert one["ref_norms"][0] > 1.0
 
 
+@pytest.mark.parametrize("name,mesh,dims,local_rows", [
+    ("tp_1x4", [2, 2], ["shard", "tp"], 32 // 4),  # q's 32 rows: 2 tp x 2 shard
+    ("tp_2x2", [2, 1, 2], ["replicate", "shard", "tp"], 32 // 2),
+])
+def test_tensor_parallel_trains_like_one_rank(one: dict[str, Any], four: dict[str, Any], name: str,
+                                              mesh: list[int], dims: list[str], local_rows: int) -> None:
+    """tp=2 on a 3D mesh: the same initial weights as 1 rank, bit for bit; the same losses
+    and clipped gradient norms within float reduction order; tensor parallel ranks share
+    their data (data parallel world 2)."""
+    facts = four[name]
+    assert facts["mesh"] == mesh and facts["mesh_dims"] == dims and facts["all_dtensors"]
+    assert facts["local_rows"] == local_rows and facts["rows"] == 32
+    assert facts["dp"][1] == 2
+    assert facts["init_hash"] == one["init_hash"]
+    assert facts["losses"] == pytest.approx(one["ref_losses"], rel=1e-5)
+    assert facts["norms"] == pytest.approx(one["ref_norms"], rel=1e-4)
+
+
 def test_compiled_blocks_train_the_same(one: dict[str, Any]) -> None:
     assert one["compile"]["compiled"]
     assert one["compile"]["losses"] == pytest.approx(one["ref_losses"], rel=1e-5)

@@ -55,8 +55,8 @@ def losses(t: Trainer, steps: int, norms: list[float] | None = None) -> list[flo
 
 def placements(t: Trainer) -> dict[str, Any]:
     """Placements, mesh shape and local/global rows of one block weight."""
-    w = t.blocks[0].get_parameter("_checkpoint_wrapped_module.qkv.weight" if t.cfg.ac != "none"
-                                  else "qkv.weight")
+    w = t.blocks[0].get_parameter("_checkpoint_wrapped_module.attn.q.weight" if t.cfg.ac != "none"
+                                  else "attn.q.weight")
     assert isinstance(w, DTensor)
     return {"placements": [repr(p) for p in w.placements], "mesh": list(w.device_mesh.shape),
             "mesh_dims": list(w.device_mesh.mesh_dim_names or ()),
@@ -223,6 +223,10 @@ def full_state(t: Trainer) -> dict[str, torch.Tensor]:
             for k, v in t.model.state_dict().items()}
 
 
+def init_hash(t: Trainer) -> float:
+    return sum(float(v.double().sum()) for v in full_state(t).values())
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     env = init_distributed()
@@ -231,7 +235,7 @@ def main() -> None:
     facts: dict[str, Any] = {"world": env.world}
 
     base = trainer(env)
-    facts["init_hash"] = sum(float(v.double().sum()) for v in full_state(base).values())
+    facts["init_hash"] = init_hash(base)
     facts["ref_norms"] = []
     facts["ref_losses"] = losses(base, 4, facts["ref_norms"])
     if env.world == 1:
@@ -265,7 +269,7 @@ def main() -> None:
         before = local_shards(t)
         with spying() as calls:
             facts[precision] = {"losses": losses(t, 2), "compute_dtype": dtypes[0],
-                                "master_dtype": str(t.blocks[0].get_parameter("qkv.weight").dtype)}
+                                "master_dtype": str(t.blocks[0].get_parameter("attn.q.weight").dtype)}
         facts[precision] |= {
             "reduce_dtypes": reduce_dtypes(t), "grad_dtypes": sorted(grad_dtypes),
             "reduce_scatter_dtypes": sorted({d for c in calls if c.op == "reduce_scatter_single"
@@ -287,6 +291,13 @@ def main() -> None:
     facts["accumulation"] = accumulation(t, env.rank)
     t = trainer(env, cpu_offload="true")
     facts["cpu_offload"] = {"losses": losses(t, 2)}
+    # Tensor parallelism: 1 node x (2 shard x 2 tp), and 2 nodes x (1 shard x 2 tp).
+    for name, shaped in (("tp_1x4", replace(env, per_node=4)), ("tp_2x2", env)):
+        t = trainer(shaped, tp="2")
+        norms: list[float] = []
+        facts[name] = {**placements(t), "init_hash": init_hash(t), "losses": losses(t, 4, norms),
+                       "norms": norms, "all_dtensors": all(isinstance(p, DTensor) for p in t.params),
+                       "dp": [t.dp_rank, t.dp_world]}
     if env.is_main:
         out.write_text(json.dumps(facts))
 

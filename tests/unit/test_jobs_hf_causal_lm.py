@@ -150,3 +150,33 @@ def test_config_json_builds_that_model(job: Job, tmp_path: Path) -> None:
     assert [type(b).__name__ for b in find_blocks(model)] == ["Qwen2DecoderLayer"] * 3
     assert model.config.vocab_size == 300
     assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights
+
+
+def test_the_tensor_parallel_plan_comes_from_transformers(job: Job) -> None:
+    """Llama's own plan (q/k/v and gate/up by output features, o and down by input), under
+    the base model's prefix; the embedding and the head by vocabulary; the norms whole."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from hpcshard.runtime.shard import Replicated
+
+    cfg = build_config(job.config, {"tp": "2"})
+    assert job.tp_plan is not None
+    plan = job.tp_plan(cfg, meta_model(job, cfg))
+    assert isinstance(plan["model.layers.*.self_attn.q_proj"], ColwiseParallel)
+    assert isinstance(plan["model.layers.*.mlp.down_proj"], RowwiseParallel)
+    assert isinstance(plan["model.embed_tokens"], RowwiseParallel)
+    assert isinstance(plan["lm_head"], ColwiseParallel)
+    assert isinstance(plan["model.norm"], Replicated)
+    assert isinstance(plan["model.layers.1.post_attention_layernorm"], Replicated)
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    ({"tp": "4", "kv_heads": "2"}, "tp=4 does not divide the model's num_key_value_heads=2"),
+    ({"tp": "2", "tie_embeddings": "true"}, "tie_embeddings with tp > 1"),
+    ({"tp": "2", "model_type": "gpt2"}, "model_type='gpt2' has no tensor parallel plan"),
+])
+def test_bad_tensor_parallel_shapes_are_one_line(job: Job, sets: dict[str, str], message: str) -> None:
+    cfg = build_config(job.config, sets)
+    assert job.tp_plan is not None
+    with pytest.raises(ValueError, match=message):
+        job.tp_plan(cfg, meta_model(job, cfg))

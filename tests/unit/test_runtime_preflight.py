@@ -32,6 +32,11 @@ def test_resolves_config_block_and_shape() -> None:
     ({"n_heads": "3"}, "n_heads=3 does not divide dim=128"),
     ({"batch_size": "6"}, "batch_size=6 does not divide over 4 ranks"),
     ({"data": "/nonexistent/corpus"}, "'/nonexistent/corpus' does not exist"),
+    ({"tp": "4"}, "tp=4 does not divide the 2 ranks of a node; use one of 1, 2"),
+    ({"tp": "2", "n_heads": "1"}, "tp=2 does not divide n_heads=1"),
+    ({"tp": "2", "seq_len": "33"}, "tp=2 does not divide seq_len=33"),
+    ({"tp": "0"}, "tp"),
+    ({"tp": "2", "batch_size": "3"}, "batch_size=3 does not divide over 2 ranks"),
 ])
 def test_user_errors(sets: dict[str, str], needle: str) -> None:
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
@@ -48,3 +53,12 @@ def test_job_without_job_object(tmp_path: Path) -> None:
 def test_unimportable_module_name() -> None:
     with pytest.raises(ValueError, match="neither a file nor an importable module"):
         check({}, job="no_such_pkg.jobs.lm")
+
+
+def test_tensor_parallel_needs_the_jobs_plan(tmp_path: Path) -> None:
+    plain = tmp_path / "plain.py"
+    plain.write_text((ROOT / "jobs" / "charlm.py").read_text().replace(",\n          tp_plan=tp_plan)", ")"))
+    assert "tp_plan=tp_plan" not in plain.read_text()
+    with pytest.raises(ValueError, match=r"tp=2: job .*plain.py has no tp_plan"):
+        check({"tp": "2"}, job=str(plain))
+    assert check({"tp": "2", "batch_size": "8"})["micro_batch"] == 4  # over 2 data parallel groups

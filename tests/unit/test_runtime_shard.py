@@ -66,10 +66,20 @@ def test_mesh_shapes() -> None:
     assert mesh_shape("none", 2, 4) == ((8, 1), ("replicate", "shard"))
 
 
+def test_tensor_parallel_is_the_innermost_dimension_inside_a_node() -> None:
+    assert mesh_shape("hybrid", 2, 4, tp=2) == ((2, 2, 2), ("replicate", "shard", "tp"))
+    assert mesh_shape("hybrid", 2, 4, tp=4) == ((2, 1, 4), ("replicate", "shard", "tp"))
+    assert mesh_shape("full", 2, 4, tp=2) == ((4, 2), ("shard", "tp"))
+    assert mesh_shape("none", 2, 4, tp=2) == ((4, 1, 2), ("replicate", "shard", "tp"))
+    assert mesh_shape("full", 1, 4, tp=1) == ((4,), ("shard",))  # tp=1: as before
+    with pytest.raises(ValueError, match=r"tp=3 does not divide the 4 ranks of a node; use one of 1, 2, 4"):
+        mesh_shape("hybrid", 2, 4, tp=3)
+
+
 def test_init_seed_ignores_wrappers() -> None:
-    wrapped = "blocks.0._checkpoint_wrapped_module.qkv"
-    assert canonical_name(wrapped) == "blocks.0.qkv"
-    assert module_seed(0, canonical_name(wrapped)) == module_seed(0, "blocks.0.qkv")
+    wrapped = "blocks.0._checkpoint_wrapped_module.attn.q"
+    assert canonical_name(wrapped) == "blocks.0.attn.q"
+    assert module_seed(0, canonical_name(wrapped)) == module_seed(0, "blocks.0.attn.q")
     assert module_seed(0, "a") != module_seed(1, "a")
 
 

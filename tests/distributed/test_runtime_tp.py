@@ -1,0 +1,88 @@
+"""Tensor parallelism through the real CLI on the local backend: a tp=2 run preempted and
+resumed ends bitwise equal to one never interrupted; a run resumes on another tp degree
+with the same losses; export gives the full weights whatever the degree. (1 rank against
+tp=2 on a 3D mesh, step by step: test_runtime_train.)"""
+
+from __future__ import annotations
+
+import shutil
+from functools import partial
+from pathlib import Path
+
+import pytest
+import torch
+
+from hpcshard.rundir import ledger
+from tests.conftest import STEPS, hpcshard, hpcshard_bg, metrics, sets, step_records, wait_for
+from tests.distributed.test_runtime_checkpoint import assert_bitwise_equal, committed, load, trained_to
+
+TP = sets(steps=STEPS, ckpt_every=1, keep_last=1000, eval_every=STEPS, tp=2)
+
+
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo with tp=2 on 2 nodes x 2 ranks (mesh replicate 2 x shard 1 x tp 2), never
+    interrupted."""
+    run = tmp_path_factory.mktemp("tp") / "tp-uninterrupted"
+    proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run), *TP)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run
+
+
+def losses_after(run: Path, resumed: int) -> dict[int, float]:
+    """Losses of the steps after `resumed` in the run's newest start."""
+    mine = metrics(run)
+    last = max(i for i, r in enumerate(mine) if r.get("event") == "start")
+    return {r["step"]: r["loss"] for r in mine[last:] if "loss" in r and "event" not in r
+            and r["step"] > resumed}
+
+
+def test_a_tensor_parallel_run_preempted_resumes_bitwise(tp_run: Path, tmp_path: Path) -> None:
+    run = tmp_path / "tp-preempted"
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run), *TP)
+    wait_for(partial(trained_to, run, 6), 180, "step 6")
+    assert hpcshard("preempt", str(run)).returncode == 0
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    assert "requeued as attempt 1" in out
+    stop = ledger.end_of(run, 0)
+    assert stop is not None and stop["reason"] == "stop"
+    reference, mine = committed(tp_run), committed(run)
+    assert STEPS in mine and stop["saved_step"] in mine
+    for step, path in mine.items():  # DTensors of a 3D mesh, the optimizer's too
+        assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
+
+
+@pytest.mark.parametrize("source,nodes,gpus,tp", [("tp1", "1", "4", "2"), ("tp2", "2", "2", "1"),
+                                                  ("tp2", "1", "2", "2")])
+def test_resume_on_another_tensor_parallel_degree(uninterrupted: Path, tp_run: Path, tmp_path: Path,
+                                                 source: str, nodes: str, gpus: str, tp: str) -> None:
+    """DCP reshards the TP+FSDP DTensors: tp=1 on 2x2 -> tp=2 on 1x4, tp=2 -> tp=1, and
+    tp=2 on 2 nodes -> tp=2 on 1; the same global batches follow, so the same losses."""
+    origin = uninterrupted if source == "tp1" else tp_run
+    run = tmp_path / "reshaped"
+    shutil.copytree(origin, run)
+    proc = hpcshard("resume", str(run), "--nodes", nodes, "--gpus", gpus, "--resume", "12",
+                    "--set", f"tp={tp}")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    start = [r for r in ledger.read(run) if r["event"] == "start"][-1]
+    assert start["resumed_step"] == 12 and start["world"] == int(nodes) * int(gpus)
+    resumed = losses_after(run, 12)
+    reference = {r["step"]: r["loss"] for r in step_records(origin)}
+    assert sorted(resumed) == list(range(13, STEPS + 1))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(reference[step], rel=2e-4), step
+
+
+def test_export_gives_the_full_weights_whatever_the_degree(uninterrupted: Path, tp_run: Path,
+                                                         tmp_path: Path) -> None:
+    """The same keys and full shapes from a tp=2 run as from a tp=1 one, and the values
+    of the same training (float reduction order apart)."""
+    out1, out2 = tmp_path / "tp1.pt", tmp_path / "tp2.pt"
+    assert hpcshard("ckpt", "export", str(uninterrupted), "--out", str(out1)).returncode == 0
+    assert hpcshard("ckpt", "export", str(tp_run), "--out", str(out2)).returncode == 0
+    one, two = torch.load(out1), torch.load(out2)
+    assert one.keys() == two.keys() and "blocks.0.attn.q.weight" in two
+    for key in one:
+        assert one[key].shape == two[key].shape, key
+        torch.testing.assert_close(two[key], one[key], rtol=1e-3, atol=1e-4, msg=key)
