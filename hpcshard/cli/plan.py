@@ -135,6 +135,9 @@ def show(p: dict[str, Any]) -> None:
     modes = p["modes"]
     rows = [("sharding", *[f"{k}{' *' if k == p['sharding'] else ''}" for k in modes]),
             ("mesh (replicate x shard)", *[f"{v['replicate']} x {v['shard']}" for v in modes.values()])]
+    if p.get("tp", 1) > 1:
+        rows[1] = ("mesh (replicate x shard x tp)",
+                   *[f"{v['replicate']} x {v['shard']} x {p['tp']}" for v in modes.values()])
     for key, label in (("params", "parameters (fp32 shard)"), ("grads", "gradients (fp32 shard)"),
                        ("optimizer", "optimizer (AdamW)"), ("gather", "all-gather buffers"),
                        ("reduce", "reduce-scatter buffer"), ("activations", "activations, no AC"),

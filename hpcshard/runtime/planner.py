@@ -64,6 +64,9 @@ class ModelShape:
     seq_len: int = 0
     act_error: str = ""
     """Why activations could not be measured (the forward does not run on meta tensors)."""
+    tp: int = 1
+    """Tensor parallel degree: `shapes`, the block and root sizes and the activations are
+    then one tensor parallel rank's (`split_for_tp`)."""
 
     def local_params(self, shards: int) -> int:
         """Parameter elements rank 0 holds when dim 0 is split over `shards` (padded)."""
@@ -197,21 +200,21 @@ class Memory:
         return self.total - self.activations + self.activations_ac
 
 
-def mesh_of(mode: str, nodes: int, gpus: int) -> tuple[int, int]:
-    """(replicate, shard) as runtime.mesh builds it."""
-    world = nodes * gpus
-    return {"hybrid": (nodes, gpus), "full": (1, world), "grad-op": (1, world),
-            "none": (world, 1)}[mode]
+def mesh_of(mode: str, nodes: int, gpus: int, tp: int = 1) -> tuple[int, int]:
+    """(replicate, shard) as runtime.mesh builds it (the tp dimension apart)."""
+    dp = nodes * gpus // tp
+    return {"hybrid": (nodes, gpus // tp), "full": (1, dp), "grad-op": (1, dp),
+            "none": (dp, 1)}[mode]
 
 
 def memory(shape: ModelShape, mode: str, nodes: int, gpus: int, compute_bytes: int,
            micro_batch: int, ac_every: int, reserve: int = int(RESERVE)) -> Memory:
-    replicate, shard = mesh_of(mode, nodes, gpus)
+    replicate, shard = mesh_of(mode, nodes, gpus, shape.tp)
     local = shape.local_params(shard) * 4  # fp32 master weights: FSDP2 keeps the shard in fp32
     if mode == "none":
         gather, reduce = 0, 0
     elif mode == "grad-op":  # unsharded from forward until backward is done with them
-        gather, reduce = shape.params * compute_bytes, shape.max_block_params * 4
+        gather, reduce = shape.local_params(1) * compute_bytes, shape.max_block_params * 4
     else:
         gather = (shape.root_params + 2 * shape.max_block_params) * compute_bytes
         reduce = shape.max_block_params * 4
@@ -237,6 +240,49 @@ def checkpoint_bytes(shape: ModelShape, shards: int, world: int) -> int:
 
 def fits(m: Memory, gpu_mem: int) -> tuple[bool, bool]:
     return m.total <= gpu_mem, m.total_ac <= gpu_mem
+
+
+def split_for_tp(shape: ModelShape, job: Any, cfg: Any) -> ModelShape:
+    """One tensor parallel rank's share of the model: the job's tp_plan applied for real to
+    a meta-device model over a fake process group of `cfg.tp` ranks (torch's own test
+    backend: no memory, no communication), so the shapes are what `parallelize_module`
+    gives whatever the plan (norms whole, projections split, uneven splits padded as
+    DTensor pads them). Activations are taken as divided by tp: sequence parallelism
+    splits what tensor parallelism does not (Korthikanti et al., 2022)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from hpcshard.runtime.shard import apply_tp
+
+    if dist.is_initialized():
+        raise ValueError("hpcshard plan with tp > 1 cannot run inside a process group; "
+                         "run `hpcshard plan` on its own")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=cfg.tp)
+    try:
+        mesh = init_device_mesh("cpu", (cfg.tp,), mesh_dim_names=("tp",))
+        with on_meta():
+            model = job.model(cfg)
+        apply_tp(model, mesh, job.tp_plan(cfg, model))
+
+        def local(p: torch.Tensor) -> tuple[int, ...]:
+            return tuple(p.to_local().shape) if isinstance(p, DTensor) else tuple(p.shape)
+
+        blocks = find_blocks(model, cfg.block, cfg.block_min_params)
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        shapes = [local(p) for p in model.parameters()]
+        max_block = max(sum(math.prod(local(p)) for p in b.parameters()) for b in blocks)
+        root = sum(math.prod(local(p)) for p in model.parameters() if id(p) not in in_blocks)
+    finally:
+        dist.destroy_process_group()
+    tp = cfg.tp
+    return ModelShape(
+        name=shape.name, params=shape.params, blocks=shape.blocks, block_name=shape.block_name,
+        max_block_params=max_block, root_params=root, shapes=shapes,
+        act_bytes=shape.act_bytes // tp, act_block_bytes=[b // tp for b in shape.act_block_bytes],
+        act_block_input_bytes=[b // tp for b in shape.act_block_input_bytes],
+        micro_batch=shape.micro_batch, seq_len=shape.seq_len, act_error=shape.act_error, tp=tp)
 
 
 def min_nodes_full(shape: ModelShape, gpus: int, compute_bytes: int, micro: int, ac: int,
@@ -305,7 +351,7 @@ def shape_of_hf(path: Any, seq_len: int | None, micro: int, dtype: torch.dtype) 
 def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf_config: Any,
               nodes: int, gpus: int, sharding: str, precision: str | None, ac: int | None,
               micro_batch: int | None, gpu_mem: int, reserve: int = int(RESERVE)) -> dict[str, Any]:
-    from hpcshard.runtime.mesh import resolve_sharding
+    from hpcshard.runtime.mesh import check_tp, resolve_sharding
 
     world = nodes * gpus
     micro_choices = [1, 2, 4, 8, 16, 32, 64]
@@ -317,15 +363,23 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
         cfg = build_config(j.config, sets)
         precision = precision or cfg.precision
         ac = cfg.ac_every() if ac is None else ac
-        per_rank = cfg.batch_size // world if cfg.batch_size % world == 0 else 0
+        tp = cfg.tp
+        check_tp(tp, gpus)
+        if tp > 1 and j.tp_plan is None:
+            raise ValueError(f"tp={tp}: job {job} has no tp_plan; add one to its Job or use tp=1")
+        dp = world // tp
+        per_rank = cfg.batch_size // dp if cfg.batch_size % dp == 0 else 0
         if not per_rank:
             raise ValueError(f"the job's batch_size {cfg.batch_size} does not divide over {nodes} x "
-                             f"{gpus} = {world} GPUs; pick a shape that divides it, or --set batch_size")
-        micro = micro_batch or cfg.accumulation(world)[0]
+                             f"{gpus} = {world} GPUs" + (f" in groups of tp={tp}" if tp > 1 else "")
+                             + "; pick a shape that divides it, or --set batch_size")
+        micro = micro_batch or cfg.accumulation(dp)[0]
         micro_choices = [b for b in range(1, per_rank + 1) if per_rank % b == 0]
         mode = resolve_sharding(cfg.sharding if sharding == "auto" else sharding, nodes)
         shape = measure(j, cfg, micro, DTYPES[precision])
         shape.name = f"{job}"
+        if tp > 1:
+            shape = split_for_tp(shape, j, cfg)
     else:
         precision = precision or "bf16"
         ac = ac or 0
@@ -349,7 +403,9 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
         "nodes": nodes, "gpus": gpus, "precision": precision, "micro_batch": micro,
         "ac": "none" if not ac else ("full" if ac == 1 else f"every {ac}"),
         "ac_with": "full" if (ac or 1) == 1 else f"every {ac}", "sharding": mode, "gpu_mem": gpu_mem,
-        "modes": modes, "checkpoint_bytes": checkpoint_bytes(shape, mesh_of(mode, nodes, gpus)[1], world),
+        "tp": shape.tp,
+        "modes": modes, "checkpoint_bytes": checkpoint_bytes(
+            shape, mesh_of(mode, nodes, gpus, shape.tp)[1] * shape.tp, world),
         "min_nodes_full": min_nodes_full(shape, gpus, cbytes, micro, ac or 0, gpu_mem, reserve),
         "min_nodes_full_ac": min_nodes_full(shape, gpus, cbytes, micro, ac or 1, gpu_mem, reserve),
         "recommendation": recommend(shape, nodes, gpus, cbytes, micro_choices, gpu_mem, reserve),

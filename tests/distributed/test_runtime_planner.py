@@ -44,6 +44,8 @@ def test_plan_command_bad_input_is_one_line() -> None:
                          (["--params", "7B", "--layers", "0", "--hidden", "4096"], "--layers 0"),
                          (["jobs/charlm.py", "--gpu-mem", "lots"], "--gpu-mem 'lots' does not parse"),
                          (["jobs/charlm.py", "--nodes", "1", "--gpus", "5"], "does not divide over"),
+                         (["jobs/charlm.py", "--gpus", "2", "--set", "tp=4"],
+                          "tp=4 does not divide the 2 ranks of a node"),
                          (["--params", "7B", "--layers", "32", "--hidden", "4000", "--heads", "48"],
                           "not divisible by --heads")):
         proc = hpcshard("plan", *args)

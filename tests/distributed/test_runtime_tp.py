@@ -15,6 +15,7 @@ import torch
 from hpcshard.rundir import ledger
 from tests.conftest import STEPS, hpcshard, hpcshard_bg, metrics, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import assert_bitwise_equal, committed, load, trained_to
+from tests.distributed.test_runtime_planner import assert_planned
 
 TP = sets(steps=STEPS, ckpt_every=1, keep_last=1000, eval_every=STEPS, tp=2)
 
@@ -86,3 +87,10 @@ def test_export_gives_the_full_weights_whatever_the_degree(uninterrupted: Path, 
     for key in one:
         assert one[key].shape == two[key].shape, key
         torch.testing.assert_close(two[key], one[key], rtol=1e-3, atol=1e-4, msg=key)
+
+
+def test_the_planner_knows_what_a_tensor_parallel_rank_holds(tp_run: Path) -> None:
+    """`hpcshard plan --set tp=2` predicts the parameter, gradient and optimizer bytes each
+    rank of the tp=2 run held (a tensor parallel rank's split of every matrix, FSDP's
+    shard of that), and the checkpoint's size, within 5%."""
+    assert_planned(tp_run, 2, 2)
