@@ -329,7 +329,7 @@ def report(d: dict[str, Any], run_dir: Path) -> list[Metric]:
                note=f"{100 * free:.1f}% without faults: a save every {d.get('ckpt_every', 16)} steps"),
         Metric(NAME, "effective at one fault per 15 min, saving at Young's interval",
                100 * young, "%", ">= 98", young >= 0.98,
-               note=f"a {stall:.2f} s save stall every {tau:.0f} s; computed from the measured costs"),
+               note=f"a {1000 * stall:.1f} ms save stall every {tau:.1f} s; from the measured costs"),
         Metric(NAME, "steps trained again with a different loss", rep["with_a_different_loss"], "steps",
                "0", rep["with_a_different_loss"] == 0, note=f"of {rep['steps_trained_again']} trained again"),
         Metric(NAME, "bad nodes used again", len(d["reused"]), "", "0", not d["reused"]),

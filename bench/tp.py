@@ -11,6 +11,7 @@ FSDP alone cannot reach) does not show in tokens/s."""
 
 from __future__ import annotations
 
+import json
 import tempfile
 from pathlib import Path
 
@@ -21,7 +22,20 @@ STEPS, WARMUP = 40, 10
 SETS = {"dim": 256, "n_heads": 8, "n_layers": 4, "seq_len": 128, "batch_size": 16}
 
 
-def tokens_per_s(tmp: Path, tp: int, i: int) -> float:
+def planned_over_measured(run_dir: Path) -> float:
+    """`hpcshard plan`'s per-rank parameter+gradient+optimizer bytes over what rank 0 held."""
+    from hpcshard.runtime.planner import make_plan
+
+    sets = json.loads((run_dir / "spec.json").read_text())["sets"]
+    held = next(r for r in records(run_dir) if r.get("event") == "memory")
+    plan = make_plan(job="jobs/charlm.py", sets=sets, numbers={}, hf_config=None, nodes=1, gpus=4,
+                     sharding="auto", precision=None, ac=None, micro_batch=None, gpu_mem=80 * 2**30)
+    mode = plan["modes"][plan["sharding"]]
+    keys = ("params", "grads", "optimizer")
+    return float(sum(mode[k] for k in keys) / sum(held[k] for k in keys))
+
+
+def tokens_per_s(tmp: Path, tp: int, i: int, planned: list[float]) -> float:
     run_dir = tmp / f"tp{tp}-{i}"
     extra = [a for k, v in {**SETS, "tp": tp}.items() for a in ("--set", f"{k}={v}")]
     hpcshard("submit", "--backend", "local", "--nodes", "1", "--gpus", "4", "jobs/charlm.py",
@@ -29,23 +43,28 @@ def tokens_per_s(tmp: Path, tp: int, i: int) -> float:
              "--set", "ckpt_every=100000", "--set", "log_every=10", *extra)
     steps = {r["step"]: r for r in records(run_dir) if "tokens_per_s" in r}
     t0, t1 = steps[WARMUP]["time"], steps[STEPS]["time"]
+    planned.append(planned_over_measured(run_dir))
     return (STEPS - WARMUP) * SETS["batch_size"] * SETS["seq_len"] / (t1 - t0)
 
 
 def main(pairs: int = 3) -> list[Metric]:
     one: list[float] = []
     two: list[float] = []
+    planned: dict[int, list[float]] = {1: [], 2: []}
     with tempfile.TemporaryDirectory(prefix="hpcshard-bench-") as tmp:
         for i in range(pairs):  # A B, B A, A B: neither side always runs first
             for tp in ((1, 2) if i % 2 == 0 else (2, 1)):
-                (one if tp == 1 else two).append(tokens_per_s(Path(tmp), tp, i))
+                (one if tp == 1 else two).append(tokens_per_s(Path(tmp), tp, i, planned[tp]))
             print(f"  pair {i + 1}: tp=1 {one[-1]:.0f} tokens/s, tp=2 {two[-1]:.0f}", flush=True)
     ratios = [b / a for a, b in zip(one, two, strict=True)]
     metrics = [Metric(NAME, "demo (dim 256), 1 node x 4 ranks, tp=1 (shard 4), CPU", median(one), "tokens/s"),
                Metric(NAME, "the same, tp=2 (shard 2 x tp 2), CPU", median(two), "tokens/s"),
                Metric(NAME, f"tp=2 / tp=1 on CPU/gloo (median of {pairs} pairs)", median(ratios), "x",
-                      note="CPU: TP's per-layer collectives are not NVLink's here")]
+                      note="CPU: TP's per-layer collectives are not NVLink's here"),
+               *[Metric(NAME, f"hpcshard plan / measured per-rank state bytes, tp={tp}", median(v), "x",
+                        "0.95-1.05", 0.95 <= median(v) <= 1.05) for tp, v in planned.items()]]
     save(NAME, metrics, {"tp1_tokens_per_s": one, "tp2_tokens_per_s": two, "ratios": ratios,
+                         "planned_over_measured": planned,
                          "steps": STEPS, "warmup": WARMUP, "sets": SETS})
     return metrics
 
