@@ -76,6 +76,20 @@ class TrainConfig:
     across nodes). 1: no tensor parallelism. Needs the job's `tp_plan`."""
     precision: str = "fp32"
     """fp32 | bf16 (bf16 compute, fp32 reduce) | fp16 (fp16 compute with a grad scaler)."""
+    reduce_dtype: str = "fp32"
+    """The dtype gradients are reduced in (reduce-scatter, HSDP's all-reduce): fp32 | bf16
+    (half the bytes on the wire, less exact sums) | fp16."""
+    output_dtype: str = ""
+    """The dtype of the model's output ("": as computed, e.g. bf16 logits under bf16): fp32
+    | bf16 | fp16."""
+    reshard_after_forward: str = "auto"
+    """auto (the sharding mode's: every block but the last reshards, none under grad-op) |
+    true | false | N: after forward keep each block's parameters sharded over groups of N
+    ranks of the shard dimension, so backward all-gathers inside N (ZeRO++'s hpZ; N
+    divides the shard group)."""
+    prefetch: int = 0
+    """Explicitly prefetch the all-gathers of the next N blocks in forward and backward
+    (0: FSDP2's own, one block ahead)."""
     ac: str = "none"
     """Activation checkpointing: none | full (every block) | K (every K-th block)."""
     block: str = ""
@@ -146,6 +160,13 @@ class TrainConfig:
     def __post_init__(self) -> None:
         _choice("sharding", self.sharding, SHARDING_MODES)
         _choice("precision", self.precision, PRECISIONS)
+        _choice("reduce_dtype", self.reduce_dtype, PRECISIONS)
+        if self.output_dtype:
+            _choice("output_dtype", self.output_dtype, PRECISIONS)
+        r = self.reshard_after_forward
+        if r not in ("auto", "true", "false") and not (r.isdigit() and int(r) > 1):
+            raise ValueError(f"reshard_after_forward={r!r} is not valid; choose auto, true, false, "
+                             "or a group size N > 1 that divides the shard group")
         _choice("nan_policy", self.nan_policy, NAN_POLICIES)
         _choice("straggler_policy", self.straggler_policy, STRAGGLER_POLICIES)
         if self.ac not in ("none", "full") and not (self.ac.isdigit() and int(self.ac) > 0):
@@ -156,7 +177,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "lr", "log_every", "eval_batches"):
             _positive(name, getattr(self, name))
         for name in ("micro_batch_size", "warmup_steps", "weight_decay", "grad_clip",
-                     "eval_every", "block_min_params", "peak_tflops", "min_lr_ratio",
+                     "eval_every", "block_min_params", "peak_tflops", "min_lr_ratio", "prefetch",
                      "ckpt_every", "ckpt_minutes", "keep_every", "watchdog_warmup_steps",
                      "nan_rollbacks", "straggler_every", "health_link_mb", "health_link_gbps"):
             _positive(name, getattr(self, name), zero_ok=True)

@@ -25,6 +25,21 @@ def repeated_classes(model: nn.Module) -> dict[str, int]:
     return found
 
 
+def _post_order(model: nn.Module) -> list[nn.Module]:
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(mod: nn.Module) -> None:
+        if id(mod) in seen:  # a module shared by two parents: once
+            return
+        seen.add(id(mod))
+        for child in mod.children():
+            visit(child)
+        out.append(mod)
+    visit(model)
+    return out
+
+
 def _size_based(model: nn.Module, min_params: int) -> list[nn.Module]:
     """Innermost-first: a module is wrapped when its not-yet-wrapped parameters reach the bound."""
     chosen: list[nn.Module] = []
@@ -46,13 +61,15 @@ def _size_based(model: nn.Module, min_params: int) -> list[nn.Module]:
 
 def find_blocks(model: nn.Module, block: str = "", min_params: int = 0) -> list[nn.Module]:
     """The modules that get their own `fully_shard`, in model order."""
-    if block:
-        blocks = [m for m in model.modules() if type(m).__name__ == block]
-        if not blocks:
-            names = sorted({type(m).__name__ for m in model.modules()})
-            raise ValueError(f"block={block!r} is not a class in the model; classes in it: "
-                             + ", ".join(names))
-        return blocks
+    if block:  # one class name, or several: "Block,Embedding"
+        wanted = [n.strip() for n in block.split(",") if n.strip()]
+        present = {type(m).__name__ for m in model.modules()}
+        missing = [n for n in wanted if n not in present]
+        if missing:
+            raise ValueError(f"block={missing[0]!r} is not a class in the model; classes in it: "
+                             + ", ".join(sorted(present)))
+        # Children before parents (fully_shard goes bottom-up), siblings in model order.
+        return [m for m in _post_order(model) if type(m).__name__ in wanted]
     if min_params:
         return _size_based(model, min_params)
     found = repeated_classes(model)

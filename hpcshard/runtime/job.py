@@ -59,6 +59,11 @@ class Job:
     place. Called once per module, on full-size tensors, under a seed of its name."""
     flops_per_token: Callable[[Any, nn.Module], float] = param_flops_per_token
     """Training FLOPs per token for MFU, given the config and the (meta) model."""
+    shard: Callable[[Any, nn.Module, Any, Any], list[nn.Module]] | None = None
+    """shard(cfg, model, mesh, plan) -> the sharded blocks: full control of FSDP2, called
+    on the (meta) model instead of hpcshard's wrapping (`runtime.shard.shard_model`, which
+    it may call itself). `mesh`: the data parallel mesh; `plan`: the run's ShardPlan
+    (precision, reshard, offload, prefetch as configured)."""
     tp_plan: Callable[[Any, nn.Module], dict[str, Any]] | None = None
     """tp_plan(cfg, model) -> {module name pattern: ParallelStyle}: how `--set tp=K` splits
     the (meta) model over a node's tensor parallel group, as torch's `parallelize_module`

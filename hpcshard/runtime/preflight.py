@@ -19,7 +19,7 @@ from hpcshard.config import build_config
 from hpcshard.runtime.blocks import find_blocks, on_meta
 from hpcshard.runtime.data import GlobalBatches
 from hpcshard.runtime.job import load_job
-from hpcshard.runtime.mesh import check_tp, resolve_sharding
+from hpcshard.runtime.mesh import check_tp, mesh_shape, resolve_sharding
 
 
 def preflight(request: dict[str, Any]) -> dict[str, Any]:
@@ -32,6 +32,16 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"tp={cfg.tp}: job {request['job']} has no tp_plan (how to split its "
                          "model); add one to its Job (see the README) or use tp=1")
     micro, accum = cfg.accumulation(world // cfg.tp)
+    mode = resolve_sharding(cfg.sharding, nodes)
+    if cfg.reshard_after_forward.isdigit():
+        shape, names = mesh_shape(mode, nodes, gpus, cfg.tp)
+        group = shape[names.index("shard")]
+        n = int(cfg.reshard_after_forward)
+        if group % n or n >= group:
+            fits = [d for d in range(2, group) if group % d == 0]
+            raise ValueError(f"reshard_after_forward={n} must divide the shard group of {group} "
+                             f"ranks and be smaller; use " + (", ".join(map(str, fits)) if fits
+                                                           else "true or false on this shape"))
     with on_meta():
         model = job.model(cfg)
     blocks = find_blocks(model, cfg.block, cfg.block_min_params)

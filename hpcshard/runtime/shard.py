@@ -12,6 +12,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
+    FSDPModule,
     MixedPrecisionPolicy,
     OffloadPolicy,
     fully_shard,
@@ -22,6 +23,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 from hpcshard.runtime.blocks import InitFn, canonical_name, find_blocks, module_seed, reset_init
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The compute dtype FSDP casts parameters to (None: they stay fp32)."""
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,9 +45,30 @@ class ShardPlan:
     """torch.compile each block."""
     cpu_offload: bool = False
     """CPUOffloadPolicy for parameters, gradients and optimizer state."""
+    reduce_dtype: str = "fp32"
+    """fp32 | bf16 | fp16: the dtype gradients are reduced in."""
+    output_dtype: str = ""
+    """"": as computed; else the dtype the model's output is cast to."""
+    reshard: str = "auto"
+    """reshard_after_forward: auto (the mode's) | true | false | N (groups of N ranks)."""
+    prefetch: int = 0
+    """Explicit forward and backward prefetch of the next N blocks; 0: FSDP2's own."""
 
-    def mp_policy(self) -> MixedPrecisionPolicy:
-        return MixedPrecisionPolicy(param_dtype=DTYPES[self.precision], reduce_dtype=torch.float32)
+    def mp_policy(self, root: bool = True) -> MixedPrecisionPolicy:
+        """The root's casts its output (`output_dtype`); a block's output stays in the compute
+        dtype, which the next block and the root's own layers (a norm, the head) expect."""
+        return MixedPrecisionPolicy(param_dtype=DTYPES[self.precision],
+                                    reduce_dtype=TORCH_DTYPES[self.reduce_dtype],
+                                    output_dtype=TORCH_DTYPES.get(self.output_dtype) if root else None)
+
+    def reshard_after_forward(self, last: bool) -> bool | int:
+        """For a block (`last`: the last one, or the root): auto keeps the last block
+        gathered (backward needs it at once) and every block under grad-op."""
+        if self.reshard == "auto":
+            return self.mode != "grad-op" and not last
+        if self.reshard in ("true", "false"):
+            return self.reshard == "true"
+        return int(self.reshard)
 
     def offload_policy(self) -> OffloadPolicy:
         # pin_memory needs an accelerator; on CPU-only hosts pinning is meaningless anyway.
@@ -108,7 +132,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> None:
 def shard_model(model: nn.Module, mesh: DeviceMesh, plan: ShardPlan) -> list[nn.Module]:
     """Wrap and `fully_shard` every block, then the root. Returns the sharded blocks."""
     blocks = find_blocks(model, plan.block, plan.block_min_params)
-    mp, offload = plan.mp_policy(), plan.offload_policy()
+    mp, offload = plan.mp_policy(root=False), plan.offload_policy()
     sharded = []
     for i, block in enumerate(blocks):
         wrapped = block
@@ -120,27 +144,40 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, plan: ShardPlan) -> list[nn.
         if plan.compile:
             wrapped.compile()
         # The last block's parameters are needed again right away by the backward pass,
-        # so resharding them after forward only costs an extra all-gather.
-        reshard = plan.mode != "grad-op" and i < len(blocks) - 1
+        # so resharding them after forward only costs an extra all-gather (auto).
+        reshard = plan.reshard_after_forward(i == len(blocks) - 1)
         fully_shard(wrapped, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp,
                     offload_policy=offload)
         sharded.append(wrapped)
-    fully_shard(model, mesh=mesh, reshard_after_forward=plan.mode != "grad-op", mp_policy=mp,
+    root = plan.reshard_after_forward(False) if plan.reshard != "auto" else plan.mode != "grad-op"
+    fully_shard(model, mesh=mesh, reshard_after_forward=root, mp_policy=plan.mp_policy(),
                 offload_policy=offload)
+    if plan.prefetch:  # issue the next blocks' all-gathers early, both ways
+        for i, block in enumerate(sharded):
+            assert isinstance(block, FSDPModule)
+            block.set_modules_to_forward_prefetch(sharded[i + 1:i + 1 + plan.prefetch])  # type: ignore[arg-type]
+            block.set_modules_to_backward_prefetch(sharded[max(0, i - plan.prefetch):i][::-1])  # type: ignore[arg-type]
     return sharded
 
 
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int,
-                init: InitFn = reset_init) -> None:
+                init: InitFn = reset_init, param_device: torch.device | None = None) -> None:
     """Allocate a sharded meta-device model on `device` and initialise it.
 
     Each module is initialised on full-size scratch tensors under a seed derived from its
     name, and every rank keeps only its shard. The values therefore do not depend on the
     world size or the mesh (1 rank and 4 ranks start identical), replicas are equal, and
     at most one module's parameters exist unsharded at a time, never the whole model.
+    `param_device`: where the parameters live if not on `device` (CPU offload: host
+    memory, the buffers still on `device`).
     """
-    model.to_empty(device=device)
+    model.to_empty(device=param_device or device)
+    if param_device is not None and param_device != device:
+        for module in model.modules():
+            for bname, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[bname] = buf.to(device)
     for name, module in model.named_modules():
         params = dict(module.named_parameters(recurse=False))
         if not params and not any(True for _ in module.buffers(recurse=False)):
@@ -148,7 +185,7 @@ def materialize(model: nn.Module, device: torch.device, seed: int,
         sharded = {}
         for pname, p in params.items():
             sharded[pname] = p
-            full = torch.empty(p.shape, dtype=p.dtype, device=device)
+            full = torch.empty(p.shape, dtype=p.dtype, device=param_device or device)
             module._parameters[pname] = nn.Parameter(full, requires_grad=p.requires_grad)
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             name = canonical_name(name)

@@ -179,15 +179,23 @@ class Trainer:
         self.flops_per_token = self.job.flops_per_token(cfg, model)
         plan = ShardPlan(mode=self.mode, precision=cfg.precision, block=cfg.block,
                          block_min_params=cfg.block_min_params, ac_every=cfg.ac_every(),
-                         compile=cfg.compile, cpu_offload=cfg.cpu_offload)
+                         compile=cfg.compile, cpu_offload=cfg.cpu_offload,
+                         reduce_dtype=cfg.reduce_dtype, output_dtype=cfg.output_dtype,
+                         reshard=cfg.reshard_after_forward, prefetch=cfg.prefetch)
         tp = tp_mesh(self.mesh)
         if tp is not None:
             if self.job.tp_plan is None:
                 raise ValueError(f"tp={cfg.tp}: this job has no tp_plan; add one to its Job "
                                  "(see the README) or use tp=1")
             apply_tp(model, tp, self.job.tp_plan(cfg, model))
-        self.blocks = shard_model(model, dp_mesh(self.mesh), plan)
-        materialize(model, self.env.device, cfg.seed, self.job.init)
+        if self.job.shard is not None:  # the job's own sharding, in full
+            self.blocks = self.job.shard(cfg, model, dp_mesh(self.mesh), plan)
+        else:
+            self.blocks = shard_model(model, dp_mesh(self.mesh), plan)
+        # Offloaded parameters live in host memory whatever the compute device (FSDP2
+        # refuses them elsewhere); buffers stay with the compute.
+        materialize(model, self.env.device, cfg.seed, self.job.init,
+                    param_device=torch.device("cpu") if cfg.cpu_offload else None)
         return model
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:

@@ -188,9 +188,12 @@ def test_resume_on_another_shape_continues_the_same_samples(uninterrupted: Path,
         assert loss == pytest.approx(reference[step], rel=2e-4), step
     progress = load(committed(run)[STEPS])["progress"]
     assert progress["data"] == load(committed(uninterrupted)[STEPS])["progress"]["data"]
-    # Replicated HSDP shards are written once: 2x2 writes the same bytes as 1x1 or 3x2.
+    # Replicated HSDP shards are written once: 2x2 writes the same bytes as 1x1 or 3x2 (a
+    # replica would double them). DCP frames every shard of every tensor (1.7 KB each), so
+    # 4 shards of this 0.9M-parameter model's 69 tensors add about 6% (the planner counts
+    # them: assert_planned below holds each shape to 5%).
     size = store.inspect(committed(run)[STEPS]).bytes
-    assert size == pytest.approx(store.inspect(committed(uninterrupted)[STEPS]).bytes, rel=0.05)
+    assert size == pytest.approx(store.inspect(committed(uninterrupted)[STEPS]).bytes, rel=0.10)
     assert_planned(run, int(shape[0]), int(shape[1]))
 
 

@@ -75,6 +75,33 @@ def test_tensor_parallel_trains_like_one_rank(one: dict[str, Any], four: dict[st
     assert facts["norms"] == pytest.approx(one["ref_norms"], rel=1e-4)
 
 
+def test_reduce_and_output_dtypes(four: dict[str, Any]) -> None:
+    """reduce_dtype=bf16 puts bf16 on the wire (the reduce-scatter inside a node and the
+    all-reduce across nodes); output_dtype=fp32 casts the model's bf16 output."""
+    facts = four["reduce_bf16"]
+    assert facts["reduce_scatter_dtypes"] == ["torch.bfloat16"]
+    assert facts["cross_node_dtypes"] == ["torch.bfloat16"]
+    assert facts["losses"] == pytest.approx(four["ref_losses"][:2], rel=1e-2)
+    assert four["output_dtype"] == {"bf16": "torch.bfloat16", "bf16_fp32": "torch.float32"}
+
+
+def test_reshard_to_a_smaller_group_gathers_inside_it_in_backward(four: dict[str, Any]) -> None:
+    """reshard_after_forward=2 on a shard group of 4 (ZeRO++'s hpZ): after forward every
+    block but the last is sharded over pairs, so backward's all-gathers span 2 ranks, not 4."""
+    seen = four["reshard_2"]["after_forward"]
+    assert seen["blocks_unsharded"] == [False, False, False]
+    assert seen["backward_group_sizes"] == [2]
+    assert four["full"]["after_forward"]["backward_group_sizes"] == [4]
+    assert four["reshard_2"]["losses"] == pytest.approx(four["ref_losses"][:2], rel=1e-5)
+
+
+def test_explicit_prefetch_gathers_the_next_blocks_early(four: dict[str, Any]) -> None:
+    """prefetch=2: block 0's forward already gathered blocks 1 and 2 (before block 1 starts:
+    the root, blocks 0, 1 and 2); FSDP2's own gathers block 1 only when it starts."""
+    assert four["prefetch"]["0"] == 2 and four["prefetch"]["2"] == 4
+    assert four["prefetch"]["losses"] == pytest.approx(four["ref_losses"][:2], rel=1e-5)
+
+
 def test_compiled_blocks_train_the_same(one: dict[str, Any]) -> None:
     assert one["compile"]["compiled"]
     assert one["compile"]["losses"] == pytest.approx(one["ref_losses"], rel=1e-5)

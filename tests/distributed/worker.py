@@ -135,8 +135,30 @@ def observe_reshard(t: Trainer) -> dict[str, Any]:
         loss, _ = t.train_step()
         handle.remove()
     seen["backward_gathers"] = count(calls, "all_gather_single") - seen["forward_gathers"]
+    gathers = [c for c in calls if c.op == "all_gather_single"]
+    seen["backward_group_sizes"] = sorted({len(c.ranks) for c in gathers[seen["forward_gathers"]:]})
     seen["loss"] = t.mean_over_ranks(loss)
     return seen
+
+
+def gathers_before_block_1(t: Trainer) -> int:
+    """All-gathers issued in one step before block 1's forward begins (before FSDP's own
+    pre-forward hook of it): the root's and block 0's, plus whatever was prefetched."""
+    seen: list[int] = []
+    with spying() as calls:
+        handle = t.blocks[1].register_forward_pre_hook(
+            lambda *_: seen.append(count(calls, "all_gather_single")), prepend=True)
+        t.train_step()
+        handle.remove()
+    return seen[0]
+
+
+def output_dtype(t: Trainer) -> str:
+    seen: list[str] = []
+    handle = t.model.register_forward_hook(partial(record_dtype, seen))
+    t.train_step()
+    handle.remove()
+    return seen[0]
 
 
 def local_shards(t: Trainer) -> list[torch.Tensor]:
@@ -291,6 +313,23 @@ def main() -> None:
     facts["accumulation"] = accumulation(t, env.rank)
     t = trainer(env, cpu_offload="true")
     facts["cpu_offload"] = {"losses": losses(t, 2)}
+    # FSDP2's controls.
+    t = trainer(env, precision="bf16", reduce_dtype="bf16")
+    with spying() as calls:
+        facts["reduce_bf16"] = {"losses": losses(t, 2)}
+    facts["reduce_bf16"]["reduce_scatter_dtypes"] = sorted(
+        {d for c in calls if c.op == "reduce_scatter_single" for d in c.dtypes})
+    facts["reduce_bf16"]["cross_node_dtypes"] = sorted(
+        {d for c in calls if c.op == "all_reduce" and c.ranks == replicate_ranks(env.rank) for d in c.dtypes})
+    facts["output_dtype"] = {"bf16": output_dtype(trainer(env, precision="bf16")),
+                             "bf16_fp32": output_dtype(trainer(env, precision="bf16", output_dtype="fp32"))}
+    t = trainer(env, sharding="full", reshard_after_forward="2")
+    seen = observe_reshard(t)
+    facts["reshard_2"] = {"losses": [seen.pop("loss"), *losses(t, 1)], "after_forward": seen}
+    facts["prefetch"] = {"0": gathers_before_block_1(trainer(env)),
+                         "2": gathers_before_block_1(trainer(env, prefetch="2"))}
+    t = trainer(env, prefetch="2")
+    facts["prefetch"]["losses"] = losses(t, 2)
     # Tensor parallelism: 1 node x (2 shard x 2 tp), and 2 nodes x (1 shard x 2 tp).
     for name, shaped in (("tp_1x4", replace(env, per_node=4)), ("tp_2x2", env)):
         t = trainer(shaped, tp="2")

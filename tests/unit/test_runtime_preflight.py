@@ -37,6 +37,13 @@ def test_resolves_config_block_and_shape() -> None:
     ({"tp": "2", "seq_len": "33"}, "tp=2 does not divide seq_len=33"),
     ({"tp": "0"}, "tp"),
     ({"tp": "2", "batch_size": "3"}, "batch_size=3 does not divide over 2 ranks"),
+    ({"reshard_after_forward": "2"}, "reshard_after_forward=2 must divide the shard group of 2 ranks "
+                                     "and be smaller; use true or false on this shape"),
+    ({"reshard_after_forward": "maybe"}, "reshard_after_forward='maybe' is not valid"),
+    ({"reduce_dtype": "int8"}, "reduce_dtype='int8' is not valid"),
+    ({"output_dtype": "fp8"}, "output_dtype='fp8' is not valid"),
+    ({"prefetch": "-1"}, "prefetch"),
+    ({"block": "Block,Layer"}, "block='Layer' is not a class"),
 ])
 def test_user_errors(sets: dict[str, str], needle: str) -> None:
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):

@@ -44,6 +44,15 @@ def test_named_block_and_missing_name() -> None:
         find_blocks(model, block="Decoder")
 
 
+def test_several_block_classes_children_first() -> None:
+    """"Layer,Embedding,Linear": every module of those classes, a child before its parent
+    (fully_shard goes bottom-up), siblings in model order."""
+    chosen = [type(m).__name__ for m in find_blocks(meta_model(), block="Layer,Embedding,Linear")]
+    assert chosen == ["Embedding", "Linear", "Linear"] + ["Linear", "Layer"] * 3
+    with pytest.raises(ValueError, match="block='Nope' is not a class"):
+        find_blocks(meta_model(), block="Layer,Nope")
+
+
 def test_size_based_wraps_innermost_modules_over_the_bound() -> None:
     chosen = find_blocks(meta_model(), min_params=70)
     assert [type(m).__name__ for m in chosen] == ["Embedding", "Linear", "Linear", "Linear"]
@@ -89,3 +98,65 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
     assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
     assert factors[10] == pytest.approx(1.0) and factors[100] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(factors[10:], factors[11:], strict=False))
+
+
+def test_offloaded_parameters_live_on_the_host_whatever_the_compute_device(world_of_one: None) -> None:
+    """CPU offload: FSDP2 refuses offloaded parameters anywhere but in host memory, so they
+    are materialised on the CPU while the buffers go to the compute device (here the meta
+    device stands in for a GPU: without param_device the parameters would land there)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from hpcshard.runtime.shard import ShardPlan, materialize, shard_model
+
+    class WithBuffer(Model):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("scale", torch.ones(8))
+
+    with torch.device("meta"):
+        model = WithBuffer()
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+    shard_model(model, mesh, ShardPlan(mode="full", cpu_offload=True))
+    materialize(model, torch.device("meta"), seed=0, param_device=torch.device("cpu"))
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert model.scale.device.type == "meta"
+
+
+@pytest.mark.parametrize("reshard,last,want", [("auto", False, True), ("auto", True, False),
+                                              ("false", False, False), ("true", True, True),
+                                              ("4", False, 4)])
+def test_reshard_after_forward_choices(reshard: str, last: bool, want: bool | int) -> None:
+    from hpcshard.runtime.shard import ShardPlan
+
+    assert ShardPlan(mode="hybrid", reshard=reshard).reshard_after_forward(last) == want
+    assert ShardPlan(mode="grad-op").reshard_after_forward(False) is False
+
+
+def test_a_jobs_shard_hook_takes_over_sharding(world_of_one: None) -> None:
+    """Job(shard=...) is called instead of hpcshard's wrapping, with the run's plan: here it
+    shards the embeddings as blocks of their own too."""
+    import sysconfig
+    from dataclasses import replace
+    from pathlib import Path
+
+    from hpcshard.config import build_config
+    from hpcshard.runtime.device import DistEnv
+    from hpcshard.runtime.job import load_job
+    from hpcshard.runtime.shard import ShardPlan, shard_model
+    from hpcshard.runtime.train import Trainer
+
+    root = Path(__file__).resolve().parents[2]
+    plans: list[ShardPlan] = []
+
+    def shard(cfg: object, model: nn.Module, mesh: object, plan: ShardPlan) -> list[nn.Module]:
+        plans.append(plan)
+        return shard_model(model, mesh, replace(plan, block="Block,Embedding"))  # type: ignore[arg-type]
+
+    job = replace(load_job(str(root / "jobs" / "charlm.py")), shard=shard)
+    cfg = build_config(job.config, {"dim": "32", "n_heads": "2", "n_layers": "2", "seq_len": "16",
+                                    "batch_size": "2", "prefetch": "1",
+                                    "data": str(Path(sysconfig.get_paths()["stdlib"]) / "json")})
+    env = DistEnv(rank=0, world=1, local_rank=0, per_node=1, device=torch.device("cpu"), backend="gloo")
+    t = Trainer(job, cfg, env, None)
+    assert len(plans) == 1 and plans[0].prefetch == 1
+    assert [type(b).__name__ for b in t.blocks] == ["FSDPEmbedding"] * 2 + ["FSDPBlock"] * 2
