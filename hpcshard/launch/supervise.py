@@ -444,6 +444,16 @@ class Supervisor:
                 break
             time.sleep(POLL_S)
         fault = launchers.fault(self.run_dir, attempt, cycle)
+        if code and self.spec.script and fault is None and not dead:
+            ended = board.read()
+            if len(ended) == board.slots and all(s.phase == "done" for s in ended):
+                # Every rank of a script left on purpose (finished, or stopped on REQUEUE: a
+                # script reports done only then); the agent's code came after, from
+                # teardown (seen under load: torchrun exits 1 once its ranks exited 0).
+                # Restarting would train past the end (Trainer did one step more).
+                print(f"hpcshard: node {self.me}: every rank finished; the launcher's exit {code} "
+                      "after them is not a fault", file=sys.stderr, flush=True)
+                code = 0
         if code == 0 or self.ending or self.killed or (self.noticed is not None and fault is None and (
                 self.spec.script or (code is not None and not dead))):
             # Done, cancelled, or stopped on the notice (whatever the exit: not restarted).
