@@ -73,6 +73,13 @@ class Job:
     job cannot run with tp > 1."""
 
 
+def require_tp_plan(job: Job, tp: int, ref: str) -> None:
+    """tp > 1 needs the job's plan; one line otherwise (preflight, planner, ranks)."""
+    if tp > 1 and job.tp_plan is None:
+        raise ValueError(f"tp={tp}: job {ref} has no tp_plan (how to split its model); add one "
+                         "to its Job (see the README) or use tp=1")
+
+
 def _import_file(path: Path) -> Any:
     name = f"hpcshard_job_{path.stem}"
     spec = importlib.util.spec_from_file_location(name, path)

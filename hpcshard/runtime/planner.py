@@ -202,9 +202,11 @@ class Memory:
 
 def mesh_of(mode: str, nodes: int, gpus: int, tp: int = 1) -> tuple[int, int]:
     """(replicate, shard) as runtime.mesh builds it (the tp dimension apart)."""
-    dp = nodes * gpus // tp
-    return {"hybrid": (nodes, gpus // tp), "full": (1, dp), "grad-op": (1, dp),
-            "none": (dp, 1)}[mode]
+    from hpcshard.runtime.mesh import mesh_shape
+
+    shape, names = mesh_shape(mode, nodes, gpus, tp)
+    dims = dict(zip(names, shape, strict=True))
+    return dims.get("replicate", 1), dims["shard"]
 
 
 def memory(shape: ModelShape, mode: str, nodes: int, gpus: int, compute_bytes: int,
@@ -357,7 +359,7 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
     micro_choices = [1, 2, 4, 8, 16, 32, 64]
     if job:
         from hpcshard.config import build_config
-        from hpcshard.runtime.job import load_job
+        from hpcshard.runtime.job import load_job, require_tp_plan
 
         j = load_job(job)
         cfg = build_config(j.config, sets)
@@ -365,8 +367,7 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
         ac = cfg.ac_every() if ac is None else ac
         tp = cfg.tp
         check_tp(tp, gpus)
-        if tp > 1 and j.tp_plan is None:
-            raise ValueError(f"tp={tp}: job {job} has no tp_plan; add one to its Job or use tp=1")
+        require_tp_plan(j, tp, job)
         dp = world // tp
         per_rank = cfg.batch_size // dp if cfg.batch_size % dp == 0 else 0
         if not per_rank:

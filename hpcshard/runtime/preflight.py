@@ -18,7 +18,7 @@ from typing import Any
 from hpcshard.config import build_config
 from hpcshard.runtime.blocks import find_blocks, on_meta
 from hpcshard.runtime.data import GlobalBatches
-from hpcshard.runtime.job import load_job
+from hpcshard.runtime.job import load_job, require_tp_plan
 from hpcshard.runtime.mesh import check_tp, mesh_shape, resolve_sharding
 
 
@@ -28,9 +28,7 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
     job = load_job(request["job"])
     cfg = build_config(job.config, request["sets"])
     check_tp(cfg.tp, gpus)
-    if cfg.tp > 1 and job.tp_plan is None:
-        raise ValueError(f"tp={cfg.tp}: job {request['job']} has no tp_plan (how to split its "
-                         "model); add one to its Job (see the README) or use tp=1")
+    require_tp_plan(job, cfg.tp, request["job"])
     micro, accum = cfg.accumulation(world // cfg.tp)
     mode = resolve_sharding(cfg.sharding, nodes)
     if cfg.reshard_after_forward.isdigit():

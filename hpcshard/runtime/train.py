@@ -27,7 +27,7 @@ from hpcshard.runtime.blocks import on_meta
 from hpcshard.runtime.checkpoint import Checkpointer, Loaded, TrainParts, seed_rank
 from hpcshard.runtime.data import GlobalBatches, eval_batch_count, eval_batches, unigram_entropy
 from hpcshard.runtime.device import DistEnv, device_peak_tflops
-from hpcshard.runtime.job import Job
+from hpcshard.runtime.job import Job, require_tp_plan
 from hpcshard.runtime.mesh import build_mesh, dp_mesh, resolve_sharding, tp_mesh
 from hpcshard.runtime.metrics import Metrics
 from hpcshard.runtime.shard import ShardPlan, apply_tp, materialize, shard_model, state_bytes
@@ -184,9 +184,8 @@ class Trainer:
                          reshard=cfg.reshard_after_forward, prefetch=cfg.prefetch)
         tp = tp_mesh(self.mesh)
         if tp is not None:
-            if self.job.tp_plan is None:
-                raise ValueError(f"tp={cfg.tp}: this job has no tp_plan; add one to its Job "
-                                 "(see the README) or use tp=1")
+            require_tp_plan(self.job, cfg.tp, "this")
+            assert self.job.tp_plan is not None
             apply_tp(model, tp, self.job.tp_plan(cfg, model))
         if self.job.shard is not None:  # the job's own sharding, in full
             self.blocks = self.job.shard(cfg, model, dp_mesh(self.mesh), plan)
