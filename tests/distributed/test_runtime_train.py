@@ -102,9 +102,14 @@ def test_explicit_prefetch_gathers_the_next_blocks_early(four: dict[str, Any]) -
     assert four["prefetch"]["losses"] == pytest.approx(four["ref_losses"][:2], rel=1e-5)
 
 
-def test_compiled_blocks_train_the_same(one: dict[str, Any]) -> None:
-    assert one["compile"]["compiled"]
-    assert one["compile"]["losses"] == pytest.approx(one["ref_losses"], rel=1e-5)
+@pytest.mark.parametrize("name,eager", [("compile_2x2", "ref_losses"), ("compile_tp_2x2", "tp_2x2")])
+def test_compiled_blocks_train_the_same(four: dict[str, Any], name: str, eager: str) -> None:
+    """compile=true on 2x2 HSDP and on a tp=2 3D mesh: inductor compiled every block in
+    whole graphs (no graph break), and the losses match the eager run's."""
+    facts, ref = four[name], four[eager]
+    assert facts["compiled"] and facts["graphs"] >= 1 and facts["breaks"] == 0
+    assert facts["inductor"] >= 1
+    assert facts["losses"] == pytest.approx(ref if isinstance(ref, list) else ref["losses"], rel=1e-5)
 
 
 @pytest.mark.parametrize("mode,placements,mesh,split", [
