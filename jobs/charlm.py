@@ -128,7 +128,8 @@ def tp_plan(cfg: Config, model: nn.Module) -> dict[str, object]:
     q, k, v and fc split by output features (a rank computes whole heads, a slice of the
     MLP), proj and out by input features, their sum reduce-scattered back to the sequence
     split; norms and the residual stream hold a slice of the sequence; the embeddings
-    split by rows; the head gathers the sequence and returns whole logits."""
+    split by rows; the head gathers the sequence and returns logits split by vocabulary
+    (a `Shard(-1)` DTensor), which the runtime's loss parallelism takes as they are."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -152,7 +153,8 @@ def tp_plan(cfg: Config, model: nn.Module) -> dict[str, object]:
         "blocks.*.mlp.fc": ColwiseParallel(),
         "blocks.*.mlp.out": RowwiseParallel(output_layouts=Shard(1)),
         "ln_f": SequenceParallel(),
-        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        # loss parallel: logits stay split by vocabulary, cross entropy works on them there
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
     }
 
 

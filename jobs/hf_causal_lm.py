@@ -285,12 +285,12 @@ def tp_plan(cfg: Config, model: nn.Module) -> dict[str, object]:
     (`config.base_model_tp_plan`: Llama, Mistral, Qwen2, ... name their attention q/k/v/o
     and MLP gate/up/down projections colwise or rowwise), under the base model's prefix.
     The input embedding is split by vocabulary rows, the head by vocabulary columns
-    (whole logits come back), and every other module with parameters (the norms) is
-    `Replicated`: no sequence parallelism, since the decoder computes positions and the
-    causal mask from its input's length."""
+    (logits come back split by vocabulary, for loss parallelism), and every other module
+    with parameters (the norms) is `Replicated`: no sequence parallelism, since the
+    decoder computes positions and the causal mask from its input's length."""
     from fnmatch import fnmatch
 
-    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from hpcshard.runtime.shard import Replicated
@@ -320,7 +320,8 @@ def tp_plan(cfg: Config, model: nn.Module) -> dict[str, object]:
     names = {m: n for n, m in model.named_modules()}
     plan[names[emb]] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
     if head is not None:
-        plan[names[head]] = ColwiseParallel(output_layouts=Replicate())
+        # loss parallel: logits stay split by vocabulary (the runtime's cross entropy takes them)
+        plan[names[head]] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     for name, module in model.named_modules():
         owns = next(module.parameters(recurse=False), None) is not None
         if owns and not any(fnmatch(name, p) for p in plan):

@@ -9,6 +9,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from hpcshard.config import TrainConfig
 from hpcshard.rundir import store
@@ -200,6 +202,17 @@ class Trainer:
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.env.device, non_blocking=True)
 
+    def _loss_parallel(self) -> AbstractContextManager[None]:
+        """With tp > 1, cross entropy on logits split by vocabulary (a plan whose head
+        returns them as `Shard(-1)` DTensors) is computed where they lie: no rank gathers
+        the whole (tokens x vocabulary) logits, forward or backward. Plain logits are
+        unaffected."""
+        return loss_parallel() if self.cfg.tp > 1 else nullcontext()
+
+    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = self.job.loss(self.model, self._to_device(x), self._to_device(y))
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel's
+
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches; returns (loss, grad norm)."""
         self.recent.append(self.batches.upcoming())
@@ -211,9 +224,9 @@ class Trainer:
                 # cross-node all-reduce only once per step: the slow links carry 1/accum.
                 assert isinstance(self.model, FSDPModule)
                 self.model.set_requires_all_reduce(i == len(micro_batches) - 1)
-            loss = self.job.loss(self.model, self._to_device(x), self._to_device(y))
-            loss = loss / len(micro_batches)
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
+            with self._loss_parallel():
+                loss = self._loss(x, y) / len(micro_batches)
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
             total += loss.detach()
         if self.ckpt is not None:  # an async save may still be copying the parameters
             self.ckpt.staged()
@@ -241,7 +254,8 @@ class Trainer:
         for x, y in eval_batches(self.splits.eval, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
                                  micro=self.micro, rank=self.dp_rank, world=self.dp_world,
                                  count=self.eval_count):
-            total[0] += self.job.loss(self.model, self._to_device(x), self._to_device(y)) * len(x)
+            with self._loss_parallel():
+                total[0] += self._loss(x, y) * len(x)
             total[1] += len(x)
         self.model.train()
         dist.all_reduce(total)

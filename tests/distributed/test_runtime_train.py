@@ -73,6 +73,9 @@ def test_tensor_parallel_trains_like_one_rank(one: dict[str, Any], four: dict[st
     assert facts["init_hash"] == one["init_hash"]
     assert facts["losses"] == pytest.approx(one["ref_losses"], rel=1e-5)
     assert facts["norms"] == pytest.approx(one["ref_norms"], rel=1e-4)
+    # loss parallel: the head's logits stay split by vocabulary into the cross entropy
+    assert facts["logits"]["dtensor"] and facts["logits"]["placements"][-1] == "Shard(dim=2)"
+    assert facts["logits"]["local_vocab"] * 2 == facts["logits"]["vocab"]
 
 
 def test_reduce_and_output_dtypes(four: dict[str, Any]) -> None:

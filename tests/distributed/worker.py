@@ -263,6 +263,21 @@ def compiled(t: Trainer) -> dict[str, Any]:
                   + counters["inductor"]["fxgraph_cache_miss"]}
 
 
+def logits_layout(t: Trainer) -> dict[str, Any]:
+    """What the model's head hands the loss: its type, placements and local vocabulary."""
+    seen: dict[str, Any] = {}
+
+    def hook(_module: nn.Module, _inputs: Any, out: torch.Tensor) -> None:
+        seen.update(dtensor=isinstance(out, DTensor), local_vocab=out.to_local().shape[-1]
+                    if isinstance(out, DTensor) else out.shape[-1], vocab=out.shape[-1],
+                    placements=[repr(p) for p in out.placements] if isinstance(out, DTensor) else [])
+
+    handle = t.model.get_submodule("head").register_forward_hook(hook)
+    losses(t, 1)
+    handle.remove()
+    return seen
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     env = init_distributed()
@@ -345,7 +360,8 @@ def main() -> None:
         t = trainer(shaped, tp="2")
         norms: list[float] = []
         facts[name] = {**placements(t), "init_hash": init_hash(t), "losses": losses(t, 4, norms),
-                       "norms": norms, "all_dtensors": all(isinstance(p, DTensor) for p in t.params),
+                       "norms": norms, "logits": logits_layout(t),
+                       "all_dtensors": all(isinstance(p, DTensor) for p in t.params),
                        "dp": [t.dp_rank, t.dp_world]}
     # torch.compile (each block; inductor's C++ on CPU) on 2x2 HSDP, then with tp=2. The
     # ranks compile the same kernels: inductor's cache lets one build them, ~20 s each here.

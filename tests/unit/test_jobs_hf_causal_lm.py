@@ -155,6 +155,7 @@ def test_config_json_builds_that_model(job: Job, tmp_path: Path) -> None:
 def test_the_tensor_parallel_plan_comes_from_transformers(job: Job) -> None:
     """Llama's own plan (q/k/v and gate/up by output features, o and down by input), under
     the base model's prefix; the embedding and the head by vocabulary; the norms whole."""
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     from hpcshard.runtime.shard import Replicated
@@ -165,7 +166,9 @@ def test_the_tensor_parallel_plan_comes_from_transformers(job: Job) -> None:
     assert isinstance(plan["model.layers.*.self_attn.q_proj"], ColwiseParallel)
     assert isinstance(plan["model.layers.*.mlp.down_proj"], RowwiseParallel)
     assert isinstance(plan["model.embed_tokens"], RowwiseParallel)
-    assert isinstance(plan["lm_head"], ColwiseParallel)
+    head = plan["lm_head"]
+    assert isinstance(head, ColwiseParallel)  # loss parallel: logits split by vocabulary
+    assert head.output_layouts == (Shard(-1),) and not head.use_local_output
     assert isinstance(plan["model.norm"], Replicated)
     assert isinstance(plan["model.layers.1.post_attention_layernorm"], Replicated)
 
