@@ -66,6 +66,10 @@ class TrainConfig:
     """Clip the global gradient norm (over all shards) to this; 0 disables clipping."""
     seed: int = 0
     """Seeds initialisation (world-size independent), data order and dropout."""
+    init_from: str = ""
+    """A Hugging Face checkpoint directory (config.json and *.safetensors, written by
+    save_pretrained) to start from: each rank reads only the slices it holds. The run's own
+    checkpoints win once they exist."""
     sharding: str = "auto"
     """auto (hybrid on >1 node, else full) | hybrid (shard in a node, replicate across
     nodes: HSDP) | full (shard over all ranks) | grad-op (full, but keep parameters

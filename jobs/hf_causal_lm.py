@@ -33,6 +33,7 @@ from hpcshard.config import TrainConfig
 from hpcshard.runtime import Job
 from hpcshard.runtime.blocks import canonical_name
 from hpcshard.runtime.data import DataConfig, DataSplits, load_splits
+from hpcshard.runtime.pretrained import config_file
 
 try:
     import transformers
@@ -81,6 +82,11 @@ class Config(TrainConfig, DataConfig):
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(f"attn_implementation={self.attn_implementation!r} is not valid; "
                              f"choose one of: {', '.join(ATTN_IMPLEMENTATIONS)}")
+        if self.init_from and self.config_json:
+            raise ValueError("init_from and config_json both give the model's config; drop "
+                             "config_json (init_from's config.json is used)")
+        if self.init_from:
+            return  # the sizes come from init_from's config.json (hf_config checks them)
         if self.config_json:
             changed = [f.name for f in dataclasses.fields(Config)
                        if f.name in ARCH_FIELDS and getattr(self, f.name) != f.default]
@@ -102,8 +108,24 @@ class Config(TrainConfig, DataConfig):
                              "use at least 256")
 
 
-ARCH_FIELDS = ("model_type", "hidden", "layers", "heads", "kv_heads", "intermediate",
-               "tie_embeddings", "vocab_size")
+ARCH_KEYS = {"model_type": "model_type", "hidden": "hidden_size", "layers": "num_hidden_layers",
+             "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
+             "intermediate": "intermediate_size", "tie_embeddings": "tie_word_embeddings",
+             "vocab_size": "vocab_size"}
+"""The architecture fields and the transformers config keys they set."""
+ARCH_FIELDS = tuple(ARCH_KEYS)
+
+
+def _agree(cfg: Config, config: Any) -> None:
+    """With init_from, an architecture field set on the command line must be the
+    checkpoint's own value (one line naming both otherwise)."""
+    for f in dataclasses.fields(Config):
+        value = getattr(cfg, f.name)
+        if f.name in ARCH_KEYS and value != f.default:
+            theirs = getattr(config, ARCH_KEYS[f.name], None)
+            if value != theirs:
+                raise ValueError(f"{f.name}={value} disagrees with init_from's config.json "
+                                 f"({ARCH_KEYS[f.name]}={theirs}); drop --set {f.name}")
 
 
 def _config_keys(config_class: Any) -> set[str]:
@@ -113,15 +135,17 @@ def _config_keys(config_class: Any) -> set[str]:
 
 
 def hf_config(cfg: Config) -> Any:
-    """The transformers config: from `config_json`, or from the architecture fields."""
-    if cfg.config_json:
-        path = Path(cfg.config_json)
+    """The transformers config: init_from's config.json, `config_json`, or the architecture
+    fields."""
+    source = str(config_file(cfg.init_from)) if cfg.init_from else cfg.config_json
+    if source:
+        path = Path(source)
         if not path.is_file():
             raise ValueError(f"config_json {cfg.config_json!r} does not exist; give a config.json file")
         try:
             values = json.loads(path.read_text())
         except json.JSONDecodeError as err:
-            raise ValueError(f"config_json {cfg.config_json!r} is not valid JSON ({err})") from None
+            raise ValueError(f"{source!r} is not valid JSON ({err})") from None
         model_type = values.get("model_type", "")
     else:
         model_type = cfg.model_type
@@ -129,8 +153,10 @@ def hf_config(cfg: Config) -> Any:
         raise ValueError(f"model_type={model_type!r} is not a transformers model type; "
                          "use e.g. llama, mistral, qwen2 or gpt2")
     config_class = CONFIG_MAPPING[model_type]
-    if cfg.config_json:
+    if source:
         config = config_class.from_dict(values)
+        if cfg.init_from:
+            _agree(cfg, config)
     else:
         wanted: dict[str, Any] = {
             "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden,

@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
                                     "nodes": env.nodes, "host": socket.gethostname(),
                                     "resumed_step": loaded.step if loaded else None,
                                     "resumed_from": loaded.path if loaded else None,
-                                    "skipped": loaded.skipped if loaded else []})
+                                    "skipped": loaded.skipped if loaded else [],
+                                    **({"init_from": str(trainer.pretrained.path)}
+                                       if trainer.pretrained else {})})
         if ranks.cycle == 0 and env.nodes > 1 and cfg.health_link_mb and _slow_link(run_dir, env, cfg,
                                                                                       attempt):
             return STRAGGLER_EXIT

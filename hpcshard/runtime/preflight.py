@@ -43,6 +43,10 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
     with on_meta():
         model = job.model(cfg)
     blocks = find_blocks(model, cfg.block, cfg.block_min_params)
+    if cfg.init_from:  # its headers against the model's names and shapes: no tensor is read
+        from hpcshard.runtime.pretrained import match, read_dir
+
+        match(model, read_dir(cfg.init_from))
     if cfg.tp > 1 and job.tp_plan is not None:
         job.tp_plan(cfg, model)  # its own checks (heads, tied weights), before anything queues
     splits = job.data(cfg)

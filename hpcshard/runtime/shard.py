@@ -162,7 +162,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, plan: ShardPlan) -> list[nn.
 
 @torch.no_grad()
 def materialize(model: nn.Module, device: torch.device, seed: int,
-                init: InitFn = reset_init, param_device: torch.device | None = None) -> None:
+                init: InitFn = reset_init, param_device: torch.device | None = None,
+                loaded: frozenset[str] = frozenset()) -> None:
     """Allocate a sharded meta-device model on `device` and initialise it.
 
     Each module is initialised on full-size scratch tensors under a seed derived from its
@@ -170,7 +171,10 @@ def materialize(model: nn.Module, device: torch.device, seed: int,
     world size or the mesh (1 rank and 4 ranks start identical), replicas are equal, and
     at most one module's parameters exist unsharded at a time, never the whole model.
     `param_device`: where the parameters live if not on `device` (CPU offload: host
-    memory, the buffers still on `device`).
+    memory, the buffers still on `device`). `loaded`: canonical names of parameters a
+    checkpoint will overwrite (init_from); a module holding only such parameters is left
+    uninitialised, which spares a full-size scratch copy of each (a 128k-vocabulary
+    embedding's is gigabytes).
     """
     model.to_empty(device=param_device or device)
     if param_device is not None and param_device != device:
@@ -181,6 +185,10 @@ def materialize(model: nn.Module, device: torch.device, seed: int,
     for name, module in model.named_modules():
         params = dict(module.named_parameters(recurse=False))
         if not params and not any(True for _ in module.buffers(recurse=False)):
+            continue
+        prefix = canonical_name(name) + "." if name else ""
+        if (params and all(prefix + p in loaded for p in params)
+                and not any(True for _ in module.buffers(recurse=False))):
             continue
         sharded = {}
         for pname, p in params.items():

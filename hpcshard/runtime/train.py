@@ -32,6 +32,7 @@ from hpcshard.runtime.device import DistEnv, device_peak_tflops
 from hpcshard.runtime.job import Job, require_tp_plan
 from hpcshard.runtime.mesh import build_mesh, dp_mesh, resolve_sharding, tp_mesh
 from hpcshard.runtime.metrics import Metrics
+from hpcshard.runtime.pretrained import Stored, aliases, load_pretrained, match, read_dir
 from hpcshard.runtime.shard import ShardPlan, apply_tp, materialize, shard_model, state_bytes
 from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.straggler import Stragglers, crowded, gather, probe
@@ -139,6 +140,8 @@ class Trainer:
             log.warning("the held-out split holds less than one batch (%d tokens); "
                         "evaluation is off", len(splits.eval))
         self.step = 0
+        self.pretrained: Stored | None = None
+        """The Hugging Face checkpoint this run started from (init_from), once loaded."""
         self.state_bytes: dict[str, int] | None = None
         self.startup: dict[str, float] = {}
         """Wall-clock marks of this rank's start (entry, torch, rendezvous, built, loaded)."""
@@ -178,6 +181,11 @@ class Trainer:
         with on_meta():
             model = self.job.model(cfg)
         self.n_params = sum(p.numel() for p in model.parameters())
+        # init_from: checked against the model's names and shapes now (headers only); what
+        # it supplies is not initialised, only read (restore).
+        self.init_from = read_dir(cfg.init_from) if cfg.init_from else None
+        self.init_names = match(model, self.init_from) if self.init_from else {}
+        loaded = aliases(model) if self.init_from else frozenset()
         self.flops_per_token = self.job.flops_per_token(cfg, model)
         plan = ShardPlan(mode=self.mode, precision=cfg.precision, block=cfg.block,
                          block_min_params=cfg.block_min_params, ac_every=cfg.ac_every(),
@@ -196,7 +204,7 @@ class Trainer:
         # Offloaded parameters live in host memory whatever the compute device (FSDP2
         # refuses them elsewhere); buffers stay with the compute.
         materialize(model, self.env.device, cfg.seed, self.job.init,
-                    param_device=torch.device("cpu") if cfg.cpu_offload else None)
+                    param_device=torch.device("cpu") if cfg.cpu_offload else None, loaded=loaded)
         return model
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
@@ -267,12 +275,20 @@ class Trainer:
         dist.all_reduce(value)
         return value.item() / self.env.world
 
-    def restore(self, how: str = "auto") -> Loaded | None:
-        """Resume from a checkpoint (auto|never|STEP|PATH) before `run`."""
+    def restore(self, how: str = "auto", pretrained: bool = True) -> Loaded | None:
+        """Resume from a checkpoint (auto|never|STEP|PATH) before `run`; without one, and
+        with `pretrained`, start from `init_from`'s weights if it is set."""
         self.report("load", self.step)
         loaded = self.ckpt.resume(how) if self.ckpt else None
         if loaded is not None:
             self.step = loaded.step
+        elif pretrained and self.init_from is not None:
+            start = time.perf_counter()
+            load_pretrained(self.model, self.init_from, self.init_names)
+            self.pretrained = self.init_from
+            if self.env.is_main:
+                log.info("started from %s (%.0f MB) in %.1f s", self.init_from.path,
+                         self.init_from.bytes / 1e6, time.perf_counter() - start)
         return loaded
 
     def _boundary(self, stop: StopRequest | None, bad: torch.Tensor) -> str:
@@ -375,7 +391,7 @@ class Trainer:
         self.ckpt.wait()  # an async write of an earlier, good step commits first
         bad, skipped = self.step, sorted(self.recent)
         self.batches.skip.update(skipped)
-        loaded = self.restore("auto")
+        loaded = self.restore("auto", pretrained=False)
         if loaded is None:  # nothing committed yet: no state to go back to
             return False
         self.rollbacks += 1
