@@ -38,17 +38,40 @@ def ckpt_list(run_dir: Path) -> None:
 @ckpt.command("export")
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--step", type=click.IntRange(min=0), help="Checkpoint step [default: newest].")
-@click.option("--out", type=click.Path(path_type=Path), required=True,
-              help="File to write: .safetensors, or .pt/.pth/.bin for torch.save.")
-def ckpt_export(run_dir: Path, step: int | None, out: Path) -> None:
-    """Write a full, unsharded model state dict from a checkpoint of RUN_DIR."""
+@click.option("--out", type=click.Path(path_type=Path),
+              help="File to write: .safetensors, or .pt/.pth/.bin for torch.save (small models).")
+@click.option("--hf", "hf_dir", type=click.Path(path_type=Path),
+              help="Directory to write for Hugging Face's from_pretrained: config.json, the run's "
+                   "tokenizer, sharded safetensors with an index (streamed file by file).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]),
+              help="With --hf: the weights' dtype [default: init_from's, else fp32].")
+@click.option("--shard-size", default="5GB", show_default=True,
+              help="With --hf: the largest safetensors file.")
+def ckpt_export(run_dir: Path, step: int | None, out: Path | None, hf_dir: Path | None,
+                dtype: str | None, shard_size: str) -> None:
+    """Write full, unsharded weights from a checkpoint of RUN_DIR: one file (--out) or a
+    Hugging Face model directory (--hf)."""
     read_run(run_dir)
-    if out.suffix == ".safetensors" and importlib.util.find_spec("safetensors") is None:
-        fail(ValueError(f"--out {str(out)!r}: writing .safetensors needs the safetensors package "
-                        "(pip install 'hpcshard[hf]' or pip install safetensors); or export to a .pt file"))
-    from hpcshard.runtime.export import export  # torch: only for this command
+    if (out is None) == (hf_dir is None):
+        fail(ValueError("give one of --out FILE or --hf DIR"))
+    if (dtype or shard_size != "5GB") and hf_dir is None:
+        fail(ValueError("--dtype and --shard-size go with --hf; --out writes the weights as trained"))
+    needs = "safetensors" if hf_dir is None else "transformers"
+    if (hf_dir is not None or out.suffix == ".safetensors") and importlib.util.find_spec(needs) is None:  # type: ignore[union-attr]
+        fail(ValueError(f"{'--hf' if hf_dir else '--out'}: needs the {needs} package "
+                        "(pip install 'hpcshard[hf]')" + ("" if hf_dir else "; or export to a .pt file")))
+    from hpcshard.runtime.export import export, export_hf  # torch: only for this command
 
     try:
+        if hf_dir is not None:
+            with click.progressbar(length=1, label="writing", file=None) as bar:
+                def done(i: int, n: int) -> None:
+                    bar.length = n
+                    bar.update(1)
+                ckpt, files = export_hf(run_dir, step, hf_dir, dtype or "", shard_size, done)
+            click.echo(f"wrote {hf_dir} ({files} safetensors file(s)) from {ckpt.path} (step {ckpt.step})")
+            return
+        assert out is not None
         ckpt = export(run_dir, step, out)
     except ValueError as err:
         fail(err)

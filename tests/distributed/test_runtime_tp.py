@@ -87,6 +87,10 @@ def test_export_gives_the_full_weights_whatever_the_degree(uninterrupted: Path, 
     for key in one:
         assert one[key].shape == two[key].shape, key
         torch.testing.assert_close(two[key], one[key], rtol=1e-3, atol=1e-4, msg=key)
+    # The demo is no transformers model: --hf says so in one line and writes nothing.
+    proc = hpcshard("ckpt", "export", str(tp_run), "--hf", str(tmp_path / "hf"))
+    assert proc.returncode == 2 and "--hf needs a transformers model; this run's is CharLM" in proc.stderr
+    assert not (tmp_path / "hf").exists() and not list(tmp_path.glob(".hf*"))
 
 
 def test_the_planner_knows_what_a_tensor_parallel_rank_holds(tp_run: Path) -> None:
