@@ -23,6 +23,7 @@ def test_a_bad_size_is_one_line(text: str) -> None:
 
 
 def test_files_hold_at_most_the_limit_in_order_and_a_large_tensor_alone() -> None:
-    shapes = [("a", (10,)), ("b", (10,)), ("c", (30,)), ("d", (5,)), ("e", (5,))]
+    shapes: list[tuple[str, tuple[int, ...]]] = [
+        ("a", (10,)), ("b", (10,)), ("c", (30,)), ("d", (5,)), ("e", (5,))]
     assert _groups(shapes, 2, 40) == [["a", "b"], ["c"], ["d", "e"]]  # c: 60 bytes, alone
     assert _groups(shapes, 2, 10**9) == [["a", "b", "c", "d", "e"]]
