@@ -70,6 +70,19 @@ class TrainConfig:
     """A Hugging Face checkpoint directory (config.json and *.safetensors, written by
     save_pretrained) to start from: each rank reads only the slices it holds. The run's own
     checkpoints win once they exist."""
+    freeze: str = ""
+    """Parameters to keep as they start (init_from's or the seed's): comma-separated fnmatch
+    patterns of their names, e.g. `model.embed_tokens.*,model.layers.0.*`. Frozen parameters
+    get no gradient or optimizer state and are not rewritten at each save."""
+    lora_rank: int = 0
+    """LoRA (PEFT) adapters of this rank on `lora_targets`; every base weight is frozen. 0: off."""
+    lora_alpha: float = 16.0
+    """LoRA scaling: the adapter's update is multiplied by lora_alpha / lora_rank."""
+    lora_dropout: float = 0.0
+    """Dropout on the adapters' input."""
+    lora_targets: str = ""
+    """Comma-separated names (or name suffixes) of the layers to adapt, e.g. q_proj,v_proj;
+    empty: PEFT's default for the transformers model type."""
     sharding: str = "auto"
     """auto (hybrid on >1 node, else full) | hybrid (shard in a node, replicate across
     nodes: HSDP) | full (shard over all ranks) | grad-op (full, but keep parameters
@@ -183,8 +196,13 @@ class TrainConfig:
         for name in ("micro_batch_size", "warmup_steps", "weight_decay", "grad_clip",
                      "eval_every", "block_min_params", "peak_tflops", "min_lr_ratio", "prefetch",
                      "ckpt_every", "ckpt_minutes", "keep_every", "watchdog_warmup_steps",
-                     "nan_rollbacks", "straggler_every", "health_link_mb", "health_link_gbps"):
+                     "nan_rollbacks", "straggler_every", "health_link_mb", "health_link_gbps",
+                     "lora_rank", "lora_dropout"):
             _positive(name, getattr(self, name), zero_ok=True)
+        _positive("lora_alpha", self.lora_alpha)
+        if self.lora_rank and self.tp > 1:
+            raise ValueError(f"lora_rank={self.lora_rank} with tp={self.tp}: LoRA adapters are not "
+                             "split by tensor parallelism; use tp=1 (FSDP shards them)")
 
         for name in ("tp", "keep_last", "watchdog_factor", "watchdog_floor_s", "watchdog_phase_s",
                      "watchdog_join_s", "nan_skip", "straggler_margin", "straggler_patience"):

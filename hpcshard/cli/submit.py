@@ -30,7 +30,7 @@ from hpcshard.cli.options import (
     spare_options,
 )
 from hpcshard.config import parse_sets
-from hpcshard.rundir import store
+from hpcshard.rundir import ledger, store
 from hpcshard.rundir.ledger import bad_slurm_nodes, next_attempt
 from hpcshard.rundir.metrics import METRICS, last_record
 from hpcshard.rundir.rankenv import REQUEUE_EXIT
@@ -300,6 +300,11 @@ def _launch(spec: RunSpec, run_dir: Path, resume: str) -> NoReturn:
     code = run_local(run_dir.resolve(), spec.nodes, spec.gpus, spares=spec.spares, resume=resume,
                      max_requeues=spec.max_requeues, on_attempt=requeued)
     _report(run_dir, code)
+    ends = [r for r in ledger.read(run_dir) if r.get("event") == "end"]
+    last = ends[-1] if ends else {}
+    if code != 0 and last.get("user_error") and last.get("attempt") == next_attempt(run_dir) - 1:
+        # the ranks found bad input only they could check (a changed init_from, say)
+        fail(ValueError(last.get("error", "bad input")))
     sys.exit(code)
 
 

@@ -40,6 +40,17 @@ class Stored:
     def bytes(self) -> int:
         return sum(f.stat().st_size for f in self.path.glob(f"*{SUFFIX}"))
 
+    @property
+    def fingerprint(self) -> str:
+        """Names, shapes, dtypes and file sizes: what a resume checks before it reads frozen
+        weights from the checkpoint again (cheap; a rewritten file of the same layout is
+        not caught)."""
+        import hashlib
+
+        sizes = sorted((f.name, f.stat().st_size) for f in self.path.glob(f"*{SUFFIX}"))
+        text = json.dumps([sorted((k, list(v), self.dtypes[k]) for k, v in self.shapes.items()), sizes])
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
 
 def config_file(path: str | Path) -> Path:
     """A checkpoint directory's config.json, or one line saying what is wrong."""
@@ -89,12 +100,16 @@ def read_dir(path: str | Path) -> Stored:
 
 def wanted(model: nn.Module) -> dict[str, tuple[str, tuple[int, ...]]]:
     """Every tensor the model's state dict holds that a checkpoint must supply, as
-    {its first name: (every name, full shape)}: tied weights appear once."""
+    {its first name: (every name, full shape)}: tied weights appear once, LoRA adapters
+    not at all."""
+    from hpcshard.runtime.adapters import is_adapter
     from hpcshard.runtime.blocks import canonical_name
 
     by_tensor: dict[int, list[str]] = {}
     shapes: dict[int, tuple[int, ...]] = {}
     for name, t in model.state_dict(keep_vars=True).items():
+        if is_adapter(name):  # LoRA's own: the run creates them
+            continue
         by_tensor.setdefault(id(t), []).append(canonical_name(name))
         shapes[id(t)] = tuple(t.shape)
     return {names[0]: ("|".join(names), shapes[key]) for key, names in by_tensor.items()}
@@ -106,7 +121,9 @@ def match(model: nn.Module, stored: Stored) -> dict[str, str]:
     found: dict[str, str] = {}
     missing, mismatched = [], []
     for first, (names, shape) in wanted(model).items():
-        name = next((n for n in names.split("|") if n in stored.shapes), None)
+        from hpcshard.runtime.adapters import base_name
+
+        name = next((base_name(n) for n in names.split("|") if base_name(n) in stored.shapes), None)
         if name is None:
             missing.append(first)
         elif stored.shapes[name] != shape:
@@ -121,7 +138,7 @@ def match(model: nn.Module, stored: Stored) -> dict[str, str]:
     if mismatched:
         raise ValueError(f"{where}: {len(mismatched)} tensor(s) differ in shape, e.g. {mismatched[0]}; "
                          "the model's config must be the checkpoint's")
-    extra = set(stored.shapes) - {n for names, _ in wanted(model).values() for n in names.split("|")}
+    extra = set(stored.shapes) - set(found.values())
     if extra:
         log.warning("init_from: %d checkpoint tensor(s) are not in the model and are not read, "
                     "e.g. %s", len(extra), sorted(extra)[0])

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 from hpcshard.config import TrainConfig
 from hpcshard.rundir import store
 from hpcshard.rundir.rankenv import RankEnv
+from hpcshard.runtime.adapters import apply_freeze, apply_lora, frozen, with_adapters
 from hpcshard.runtime.blocks import on_meta
 from hpcshard.runtime.checkpoint import Checkpointer, Loaded, TrainParts, seed_rank
 from hpcshard.runtime.data import GlobalBatches, eval_batch_count, eval_batches, unigram_entropy
@@ -42,8 +43,9 @@ log = logging.getLogger("hpcshard")
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW with decay on matrices only: biases and norm gains are not regularised."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    rest = [p for p in model.parameters() if p.ndim < 2]
+    trainable = [p for p in model.parameters() if p.requires_grad]  # frozen: no state at all
+    decay = [p for p in trainable if p.ndim >= 2]
+    rest = [p for p in trainable if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": rest, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
@@ -171,7 +173,9 @@ class Trainer:
         parts = TrainParts(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                            batches=self.batches, scaler=self.scaler,
                            layout={"mesh": list(self.mesh.shape), "sharding": self.mode,
-                                   "tp": cfg.tp})
+                                   "tp": cfg.tp, "frozen": len(self.frozen),
+                                   **({"frozen_from": self.init_from.fingerprint}
+                                      if self.init_from and self.frozen else {})})
         self.ckpt = Checkpointer(parts, env, cfg, run_dir) if run_dir is not None else None
         # Dropout and any other in-step randomness: per rank, seeded, restorable.
         seed_rank(cfg.seed, env.rank)
@@ -180,6 +184,9 @@ class Trainer:
         cfg = self.cfg
         with on_meta():
             model = self.job.model(cfg)
+        apply_lora(model, cfg)  # names change (PEFT's base_layer): before anything reads them
+        apply_freeze(model, cfg.freeze)
+        self.frozen = frozen(model)
         self.n_params = sum(p.numel() for p in model.parameters())
         # init_from: checked against the model's names and shapes now (headers only); what
         # it supplies is not initialised, only read (restore).
@@ -203,7 +210,8 @@ class Trainer:
             self.blocks = shard_model(model, dp_mesh(self.mesh), plan)
         # Offloaded parameters live in host memory whatever the compute device (FSDP2
         # refuses them elsewhere); buffers stay with the compute.
-        materialize(model, self.env.device, cfg.seed, self.job.init,
+        materialize(model, self.env.device, cfg.seed,
+                    with_adapters(self.job.init) if cfg.lora_rank else self.job.init,
                     param_device=torch.device("cpu") if cfg.cpu_offload else None, loaded=loaded)
         return model
 
@@ -282,6 +290,8 @@ class Trainer:
         loaded = self.ckpt.resume(how) if self.ckpt else None
         if loaded is not None:
             self.step = loaded.step
+            if pretrained and self.init_from is not None and self.frozen:
+                self._frozen_again(loaded)
         elif pretrained and self.init_from is not None:
             start = time.perf_counter()
             load_pretrained(self.model, self.init_from, self.init_names)
@@ -290,6 +300,18 @@ class Trainer:
                 log.info("started from %s (%.0f MB) in %.1f s", self.init_from.path,
                          self.init_from.bytes / 1e6, time.perf_counter() - start)
         return loaded
+
+    def _frozen_again(self, loaded: Loaded) -> None:
+        """Checkpoints hold no frozen weights: read them from init_from again, which must
+        be the checkpoint the run started from."""
+        assert self.init_from is not None
+        saved = loaded.manifest.get("frozen_from")
+        if saved is not None and saved != self.init_from.fingerprint:
+            raise ValueError(f"init_from={str(self.init_from.path)!r} is not the checkpoint this run's "
+                             f"frozen weights came from (its tensors or files changed since "
+                             f"{Path(loaded.path).name}); point init_from at the original")
+        load_pretrained(self.model, self.init_from,
+                        {k: v for k, v in self.init_names.items() if k in self.frozen})
 
     def _boundary(self, stop: StopRequest | None, bad: torch.Tensor) -> str:
         """After a step: agree, in one all-reduce, on a non-finite loss or gradient norm on

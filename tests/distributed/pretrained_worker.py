@@ -43,6 +43,10 @@ def trainer(env: Any, ckpt: str, **sets: str) -> Trainer:
     return Trainer(JOB, cfg, env, None)
 
 
+def local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if isinstance(p, DTensor) else p
+
+
 def logits(t: Trainer, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         out = t.model(input_ids=x, use_cache=False).logits
@@ -69,16 +73,37 @@ def main() -> None:
         facts[f"tp{tp}"] = {"max_diff": (logits(t, x) - ref).abs().max().item(),
                             "pretrained": str(t.pretrained.path) if t.pretrained else None}
         del t
+    # Frozen parameters and LoRA on 2x2 HSDP.
+    for name, sets in (("freeze", {"freeze": "model.embed_tokens.*,model.layers.0.*"}),
+                       ("lora", {"lora_rank": "4", "lora_targets": "q_proj,v_proj"})):
+        t = trainer(env, ckpt, steps="3", warmup_steps="1", lr="1e-2", **sets)
+        t.restore("never")
+        # (before any forward: a no-grad one leaves the last block's parameters gathered)
+        fixed = {n: local(p).clone() for n, p in t.model.named_parameters() if not p.requires_grad}
+        moving = {n: local(p).clone() for n, p in t.model.named_parameters() if p.requires_grad}
+        before = logits(t, x)
+        for _ in range(3):
+            t.train_step()
+        named = dict(t.model.named_parameters())
+        in_optimizer = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
+        facts[name] = {
+            "frozen": len(fixed), "trainable": len(moving),
+            "frozen_unchanged": all(torch.equal(local(named[n]), v) for n, v in fixed.items()),
+            "trainable_changed": sum(not torch.equal(local(named[n]), v) for n, v in moving.items()),
+            "optimizer_params": len(in_optimizer), "optimizer_state": len(t.optimizer.state),
+            "frozen_in_optimizer": any(id(named[n]) in in_optimizer for n in fixed),
+            "start_max_diff": (before - ref).abs().max().item()}
+        del t
     # Memory: the larger checkpoint, from model build to loaded, on every rank.
     dist.barrier()
-    before, _ = rss()
+    start, _ = rss()
     reset_peak()
     t = trainer(env, big)
     t.restore("never")
     _, peak = rss()
     shard = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in t.model.parameters())
     full = sum(p.numel() * 4 for p in t.model.parameters())
-    mine = torch.tensor([float(peak - before), float(shard)])
+    mine = torch.tensor([float(peak - start), float(shard)])
     seen = [torch.zeros(2) for _ in range(env.world)]
     dist.all_gather(seen, mine)
     facts["memory"] = {"peak_rise": [s[0].item() for s in seen], "shard": [s[1].item() for s in seen],

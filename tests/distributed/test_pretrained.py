@@ -51,3 +51,26 @@ def test_no_rank_holds_the_whole_model_while_loading(facts: dict[str, Any]) -> N
         assert shard * 2 == pytest.approx(mem["full_fp32"], rel=0.01)  # 2x2 HSDP: half each
         assert rise <= 1.5 * shard + BUFFER, (rise, shard)
         assert rise < mem["full_fp32"]
+
+
+def test_frozen_parameters_stay_bitwise_and_get_no_optimizer_state(facts: dict[str, Any]) -> None:
+    """freeze=model.embed_tokens.*,model.layers.0.* on 2x2 HSDP: after 3 steps the frozen
+    weights are bit for bit init_from's, every other one moved, and only those are in the
+    optimizer (with state)."""
+    f = facts["freeze"]
+    assert f["frozen"] == 1 + 9 and f["frozen_unchanged"]  # the embedding, layer 0's 9
+    assert f["trainable_changed"] == f["trainable"] == 2 + 9  # layer 1's 9, norm, head
+    assert f["optimizer_params"] == f["optimizer_state"] == f["trainable"]
+    assert not f["frozen_in_optimizer"]
+    assert f["start_max_diff"] < 1e-5
+
+
+def test_lora_starts_from_the_base_model_and_trains_only_its_adapters(facts: dict[str, Any]) -> None:
+    """lora_rank=4 on q_proj and v_proj of both layers (PEFT, applied before sharding): B is
+    zero, so the first logits are the base model's; A and B of 4 layers train, every base
+    weight stays bit for bit, and the optimizer holds the adapters alone."""
+    f = facts["lora"]
+    assert f["start_max_diff"] < 1e-5
+    assert f["trainable"] == 2 * 2 * 2 and f["frozen_unchanged"]
+    assert f["trainable_changed"] == f["trainable"]
+    assert f["optimizer_params"] == f["optimizer_state"] == f["trainable"]

@@ -14,7 +14,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,8 @@ from hpcshard.config import TrainConfig
 from hpcshard.rundir import store
 from hpcshard.runtime.checkpoint.io import HandOffStager, PrivateWriter, fast_writes, one_line
 from hpcshard.runtime.checkpoint.state import (
+    LOAD_OPTIONS,
+    SAVE_OPTIONS,
     TrainState,
     config_hash,
     rng_state,
@@ -47,6 +49,8 @@ class Loaded:
     path: str
     skipped: list[tuple[str, str]]
     world_changed: bool
+    manifest: dict[str, Any] = field(default_factory=dict)
+    """The checkpoint's manifest (its layout, config, what its frozen weights came from)."""
 
 
 @dataclass
@@ -95,7 +99,7 @@ class Checkpointer:
         """What a save writes; `fresh` for a load, which writes into what it is given."""
         p = self.parts
         if fresh:
-            model, optim = get_state_dict(p.model, p.optimizer)
+            model, optim = get_state_dict(p.model, p.optimizer, options=SAVE_OPTIONS)
         else:
             self.train_state = self.train_state or TrainState(p.model, p.optimizer)
             model, optim = self.train_state(copy_buffers=self.cfg.async_save)
@@ -111,7 +115,7 @@ class Checkpointer:
     def _apply(self, state: dict[str, Any], saved_world: int) -> None:
         p = self.parts
         set_state_dict(p.model, p.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=LOAD_OPTIONS)
         progress = state["progress"]
         p.batches.load_state_dict(progress["data"])
         p.scheduler.load_state_dict(progress["scheduler"])
@@ -289,7 +293,7 @@ class Checkpointer:
                      chosen.step, world, chosen.manifest.get("mesh"))
             self.last_saved = chosen.step
             return Loaded(step=chosen.step, path=str(chosen.path), skipped=skipped,
-                          world_changed=world != self.env.world)
+                          world_changed=world != self.env.world, manifest=chosen.manifest)
 
     def _decide(self, how: str, exclude: frozenset[Path],
                 ) -> tuple[str | None, list[tuple[str, str]], str]:

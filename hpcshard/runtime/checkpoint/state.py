@@ -12,9 +12,15 @@ from typing import Any
 import numpy as np
 import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from hpcshard.config import TrainConfig
+
+SAVE_OPTIONS = StateDictOptions(ignore_frozen_params=True)
+"""Frozen parameters are not saved: they are init_from's or the seed's, rebuilt on resume."""
+LOAD_OPTIONS = StateDictOptions(ignore_frozen_params=True, strict=False)
+"""...and not expected in a checkpoint (DCP still fails on any other missing tensor: it
+loads exactly the names the model asks for)."""
 
 
 def config_hash(cfg: TrainConfig) -> str:
@@ -123,7 +129,7 @@ class TrainState:
         updates in place, such as BatchNorm's statistics, would otherwise be written with
         a later step's values)."""
         if self.kept is None or self._computed() or not self._same(self._identity()):
-            model, optim = get_state_dict(self.model, self.optimizer)
+            model, optim = get_state_dict(self.model, self.optimizer, options=SAVE_OPTIONS)
             self.kept = (self._identity(), dict(model), dict(optim))  # after its hooks have run
             self.builds += 1
         _, model_state, optim_state = self.kept
