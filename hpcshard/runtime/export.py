@@ -38,6 +38,11 @@ def _checkpoint(run_dir: Path, step: int | None) -> tuple[store.Checkpoint, Any,
     spec = RunSpec.read(run_dir)
     job = load_job(spec.job)
     cfg = build_config(job.config, spec.sets)
+    if getattr(cfg, "lora_rank", 0) or getattr(cfg, "freeze", ""):
+        # Their checkpoints hold the trainable tensors alone; merging them with init_from's
+        # frozen ones (and PEFT's adapter format) is the next part of this export.
+        raise ValueError("this run has frozen parameters or LoRA adapters, whose export (merged, "
+                         "or as a PEFT adapter) is not built yet; export a run without them")
     with on_meta():
         model = job.model(cfg)
     return ckpt, cfg, model

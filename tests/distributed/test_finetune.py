@@ -78,3 +78,10 @@ def test_a_lora_run_preempted_resumes_bitwise_from_small_checkpoints(base: Path,
     again = hpcshard("resume", str(moved), "--set", f"steps={STEPS + 2}")
     assert again.returncode == 2, again.stdout[-2000:] + again.stderr[-2000:]
     assert "is not the checkpoint this run's frozen weights came from" in again.stdout + again.stderr
+
+
+def test_exporting_a_lora_run_is_refused_in_one_line(reference: Path, tmp_path: Path) -> None:
+    """Until the merged and PEFT-format exports exist: a clear line, exit 2, nothing written."""
+    proc = hpcshard("ckpt", "export", str(reference), "--hf", str(tmp_path / "hf"))
+    assert proc.returncode == 2 and "frozen parameters or LoRA adapters" in proc.stderr
+    assert not (tmp_path / "hf").exists()
