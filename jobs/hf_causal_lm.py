@@ -34,6 +34,7 @@ from hpcshard.runtime import Job
 from hpcshard.runtime.blocks import canonical_name
 from hpcshard.runtime.data import DataConfig, DataSplits, load_splits
 from hpcshard.runtime.pretrained import config_file
+from hpcshard.runtime.sft import IGNORE
 
 try:
     import transformers
@@ -202,9 +203,15 @@ def build_model(cfg: Config) -> nn.Module:
 
 
 def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy on HF's `.logits`, reduced in fp32."""
+    """Next-token cross entropy on HF's `.logits`, reduced in fp32, over the positions that
+    are learnt (fine-tuning data masks prompts with IGNORE; a window with none is 0, not nan)."""
+    from torch.distributed.tensor import DTensor
+
     logits = model(input_ids=x, use_cache=False).logits
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    total = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
+    if isinstance(total, DTensor):  # loss parallel's
+        total = total.full_tensor()
+    return total / (y != IGNORE).sum().clamp(min=1)
 
 
 _MODULES: weakref.WeakKeyDictionary[nn.Module, dict[str, nn.Module]] = weakref.WeakKeyDictionary()

@@ -43,26 +43,37 @@ def ckpt_list(run_dir: Path) -> None:
 @click.option("--hf", "hf_dir", type=click.Path(path_type=Path),
               help="Directory to write for Hugging Face's from_pretrained: config.json, the run's "
                    "tokenizer, sharded safetensors with an index (streamed file by file).")
+@click.option("--adapter", "adapter_dir", type=click.Path(path_type=Path),
+              help="Directory to write a LoRA run's adapter to, in PEFT's format "
+                   "(PeftModel.from_pretrained on the init_from model).")
 @click.option("--dtype", type=click.Choice(["fp32", "bf16", "fp16"]),
-              help="With --hf: the weights' dtype [default: init_from's, else fp32].")
+              help="With --hf or --adapter: the weights' dtype [default: init_from's, else fp32].")
 @click.option("--shard-size", default="5GB", show_default=True,
               help="With --hf: the largest safetensors file.")
 def ckpt_export(run_dir: Path, step: int | None, out: Path | None, hf_dir: Path | None,
-                dtype: str | None, shard_size: str) -> None:
-    """Write full, unsharded weights from a checkpoint of RUN_DIR: one file (--out) or a
-    Hugging Face model directory (--hf)."""
+                adapter_dir: Path | None, dtype: str | None, shard_size: str) -> None:
+    """Write full, unsharded weights from a checkpoint of RUN_DIR: one file (--out), a
+    Hugging Face model directory (--hf; LoRA adapters merged in), or a LoRA run's adapter
+    in PEFT's format (--adapter)."""
     read_run(run_dir)
-    if (out is None) == (hf_dir is None):
-        fail(ValueError("give one of --out FILE or --hf DIR"))
-    if (dtype or shard_size != "5GB") and hf_dir is None:
-        fail(ValueError("--dtype and --shard-size go with --hf; --out writes the weights as trained"))
-    needs = "safetensors" if hf_dir is None else "transformers"
-    if (hf_dir is not None or out.suffix == ".safetensors") and importlib.util.find_spec(needs) is None:  # type: ignore[union-attr]
-        fail(ValueError(f"{'--hf' if hf_dir else '--out'}: needs the {needs} package "
-                        "(pip install 'hpcshard[hf]')" + ("" if hf_dir else "; or export to a .pt file")))
-    from hpcshard.runtime.export import export, export_hf  # torch: only for this command
+    if sum(x is not None for x in (out, hf_dir, adapter_dir)) != 1:
+        fail(ValueError("give one of --out FILE, --hf DIR or --adapter DIR"))
+    if dtype and out is not None:
+        fail(ValueError("--dtype goes with --hf or --adapter; --out writes the weights in fp32"))
+    if shard_size != "5GB" and hf_dir is None:
+        fail(ValueError("--shard-size goes with --hf"))
+    needs = {"--out": "safetensors", "--hf": "transformers", "--adapter": "peft"}
+    flag = "--out" if out is not None else "--hf" if hf_dir is not None else "--adapter"
+    if (flag != "--out" or out.suffix == ".safetensors") and importlib.util.find_spec(needs[flag]) is None:  # type: ignore[union-attr]
+        fail(ValueError(f"{flag}: needs the {needs[flag]} package (pip install 'hpcshard[hf]')"
+                        + ("; or export to a .pt file" if flag == "--out" else "")))
+    from hpcshard.runtime.export import export, export_adapter, export_hf  # torch: only here
 
     try:
+        if adapter_dir is not None:
+            ckpt = export_adapter(run_dir, step, adapter_dir, dtype or "")
+            click.echo(f"wrote {adapter_dir} (PEFT adapter) from {ckpt.path} (step {ckpt.step})")
+            return
         if hf_dir is not None:
             with click.progressbar(length=1, label="writing", file=None) as bar:
                 def done(i: int, n: int) -> None:

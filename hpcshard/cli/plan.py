@@ -126,7 +126,9 @@ def gib(n: float) -> str:
 
 def show(p: dict[str, Any]) -> None:
     m = p["model"]
-    click.echo(f"model: {m['name']}: {m['params'] / 1e6:,.2f}M parameters, {m['blocks']} x "
+    frozen = m["params"] - m.get("trainable", m["params"])
+    trains = f" ({m['trainable'] / 1e6:,.2f}M trained, the rest frozen)" if frozen else ""
+    click.echo(f"model: {m['name']}: {m['params'] / 1e6:,.2f}M parameters{trains}, {m['blocks']} x "
                f"{m['block']} (largest {m['max_block_params'] / 1e6:,.2f}M), "
                f"{m['root_params'] / 1e6:,.2f}M outside the blocks")
     click.echo(f"shape: {p['nodes']} node(s) x {p['gpus']} GPU(s), {p['precision']}, micro-batch "

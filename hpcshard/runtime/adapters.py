@@ -87,3 +87,20 @@ def with_adapters(init: InitFn) -> InitFn:
             else:
                 nn.init.kaiming_uniform_(p, a=math.sqrt(5))
     return adapted
+
+
+def lora_layers(model: nn.Module) -> dict[str, tuple[float, bool]]:
+    """PEFT's adapted layers by canonical name: (scaling, fan_in_fan_out). The layer's own
+    weight is `NAME.base_layer.weight`, its adapter `NAME.lora_A.default.weight` and
+    `NAME.lora_B.default.weight`; merged, the weight is base + scaling * B @ A."""
+    from peft.tuners.lora import LoraLayer
+
+    return {canonical_name(n): (float(m.scaling["default"]), bool(getattr(m, "fan_in_fan_out", False)))
+            for n, m in model.named_modules() if isinstance(m, LoraLayer) and "default" in m.lora_A}
+
+
+def merge(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float,
+          fan_in_fan_out: bool) -> torch.Tensor:
+    """A LoRA layer's weight with its adapter folded in (fp32), as PEFT's `merge` computes it."""
+    delta = (b.float() @ a.float()) * scaling
+    return base.float() + (delta.T if fan_in_fan_out else delta)

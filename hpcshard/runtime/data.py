@@ -39,10 +39,24 @@ class DataConfig:
     """uint16 | uint32, the element type of the token files."""
     vocab_size: int = 256
     """Vocabulary size; 256 for bytes (at least), the tokenizer's size for token files."""
+    sft: str = ""
+    """Fine-tuning data instead: a JSONL file of {"prompt", "completion"} or {"messages"}
+    records, tokenized with `tokenizer`, the loss on completions / assistant turns only."""
+    sft_eval: str = ""
+    """Held-out JSONL for `sft`; empty: every 20th good record of `sft`."""
+    tokenizer: str = ""
+    """A local tokenizer directory for `sft`; empty: init_from's."""
 
 
 def load_splits(cfg: DataConfig, vocab_size: int | None = None) -> DataSplits:
-    """Token files when `tokens` is set, else the bytes of `data` (or the stdlib sources)."""
+    """Fine-tuning records when `sft` is set, token files when `tokens` is, else the bytes
+    of `data` (or the stdlib sources)."""
+    if cfg.sft:
+        from hpcshard.runtime.sft import load_sft
+
+        if vocab_size is None:
+            raise ValueError("sft data needs the model's vocabulary size; this job does not pass it")
+        return load_sft(cfg, vocab_size)  # type: ignore[no-any-return]
     if cfg.tokens:
         train = token_file(cfg.tokens, cfg.token_dtype)
         vocab = vocab_size or cfg.vocab_size
@@ -61,6 +75,12 @@ class DataSplits:
     train: np.ndarray
     eval: np.ndarray
     vocab_size: int
+    train_targets: np.ndarray | None = None
+    """Fine-tuning data: what each token predicts, position for position (IGNORE where the
+    loss is masked); None: the next token, everywhere."""
+    eval_targets: np.ndarray | None = None
+    report: str = ""
+    """What was read and skipped, for the log."""
 
 
 def stdlib_sources() -> list[Path]:
@@ -123,10 +143,17 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int, limit: int = 50_000_000
     return float(-(p * np.log(p)).sum())
 
 
-def _windows(tokens: np.ndarray, seq_len: int, index: Iterable[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def _windows(tokens: np.ndarray, seq_len: int, index: Iterable[int],
+             targets: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windows of seq_len + 1 tokens: inputs, and the next tokens (or `targets`' values
+    there, where fine-tuning masks the loss)."""
+    index = list(index)
     rows = np.stack([np.asarray(tokens[i * seq_len: i * seq_len + seq_len + 1]) for i in index])
     t = torch.from_numpy(rows.astype(np.int64))
-    return t[:, :-1], t[:, 1:]
+    if targets is None:
+        return t[:, :-1], t[:, 1:]
+    ys = np.stack([np.asarray(targets[i * seq_len + 1: i * seq_len + seq_len + 1]) for i in index])
+    return t[:, :-1], torch.from_numpy(ys.astype(np.int64))
 
 
 class GlobalBatches:
@@ -137,8 +164,9 @@ class GlobalBatches:
     """
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, micro: int,
-                 rank: int, world: int, seed: int) -> None:
+                 rank: int, world: int, seed: int, targets: np.ndarray | None = None) -> None:
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
+        self.targets = targets
         self.micro, self.rank, self.world, self.seed = micro, rank, world, seed
         self.samples = (len(tokens) - 1) // seq_len
         if self.samples < batch_size:
@@ -177,7 +205,7 @@ class GlobalBatches:
         start = self.offset + self.rank * per_rank
         mine = self._permutation()[start:start + per_rank].tolist()
         self.offset += self.batch_size
-        return [_windows(self.tokens, self.seq_len, mine[i:i + self.micro])
+        return [_windows(self.tokens, self.seq_len, mine[i:i + self.micro], self.targets)
                 for i in range(0, per_rank, self.micro)]
 
     def state_dict(self) -> dict[str, int]:
@@ -188,7 +216,8 @@ class GlobalBatches:
 
 
 def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, micro: int, rank: int,
-                 world: int, count: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                 world: int, count: int, targets: np.ndarray | None = None,
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """The first `count` global batches of the held-out stream, in order, this rank's slice."""
     samples = (len(tokens) - 1) // seq_len
     count = min(count, samples // batch_size)
@@ -196,7 +225,7 @@ def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, micro: in
     for b in range(count):
         start = b * batch_size + rank * per_rank
         for i in range(start, start + per_rank, micro):
-            yield _windows(tokens, seq_len, range(i, min(i + micro, start + per_rank)))
+            yield _windows(tokens, seq_len, range(i, min(i + micro, start + per_rank)), targets)
 
 
 def eval_batch_count(tokens: np.ndarray, seq_len: int, batch_size: int, count: int) -> int:

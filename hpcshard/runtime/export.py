@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,8 +31,11 @@ from hpcshard.runtime.job import load_job
 FORMATS = (".safetensors", ".pt", ".pth", ".bin")
 
 
-def _checkpoint(run_dir: Path, step: int | None) -> tuple[store.Checkpoint, Any, torch.nn.Module]:
-    """The checkpoint to export, the run's config and its model on the meta device."""
+def _checkpoint(run_dir: Path, step: int | None) -> tuple[store.Checkpoint, Any, Any, torch.nn.Module]:
+    """The checkpoint to export, the run's config, its job, and its model on the meta device
+    as training built it (LoRA adapters and frozen parameters included)."""
+    from hpcshard.runtime.adapters import apply_freeze, apply_lora
+
     ckpt, _ = store.select(run_dir / store.CHECKPOINTS, "auto" if step is None else str(step))
     if ckpt is None:
         raise ValueError(f"no committed checkpoint in {run_dir / store.CHECKPOINTS}")
@@ -38,14 +43,97 @@ def _checkpoint(run_dir: Path, step: int | None) -> tuple[store.Checkpoint, Any,
     spec = RunSpec.read(run_dir)
     job = load_job(spec.job)
     cfg = build_config(job.config, spec.sets)
-    if getattr(cfg, "lora_rank", 0) or getattr(cfg, "freeze", ""):
-        # Their checkpoints hold the trainable tensors alone; merging them with init_from's
-        # frozen ones (and PEFT's adapter format) is the next part of this export.
-        raise ValueError("this run has frozen parameters or LoRA adapters, whose export (merged, "
-                         "or as a PEFT adapter) is not built yet; export a run without them")
     with on_meta():
         model = job.model(cfg)
-    return ckpt, cfg, model
+    apply_lora(model, cfg)
+    apply_freeze(model, cfg.freeze)
+    return ckpt, cfg, job, model
+
+
+class Sources:
+    """Where each weight of a run is, read whole and one group at a time: the checkpoint
+    (what trained), init_from (frozen weights of a run that started from one) or the seed
+    (frozen weights of a run from scratch, recomputed as every rank did). LoRA layers come
+    out merged (base + scaling * B @ A), under the base model's names."""
+
+    def __init__(self, ckpt: store.Checkpoint, cfg: Any, job: Any, model: torch.nn.Module) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        from hpcshard.runtime.adapters import lora_layers, with_adapters
+        from hpcshard.runtime.blocks import canonical_name
+        from hpcshard.runtime.pretrained import read_dir
+
+        self.ckpt, self.cfg, self.model = ckpt, cfg, model
+        self.init = with_adapters(job.init) if cfg.lora_rank else job.init
+        meta = FileSystemReader(str(ckpt.path)).read_metadata().state_dict_metadata
+        self.saved = {k[len("model."):] for k in meta if k.startswith("model.")}
+        self.init_from = read_dir(cfg.init_from) if cfg.init_from else None
+        self.state = {canonical_name(n): t for n, t in model.state_dict(keep_vars=True).items()}
+        self.lora = lora_layers(model) if cfg.lora_rank else {}
+
+    def outputs(self, ties: bool) -> list[tuple[str, str]]:
+        """(name in the output, name in the model) of every weight, adapters folded in;
+        `ties`: a weight shared by two modules under each name (else the first only)."""
+        from hpcshard.runtime.adapters import base_name, is_adapter
+
+        seen: set[int] = set()
+        pairs = []
+        for name, t in self.state.items():
+            if is_adapter(name) or (not ties and id(t) in seen):
+                continue
+            seen.add(id(t))
+            pairs.append((base_name(name), name))
+        return pairs
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.state[name].shape)
+
+    def read(self, names: list[str], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Model names -> whole tensors in `dtype`."""
+        from hpcshard.runtime.adapters import base_name
+
+        out: dict[str, torch.Tensor] = {}
+        saved = [n for n in names if n in self.saved]
+        if saved:  # DCP casts as it reads, one stored shard at a time
+            state = {f"model.{n}": torch.empty(self.shape(n), dtype=dtype) for n in saved}
+            with warnings.catch_warnings():  # "assuming ... a single process": yes
+                warnings.simplefilter("ignore")
+                dcp.load(state, checkpoint_id=str(self.ckpt.path), no_dist=True)
+            out.update({n: state[f"model.{n}"] for n in saved})
+        for n in names:
+            if n in out:
+                continue
+            if self.init_from is not None and base_name(n) in self.init_from.shapes:
+                out[n] = self.init_from.tensor(base_name(n)).to(dtype)
+            else:
+                out[n] = self._seeded(n).to(dtype)
+        return out
+
+    def _seeded(self, name: str) -> torch.Tensor:
+        from hpcshard.runtime.shard import seeded_init
+
+        module_name, _, pname = name.rpartition(".")
+        module = self.model.get_submodule(module_name)
+        module.to_empty(device="cpu", recurse=False)  # its buffers, which the init may write
+        return seeded_init(self.model, module_name, module, self.cfg.seed, self.init,
+                           torch.device("cpu"))[pname]
+
+    def merged(self, pairs: list[tuple[str, str]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """Output name -> tensor in `dtype`, LoRA layers merged in fp32 first."""
+        from hpcshard.runtime.adapters import merge
+
+        lora = {}
+        for _, n in pairs:
+            layer = n.removesuffix(".base_layer.weight")
+            if layer != n and layer in self.lora:
+                lora[n] = (layer, f"{layer}.lora_A.default.weight", f"{layer}.lora_B.default.weight")
+        plain = [n for _, n in pairs if n not in lora]
+        out = self.read(plain, dtype)
+        if lora:
+            parts = self.read([x for _, a, b in lora.values() for x in (a, b)] + list(lora), torch.float32)
+            for n, (layer, a, b) in lora.items():
+                out[n] = merge(parts[n], parts[a], parts[b], *self.lora[layer]).to(dtype)
+        return {o: out[n].contiguous() for o, n in pairs}
 
 
 def export(run_dir: Path, step: int | None, out: Path) -> store.Checkpoint:
@@ -53,11 +141,9 @@ def export(run_dir: Path, step: int | None, out: Path) -> store.Checkpoint:
         raise ValueError(f"--out {str(out)!r}: unknown format; end it in one of {', '.join(FORMATS)}")
     if out.exists():
         raise ValueError(f"--out {str(out)!r} exists; choose a new file (nothing is overwritten)")
-    ckpt, _, model = _checkpoint(run_dir, step)
-    model.to_empty(device="cpu")  # every saved tensor is overwritten by the load
-    state = {"model": model.state_dict()}
-    dcp.load(state, checkpoint_id=str(ckpt.path), no_dist=True)
-    tensors = {k: v.contiguous() for k, v in state["model"].items()}
+    ckpt, cfg, job, model = _checkpoint(run_dir, step)
+    sources = Sources(ckpt, cfg, job, model)
+    tensors = sources.merged(sources.outputs(ties=True), torch.float32)
     out.parent.mkdir(parents=True, exist_ok=True)
     if out.suffix == ".safetensors":
         try:
@@ -65,7 +151,8 @@ def export(run_dir: Path, step: int | None, out: Path) -> store.Checkpoint:
         except ImportError:
             raise ValueError("writing .safetensors needs the safetensors package (pip install "
                              "'hpcshard[hf]' or pip install safetensors); or export to a .pt file") from None
-        save_file(tensors, str(out), metadata={"step": str(ckpt.step)})
+        # a tied weight is one tensor under two names: safetensors wants each stored once
+        save_file({k: v.clone() for k, v in tensors.items()}, str(out), metadata={"step": str(ckpt.step)})
     else:
         torch.save(tensors, out)
     return ckpt
@@ -119,47 +206,60 @@ def _groups(shapes: list[tuple[str, tuple[int, ...]]], itemsize: int, limit: int
     return groups
 
 
-def export_hf(run_dir: Path, step: int | None, out: Path, dtype: str = "", shard_size: str = "5GB",
-              done: Callable[[int, int], None] = lambda i, n: None) -> tuple[store.Checkpoint, int]:
-    """Write the checkpoint as a Hugging Face model directory at `out`; `done(i, n)` after
-    each of the n files. Returns the checkpoint and the number of files. The directory
-    appears whole or not at all (written beside it, then renamed)."""
-    from safetensors.torch import save_file
-
-    from hpcshard.runtime.pretrained import wanted
-
+@contextmanager
+def _staged(out: Path, flag: str) -> Iterator[Path]:
+    """A directory written beside `out` and renamed into place: it appears whole or not at
+    all; nothing existing is overwritten."""
     if out.exists():
-        raise ValueError(f"--hf {str(out)!r} exists; choose a new directory (nothing is overwritten)")
-    if dtype and dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not valid; choose one of: {', '.join(DTYPES)}")
-    limit = parse_size(shard_size)
-    ckpt, cfg, model = _checkpoint(run_dir, step)
-    config = getattr(model, "config", None)
-    if config is None or not hasattr(config, "save_pretrained"):
-        raise ValueError(f"--hf needs a transformers model; this run's is {type(model).__name__}; "
-                         "export it with --out FILE.safetensors instead")
-    dtype = dtype or _default_dtype(cfg)
-    torch_dtype = DTYPES[dtype]
-    shapes = [(name, shape) for name, (_, shape) in wanted(model).items()]
-    groups = _groups(shapes, torch_dtype.itemsize, limit)
+        raise ValueError(f"{flag} {str(out)!r} exists; choose a new directory (nothing is overwritten)")
     tmp = out.with_name(f".{out.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _hf_model(run_dir: Path, step: int | None, dtype: str, flag: str,
+              ) -> tuple[store.Checkpoint, Any, Sources, Any, torch.dtype]:
+    if dtype and dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not valid; choose one of: {', '.join(DTYPES)}")
+    ckpt, cfg, job, model = _checkpoint(run_dir, step)
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        raise ValueError(f"{flag} needs a transformers model; this run's is {type(model).__name__}; "
+                         "export it with --out FILE.safetensors instead")
+    return ckpt, cfg, Sources(ckpt, cfg, job, model), config, DTYPES[dtype or _default_dtype(cfg)]
+
+
+def export_hf(run_dir: Path, step: int | None, out: Path, dtype: str = "", shard_size: str = "5GB",
+              done: Callable[[int, int], None] = lambda i, n: None) -> tuple[store.Checkpoint, int]:
+    """Write the checkpoint as a Hugging Face model directory at `out` (LoRA adapters merged
+    into their layers); `done(i, n)` after each of the n files. Returns the checkpoint and
+    the number of files."""
+    from safetensors.torch import save_file
+
+    if out.exists():
+        raise ValueError(f"--hf {str(out)!r} exists; choose a new directory (nothing is overwritten)")
+    limit = parse_size(shard_size)
+    ckpt, cfg, sources, config, torch_dtype = _hf_model(run_dir, step, dtype, "--hf")
+    pairs = dict(sources.outputs(ties=False))  # output name -> model name
+    groups = _groups([(o, sources.shape(n)) for o, n in pairs.items()], torch_dtype.itemsize, limit)
     weight_map: dict[str, str] = {}
     total = 0
-    try:
-        full = dict(shapes)
+    with _staged(out, "--hf") as tmp:
         for i, names in enumerate(groups, 1):
             n = len(groups)
             file = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
-            state = {f"model.{name}": torch.empty(full[name], dtype=torch_dtype) for name in names}
-            dcp.load(state, checkpoint_id=str(ckpt.path), no_dist=True)  # cast as read, shard by shard
-            tensors = {name: state[f"model.{name}"] for name in names}
+            tensors = sources.merged([(o, pairs[o]) for o in names], torch_dtype)
             save_file(tensors, str(tmp / file), metadata={"format": "pt"})
             weight_map.update(dict.fromkeys(names, file))
             total += sum(t.nbytes for t in tensors.values())
-            del state, tensors
-            done(i, len(groups))
+            del tensors
+            done(i, n)
         if len(groups) > 1:
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
@@ -167,11 +267,31 @@ def export_hf(run_dir: Path, step: int | None, out: Path, dtype: str = "", shard
         config.dtype = torch_dtype
         config.save_pretrained(tmp)
         _copy_tokenizer(cfg, tmp)
-        tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return ckpt, len(groups)
+
+
+def export_adapter(run_dir: Path, step: int | None, out: Path, dtype: str = "") -> store.Checkpoint:
+    """A LoRA run's adapter in PEFT's format (adapter_config.json, adapter_model.safetensors),
+    which `PeftModel.from_pretrained(base, out)` loads onto the init_from model."""
+    from peft import LoraConfig
+    from safetensors.torch import save_file
+
+    ckpt, cfg, sources, _, torch_dtype = _hf_model(run_dir, step, dtype, "--adapter")
+    if not cfg.lora_rank:
+        raise ValueError("--adapter needs a LoRA run (lora_rank > 0); export this one with --hf")
+    names = [f"{layer}.lora_{ab}.default.weight" for layer in sources.lora for ab in "AB"]
+    tensors = sources.read(names, torch_dtype)
+    targets = sorted({layer.rsplit(".", 1)[-1] for layer in sources.lora})
+    config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
+                        target_modules=targets, task_type="CAUSAL_LM",
+                        base_model_name_or_path=str(cfg.init_from) or None)
+    with _staged(out, "--adapter") as tmp:
+        peft_names = {n: f"base_model.model.{n.replace('.default.', '.')}" for n in tensors}
+        save_file({peft_names[n]: t.contiguous() for n, t in tensors.items()},
+                  str(tmp / "adapter_model.safetensors"), metadata={"format": "pt"})
+        config.save_pretrained(str(tmp))
+        _copy_tokenizer(cfg, tmp)
+    return ckpt
 
 
 def _copy_tokenizer(cfg: Any, out: Path) -> None:

@@ -67,12 +67,24 @@ class ModelShape:
     tp: int = 1
     """Tensor parallel degree: `shapes`, the block and root sizes and the activations are
     then one tensor parallel rank's (`split_for_tp`)."""
+    frozen: list[bool] = field(default_factory=list)
+    """Per parameter (as `shapes`): frozen (freeze, LoRA's base weights), so without a
+    gradient or optimizer state, and not in checkpoints. Empty: every one trains."""
 
-    def local_params(self, shards: int) -> int:
-        """Parameter elements rank 0 holds when dim 0 is split over `shards` (padded)."""
+    def local_params(self, shards: int, trainable: bool = False) -> int:
+        """Parameter elements rank 0 holds when dim 0 is split over `shards` (padded);
+        `trainable`: of the parameters that train only."""
         if not self.shapes:
             return math.ceil(self.params / shards)
-        return sum(math.ceil(s[0] / shards) * math.prod(s[1:]) if s else 1 for s in self.shapes)
+        frozen = self.frozen or [False] * len(self.shapes)
+        return sum(math.ceil(s[0] / shards) * math.prod(s[1:]) if s else 1
+                   for s, f in zip(self.shapes, frozen, strict=True) if not (trainable and f))
+
+    @property
+    def trainable_params(self) -> int:
+        if not self.frozen:
+            return self.params
+        return sum(math.prod(s) for s, f in zip(self.shapes, self.frozen, strict=True) if not f)
 
     def activations(self, micro_batch: int, ac_every: int) -> int:
         """Bytes kept for backward for a micro-batch, with every K-th block checkpointed."""
@@ -104,8 +116,12 @@ def _saved_tensors(record: list[int]) -> Iterator[None]:
 
 def measure(job: Any, cfg: Any, micro_batch: int, dtype: torch.dtype) -> ModelShape:
     """Build the job's model on the meta device and run one micro-batch through its loss."""
+    from hpcshard.runtime.adapters import apply_freeze, apply_lora
+
     with on_meta():
         model = job.model(cfg)
+    apply_lora(model, cfg)
+    apply_freeze(model, cfg.freeze)
     model = model.to(dtype)
     return measure_model(model, cfg.block, cfg.block_min_params,
                          lambda m, x, y: job.loss(m, x, y), micro_batch, cfg.seq_len,
@@ -150,7 +166,8 @@ def measure_model(model: nn.Module, block: str, block_min: int, loss_fn: Any, mi
         block_name=type(blocks[0]).__name__,
         max_block_params=max(sum(p.numel() for p in b.parameters()) for b in blocks),
         root_params=sum(p.numel() for p in params if id(p) not in in_blocks),
-        shapes=[tuple(p.shape) for p in params], act_bytes=counter[0], act_block_bytes=per_block,
+        shapes=[tuple(p.shape) for p in params], frozen=[not p.requires_grad for p in params],
+        act_bytes=counter[0], act_block_bytes=per_block,
         act_block_input_bytes=inputs, micro_batch=micro_batch, seq_len=seq_len, act_error=error)
 
 
@@ -213,6 +230,7 @@ def memory(shape: ModelShape, mode: str, nodes: int, gpus: int, compute_bytes: i
            micro_batch: int, ac_every: int, reserve: int = int(RESERVE)) -> Memory:
     replicate, shard = mesh_of(mode, nodes, gpus, shape.tp)
     local = shape.local_params(shard) * 4  # fp32 master weights: FSDP2 keeps the shard in fp32
+    trained = shape.local_params(shard, trainable=True) * 4  # gradients, AdamW's two moments
     if mode == "none":
         gather, reduce = 0, 0
     elif mode == "grad-op":  # unsharded from forward until backward is done with them
@@ -220,8 +238,8 @@ def memory(shape: ModelShape, mode: str, nodes: int, gpus: int, compute_bytes: i
     else:
         gather = (shape.root_params + 2 * shape.max_block_params) * compute_bytes
         reduce = shape.max_block_params * 4
-    return Memory(mode=mode, replicate=replicate, shard=shard, params=local, grads=local,
-                  optimizer=2 * local, gather=gather, reduce=reduce,
+    return Memory(mode=mode, replicate=replicate, shard=shard, params=local, grads=trained,
+                  optimizer=2 * trained, gather=gather, reduce=reduce,
                   activations=shape.activations(micro_batch, 0),
                   activations_ac=shape.activations(micro_batch, ac_every or 1),
                   reserve=reserve)
@@ -234,10 +252,10 @@ def checkpoint_bytes(shape: ModelShape, shards: int, world: int) -> int:
     DCP writes every shard of every tensor as its own serialized item (about 1.7 KB of
     framing each, measured with torch 2.13) and lists each in `.metadata` (about 210 B).
     Negligible for a real model, 10% of the demo's 0.9M parameters."""
-    tensors = len(shape.shapes) or shape.blocks * 10
+    tensors = (len(shape.shapes) - sum(shape.frozen)) or shape.blocks * 10  # frozen: not saved
     items = 3 * tensors * shards + tensors + 12 * world + 40  # + AdamW steps, RNG, progress
     rng = 5_056 * world  # torch's CPU generator state, one per rank
-    return shape.params * 4 * 3 + 4 * tensors + rng + items * (1_700 + 210)
+    return shape.trainable_params * 4 * 3 + 4 * tensors + rng + items * (1_700 + 210)
 
 
 def fits(m: Memory, gpu_mem: int) -> tuple[bool, bool]:
@@ -256,6 +274,7 @@ def split_for_tp(shape: ModelShape, job: Any, cfg: Any) -> ModelShape:
     from torch.distributed.tensor import DTensor
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from hpcshard.runtime.adapters import apply_freeze
     from hpcshard.runtime.shard import apply_tp
 
     if dist.is_initialized():
@@ -266,6 +285,7 @@ def split_for_tp(shape: ModelShape, job: Any, cfg: Any) -> ModelShape:
         mesh = init_device_mesh("cpu", (cfg.tp,), mesh_dim_names=("tp",))
         with on_meta():
             model = job.model(cfg)
+        apply_freeze(model, cfg.freeze)  # (LoRA with tp > 1 is refused)
         apply_tp(model, mesh, job.tp_plan(cfg, model))
 
         def local(p: torch.Tensor) -> tuple[int, ...]:
@@ -274,6 +294,7 @@ def split_for_tp(shape: ModelShape, job: Any, cfg: Any) -> ModelShape:
         blocks = find_blocks(model, cfg.block, cfg.block_min_params)
         in_blocks = {id(p) for b in blocks for p in b.parameters()}
         shapes = [local(p) for p in model.parameters()]
+        frozen = [not p.requires_grad for p in model.parameters()]
         max_block = max(sum(math.prod(local(p)) for p in b.parameters()) for b in blocks)
         root = sum(math.prod(local(p)) for p in model.parameters() if id(p) not in in_blocks)
     finally:
@@ -281,7 +302,7 @@ def split_for_tp(shape: ModelShape, job: Any, cfg: Any) -> ModelShape:
     tp = cfg.tp
     return ModelShape(
         name=shape.name, params=shape.params, blocks=shape.blocks, block_name=shape.block_name,
-        max_block_params=max_block, root_params=root, shapes=shapes,
+        max_block_params=max_block, root_params=root, shapes=shapes, frozen=frozen,
         act_bytes=shape.act_bytes // tp, act_block_bytes=[b // tp for b in shape.act_block_bytes],
         act_block_input_bytes=[b // tp for b in shape.act_block_input_bytes],
         micro_batch=shape.micro_batch, seq_len=shape.seq_len, act_error=shape.act_error, tp=tp)
@@ -398,7 +419,8 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
         modes[name] = {**vars(m), "total": m.total, "total_ac": m.total_ac, "fits": ok, "fits_ac": ok_ac}
     return {
         "activations_unmeasured": shape.act_error or None,
-        "model": {"name": shape.name, "params": shape.params, "blocks": shape.blocks,
+        "model": {"name": shape.name, "params": shape.params, "trainable": shape.trainable_params,
+                  "blocks": shape.blocks,
                   "block": shape.block_name, "max_block_params": shape.max_block_params,
                   "root_params": shape.root_params, "seq_len": shape.seq_len},
         "nodes": nodes, "gpus": gpus, "precision": precision, "micro_batch": micro,

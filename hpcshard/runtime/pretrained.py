@@ -35,6 +35,15 @@ class Stored:
     path: Path
     shapes: dict[str, tuple[int, ...]]
     dtypes: dict[str, str]
+    files: dict[str, Path]
+    """Which file holds each tensor."""
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One whole tensor, read from its file (for export, which works tensor by tensor)."""
+        from safetensors import safe_open
+
+        with safe_open(str(self.files[name]), framework="pt") as f:
+            return f.get_tensor(name)  # type: ignore[no-any-return]
 
     @property
     def bytes(self) -> int:
@@ -80,12 +89,14 @@ def read_dir(path: str | Path) -> Stored:
 
     shapes: dict[str, tuple[int, ...]] = {}
     dtypes: dict[str, str] = {}
+    where: dict[str, Path] = {}
     for file in files:
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     piece = f.get_slice(key)
                     shapes[key], dtypes[key] = tuple(piece.get_shape()), piece.get_dtype()
+                    where[key] = file
         except Exception as err:  # safetensors raises its own error types
             raise ValueError(f"init_from: {file} is not a readable safetensors file ({err})") from None
     index = root / "model.safetensors.index.json"
@@ -95,7 +106,7 @@ def read_dir(path: str | Path) -> Stored:
         if missing:
             raise ValueError(f"init_from={str(path)!r} lacks {len(missing)} file(s) its index "
                              f"names, e.g. {missing[0]}; copy the whole checkpoint")
-    return Stored(root, shapes, dtypes)
+    return Stored(root, shapes, dtypes, where)
 
 
 def wanted(model: nn.Module) -> dict[str, tuple[str, tuple[int, ...]]]:

@@ -190,26 +190,37 @@ def materialize(model: nn.Module, device: torch.device, seed: int,
         if (params and all(prefix + p in loaded for p in params)
                 and not any(True for _ in module.buffers(recurse=False))):
             continue
-        sharded = {}
+        full = seeded_init(model, name, module, seed, init, param_device or device, device)
         for pname, p in params.items():
-            sharded[pname] = p
-            full = torch.empty(p.shape, dtype=p.dtype, device=param_device or device)
-            module._parameters[pname] = nn.Parameter(full, requires_grad=p.requires_grad)
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            name = canonical_name(name)
-            torch.manual_seed(module_seed(seed, name))
-            init(model, name, module)
-        for pname, p in sharded.items():
-            full = module._parameters[pname]
-            assert full is not None
             if isinstance(p, DTensor):
                 # src_data_rank=None: every rank computed the same full tensor, so each
                 # slices out its own shard without communication.
-                local = distribute_tensor(full.data, p.device_mesh, p.placements,
+                local = distribute_tensor(full[pname], p.device_mesh, p.placements,
                                           src_data_rank=None).to_local()
                 p.to_local().copy_(local)
             else:
-                p.data.copy_(full.data)
+                p.data.copy_(full[pname])
+
+
+def seeded_init(model: nn.Module, name: str, module: nn.Module, seed: int, init: InitFn,
+                device: torch.device, compute: torch.device | None = None) -> dict[str, torch.Tensor]:
+    """`module`'s own parameters initialised full-size on `device` under the seed of its
+    canonical name: what every rank, and `ckpt export` for a frozen weight, compute alike.
+    Its registered parameters are left as they were; returns the full tensors by name.
+    (`compute`: a CUDA device whose RNG the job's init may also draw from.)"""
+    kept = dict(module.named_parameters(recurse=False))
+    for pname, p in kept.items():
+        module._parameters[pname] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                 requires_grad=p.requires_grad)
+    rng = [d for d in (compute, device) if d is not None and d.type == "cuda"][:1]
+    try:
+        with torch.random.fork_rng(devices=rng):
+            cname = canonical_name(name)
+            torch.manual_seed(module_seed(seed, cname))
+            init(model, cname, module)
+        return {pname: module._parameters[pname].data for pname in kept}  # type: ignore[union-attr]
+    finally:
+        for pname, p in kept.items():
             module._parameters[pname] = p
 
 

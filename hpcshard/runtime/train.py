@@ -135,7 +135,7 @@ class Trainer:
         self.splits = splits
         self.batches = GlobalBatches(splits.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
                                      micro=self.micro, rank=self.dp_rank, world=self.dp_world,
-                                     seed=cfg.seed)
+                                     seed=cfg.seed, targets=splits.train_targets)
         self.eval_count = eval_batch_count(splits.eval, cfg.seq_len, cfg.batch_size,
                                            cfg.eval_batches) if cfg.eval_every else 0
         if cfg.eval_every and not self.eval_count and env.is_main:
@@ -269,7 +269,7 @@ class Trainer:
         total = torch.zeros(2, device=env.device)
         for x, y in eval_batches(self.splits.eval, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
                                  micro=self.micro, rank=self.dp_rank, world=self.dp_world,
-                                 count=self.eval_count):
+                                 count=self.eval_count, targets=self.splits.eval_targets):
             with self._loss_parallel():
                 total[0] += self._loss(x, y) * len(x)
             total[1] += len(x)
@@ -433,7 +433,9 @@ class Trainer:
                       sharding=self.mode, mesh=list(self.mesh.shape), precision=cfg.precision,
                       accumulation=self.accum, blocks=len(self.blocks), first_step=self.step + 1,
                       unigram_entropy=baseline, train_tokens=len(self.splits.train),
-                      startup=self.startup)
+                      startup=self.startup, **({"data": self.splits.report} if self.splits.report else {}))
+        if self.splits.report and env.is_main:
+            log.info("data: %s", self.splits.report)
         tokens_per_step = cfg.batch_size * cfg.seq_len
         loss, eval_loss, reason = float("nan"), None, "done"
         last_t, last_step = time.perf_counter(), self.step

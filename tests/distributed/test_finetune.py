@@ -6,14 +6,14 @@ from init_from again (and refuses from another checkpoint)."""
 from __future__ import annotations
 
 import shutil
-from functools import partial
 from pathlib import Path
 
 import pytest
 
-from hpcshard.rundir import ledger, store
-from tests.conftest import hpcshard, hpcshard_bg, sets, wait_for
-from tests.distributed.test_runtime_checkpoint import assert_bitwise_equal, committed, load, trained_to
+from hpcshard.rundir import store
+from tests.conftest import hpcshard, sets
+from tests.distributed.test_runtime_checkpoint import assert_bitwise_equal, committed, load, preempted_once
+from tests.distributed.test_runtime_planner import assert_planned
 from tests.hf_models import tiny_llama
 
 pytest.importorskip("peft")
@@ -46,15 +46,8 @@ def reference(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_a_lora_run_preempted_resumes_bitwise_from_small_checkpoints(base: Path, reference: Path,
                                                                      tmp_path: Path) -> None:
     run = tmp_path / "preempted"
-    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/hf_causal_lm.py", "--run-dir", str(run),
-                       *lora(base))
-    wait_for(partial(trained_to, run, 3), 180, "step 3")
-    assert hpcshard("preempt", str(run)).returncode == 0
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-4000:]
-    assert "requeued as attempt 1" in out
-    stop = ledger.end_of(run, 0)
-    assert stop is not None and stop["reason"] == "stop" and stop["saved_step"] < STEPS
+    stop = preempted_once(run, "jobs/hf_causal_lm.py", 3, *lora(base))
+    assert stop["saved_step"] < STEPS
     mine, theirs = committed(run), committed(reference)
     assert STEPS in mine and stop["saved_step"] in mine
     for step, path in mine.items():  # the adapters, their AdamW state, data position, RNG
@@ -63,6 +56,9 @@ def test_a_lora_run_preempted_resumes_bitwise_from_small_checkpoints(base: Path,
     state = load(mine[STEPS])
     weights = [k for k in state["model"]]
     assert len(weights) == 2 * 9 and all(".lora_" in k for k in weights)
+    # The planner counts the frozen weights without gradients or AdamW state, and leaves
+    # them out of the checkpoint: its per-rank bytes and checkpoint size match the run's.
+    assert_planned(reference, 2, 2)
     ckpt = store.inspect(mine[STEPS])
     assert ckpt.manifest["frozen"] > 0 and ckpt.manifest["frozen_from"]
     # smaller than the base weights in bf16 (they alone, rewritten in fp32, would be twice that)
@@ -80,8 +76,35 @@ def test_a_lora_run_preempted_resumes_bitwise_from_small_checkpoints(base: Path,
     assert "is not the checkpoint this run's frozen weights came from" in again.stdout + again.stderr
 
 
-def test_exporting_a_lora_run_is_refused_in_one_line(reference: Path, tmp_path: Path) -> None:
-    """Until the merged and PEFT-format exports exist: a clear line, exit 2, nothing written."""
-    proc = hpcshard("ckpt", "export", str(reference), "--hf", str(tmp_path / "hf"))
-    assert proc.returncode == 2 and "frozen parameters or LoRA adapters" in proc.stderr
-    assert not (tmp_path / "hf").exists()
+def test_a_lora_run_exports_merged_and_as_a_peft_adapter(base: Path, reference: Path, tmp_path: Path) -> None:
+    """--hf writes the base model with the trained adapters merged into their layers (under
+    the base model's names: a plain from_pretrained loads it); --adapter writes PEFT's
+    format, which PeftModel puts on the init_from model. Both give the same logits, and
+    not the base model's (the adapters trained); --out holds the merged weights too."""
+    import torch
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    merged_dir, adapter_dir = tmp_path / "merged", tmp_path / "adapter"
+    for flag, out in (("--hf", merged_dir), ("--adapter", adapter_dir)):
+        proc = hpcshard("ckpt", "export", str(reference), flag, str(out), "--dtype", "fp32")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    x = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(2))
+
+    def logits(model: torch.nn.Module) -> torch.Tensor:
+        with torch.no_grad():
+            return model(input_ids=x).logits.float()  # type: ignore[no-any-return]
+
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    assert not any("lora" in k or "base_layer" in k for k in merged.state_dict())
+    plain = logits(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32))
+    on_base = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    adapted = logits(PeftModel.from_pretrained(on_base, adapter_dir))
+    torch.testing.assert_close(logits(merged), adapted, rtol=1e-4, atol=1e-4)
+    assert (adapted - plain).abs().max() > 1e-3
+    out = tmp_path / "w.safetensors"
+    assert hpcshard("ckpt", "export", str(reference), "--out", str(out)).returncode == 0
+    weights = load_file(out)
+    for name, t in merged.state_dict().items():
+        assert torch.equal(weights[name], t), name

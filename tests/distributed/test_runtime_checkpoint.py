@@ -70,6 +70,20 @@ def trained_to(run: Path, step: int) -> bool:
     return any(r["step"] >= step for r in step_records(run))
 
 
+def preempted_once(run: Path, job: str, at_step: int, *args: str) -> dict[str, Any]:
+    """`submit` on 2x2 in the background, `hpcshard preempt` once past `at_step`, and the
+    requeued attempt carried to the end. Returns attempt 0's end record (reason stop)."""
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", job, "--run-dir", str(run), *args)
+    wait_for(partial(trained_to, run, at_step), 180, f"step {at_step}")
+    assert hpcshard("preempt", str(run)).returncode == 0
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-4000:]
+    assert "requeued as attempt 1" in out
+    stop = ledger.end_of(run, 0)
+    assert stop is not None and stop["reason"] == "stop"
+    return stop
+
+
 def test_three_preemptions_resume_bitwise_with_nothing_recomputed(uninterrupted: Path,
                                                                   tmp_path: Path) -> None:
     run = tmp_path / "preempted"

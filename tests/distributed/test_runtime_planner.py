@@ -19,9 +19,9 @@ def assert_planned(run: Path, nodes: int, gpus: int) -> None:
     """The planner's per-rank parameter, gradient and optimizer bytes match what the ranks of
     the run's newest attempt held, and its checkpoint size the newest committed checkpoint,
     within 5%."""
-    sets = json.loads((run / "spec.json").read_text())["sets"]
+    spec = json.loads((run / "spec.json").read_text())
     measured = [r for r in metrics(run) if r.get("event") == "memory"][-1]
-    plan = make_plan(job="jobs/charlm.py", sets=sets, numbers={}, hf_config=None, nodes=nodes,
+    plan = make_plan(job=spec["job"], sets=spec["sets"], numbers={}, hf_config=None, nodes=nodes,
                      gpus=gpus, sharding="auto", precision=None, ac=None, micro_batch=None,
                      gpu_mem=80 * 2**30)
     predicted = plan["modes"][plan["sharding"]]

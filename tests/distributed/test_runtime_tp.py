@@ -6,15 +6,14 @@ tp=2 on a 3D mesh, step by step: test_runtime_train.)"""
 from __future__ import annotations
 
 import shutil
-from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 
 from hpcshard.rundir import ledger
-from tests.conftest import STEPS, hpcshard, hpcshard_bg, metrics, sets, step_records, wait_for
-from tests.distributed.test_runtime_checkpoint import assert_bitwise_equal, committed, load, trained_to
+from tests.conftest import STEPS, hpcshard, metrics, sets, step_records
+from tests.distributed.test_runtime_checkpoint import assert_bitwise_equal, committed, load, preempted_once
 from tests.distributed.test_runtime_planner import assert_planned
 
 TP = sets(steps=STEPS, ckpt_every=1, keep_last=1000, eval_every=STEPS, tp=2)
@@ -40,14 +39,7 @@ def losses_after(run: Path, resumed: int) -> dict[int, float]:
 
 def test_a_tensor_parallel_run_preempted_resumes_bitwise(tp_run: Path, tmp_path: Path) -> None:
     run = tmp_path / "tp-preempted"
-    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run), *TP)
-    wait_for(partial(trained_to, run, 6), 180, "step 6")
-    assert hpcshard("preempt", str(run)).returncode == 0
-    out, _ = proc.communicate(timeout=300)
-    assert proc.returncode == 0, out[-4000:]
-    assert "requeued as attempt 1" in out
-    stop = ledger.end_of(run, 0)
-    assert stop is not None and stop["reason"] == "stop"
+    stop = preempted_once(run, "jobs/charlm.py", 6, *TP)
     reference, mine = committed(tp_run), committed(run)
     assert STEPS in mine and stop["saved_step"] in mine
     for step, path in mine.items():  # DTensors of a 3D mesh, the optimizer's too
