@@ -6,12 +6,24 @@ from __future__ import annotations
 import sys
 import time
 
-from bench import chaos, checkpoint, cli_latency, faults, nodes, overhead, requeue, resume, scaling, tp
+from bench import (
+    chaos,
+    checkpoint,
+    cli_latency,
+    faults,
+    nodes,
+    overhead,
+    pretrained,
+    requeue,
+    resume,
+    scaling,
+    tp,
+)
 from bench.common import RESULTS, show
 
 BENCHES = {"overhead": overhead, "checkpoint": checkpoint, "resume": resume, "requeue": requeue,
            "cli": cli_latency, "scaling": scaling, "faults": faults,
-           "nodes": nodes, "chaos": chaos, "tp": tp}
+           "nodes": nodes, "chaos": chaos, "tp": tp, "pretrained": pretrained}
 
 
 def main(names: list[str]) -> int:

@@ -8,6 +8,10 @@ from typing import Any
 
 import torch
 
+from examples.finetune.make_base import tiny_tokenizer
+
+__all__ = ["tiny_llama", "tiny_tokenizer"]
+
 
 def tiny_llama(out: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2,
                intermediate: int = 128, vocab: int = 300, positions: int = 64, tie: bool = False,
@@ -26,26 +30,3 @@ def tiny_llama(out: Path, *, hidden: int = 64, layers: int = 2, heads: int = 4, 
     model.save_pretrained(out, max_shard_size=shard_size)
     return model
 
-
-CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] + '<|eos|>' }}"
-                 "{% endfor %}")
-
-
-def tiny_tokenizer(out: Path, text: str, vocab: int = 300) -> Any:
-    """A byte-level BPE tokenizer of at most `vocab` tokens trained on `text` (no download),
-    with an end token and a chat template, saved to `out`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    special = ["<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=special,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([text], trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>",
-                                   additional_special_tokens=special[1:])
-    fast.chat_template = CHAT_TEMPLATE
-    fast.save_pretrained(out)
-    return fast
