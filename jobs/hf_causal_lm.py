@@ -104,7 +104,7 @@ class Config(TrainConfig, DataConfig):
         if self.kv_heads < 0 or (self.kv_heads and self.heads % self.kv_heads):
             raise ValueError(f"kv_heads={self.kv_heads} does not divide heads={self.heads}; "
                              "use 0 (= heads) or a divisor of heads")
-        if not self.tokens and self.vocab_size < 256:
+        if not self.tokens and not self.sft and self.vocab_size < 256:
             raise ValueError(f"vocab_size={self.vocab_size} is too small for byte tokens; "
                              "use at least 256")
 
@@ -185,7 +185,7 @@ def hf_config(cfg: Config) -> Any:
         # both ways unless told they decode: they would see the token they predict.
         config.is_decoder = True
     vocab = int(config.vocab_size)
-    if not cfg.tokens and vocab < 256:
+    if not cfg.tokens and not cfg.sft and vocab < 256:
         raise ValueError(f"the model's vocab_size={vocab} is too small for byte tokens; use at least 256")
     positions = getattr(config, "max_position_embeddings", None)
     if positions is not None and positions < cfg.seq_len:
