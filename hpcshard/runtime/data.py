@@ -56,7 +56,10 @@ def load_splits(cfg: DataConfig, vocab_size: int | None = None) -> DataSplits:
 
         if vocab_size is None:
             raise ValueError("sft data needs the model's vocabulary size; this job does not pass it")
-        return load_sft(cfg, vocab_size)  # type: ignore[no-any-return]
+        sft = load_sft(cfg, vocab_size)
+        return DataSplits(train=sft.train, eval=sft.eval, vocab_size=vocab_size,
+                          train_targets=sft.train_targets, eval_targets=sft.eval_targets,
+                          report=sft.report)
     if cfg.tokens:
         train = token_file(cfg.tokens, cfg.token_dtype)
         vocab = vocab_size or cfg.vocab_size

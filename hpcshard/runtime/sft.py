@@ -150,11 +150,20 @@ def read(path: Path, tok: Any) -> Records:
     return out
 
 
-def load_sft(cfg: Any, vocab_size: int) -> Any:
-    """DataSplits with targets from cfg.sft (held out: cfg.sft_eval, else every 20th good
-    record), its `report` saying what was read and skipped."""
-    from hpcshard.runtime.data import DataSplits
+@dataclass(frozen=True)
+class SftData:
+    """Token and target streams for training and evaluation, and what was read and skipped
+    (`runtime.data` makes them its DataSplits)."""
 
+    train: np.ndarray
+    eval: np.ndarray
+    train_targets: np.ndarray
+    eval_targets: np.ndarray
+    report: str
+
+
+def load_sft(cfg: Any, vocab_size: int) -> SftData:
+    """Streams from cfg.sft (held out: cfg.sft_eval, else every 20th good record)."""
     for key in ("sft", "sft_eval"):
         value = getattr(cfg, key)
         if value and not Path(value).is_file():
@@ -178,5 +187,5 @@ def load_sft(cfg: Any, vocab_size: int) -> Any:
         report += f"; every {HOLD_OUT}th held out ({len(held_items)})"
     dtype = np.uint32 if vocab_size > 2**16 else np.uint16
     (tokens, targets), (held_tokens, held_targets) = stream(train_items, dtype), stream(held_items, dtype)
-    return DataSplits(train=tokens, eval=held_tokens, vocab_size=vocab_size, train_targets=targets,
-                      eval_targets=held_targets, report=report)
+    return SftData(train=tokens, eval=held_tokens, train_targets=targets, eval_targets=held_targets,
+                   report=report)

@@ -15,10 +15,10 @@ from hpcshard.runtime.planner import make_plan
 from tests.conftest import hpcshard, metrics
 
 
-def assert_planned(run: Path, nodes: int, gpus: int) -> None:
+def assert_planned(run: Path, nodes: int, gpus: int, ckpt_rel: float = 0.05) -> None:
     """The planner's per-rank parameter, gradient and optimizer bytes match what the ranks of
     the run's newest attempt held, and its checkpoint size the newest committed checkpoint,
-    within 5%."""
+    within 5% (`ckpt_rel` for the checkpoint)."""
     spec = json.loads((run / "spec.json").read_text())
     measured = [r for r in metrics(run) if r.get("event") == "memory"][-1]
     plan = make_plan(job=spec["job"], sets=spec["sets"], numbers={}, hf_config=None, nodes=nodes,
@@ -29,7 +29,7 @@ def assert_planned(run: Path, nodes: int, gpus: int) -> None:
         assert measured[key] == pytest.approx(predicted[key], rel=0.05), (key, measured, predicted)
     newest = max(store.committed(run / store.CHECKPOINTS), key=lambda c: c.step)
     committed = json.loads((newest.path / store.MANIFEST).read_text())["bytes"]
-    assert committed == pytest.approx(plan["checkpoint_bytes"], rel=0.05), (committed, plan)
+    assert committed == pytest.approx(plan["checkpoint_bytes"], rel=ckpt_rel), (committed, plan)
 
 
 def test_planner_matches_the_2x2_reference(uninterrupted: Path) -> None:
