@@ -300,9 +300,8 @@ def _launch(spec: RunSpec, run_dir: Path, resume: str) -> NoReturn:
     code = run_local(run_dir.resolve(), spec.nodes, spec.gpus, spares=spec.spares, resume=resume,
                      max_requeues=spec.max_requeues, on_attempt=requeued)
     _report(run_dir, code)
-    ends = [r for r in ledger.read(run_dir) if r.get("event") == "end"]
-    last = ends[-1] if ends else {}
-    if code != 0 and last.get("user_error") and last.get("attempt") == next_attempt(run_dir) - 1:
+    last = ledger.end_of(run_dir, next_attempt(run_dir) - 1) or {}
+    if code != 0 and last.get("user_error"):
         # the ranks found bad input only they could check (a changed init_from, say)
         fail(ValueError(last.get("error", "bad input")))
     sys.exit(code)

@@ -27,6 +27,8 @@ from hpcshard.rundir import store
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.runtime.blocks import on_meta
 from hpcshard.runtime.job import load_job
+from hpcshard.runtime.pretrained import Stored
+from hpcshard.runtime.shard import TORCH_DTYPES
 
 FORMATS = (".safetensors", ".pt", ".pth", ".bin")
 
@@ -158,8 +160,8 @@ def export(run_dir: Path, step: int | None, out: Path) -> store.Checkpoint:
     return ckpt
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 STORED = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
+"""safetensors' dtype names -> hpcshard's."""
 
 
 def parse_size(text: str) -> int:
@@ -177,18 +179,12 @@ def parse_size(text: str) -> int:
     return size
 
 
-def _default_dtype(cfg: Any) -> str:
+def _default_dtype(stored: Stored | None) -> str:
     """The dtype the run started from (init_from's most common), else fp32 (as trained)."""
-    if getattr(cfg, "init_from", ""):
-        from hpcshard.runtime.pretrained import read_dir
-
-        try:
-            dtypes = list(read_dir(cfg.init_from).dtypes.values())
-        except ValueError:
-            return "fp32"  # the checkpoint moved on: export what training holds
-        common = max(set(dtypes), key=dtypes.count)
-        return STORED.get(common, "fp32")
-    return "fp32"
+    if stored is None:
+        return "fp32"
+    dtypes = list(stored.dtypes.values())
+    return STORED.get(max(set(dtypes), key=dtypes.count), "fp32")
 
 
 def _groups(shapes: list[tuple[str, tuple[int, ...]]], itemsize: int, limit: int) -> list[list[str]]:
@@ -225,14 +221,15 @@ def _staged(out: Path, flag: str) -> Iterator[Path]:
 
 def _hf_model(run_dir: Path, step: int | None, dtype: str, flag: str,
               ) -> tuple[store.Checkpoint, Any, Sources, Any, torch.dtype]:
-    if dtype and dtype not in DTYPES:
-        raise ValueError(f"--dtype {dtype!r} is not valid; choose one of: {', '.join(DTYPES)}")
+    if dtype and dtype not in TORCH_DTYPES:
+        raise ValueError(f"--dtype {dtype!r} is not valid; choose one of: {', '.join(TORCH_DTYPES)}")
     ckpt, cfg, job, model = _checkpoint(run_dir, step)
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "save_pretrained"):
         raise ValueError(f"{flag} needs a transformers model; this run's is {type(model).__name__}; "
                          "export it with --out FILE.safetensors instead")
-    return ckpt, cfg, Sources(ckpt, cfg, job, model), config, DTYPES[dtype or _default_dtype(cfg)]
+    sources = Sources(ckpt, cfg, job, model)  # reads init_from's headers once, for both
+    return ckpt, cfg, sources, config, TORCH_DTYPES[dtype or _default_dtype(sources.init_from)]
 
 
 def export_hf(run_dir: Path, step: int | None, out: Path, dtype: str = "", shard_size: str = "5GB",

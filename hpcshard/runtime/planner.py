@@ -32,13 +32,14 @@ import torch
 import torch.nn as nn
 
 from hpcshard.runtime.blocks import find_blocks, on_meta
+from hpcshard.runtime.shard import TORCH_DTYPES
 
 GiB = 2**30
 MODES = ("none", "grad-op", "hybrid", "full")
 """Preference order when several fit: less communication first."""
 RESERVE = 1.0 * GiB
 """CUDA context, NCCL buffers and allocator slack: a fixed allowance per GPU."""
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = TORCH_DTYPES  # precision -> the compute dtype activations are counted in
 
 
 @dataclass

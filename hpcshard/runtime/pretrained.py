@@ -47,7 +47,7 @@ class Stored:
 
     @property
     def bytes(self) -> int:
-        return sum(f.stat().st_size for f in self.path.glob(f"*{SUFFIX}"))
+        return sum(f.stat().st_size for f in set(self.files.values()))
 
     @property
     def fingerprint(self) -> str:
@@ -56,7 +56,7 @@ class Stored:
         not caught)."""
         import hashlib
 
-        sizes = sorted((f.name, f.stat().st_size) for f in self.path.glob(f"*{SUFFIX}"))
+        sizes = sorted((f.name, f.stat().st_size) for f in set(self.files.values()))
         text = json.dumps([sorted((k, list(v), self.dtypes[k]) for k, v in self.shapes.items()), sizes])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -131,9 +131,9 @@ def match(model: nn.Module, stored: Stored) -> dict[str, str]:
     or mis-shaped (and how many)."""
     found: dict[str, str] = {}
     missing, mismatched = [], []
-    for first, (names, shape) in wanted(model).items():
-        from hpcshard.runtime.adapters import base_name
+    from hpcshard.runtime.adapters import base_name
 
+    for first, (names, shape) in wanted(model).items():
         name = next((base_name(n) for n in names.split("|") if base_name(n) in stored.shapes), None)
         if name is None:
             missing.append(first)
