@@ -71,6 +71,9 @@ class ModelShape:
     frozen: list[bool] = field(default_factory=list)
     """Per parameter (as `shapes`): frozen (freeze, LoRA's base weights), so without a
     gradient or optimizer state, and not in checkpoints. Empty: every one trains."""
+    frozen_params: int = 0
+    """Elements of the frozen parameters, of the whole model (`frozen` counts a tensor
+    parallel rank's)."""
 
     def local_params(self, shards: int, trainable: bool = False) -> int:
         """Parameter elements rank 0 holds when dim 0 is split over `shards` (padded);
@@ -83,9 +86,7 @@ class ModelShape:
 
     @property
     def trainable_params(self) -> int:
-        if not self.frozen:
-            return self.params
-        return sum(math.prod(s) for s, f in zip(self.shapes, self.frozen, strict=True) if not f)
+        return self.params - self.frozen_params
 
     def activations(self, micro_batch: int, ac_every: int) -> int:
         """Bytes kept for backward for a micro-batch, with every K-th block checkpointed."""
@@ -168,6 +169,7 @@ def measure_model(model: nn.Module, block: str, block_min: int, loss_fn: Any, mi
         max_block_params=max(sum(p.numel() for p in b.parameters()) for b in blocks),
         root_params=sum(p.numel() for p in params if id(p) not in in_blocks),
         shapes=[tuple(p.shape) for p in params], frozen=[not p.requires_grad for p in params],
+        frozen_params=sum(p.numel() for p in params if not p.requires_grad),
         act_bytes=counter[0], act_block_bytes=per_block,
         act_block_input_bytes=inputs, micro_batch=micro_batch, seq_len=seq_len, act_error=error)
 
@@ -304,7 +306,8 @@ def split_for_tp(shape: ModelShape, job: Any, cfg: Any) -> ModelShape:
     return ModelShape(
         name=shape.name, params=shape.params, blocks=shape.blocks, block_name=shape.block_name,
         max_block_params=max_block, root_params=root, shapes=shapes, frozen=frozen,
-        act_bytes=shape.act_bytes // tp, act_block_bytes=[b // tp for b in shape.act_block_bytes],
+        frozen_params=shape.frozen_params, act_bytes=shape.act_bytes // tp,
+        act_block_bytes=[b // tp for b in shape.act_block_bytes],
         act_block_input_bytes=[b // tp for b in shape.act_block_input_bytes],
         micro_batch=shape.micro_batch, seq_len=shape.seq_len, act_error=shape.act_error, tp=tp)
 
