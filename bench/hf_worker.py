@@ -7,6 +7,8 @@ before the measured work; time is wall time of that work.
                                (2x2 HSDP), read DIR into it (init_from); every rank's figures
     load-hf DIR OUT            transformers' from_pretrained(DIR) in fp32, one process
     export RUN DIR SIZE OUT    hpcshard's `ckpt export RUN --hf DIR --shard-size SIZE --dtype bf16`
+                               (its imports and the meta-device model built first: one-off
+                               costs, about 130 MB here, as save-hf's model is held first)
     save-hf DIR OUT2 SIZE OUT  from_pretrained(DIR), then save_pretrained(OUT2, max_shard_size=SIZE):
                                the save measured (the model already held, as an export holds it)
 """
@@ -77,9 +79,10 @@ def main(kind: str, *args: str) -> None:
     if kind == "load-hf":
         facts = measured(lambda: AutoModelForCausalLM.from_pretrained(args[0], dtype=torch.float32))
     elif kind == "export":
-        from hpcshard.runtime.export import export_hf
+        from hpcshard.runtime.export import _checkpoint, export_hf
 
         run, target, size = args[:3]
+        _checkpoint(Path(run), None)  # transformers' and peft's modules imported, as for save-hf
         facts = measured(lambda: export_hf(Path(run), None, Path(target), "bf16", size))
     elif kind == "save-hf":
         model = AutoModelForCausalLM.from_pretrained(args[0], dtype=torch.bfloat16)

@@ -6,7 +6,8 @@ reassembles full tensors; only the model is read, not the optimizer state).
   with `load_state_dict`; the whole model in memory at once, for small models.
 - `--hf DIR`: a Hugging Face directory that `from_pretrained` loads: config.json, the
   tokenizer the run used, safetensors files of at most `--shard-size` with their index.
-  Streamed file by file: peak memory is about one output file, not the model.
+  Streamed: each file is written as its tensors are read, a few at a time, so peak
+  memory is about the largest tensor, not a file and not the model.
 """
 
 from __future__ import annotations
@@ -236,26 +237,29 @@ def export_hf(run_dir: Path, step: int | None, out: Path, dtype: str = "", shard
               done: Callable[[int, int], None] = lambda i, n: None) -> tuple[store.Checkpoint, int]:
     """Write the checkpoint as a Hugging Face model directory at `out` (LoRA adapters merged
     into their layers); `done(i, n)` after each of the n files. Returns the checkpoint and
-    the number of files."""
-    from safetensors.torch import save_file
+    the number of files.
 
+    Each file is written as its tensors are read, a few at a time (`READ_SHARE` of a file,
+    or one larger tensor alone): peak memory is that batch plus the largest stored shard DCP
+    reads into it, whatever the file size."""
     if out.exists():
         raise ValueError(f"--hf {str(out)!r} exists; choose a new directory (nothing is overwritten)")
     limit = parse_size(shard_size)
     ckpt, cfg, sources, config, torch_dtype = _hf_model(run_dir, step, dtype, "--hf")
     pairs = dict(sources.outputs(ties=False))  # output name -> model name
-    groups = _groups([(o, sources.shape(n)) for o, n in pairs.items()], torch_dtype.itemsize, limit)
+    shapes = {o: sources.shape(n) for o, n in pairs.items()}
+    groups = _groups(list(shapes.items()), torch_dtype.itemsize, limit)
     weight_map: dict[str, str] = {}
     total = 0
     with _staged(out, "--hf") as tmp:
         for i, names in enumerate(groups, 1):
             n = len(groups)
             file = "model.safetensors" if n == 1 else f"model-{i:05d}-of-{n:05d}.safetensors"
-            tensors = sources.merged([(o, pairs[o]) for o in names], torch_dtype)
-            save_file(tensors, str(tmp / file), metadata={"format": "pt"})
+            batches = _groups([(o, shapes[o]) for o in names], torch_dtype.itemsize, limit // READ_SHARE)
+            tensors = (sources.merged([(o, pairs[o]) for o in batch], torch_dtype) for batch in batches)
+            total += write_safetensors(tmp / file, [(o, shapes[o]) for o in names], torch_dtype, tensors,
+                                       {"format": "pt"})
             weight_map.update(dict.fromkeys(names, file))
-            total += sum(t.nbytes for t in tensors.values())
-            del tensors
             done(i, n)
         if len(groups) > 1:
             (tmp / "model.safetensors.index.json").write_text(json.dumps(
@@ -265,6 +269,44 @@ def export_hf(run_dir: Path, step: int | None, out: Path, dtype: str = "", shard
         config.save_pretrained(tmp)
         _copy_tokenizer(cfg, tmp)
     return ckpt, len(groups)
+
+
+READ_SHARE = 4
+"""export_hf reads at most a quarter of an output file before writing it."""
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def write_safetensors(path: Path, layout: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
+                      batches: Iterator[dict[str, torch.Tensor]], metadata: dict[str, str]) -> int:
+    """A safetensors file whose tensors (`layout`: names and shapes, in file order, all of
+    `dtype`) arrive in `batches`, each written as it comes: the header first (every offset
+    is known from the shapes), then the bytes straight from each tensor's memory.
+    safetensors' own `save_file` wants every tensor at once and copies them into one buffer.
+    Returns the bytes of tensor data written."""
+    import math
+    import struct
+
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for name, shape in layout:
+        size = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the format pads the header to 8 bytes with spaces
+    expected = iter(layout)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for batch in batches:
+            for name, t in batch.items():
+                if (name, tuple(t.shape)) != next(expected) or t.dtype != dtype:
+                    raise AssertionError(f"{name} {tuple(t.shape)} {t.dtype} out of the layout's order")
+                f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            del batch
+    if next(expected, None) is not None:
+        raise AssertionError(f"{path.name}: fewer tensors than its header lists")
+    return offset
 
 
 def export_adapter(run_dir: Path, step: int | None, out: Path, dtype: str = "") -> store.Checkpoint:
