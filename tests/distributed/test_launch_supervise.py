@@ -71,8 +71,9 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_bitwise_equal(unin
     assert f"training again {back['seconds']:.1f} s after" in status
     # The limits the watchdog learned, per start (node 0's), and the newest in status.
     learned = [r for r in ledger.read(run) if r["event"] == "watchdog"]
-    assert [r["cycle"] for r in learned] == [0, 1] and learned[0]["step_limit"] == 5.0  # the floor
-    assert "watchdog (0.1): a step may take 5.0 s" in status
+    # (the floor, 5 s; more only when a loaded machine made the median step over 1.7 s)
+    assert [r["cycle"] for r in learned] == [0, 1] and learned[0]["step_limit"] >= 5.0
+    assert f"watchdog (0.1): a step may take {learned[-1]['step_limit']:.1f} s" in status
     # Goodput: the wall time, cut into what it went to, adds up (the fault's share shows).
     spec = RunSpec.read(run)
     good = account(run, spec.created)
@@ -183,19 +184,19 @@ def test_a_rank_spinning_in_the_jobs_code_is_named_with_its_stack_and_the_collec
 
 
 def test_slow_saves_and_long_evaluations_are_not_taken_for_hangs(tmp_path: Path) -> None:
-    """Every save and evaluation 20x slower (3 s at least) while a step's limit is 1 s: the
+    """Every save and evaluation 3x slower and 3 s at least, while a step's limit is 1 s: the
     phases the ranks report keep the watchdog on the outer limit for them. No fault."""
     run = tmp_path / "slow"
     proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", FAULTY, "--run-dir", str(run),
-                    *sets(steps=12, ckpt_every=4, eval_every=6, eval_batches=1, watchdog_floor_s=1),
-                    env={"FAULTY_SLOW": "20"})
+                    *sets(steps=8, ckpt_every=4, eval_every=4, eval_batches=1, watchdog_floor_s=1),
+                    env={"FAULTY_SLOW": "3"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert not faults(run)
     log = (run / "logs" / "rank-0.log").read_text() + proc.stdout
     slowed = [float(line.split(" to ")[1].split()[0]) for line in log.splitlines()
               if line.startswith("faulty: ")]
-    assert len(slowed) >= 4 and min(slowed) >= 3  # saves of 4, 8, 12; evaluations of 6, 12
-    assert sorted(committed(run)) == [4, 8, 12]
+    assert len(slowed) >= 4 and min(slowed) >= 3  # saves and evaluations of 4 and 8
+    assert sorted(committed(run)) == [4, 8]
 
 
 def test_a_bug_in_the_job_stops_after_one_retry_with_one_line(tmp_path: Path) -> None:

@@ -58,7 +58,6 @@ def test_demo_runs_as_four_ranks_on_two_nodes(cluster: dict[str, str], tmp_path:
     assert starts[-1]["resumed_step"] == 8 and 10 in committed(run)
 
 
-@pytest.mark.debug_partition
 def test_time_limit_notice_comes_before_the_limit_and_the_job_requeues(cluster: dict[str, str],
                                                                         tmp_path: Path) -> None:
     """Slurm's own --signal before the time limit (not scancel, not a preemption). A script
@@ -69,7 +68,7 @@ def test_time_limit_notice_comes_before_the_limit_and_the_job_requeues(cluster: 
     the same notice is tested by the preemption tests (the partition sends it too)."""
     run = tmp_path / "timed"
     proc = hpcshard("submit", "--backend", "slurm", "--nodes", "2", "--gpus", "1", COUNTER,
-                    "--run-dir", str(run), "--partition", "debug", "--time", "2", "--signal-lead", "70",
+                    "--run-dir", str(run), "--partition", "low", "--time", "2", "--signal-lead", "70",
                     "--grace", "5", "--requeue-policy", "requeue",
                     "--", "--steps", "150", "--save-every", "10", "--step-seconds", "0.5",
                     env=cluster)
