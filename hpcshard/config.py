@@ -8,6 +8,7 @@ accepted; the CLI turns it into exit code 2.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import math
 import types
 import typing
@@ -120,6 +121,18 @@ class TrainConfig:
     """Keep sharded parameters, gradients and optimizer state in host memory."""
     log_every: int = 10
     """Write a metrics record every N steps."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to RUN_DIR/tensorboard: one TensorBoard run across
+    restarts, requeues and resumes (needs the tensorboard extra)."""
+    wandb_project: str = ""
+    """Also log to Weights & Biases in this project: one W&B run per hpcshard run across
+    restarts, requeues and resumes (needs the wandb extra; the API key comes from the
+    environment, WANDB_API_KEY). "": off."""
+    wandb_entity: str = ""
+    """The W&B team or user to log under; "": the key's default."""
+    wandb_mode: str = ""
+    """online | offline (RUN_DIR/wandb, no network; `wandb sync` uploads it later) | "":
+    WANDB_MODE from the environment, else online."""
     eval_every: int = 50
     """Evaluate on the held-out split every N steps (and at the end); 0 disables."""
     eval_batches: int = 4
@@ -186,6 +199,13 @@ class TrainConfig:
                              "or a group size N > 1 that divides the shard group")
         _choice("nan_policy", self.nan_policy, NAN_POLICIES)
         _choice("straggler_policy", self.straggler_policy, STRAGGLER_POLICIES)
+        if self.wandb_mode:
+            _choice("wandb_mode", self.wandb_mode, ("online", "offline"))
+        for package, setting in (("tensorboard", self.tensorboard and "tensorboard=true"),
+                                 ("wandb", self.wandb_project and f"wandb_project={self.wandb_project}")):
+            if setting and importlib.util.find_spec(package) is None:
+                raise ValueError(f"{setting} needs the {package} package, which is not installed: "
+                                 f"pip install 'hpcshard[{package}]' (or drop the setting)")
         if self.ac not in ("none", "full") and not (self.ac.isdigit() and int(self.ac) > 0):
             raise ValueError(
                 f"ac={self.ac!r} is not valid; choose none, full, or a positive integer K "

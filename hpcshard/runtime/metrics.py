@@ -1,4 +1,5 @@
-"""Metrics: JSONL records in the run directory, a log line, and a progress bar on rank 0."""
+"""Metrics: JSONL records in the run directory, a log line, a progress bar on rank 0, and
+TensorBoard and W&B when asked (runtime.trackers)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import Any, TextIO
 
 from hpcshard.rundir.files import append_line
 from hpcshard.runtime.device import DistEnv, peak_memory_bytes
+from hpcshard.runtime.trackers import Trackers
 
 log = logging.getLogger("hpcshard")
 
@@ -71,8 +73,11 @@ class Progress:
 class Metrics:
     """Rank 0 appends one JSON object per line to RUN_DIR/metrics.jsonl."""
 
-    def __init__(self, run_dir: Path | None, env: DistEnv, *, total_steps: int) -> None:
+    def __init__(self, run_dir: Path | None, env: DistEnv, *, total_steps: int,
+                 trackers: Trackers | None = None) -> None:
         self.env, self.total = env, total_steps
+        self.trackers = trackers or Trackers.none()
+        """TensorBoard and W&B (runtime.trackers), sent every step record."""
         self.path = run_dir / "metrics.jsonl" if run_dir and env.is_main else None
         self.t0 = time.time()
         self.interactive = env.is_main and sys.stderr.isatty()
@@ -103,11 +108,19 @@ class Metrics:
     def record(self, step: int, **values: Any) -> None:
         values["peak_mem_gb"] = peak_memory_bytes(self.env.device) / 2**30
         self._write({"step": step, "time": time.time(), "elapsed": time.time() - self.t0, **values})
+        self.trackers.log(step, values)
         if self.env.is_main:
             text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                             for k, v in values.items() if v is not None)
             # With a live bar the line goes to the log file only; the bar shows the loss.
             (log.debug if self.interactive else log.info)("step %d/%d %s", step, self.total, text)
+
+    def rewound(self, step: int) -> None:
+        """Training went back to `step` (a rollback)."""
+        self.trackers.rewound(step)
+
+    def close(self) -> None:
+        self.trackers.close()
 
     @contextlib.contextmanager
     def progress(self, start: int) -> Iterator[Progress]:

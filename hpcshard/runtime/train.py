@@ -37,6 +37,7 @@ from hpcshard.runtime.pretrained import Stored, aliases, load_pretrained, match,
 from hpcshard.runtime.shard import ShardPlan, apply_tp, materialize, shard_model, state_bytes
 from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.straggler import Stragglers, crowded, gather, probe
+from hpcshard.runtime.trackers import Trackers
 
 log = logging.getLogger("hpcshard")
 
@@ -428,7 +429,7 @@ class Trainer:
         cfg, env = self.cfg, self.env
         baseline = unigram_entropy(self.splits.train, self.splits.vocab_size)
         peak = cfg.peak_tflops or device_peak_tflops(env.device)
-        metrics = Metrics(self.run_dir, env, total_steps=cfg.steps)
+        metrics = Metrics(self.run_dir, env, total_steps=cfg.steps, trackers=self._trackers())
         metrics.event("start", params=self.n_params, world=env.world, nodes=env.nodes,
                       sharding=self.mode, mesh=list(self.mesh.shape), precision=cfg.precision,
                       accumulation=self.accum, blocks=len(self.blocks), first_step=self.step + 1,
@@ -470,6 +471,7 @@ class Trainer:
                     last_t = time.perf_counter()  # evaluation time is not training throughput
                 ended = self._boundary(stop, self._nonfinite(step_loss, norm))
                 if ended == "nonfinite" and self._rollback():
+                    metrics.rewound(self.step)
                     bar.advance(self.step)
                     continue
                 if not ended and cfg.straggler_every and self.step % cfg.straggler_every == 0:
@@ -487,4 +489,19 @@ class Trainer:
         summary = Summary(step=self.step, loss=loss, eval_loss=eval_loss, reason=reason,
                           saved_step=saved, unigram_entropy=baseline)
         metrics.event("end", **vars(summary))
+        metrics.close()
         return summary
+
+    def _trackers(self) -> Trackers:
+        """TensorBoard and W&B on rank 0 when the config asks, told where this start resumed
+        and the highest step an earlier start logged (the metrics file's)."""
+        cfg = self.cfg
+        if not self.env.is_main or self.run_dir is None or not (cfg.tensorboard or cfg.wandb_project):
+            return Trackers.none()
+        from hpcshard.rundir.metrics import read_metrics
+        from hpcshard.rundir.spec import SPEC, RunSpec
+
+        logged = max((r["step"] for r in read_metrics(self.run_dir) if "step" in r and "event" not in r),
+                     default=0)
+        created = RunSpec.read(self.run_dir).created if (self.run_dir / SPEC).is_file() else 0.0
+        return Trackers(self.run_dir, cfg, resumed=self.step, logged=logged, created=created)

@@ -33,7 +33,8 @@ LINK_MB = 256
 """Big enough that timing the links outlasts the moment the test takes to throttle harder."""
 LINK_FLOOR = 0.12
 """GB/s: between two ranks on loopback 2.6-3.0 GB/s here (gloo, 64 MB), down to 0.25 while
-the whole suite runs on the 2 cores; a node that gets 3% of the time, 0.04-0.07."""
+the whole suite runs on the 2 cores (0.06 seen once); a node that gets 3% of the time,
+0.04-0.07."""
 
 
 def freeze(run: Path, node: int, sig: int = signal.SIGSTOP) -> float:
