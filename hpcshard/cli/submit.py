@@ -141,6 +141,7 @@ def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None
     with user_errors():
         res = settings(profile, opts)
         v = res.values
+        check_secrets(v["secrets"], v["env"], res.profile)
         label, ref, own = _target(job, module, args)
         if own:
             if sets:
@@ -183,6 +184,20 @@ def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None
         if check_job and not own:
             spec.resolved = preflight(spec)
     return spec, run_dir, req
+
+
+def check_secrets(names: list[str], env: dict[str, Any], profile: str | None) -> None:
+    """Every secret the profile names is in this environment (the job takes it from there:
+    Slurm hands the submitting environment to the job, the local backend its own), and none
+    is also a value the script would export."""
+    whose = f"profile {profile!r}" if profile else "the site configuration"
+    for name in names:
+        if name in env:
+            raise ValueError(f"{name} is both a secret and an env value of {whose}: a secret's value "
+                             "is never written into the script; drop it from env")
+        if not os.environ.get(name):
+            raise ValueError(f"{name} is not set in your environment, and {whose} names it as a "
+                             f"secret the job needs; export {name} first (its value is never written)")
 
 
 def _warn_storage(run_dir: Path, nodes: int) -> None:

@@ -46,6 +46,12 @@ def _env_names(value: dict[str, Any]) -> None:
             raise ValueError(f"{key!r} is not a valid environment variable name")
 
 
+def _secret_names(value: list[str]) -> None:
+    for key in value:
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+            raise ValueError(f"secrets: {key!r} is not a valid environment variable name")
+
+
 def _var_names(value: dict[str, Any]) -> None:
     for key, v in value.items():
         items = v if isinstance(v, list) else [v]
@@ -121,6 +127,10 @@ SETTINGS: dict[str, Setting] = {
     "modules": Setting("list", [], "Environment modules loaded first (`module load ...`)."),
     "env": Setting("env", {}, "Variables exported in the job (NCCL/network settings).", _env_names),
     "setup": Setting("list", [], "Shell lines run after modules and env (e.g. source a venv)."),
+    "secrets": Setting("list", [], "Environment variables the job takes from the submitting "
+                       "environment by name only (API keys, tokens: WANDB_API_KEY, HF_TOKEN): each "
+                       "must be set at submit; the value is never written into the script or the "
+                       "run directory.", _secret_names),
     "container": Setting("container", {}, "Run every node's launcher in a container: "
                          "runtime (pyxis|apptainer), image, mounts, workdir, options."),
     "python": Setting("str", "", "Python interpreter on the compute nodes (inside the container).",

@@ -67,6 +67,9 @@ class SbatchRequest:
     """Variables exported before the launch (quoted)."""
     setup: list[str] = field(default_factory=list)
     """Shell lines run before the launch (a site's own): not quoted."""
+    secrets: list[str] = field(default_factory=list)
+    """Variables the job takes from the submitting environment: named in the script (a
+    check that each arrived), their values never written."""
     container: dict[str, Any] = field(default_factory=dict)
     """runtime (pyxis|apptainer), image, mounts, workdir, options; empty: no container."""
     python: str = ""
@@ -89,7 +92,7 @@ class SbatchRequest:
                    constraint=v["constraint"], cpus_per_task=v["cpus_per_gpu"] * gpus,
                    mem=v["mem"], signal=v["signal"], signal_lead_s=v["signal_lead"],
                    requeue=v["requeue_policy"] == "requeue", run_dir=run_dir.resolve(),
-                   modules=v["modules"], env=v["env"], setup=v["setup"],
+                   modules=v["modules"], env=v["env"], setup=v["setup"], secrets=v["secrets"],
                    container=v["container"], python=v["python"], template=v["template"],
                    template_dirs=[str(d) for d in template_dirs], vars=v["vars"])
 
@@ -107,9 +110,13 @@ class SbatchRequest:
                              f"time limit --time {self.time} ({limit} s); lower --signal-lead or "
                              "raise --time")
         signal_name(self.signal)
-        for key in self.env:
+        for key in [*self.env, *self.secrets]:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise ValueError(f"environment variable name {key!r} is not valid")
+        for key in self.secrets:
+            if key in self.env:
+                raise ValueError(f"{key} is both a secret and an env value: a secret's value is never "
+                                 "written into the script; drop it from env")
         for name in ("image", "workdir"):
             _single_line(f"container.{name}", str(self.container.get(name, "")))
         for value in [*self.modules, *self.container.get("mounts", []),

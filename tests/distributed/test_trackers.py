@@ -1,7 +1,7 @@
 """TensorBoard and W&B (offline) through the real CLI: the demo on 2x2 preempted and requeued,
 then resumed from an older checkpoint, is one TensorBoard run and one W&B run in which
-every step shows once with the losses metrics.jsonl has; a planted API key is in no file
-of the run directory."""
+every step shows once with the losses metrics.jsonl has; a planted API key and a token
+that a site profile names as secrets are in no file of the run directory."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ pytest.importorskip("tensorboard")
 pytest.importorskip("wandb")
 
 SECRET = "planted" + "9c1e5b7a" * 5  # the shape of a W&B API key: 40 characters
+TOKEN = "hf_planted" + "Qx4" * 10
 TRACKED = sets(steps=STEPS, ckpt_every=4, eval_every=STEPS, tensorboard="true",
                wandb_project="hpcshard-tests", wandb_mode="offline")
 RESUME = 8
@@ -78,9 +79,14 @@ def wandb_history(offline_run: Path) -> list[dict]:
 
 def test_one_tensorboard_and_one_wandb_run_across_a_requeue_and_an_older_resume(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("WANDB_API_KEY", SECRET)  # what a user's environment holds
+    # What a user's environment holds, and a site profile that names both as secrets.
+    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    site = tmp_path / "site.toml"
+    site.write_text('[profiles.tracked]\nsecrets = ["WANDB_API_KEY", "HF_TOKEN"]\n')
+    monkeypatch.setenv("HPCSHARD_SITE", str(site))
     run = tmp_path / "tracked"
-    stop = preempted_once(run, "jobs/charlm.py", 6, *TRACKED)
+    stop = preempted_once(run, "jobs/charlm.py", 6, "--profile", "tracked", *TRACKED)
     assert stop["saved_step"] > RESUME - 4
     proc = hpcshard("resume", str(run), "--resume", str(RESUME))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -111,6 +117,9 @@ def test_one_tensorboard_and_one_wandb_run_across_a_requeue_and_an_older_resume(
             if "train/loss" in row:
                 assert row["train/loss"] == pytest.approx(losses[row["_step"]], rel=1e-9)
 
-    # The key reached wandb through the environment and no file of the run directory.
-    leaked = [f for f in run.rglob("*") if f.is_file() and SECRET.encode() in f.read_bytes()]
-    assert not leaked, leaked
+    # The secrets reached the ranks through the environment and no file of the run directory
+    # (spec, ledger, logs, metrics, checkpoints, the trackers' own files).
+    for secret in (SECRET, TOKEN):
+        leaked = [f for f in run.rglob("*") if f.is_file() and secret.encode() in f.read_bytes()]
+        assert not leaked, leaked
+    assert json.loads((run / "spec.json").read_text())["profile"] == "tracked"

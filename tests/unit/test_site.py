@@ -430,3 +430,27 @@ def test_an_unknown_training_setting_in_a_profile_is_one_line(layers: dict[str, 
     code, out = invoke("submit", JOB, "--backend", "local", "--run-dir", str(tmp_path / "r"))
     one_line_error(code, out, "watchdog_flor_s", "watchdog_floor_s", str(layers["site"]))
     assert not (tmp_path / "r").exists()
+
+
+def test_a_profiles_secrets_are_named_in_the_script_and_their_values_never_written(
+        layers: dict[str, Path], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    layers["site"].write_text('[profiles.p]\nsecrets = ["HF_TOKEN", "WANDB_API_KEY"]\n'
+                              'env = { NCCL_DEBUG = "WARN" }\n')
+    planted = "hf_planted" + "Zq7" * 10
+    monkeypatch.setenv("HF_TOKEN", planted)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    code, out = invoke("render", JOB, "--profile", "p")
+    one_line_error(code, out, "WANDB_API_KEY is not set in your environment", "profile 'p' names it",
+                   "export WANDB_API_KEY first")
+    monkeypatch.setenv("WANDB_API_KEY", planted[::-1])
+    code, out = invoke("render", JOB, "--profile", "p", "--run-dir", str(tmp_path / "r"))
+    assert code == 0, out
+    assert planted not in out and planted[::-1] not in out
+    assert ': "${HF_TOKEN:?the secret HF_TOKEN is not in the job\'s environment' in out
+    assert "export NCCL_DEBUG=WARN" in out
+    layers["site"].write_text('[profiles.p]\nsecrets = ["HF_TOKEN"]\nenv = { HF_TOKEN = "x" }\n')
+    code, out = invoke("render", JOB, "--profile", "p")
+    one_line_error(code, out, "HF_TOKEN is both a secret and an env value of profile 'p'", "drop it from env")
+    layers["site"].write_text('[profiles.p]\nsecrets = ["HF-TOKEN"]\n')
+    code, out = invoke("render", JOB, "--profile", "p")
+    one_line_error(code, out, "secrets: 'HF-TOKEN' is not a valid environment variable name")

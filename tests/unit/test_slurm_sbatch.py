@@ -156,7 +156,7 @@ def test_render_agrees_with_submitit_without_importing_it(tmp_path: Path) -> Non
 def test_spares_ask_for_more_nodes_with_no_kill_and_bad_nodes_are_excluded() -> None:
     v = {"time": "01:00:00", "partition": "gpu", "account": "", "qos": "", "constraint": "",
          "cpus_per_gpu": 0, "mem": "", "signal": "USR2", "signal_lead": 120,
-         "requeue_policy": "requeue", "modules": [], "env": {}, "setup": [], "container": {},
+         "requeue_policy": "requeue", "modules": [], "env": {}, "setup": [], "secrets": [], "container": {},
          "python": "", "template": "sbatch.j2", "vars": {}}
     spared = SbatchRequest.from_settings(v, [], job_name="x", nodes=4, gpus=8, run_dir=Path("/r"),
                                          spares=1)
