@@ -163,6 +163,8 @@ def export(run_dir: Path, step: int | None, out: Path) -> store.Checkpoint:
 
 STORED = {"F32": "fp32", "BF16": "bf16", "F16": "fp16"}
 """safetensors' dtype names -> hpcshard's."""
+SAFETENSORS_DTYPES = {TORCH_DTYPES[ours]: theirs for theirs, ours in STORED.items()}
+"""torch dtypes -> safetensors' names (what write_safetensors puts in a header)."""
 
 
 def parse_size(text: str) -> int:
@@ -273,7 +275,6 @@ def export_hf(run_dir: Path, step: int | None, out: Path, dtype: str = "", shard
 
 READ_SHARE = 4
 """export_hf reads at most a quarter of an output file before writing it."""
-SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 def write_safetensors(path: Path, layout: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,

@@ -113,10 +113,6 @@ class SbatchRequest:
         for key in [*self.env, *self.secrets]:
             if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
                 raise ValueError(f"environment variable name {key!r} is not valid")
-        for key in self.secrets:
-            if key in self.env:
-                raise ValueError(f"{key} is both a secret and an env value: a secret's value is never "
-                                 "written into the script; drop it from env")
         for name in ("image", "workdir"):
             _single_line(f"container.{name}", str(self.container.get(name, "")))
         for value in [*self.modules, *self.container.get("mounts", []),
