@@ -23,12 +23,19 @@ SETS = {"steps": 15, "log_every": 5, "warmup_steps": 5, "eval_every": 0, "layers
         "data": ROOT / "hpcshard", "pattern": "*.py"}
 
 
-def train(run: Path, **extra: object) -> tuple[list[float], dict]:
-    args = [arg for key, value in {**SETS, **extra}.items() for arg in ("--set", f"{key}={value}")]
-    proc = hpcshard("submit", "--nodes", "1", "--gpus", "2", "jobs/hf_causal_lm.py",
-                    "--run-dir", str(run), *args, timeout=300)
+def set_args(**values: object) -> list[str]:
+    return [arg for key, value in values.items() for arg in ("--set", f"{key}={value}")]
+
+
+def records(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(run: Path, nodes: int = 1, **extra: object) -> tuple[list[float], dict]:
+    proc = hpcshard("submit", "--nodes", str(nodes), "--gpus", "2", "jobs/hf_causal_lm.py",
+                    "--run-dir", str(run), *set_args(**{**SETS, **extra}), timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    recs = records(run)
     losses = [r["loss"] for r in recs if "loss" in r and "event" not in r]  # "end" repeats it
     return losses, next(r for r in recs if r.get("event") == "start")
 
@@ -36,14 +43,24 @@ def train(run: Path, **extra: object) -> tuple[list[float], dict]:
 @pytest.mark.dist
 def test_hf_job_trains_on_two_ranks_and_with_tensor_parallelism(tmp_path: Path) -> None:
     """FSDP over 2 ranks, then the same Llama with tp=2 (transformers' own plan for its
-    projections): the same losses, float reduction order apart."""
+    projections) on 2 nodes, resumed from its step 10 with tp=1 on 1 node: the same losses,
+    float reduction order apart (the same data-parallel world of 2 reads the same batches)."""
     losses, start = train(tmp_path / "hf")
     assert len(losses) == 3 and losses[-1] < losses[0], losses
     assert start["blocks"] == LAYERS
     assert start["world"] == 2
-    tp_losses, tp_start = train(tmp_path / "hf-tp", tp=2)
-    assert tp_start["mesh"] == [1, 2]  # (shard 1, tp 2)
+    tp_run = tmp_path / "hf-tp"
+    tp_losses, tp_start = train(tp_run, nodes=2, tp=2, ckpt_every=5)
+    assert tp_start["mesh"] == [2, 1, 2]  # (replicate 2, shard 1, tp 2)
     assert tp_losses == pytest.approx(losses, rel=1e-4)
+    proc = hpcshard("resume", str(tp_run), "--nodes", "1", "--gpus", "2", "--resume", "10",
+                    *set_args(tp=1), timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    recs = records(tp_run)
+    newest = max(i for i, r in enumerate(recs) if r.get("event") == "start")
+    assert recs[newest]["first_step"] == 11 and recs[newest]["mesh"] == [2]
+    resumed = [r["loss"] for r in recs[newest:] if "loss" in r and "event" not in r]
+    assert resumed == pytest.approx(losses[2:], rel=1e-4)
 
 
 def logits_of(model: Any) -> Any:
