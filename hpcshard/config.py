@@ -181,7 +181,7 @@ class TrainConfig:
     """Before an attempt trains, each node's first rank sends this many MB to its neighbours
     on a ring of the nodes, timed (runtime.links); 0: off."""
     health_link_gbps: float = 0.0
-    """A link slower than this many GB/s is slow, and a node every slow link touches is bad
+    """A link slower than this many GB/s is slow, and a node whose every link is slow is bad
     (3 nodes or more); 0: measure and report only."""
     straggler_policy: str = "warn"
     """warn (named in the log, metrics and status) | bad_node (the ranks save and stop, and

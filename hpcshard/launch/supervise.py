@@ -470,7 +470,7 @@ class Supervisor:
             info.update(cause=f"rank {dead[0]['rank']} died (its process is gone)", rank=dead[0]["rank"],
                         step=dead[0]["step"])
         elif code is not None and (slow := self._straggled(cycle)):
-            info.update(cause="a node behind every slow link (health_link_gbps): stopped before training"
+            info.update(cause="a node with every link slow (health_link_gbps): stopped before training"
                         if slow[0].get("kind") == "link" else
                         "a straggler (straggler_policy=bad_node): the ranks saved and stopped")
         else:
@@ -651,7 +651,7 @@ class Supervisor:
                 where = node_of[int(r["rank"])]
                 if int(where["node"]) not in bad:
                     bad.add(int(where["node"]))
-                    self.bad(cycle, int(where["node"]), where, f"slow link: behind every link under "
+                    self.bad(cycle, int(where["node"]), where, f"slow link: every link of it under "
                              f"{r['floor_gbps']:g} GB/s (slowest {r['gbps']} GB/s)"
                              if r.get("kind") == "link" else f"straggler: rank {r['rank']} computed "
                              f"{r['ratio']}x slower than the median of the others")

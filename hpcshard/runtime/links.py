@@ -1,13 +1,16 @@
 """The links between nodes, measured before an attempt trains (a health check that needs
 the ranks: the launchers cannot send tensors).
 
-Each node's first rank sends `health_link_mb` to the next node's and receives from the
-previous one, then the other way round: every link between neighbours on the ring is timed
-in both directions, at its receiver, while all the others carry the same load (as the
-replicate all-reduce would). A link under `health_link_gbps` is slow; a node that every
-slow link touches is the culprit (it needs 3 nodes or more: between two nodes, either end
-may be at fault) and is declared bad like a straggler under `straggler_policy=bad_node`.
-The other ranks only wait. Measured on every node count; judged only with a floor set.
+Each node's first rank sends `health_link_mb` to the next node's, then to the previous
+one's: every link between neighbours on the ring is timed in both directions, at its
+receiver, in phases where each node sends or receives one link's data and the phase's other
+links carry the same load (as the replicate all-reduce would). A link under
+`health_link_gbps` is slow; the one node whose every link is slow is the culprit (a bad NIC
+or host: it needs 3 nodes or more, as between two nodes either end may be at fault) and is
+declared bad like a straggler under `straggler_policy=bad_node`. A slow link between nodes
+that each have a fast one (a cable, a congested moment) is no node's fault, and does not
+clear a node that is slow everywhere. The other ranks only wait. Measured on every node
+count; judged only with a floor set.
 """
 
 from __future__ import annotations
@@ -31,55 +34,71 @@ class Link:
     """GB/s the receiver saw."""
 
 
+def ring_phases(nodes: int) -> list[list[tuple[int, int]]]:
+    """The ring's links, (sender, receiver) both ways round, in phases where a node sends or
+    receives at most one: a node slow to take its data must not hold up the link into it
+    from the other side (gloo's sender thread is one per rank: measured, a throttled node 1
+    made the healthy link 2 -> 0 look 100x slower when it was timed alongside 0 -> 1)."""
+    ring = [(n, (n + step) % nodes) for step in (1, -1) for n in range(nodes)]
+    phases: list[list[tuple[int, int]]] = []
+    for link in dict.fromkeys(link for link in ring if link[0] != link[1]):  # 2 nodes: 2 links
+        for phase in phases:
+            if not {end for other in phase for end in other} & set(link):
+                phase.append(link)
+                break
+        else:
+            phases.append([link])
+    return phases
+
+
 def measure(env: DistEnv, megabytes: float) -> list[Link]:
     """Every ring link between the nodes' first ranks, both directions (every rank calls
     this; all get the same list)."""
-    nodes, per_node = env.nodes, env.per_node
+    per_node = env.per_node
     numel = max(1, int(megabytes * 2**20) // 4)
-    times = torch.zeros(2 * nodes, dtype=torch.float64)
     me, first = env.rank // per_node, env.local_rank == 0
-    send = torch.ones(numel if first else 1, dtype=torch.float32, device=env.device)
-    recv = torch.empty_like(send)
-    for direction, step in enumerate((1, -1)):
-        to, frm = ((me + step) % nodes) * per_node, ((me - step) % nodes) * per_node
-        if first:
-            _exchange(send[:1024], recv[:1024], to, frm, env)  # warm-up: the connections
-        # Every node starts the timed exchange together: a neighbour still busy with a
-        # slow node must not look slow itself.
+    phases = ring_phases(env.nodes)
+    times = torch.zeros(sum(map(len, phases)), dtype=torch.float64)
+    buffer = torch.ones(numel if first else 1, dtype=torch.float32, device=env.device)
+    slot = 0
+    for phase in phases:
+        mine = [(i, link) for i, link in enumerate(phase, slot) if me in link] if first else []
+        for _, (src, dst) in mine:  # warm-up: the connection
+            _transfer(buffer[:1024], src * per_node, dst * per_node, me == dst)
+        # The phase's links start together: they load the fabric as an all-reduce would.
         dist.barrier()
-        if first:
-            times[direction * nodes + me] = _exchange(send, recv, to, frm, env)
+        for i, (src, dst) in mine:
+            seconds = _transfer(buffer, src * per_node, dst * per_node, me == dst, env)
+            if me == dst:
+                times[i] = seconds
+        slot += len(phase)
     every = times.to(env.device)
-    dist.all_reduce(every)  # each slot was written by one node's first rank only
+    dist.all_reduce(every)  # each slot was written by its receiver only
     seconds = every.cpu().tolist()
     size = numel * 4 / 1e9
-    links = []
-    for direction, step in enumerate((1, -1)):
-        for node in range(nodes):
-            spent = seconds[direction * nodes + node]
-            links.append(Link(source=(node - step) % nodes, target=node,
-                              gbps=size / spent if spent > 0 else float("inf")))
-    return links
+    return [Link(source=src, target=dst, gbps=size / spent if spent > 0 else float("inf"))
+            for (src, dst), spent in zip((link for phase in phases for link in phase), seconds,
+                                           strict=True)]
 
 
-def _exchange(send: torch.Tensor, recv: torch.Tensor, to: int, frm: int, env: DistEnv) -> float:
-    """Send to one neighbour while receiving from the other; seconds until the receive was
-    complete (the link into this node; the send is the next node's to time)."""
+def _transfer(buffer: torch.Tensor, src: int, dst: int, receive: bool,
+              env: DistEnv | None = None) -> float:
+    """Send the buffer from rank src to rank dst; on the receiver, seconds until it was all
+    in (the sender's figure is not used)."""
     start = time.perf_counter()
-    sent, received = dist.batch_isend_irecv([dist.P2POp(dist.isend, send, to),
-                                             dist.P2POp(dist.irecv, recv, frm)])
-    received.wait()
-    if env.device.type == "cuda":
+    if receive:
+        dist.recv(buffer, src)
+    else:
+        dist.send(buffer, dst)
+    if env is not None and env.device.type == "cuda":
         torch.cuda.synchronize(env.device)
-    seconds = time.perf_counter() - start
-    sent.wait()
-    return seconds
+    return time.perf_counter() - start
 
 
 def culprit(links: list[Link], floor_gbps: float, nodes: int) -> int | None:
-    """The node every slow link touches, when there is exactly one and 3 nodes or more."""
-    slow = [link for link in links if link.gbps < floor_gbps]
-    if not slow or nodes < 3:
+    """The node whose every link is slow, when there is exactly one and 3 nodes or more."""
+    if nodes < 3:
         return None
-    common = set.intersection(*({link.source, link.target} for link in slow))
-    return common.pop() if len(common) == 1 else None
+    fast = {end for link in links if link.gbps >= floor_gbps for end in (link.source, link.target)}
+    behind = {end for link in links for end in (link.source, link.target)} - fast
+    return behind.pop() if len(behind) == 1 else None

@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
 
 
 def _slow_link(run_dir: Path, env: DistEnv, cfg: TrainConfig, attempt: int) -> bool:
-    """Time the links between the nodes (runtime.links); True when one node is behind
-    every link under health_link_gbps: it is declared bad (the launchers replace it)."""
+    """Time the links between the nodes (runtime.links); True when one node has every link
+    under health_link_gbps: it is declared bad (the launchers replace it)."""
     found = links.measure(env, cfg.health_link_mb)
     slowest = min(found, key=lambda link: link.gbps)
     bad = links.culprit(found, cfg.health_link_gbps, env.nodes) if cfg.health_link_gbps else None
@@ -167,8 +167,8 @@ def _slow_link(run_dir: Path, env: DistEnv, cfg: TrainConfig, attempt: int) -> b
         if slow:
             log.warning("%d link(s) between nodes under health_link_gbps=%g GB/s (slowest: node %d "
                         "-> %d at %.2f GB/s)%s", len(slow), cfg.health_link_gbps, slowest.source,
-                        slowest.target, slowest.gbps, f"; node {bad} is behind every one: declared "
-                        "bad" if bad is not None else "; no single node is behind them all")
+                        slowest.target, slowest.gbps, f"; every link of node {bad} is: declared "
+                        "bad" if bad is not None else "; no single node has only slow links")
         if bad is not None:
             ledger.append(run_dir, {"event": "straggler", "attempt": attempt, "cycle": 0, "kind": "link",
                                     "step": 0, "rank": bad * env.per_node, "host": "",

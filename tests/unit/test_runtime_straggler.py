@@ -31,7 +31,7 @@ def test_two_ranks_compare_with_each_other_and_noise_is_not_a_straggler() -> Non
     assert [r for r, _ in s.look([0.030, 0.010])] == [0]
 
 
-def test_the_node_behind_every_slow_link_is_the_culprit_from_three_nodes_on() -> None:
+def test_the_node_whose_every_link_is_slow_is_the_culprit_from_three_nodes_on() -> None:
     from hpcshard.runtime.links import Link, culprit
 
     def ring(nodes: int, slow: int | None) -> list[Link]:
@@ -45,6 +45,14 @@ def test_the_node_behind_every_slow_link_is_the_culprit_from_three_nodes_on() ->
     assert culprit(ring(2, slow=1), floor_gbps=5, nodes=2) is None  # either end may be at fault
     everything = [Link(source=(n + 1) % 4, target=n, gbps=1.0) for n in range(4)]
     assert culprit(everything, floor_gbps=5, nodes=4) is None  # no single node behind them all
+    # Node 1 slow everywhere, and one healthy link slow for a moment (a loaded machine, a
+    # cable): node 1 is still the one, as nodes 0 and 2 each have a fast link.
+    busy = [Link(link.source, link.target, 2.0) if (link.source, link.target) == (2, 0) else link
+            for link in ring(3, slow=1)]
+    assert culprit(busy, floor_gbps=5, nodes=3) == 1
+    cable = [Link(link.source, link.target, 2.0) if {link.source, link.target} == {0, 2} else link
+             for link in ring(4, slow=None)]
+    assert culprit(cable, floor_gbps=5, nodes=4) is None  # one slow link between fast nodes
 
 
 def test_cpu_ranks_that_share_cores_are_not_compared_and_gpus_always_are() -> None:
@@ -56,3 +64,17 @@ def test_cpu_ranks_that_share_cores_are_not_compared_and_gpus_always_are() -> No
     assert "4 ranks x 1 thread(s) on vm's 2 cores" in crowded(laptop, torch.device("cpu"))
     assert crowded([("a", 8, 2), ("a", 8, 2), ("b", 8, 4)], torch.device("cpu")) == ""
     assert crowded(laptop, torch.device("cuda", 0)) == ""
+
+
+@pytest.mark.parametrize("nodes", [2, 3, 4, 5, 8])
+def test_links_are_timed_in_phases_where_a_node_is_on_one_link(nodes: int) -> None:
+    from hpcshard.runtime.links import ring_phases
+
+    phases = ring_phases(nodes)
+    links = [link for phase in phases for link in phase]
+    ring = {(n, (n + step) % nodes) for step in (1, -1) for n in range(nodes)}
+    assert sorted(links) == sorted(ring)  # every ring link both ways, once
+    for phase in phases:
+        ends = [end for link in phase for end in link]
+        assert len(ends) == len(set(ends))  # no node sends and receives in one phase
+    assert len(phases) <= 6
