@@ -68,16 +68,16 @@ def measure(env: DistEnv, megabytes: float) -> list[Link]:
         # The phase's links start together: they load the fabric as an all-reduce would.
         dist.barrier()
         for i, (src, dst) in mine:
-            seconds = _transfer(buffer, src * per_node, dst * per_node, me == dst, env)
+            spent = _transfer(buffer, src * per_node, dst * per_node, me == dst, env)
             if me == dst:
-                times[i] = seconds
+                times[i] = spent
         slot += len(phase)
     every = times.to(env.device)
     dist.all_reduce(every)  # each slot was written by its receiver only
-    seconds = every.cpu().tolist()
+    timed: list[float] = every.cpu().tolist()
     size = numel * 4 / 1e9
     return [Link(source=src, target=dst, gbps=size / spent if spent > 0 else float("inf"))
-            for (src, dst), spent in zip((link for phase in phases for link in phase), seconds,
+            for (src, dst), spent in zip((link for phase in phases for link in phase), timed,
                                            strict=True)]
 
 
