@@ -87,6 +87,19 @@ def slurm_state(spec: RunSpec) -> dict[str, str] | None:
     return cluster.job_state(spec.jobs[-1])
 
 
+def slurm_runs(spec: RunSpec) -> list[dict[str, Any]] | None:
+    """Accounting's runs of every Slurm job of the run (a requeue is a run); None for a
+    local run or a cluster without accounting."""
+    if spec.backend != "slurm" or not spec.jobs:
+        return None
+    from dataclasses import asdict
+
+    from hpcshard.slurm import cluster
+
+    runs = cluster.history(list(spec.jobs))
+    return None if runs is None else [asdict(r) for r in runs]
+
+
 def finished(spec: RunSpec, run_dir: Path) -> bool:
     """Nothing of this run is running: its Slurm job is over, or no local launcher lives."""
     state = slurm_state(spec)

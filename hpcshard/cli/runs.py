@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from hpcshard.cli.common import fail, finished, follow_log, read_run, slurm_state, spec_of
+from hpcshard.cli.common import fail, finished, follow_log, read_run, slurm_runs, slurm_state, spec_of
 from hpcshard.rundir import ledger, store
 from hpcshard.rundir.launchers import guards, signal_launchers
 from hpcshard.rundir.metrics import read_metrics, train_records
@@ -73,7 +73,7 @@ def status(target: str, goodput: bool) -> None:
         for line in account(run_dir, spec.created).lines():
             click.echo(line)
         return
-    for line in report(run_dir, asdict(spec), slurm_state(spec)):
+    for line in report(run_dir, asdict(spec), slurm_state(spec), slurm_runs(spec)):
         click.echo(line)
 
 
@@ -148,17 +148,33 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
     if not runs:
         click.echo(f"no runs under {root}")
         return
-    click.echo(f"{'run':<32} {'backend':<7} {'shape':>5} {'step':>11} {'loss':>7} {'state':<9} age")
-    for run_dir in runs:
-        spec = RunSpec.read(run_dir)
+    specs = [RunSpec.read(run_dir) for run_dir in runs]
+    slurm = _newest_jobs([spec.jobs[-1] for spec in specs if spec.backend == "slurm" and spec.jobs])
+    click.echo(f"{'run':<32} {'backend':<7} {'shape':>5} {'step':>11} {'loss':>7} {'state':<9} "
+               f"{'slurm':<11} age")
+    for run_dir, spec in zip(runs, specs, strict=True):
         total = spec.resolved.get("config", {}).get("steps", "?")
         train = train_records(read_metrics(run_dir))
         rows = attempts(run_dir)
         state = rows[-1].reason if rows else "new"
         step = f"{train[-1]['step'] if train else 0}/{total}"
         loss = f"{train[-1]['loss']:.3f}" if train else "-"
+        job = slurm.get(spec.jobs[-1], "?") if spec.backend == "slurm" and spec.jobs else "-"
         click.echo(f"{run_dir.name:<32} {spec.backend:<7} {f'{spec.nodes}x{spec.gpus}':>5} {step:>11} "
-                   f"{loss:>7} {state:<9} {store.age(spec.created)}")
+                   f"{loss:>7} {state:<9} {job:<11} {store.age(spec.created)}")
+
+
+def _newest_jobs(jobs: list[str]) -> dict[str, str]:
+    """Each job's state: from accounting in one call where the cluster keeps it (the
+    newest run of each), else from scontrol, job by job; a job neither knows is "gone"."""
+    if not jobs:
+        return {}
+    from hpcshard.slurm import cluster
+
+    runs = cluster.history(jobs)
+    if runs is not None:
+        return {**dict.fromkeys(jobs, "gone"), **{r.job: r.state for r in runs}}
+    return {job: cluster.job_state(job).get("JobState", "gone") for job in jobs}
 
 
 @click.command()

@@ -26,6 +26,8 @@ class Attempt:
     lost: int | None
     lost_s: float | None = None
     """A script's attempt: seconds of training since its own last save (steps unknown)."""
+    slurm: tuple[str, int] | None = None
+    """The Slurm job and its run (SLURM_RESTART_COUNT) this attempt ran in."""
 
     @property
     def lost_text(self) -> str:
@@ -59,7 +61,9 @@ def attempts(run_dir: Path) -> list[Attempt]:
                             reason=(end or {}).get("reason",
                                                    "killed" if i + 1 < len(starts) else "running?"),
                             loaded=s.get("resumed_step"), saved=(end or {}).get("saved_step"),
-                            reached=reached, lost=lost, lost_s=(end or {}).get("lost_seconds")))
+                            reached=reached, lost=lost, lost_s=(end or {}).get("lost_seconds"),
+                            slurm=(s["slurm_job"], int(s.get("slurm_run", 0)))
+                            if s.get("slurm_job") else None))
     return rows
 
 
@@ -67,14 +71,21 @@ def _clock(t: float | None) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t)) if t else "-"
 
 
-def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | None) -> list[str]:
+def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | None,
+           slurm_runs: list[dict[str, Any]] | None = None) -> list[str]:
+    """`hpcshard status`'s lines. `slurm_state`: scontrol's fields of the newest job (or
+    accounting's, with Source=sacct); `slurm_runs`: accounting's runs of every job of the
+    run (SlurmRun fields), None without accounting."""
     spares = f" + {spec['spares']} spare(s)" if spec.get("spares") else ""
     lines = [f"run {spec.get('name')}: {spec.get('nodes')} node(s){spares} x {spec.get('gpus')} GPU(s), "
              f"backend {spec.get('backend')}, {run_dir}"]
     if slurm_state is not None:
         job, get = spec["jobs"][-1], slurm_state.get
         lines.append(f"slurm job {job}: {get('JobState', 'no longer known to Slurm')}, restarts "
-                     f"{get('Restarts', '?')}, nodes {get('NodeList', '-')}, run time {get('RunTime', '-')}")
+                     f"{get('Restarts', '?')}, nodes {get('NodeList', '-')}, run time {get('RunTime', '-')}"
+                     + (f", exit {get('ExitCode')}" if get("ExitCode") else "")
+                     + (" (from accounting: the controller has forgotten it)" if get("Source") == "sacct"
+                        else ""))
     records = read_metrics(run_dir)
     train = train_records(records)
     total = (spec.get("resolved") or {}).get("config", {}).get("steps", "?")
@@ -99,14 +110,22 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
     else:
         lines.append("checkpoint: none committed yet")
     rows = attempts(run_dir)
+    by_run = {(r["job"], int(r["run"])): r for r in slurm_runs or []}
     if rows:
         lines.append(f"attempts ({len(rows)}):")
         lines.append(f"  {'#':>3} {'start':>8} {'end':>8}  {'end reason':<10} {'loaded':>6} {'reached':>7} "
-                     f"{'saved':>6} {'lost':>5}")
+                     f"{'saved':>6} {'lost':>5}" + ("  slurm job.run: state, nodes" if by_run else ""))
         for a in rows:
             number = f"{a.number}.{a.cycle}" if a.cycle else str(a.number)
+            ran = by_run.get(a.slurm) if a.slurm else None
             lines.append(f"  {number:>3} {_clock(a.start):>8} {_clock(a.end):>8}  {a.reason:<10} "
-                         f"{_fmt(a.loaded):>6} {_fmt(a.reached):>7} {_fmt(a.saved):>6} {a.lost_text:>5}")
+                         f"{_fmt(a.loaded):>6} {_fmt(a.reached):>7} {_fmt(a.saved):>6} {a.lost_text:>5}"
+                         + (f"  {ran['job']}.{ran['run']}: {ran['state']}, {ran['nodes']}" if ran else ""))
+    if slurm_runs:
+        lines.append(f"slurm runs ({len(slurm_runs)}, from accounting):")
+        lines += [f"  {r['job']}.{r['run']}  {r['state']:<10} exit {r['exit_code']:<6} {r['elapsed']:>10}  "
+                  f"{r['start'].replace('T', ' ')} -> {r['end'].replace('T', ' ')}  {r['nodes']}"
+                  for r in slurm_runs]
     lines += faults(run_dir)
     records = ledger.read(run_dir)
     learned = [r for r in records if r["event"] == "watchdog"]

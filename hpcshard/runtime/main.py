@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 
@@ -106,6 +107,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
             ledger.append(run_dir, {"event": "start", "attempt": attempt, "cycle": ranks.cycle,
                                     "world": env.world,
                                     "nodes": env.nodes, "host": socket.gethostname(),
+                                    **_slurm_run(),
                                     "resumed_step": loaded.step if loaded else None,
                                     "resumed_from": loaded.path if loaded else None,
                                     "skipped": loaded.skipped if loaded else [],
@@ -149,6 +151,12 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
             "the final checkpoint (step %d) could not be saved; see the errors above", summary.step)
         return 1
     return 0
+
+
+def _slurm_run() -> dict[str, Any]:
+    """Which run of which Slurm job this start is (status matches it with accounting)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    return {"slurm_job": job, "slurm_run": int(os.environ.get("SLURM_RESTART_COUNT", "0"))} if job else {}
 
 
 def _slow_link(run_dir: Path, env: DistEnv, cfg: TrainConfig, attempt: int) -> bool:

@@ -106,25 +106,73 @@ def check_request(req: SbatchRequest) -> str:
 
 def job_state(job_id: str) -> dict[str, str]:
     """`scontrol show job` as a dict (works without accounting; finished jobs stay visible
-    for MinJobAge). Empty when Slurm no longer knows the job."""
-    if not shutil.which("scontrol"):
-        return _sacct_state(job_id)
-    fields = show_job(job_id)
-    return _sacct_state(job_id) if fields is None else fields
+    for MinJobAge), else what accounting keeps of it (`Source` is then "sacct"). Empty when
+    Slurm no longer knows the job."""
+    fields = show_job(job_id) if shutil.which("scontrol") else None
+    if fields is not None:
+        return fields
+    runs = history([job_id])
+    if not runs:
+        return {}
+    last = runs[-1]
+    return {"JobState": last.state, "Restarts": str(len(runs) - 1), "NodeList": last.nodes,
+            "RunTime": last.elapsed, "ExitCode": last.exit_code, "StartTime": last.start,
+            "EndTime": last.end, "Source": "sacct"}
 
 
-def _sacct_state(job_id: str) -> dict[str, str]:
-    """Jobs older than MinJobAge are gone from scontrol; accounting, where a site runs it,
-    still knows them. Without slurmdbd, sacct exits non-zero: then nobody knows."""
-    if not shutil.which("sacct"):
-        return {}
-    proc = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "State,Elapsed,NodeList"],
-                          capture_output=True, text=True)
-    lines = [line for line in proc.stdout.splitlines() if line.strip()]
-    if proc.returncode or not lines:
-        return {}
-    state, elapsed, nodes = (lines[-1].split("|") + ["", "", ""])[:3]
-    return {"JobState": state.split()[0] if state else "", "RunTime": elapsed, "NodeList": nodes}
+@dataclass(frozen=True)
+class SlurmRun:
+    """One run of a job as Slurm's accounting keeps it: a requeued job has one per run, in
+    order (run N is the one started with SLURM_RESTART_COUNT=N)."""
+    job: str
+    run: int
+    state: str
+    """PREEMPTED, REQUEUED, NODE_FAIL, ... for the runs before a requeue; the job's own
+    state for the newest."""
+    exit_code: str
+    """return code:signal, as sacct gives it."""
+    elapsed: str
+    nodes: str
+    start: str
+    """ISO time; "Unknown" or "None" when it never started."""
+    end: str
+
+
+SACCT_FIELDS = "JobIDRaw,State,ExitCode,Elapsed,NodeList,Start,End"
+
+
+def history(job_ids: list[str], timeout: float = 30) -> list[SlurmRun] | None:
+    """Every run of these jobs from `sacct --duplicates` (accounting keeps them after
+    scontrol forgets a job, MinJobAge later); None without accounting (sacct missing,
+    failing as it does without slurmdbd, or hanging)."""
+    if not job_ids or not shutil.which("sacct"):
+        return None
+    try:
+        proc = subprocess.run(["sacct", "-j", ",".join(job_ids), "--duplicates", "-X", "-n", "-P",
+                               "-o", SACCT_FIELDS], capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, "SLURM_TIME_FORMAT": "standard"})
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode:
+        return None
+    return parse_history(proc.stdout, job_ids)
+
+
+def parse_history(text: str, job_ids: list[str]) -> list[SlurmRun]:
+    """sacct's parsable lines (SACCT_FIELDS) as runs: by job in `job_ids`' order, each job's
+    runs by start time (a run that has not started last)."""
+    rows: dict[str, list[list[str]]] = {job: [] for job in job_ids}
+    for line in text.splitlines():
+        cells = line.split("|")
+        if len(cells) >= 7 and cells[0] in rows:
+            rows[cells[0]].append(cells)
+    runs = []
+    for job in job_ids:
+        ordered = sorted(rows[job], key=lambda c: (not c[5][:1].isdigit(), c[5]))
+        runs += [SlurmRun(job=job, run=i, state=c[1].split()[0] if c[1] else "", exit_code=c[2],
+                          elapsed=c[3], nodes=c[4], start=c[5], end=c[6])
+                 for i, c in enumerate(ordered)]
+    return runs
 
 
 def show_job(job_id: str, timeout: float | None = None) -> dict[str, str] | None:

@@ -107,3 +107,70 @@ def test_plot_without_matplotlib_says_how_to_get_it(run: Path, monkeypatch: pyte
 def test_cancel_without_a_running_launcher(run: Path) -> None:
     out = CliRunner().invoke(main, ["cancel", str(run)])
     assert out.exit_code == 2 and "nothing to cancel" in out.output
+
+
+SACCT = """\
+4242|PREEMPTED|0:0|00:00:41|n[1-2]|2026-11-24T10:00:41|2026-11-24T10:01:22
+4242|COMPLETED|0:0|00:00:30|n[2-3]|2026-11-24T10:01:40|2026-11-24T10:02:10
+4242|REQUEUED|0:0|00:00:12|n[1-2]|2026-11-24T10:00:20|2026-11-24T10:00:32
+4243|PENDING|0:0|00:00:00|None assigned|Unknown|Unknown
+"""
+
+
+def test_accounting_runs_are_ordered_by_start_each_a_run_of_its_job() -> None:
+    from hpcshard.slurm.cluster import parse_history
+
+    runs = parse_history(SACCT + "9999|COMPLETED|0:0|1|n1|x|y\nnot a line\n", ["4242", "4243"])
+    assert [(r.job, r.run, r.state) for r in runs] == [
+        ("4242", 0, "REQUEUED"), ("4242", 1, "PREEMPTED"), ("4242", 2, "COMPLETED"), ("4243", 0, "PENDING")]
+    assert runs[2].nodes == "n[2-3]" and runs[2].elapsed == "00:00:30"
+
+
+def test_status_of_a_job_the_controller_forgot_reads_accounting(run: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Slurm run whose job scontrol no longer knows (older than MinJobAge): its final
+    state, restarts and every run of it from sacct, each attempt beside the run it was."""
+    from hpcshard.slurm import cluster
+
+    spec = RunSpec.read(run)
+    spec.backend, spec.jobs = "slurm", ["4242"]
+    spec.write(run)
+    lines = (run / "attempts.jsonl").read_text().splitlines()
+    starts = [i for i, line in enumerate(lines) if '"start"' in line]
+    for run_no, i in enumerate(starts):
+        lines[i] = json.dumps({**json.loads(lines[i]), "slurm_job": "4242", "slurm_run": run_no})
+    (run / "attempts.jsonl").write_text("\n".join(lines) + "\n")
+    asked: list[list[str]] = []
+
+    def sacct(*args: Any, **kwargs: Any) -> Any:
+        asked.append(list(args[0]))
+        return type("P", (), {"returncode": 0, "stdout": SACCT, "stderr": ""})()
+
+    monkeypatch.setattr(cluster, "show_job", lambda *a, **k: None)  # purged: scontrol fails
+    monkeypatch.setattr(cluster.shutil, "which", lambda name: f"/usr/bin/{name}")
+    monkeypatch.setattr(cluster.subprocess, "run", sacct)
+    out = CliRunner().invoke(main, ["status", str(run)])
+    assert out.exit_code == 0, out.output
+    assert ("slurm job 4242: COMPLETED, restarts 2, nodes n[2-3], run time 00:00:30, exit 0:0 "
+            "(from accounting: the controller has forgotten it)") in out.output
+    assert "4242.1: PREEMPTED, n[1-2]" in out.output and "4242.2: COMPLETED, n[2-3]" in out.output
+    assert "slurm runs (3, from accounting):" in out.output
+    assert all("--duplicates" in a for a in asked if a[0] == "sacct")
+    listed = CliRunner().invoke(main, ["ls", str(run.parent)])
+    assert listed.exit_code == 0 and "COMPLETED" in listed.output, listed.output
+
+
+def test_status_without_accounting_says_what_scontrol_says(run: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcshard.slurm import cluster
+
+    spec = RunSpec.read(run)
+    spec.backend, spec.jobs = "slurm", ["4242"]
+    spec.write(run)
+    monkeypatch.setattr(cluster, "show_job", lambda *a, **k: {"JobState": "RUNNING", "Restarts": "1"})
+    monkeypatch.setattr(cluster, "history", lambda *a, **k: None)  # sacct: accounting disabled
+    out = CliRunner().invoke(main, ["status", str(run)])
+    assert out.exit_code == 0 and "slurm job 4242: RUNNING, restarts 1" in out.output
+    assert "from accounting" not in out.output and "slurm runs" not in out.output
+    listed = CliRunner().invoke(main, ["ls", str(run.parent)])
+    assert "RUNNING" in listed.output
