@@ -6,8 +6,9 @@ command runs. Nothing imports `hpcshard.cli`; a test holds `import hpcshard.cli`
 click and the stdlib.
 
     submit   submit, render, resume        runs    status, logs, ls, plot, cancel, preempt
-    ckpt     ckpt list, ckpt export        site    config, profiles, templates
-    doctor   doctor                        plan    plan
+    sweep    sweep                         ckpt    ckpt list, ckpt export
+    site     config, profiles, templates   doctor  doctor
+    plan     plan
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("submit:submit", "Run a job or any torchrun script on NODES x GPUS ranks."),
     "render": ("submit:render_cmd", "Print the sbatch script that submit would submit."),
     "resume": ("submit:resume", "Continue a run from its newest checkpoint, on any shape."),
+    "sweep": ("sweep:sweep", "Run a job once per configuration (a grid, a file): one job array."),
     "status": ("runs:status", "Slurm state, training progress and attempts of a run."),
     "logs": ("runs:logs", "Print a rank's log of a run."),
     "ls": ("runs:ls", "Recent runs, newest first."),

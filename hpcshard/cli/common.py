@@ -100,6 +100,19 @@ def slurm_runs(spec: RunSpec) -> list[dict[str, Any]] | None:
     return None if runs is None else [asdict(r) for r in runs]
 
 
+def job_states(jobs: list[str]) -> dict[str, str]:
+    """Each job's state: from accounting in one call where the cluster keeps it (the
+    newest run of each), else from scontrol, job by job; a job neither knows is "gone"."""
+    if not jobs:
+        return {}
+    from hpcshard.slurm import cluster
+
+    runs = cluster.history(jobs)
+    if runs is not None:
+        return {**dict.fromkeys(jobs, "gone"), **{r.job: r.state for r in runs}}
+    return {job: cluster.job_state(job).get("JobState", "gone") for job in jobs}
+
+
 def finished(spec: RunSpec, run_dir: Path) -> bool:
     """Nothing of this run is running: its Slurm job is over, or no local launcher lives."""
     state = slurm_state(spec)

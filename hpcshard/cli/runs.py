@@ -11,13 +11,24 @@ from typing import Any
 
 import click
 
-from hpcshard.cli.common import fail, finished, follow_log, read_run, slurm_runs, slurm_state, spec_of
+from hpcshard.cli.common import (
+    fail,
+    finished,
+    follow_log,
+    job_states,
+    read_run,
+    slurm_runs,
+    slurm_state,
+    spec_of,
+    user_errors,
+)
 from hpcshard.rundir import ledger, store
 from hpcshard.rundir.launchers import guards, signal_launchers
 from hpcshard.rundir.metrics import read_metrics, train_records
 from hpcshard.rundir.rankenv import NOTICE, short_name, signal_name
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.rundir.status import attempts, culprit_lines, report
+from hpcshard.rundir.sweep import is_sweep
 
 
 @click.command()
@@ -62,7 +73,13 @@ def _scancel(*args: str) -> None:
 @click.option("--goodput", is_flag=True, help="Where the wall time went: effective training "
               "time, and queue, start-up, saves, evaluations, faults and recomputed steps.")
 def status(target: str, goodput: bool) -> None:
-    """Slurm state and training progress of a run (RUN_DIR, or a Slurm JOB id)."""
+    """Slurm state and training progress of a run (RUN_DIR, or a Slurm JOB id), or the
+    table of a sweep (its directory)."""
+    if is_sweep(Path(target)):
+        from hpcshard.cli.sweep import show_status
+
+        show_status(Path(target))
+        return
     run_dir, spec = spec_of(target)
     if goodput:
         from hpcshard.rundir.goodput import account
@@ -149,7 +166,7 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
         click.echo(f"no runs under {root}")
         return
     specs = [RunSpec.read(run_dir) for run_dir in runs]
-    slurm = _newest_jobs([spec.jobs[-1] for spec in specs if spec.backend == "slurm" and spec.jobs])
+    slurm = job_states([spec.jobs[-1] for spec in specs if spec.backend == "slurm" and spec.jobs])
     click.echo(f"{'run':<32} {'backend':<7} {'shape':>5} {'step':>11} {'loss':>7} {'state':<9} "
                f"{'slurm':<11} age")
     for run_dir, spec in zip(runs, specs, strict=True):
@@ -164,27 +181,12 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
                    f"{loss:>7} {state:<9} {job:<11} {store.age(spec.created)}")
 
 
-def _newest_jobs(jobs: list[str]) -> dict[str, str]:
-    """Each job's state: from accounting in one call where the cluster keeps it (the
-    newest run of each), else from scontrol, job by job; a job neither knows is "gone"."""
-    if not jobs:
-        return {}
-    from hpcshard.slurm import cluster
-
-    runs = cluster.history(jobs)
-    if runs is not None:
-        return {**dict.fromkeys(jobs, "gone"), **{r.job: r.state for r in runs}}
-    return {job: cluster.job_state(job).get("JobState", "gone") for job in jobs}
-
-
 @click.command()
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), help="PNG to write [default: RUN_DIR/plot.png].")
 def plot(run_dir: Path, out: Path | None) -> None:
     """Loss and tokens/s over steps, with attempts, restarts, faults and rollbacks marked,
-    as a PNG."""
-
-    read_run(run_dir)
+    as a PNG; of a sweep, every run's loss curves on one plot."""
     try:
         import matplotlib
 
@@ -192,6 +194,13 @@ def plot(run_dir: Path, out: Path | None) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         fail(ValueError("plot needs matplotlib: pip install 'hpcshard[plot]'"))
+    if is_sweep(run_dir):
+        from hpcshard.cli.sweep import plot_sweep
+
+        with user_errors():
+            click.echo(f"wrote {plot_sweep(run_dir, out)}")
+        return
+    read_run(run_dir)
     records = read_metrics(run_dir)
     train = train_records(records)
     if not train:

@@ -360,7 +360,28 @@ def _report(run_dir: Path, code: int) -> None:
 
 def preflight(spec: RunSpec) -> dict[str, Any]:
     """Import the job and check it in a subprocess (torch stays out of the CLI process)."""
-    request = {"job": spec.job, "sets": spec.sets, "nodes": spec.nodes, "gpus": spec.gpus}
+    return _preflight({"job": spec.job, "sets": spec.sets, "nodes": spec.nodes, "gpus": spec.gpus})
+
+
+def preflight_many(specs: list[RunSpec], configs: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """A sweep's runs (one job, a shape, several configurations), checked in one subprocess;
+    a bad configuration is named in the error."""
+    from hpcshard.rundir.sweep import label
+
+    first = specs[0]
+    request = {"job": first.job, "variants": [s.sets for s in specs], "nodes": first.nodes,
+               "gpus": first.gpus}
+    try:
+        return list(_preflight(request)["variants"])
+    except ValueError as err:
+        index, sep, said = str(err).partition(": ")
+        if not sep or not index.startswith("variant "):
+            raise
+        i = int(index.split()[1])
+        raise ValueError(f"configuration {i} ({label(configs[i])}): {said}") from None
+
+
+def _preflight(request: dict[str, Any]) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, "-m", "hpcshard.runtime.preflight"],
                           input=json.dumps(request), capture_output=True, text=True,
                           env={**os.environ, "PYTHONWARNINGS": "ignore"})
@@ -368,5 +389,5 @@ def preflight(spec: RunSpec) -> dict[str, Any]:
         raise ValueError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
                          else "the job failed its preflight check")
     if proc.returncode:
-        raise RuntimeError(f"preflight of {spec.job} crashed:\n{proc.stderr}")
+        raise RuntimeError(f"preflight of {request['job']} crashed:\n{proc.stderr}")
     return dict(json.loads(proc.stdout))

@@ -120,3 +120,18 @@ def _wait_all(procs: list[subprocess.Popen[bytes]], run_dir: Path, attempt: int)
 
 def _lost(run_dir: Path, attempt: int) -> set[int]:
     return {int(r["node"]) for r in ledger.bad_nodes(run_dir, attempt, lost=True)}
+
+
+def main(argv: list[str]) -> int:
+    """`python -m hpcshard.launch.local RUN_DIR`: run a prepared run directory (a sweep's
+    task) on its own shape, as `submit` would, and exit with its code."""
+    from hpcshard.rundir.spec import RunSpec
+
+    run_dir = Path(argv[0]).resolve()
+    spec = RunSpec.read(run_dir)
+    return run_local(run_dir, spec.nodes, spec.gpus, spares=spec.spares,
+                     max_requeues=spec.max_requeues)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -155,7 +155,9 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
 
 def _slurm_run() -> dict[str, Any]:
     """Which run of which Slurm job this start is (status matches it with accounting)."""
-    job = os.environ.get("SLURM_JOB_ID")
+    job, task = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
+    if task is not None:  # a sweep's task: named ARRAY_TASK, as accounting and the spec do
+        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{task}"
     return {"slurm_job": job, "slurm_run": int(os.environ.get("SLURM_RESTART_COUNT", "0"))} if job else {}
 
 

@@ -1,6 +1,9 @@
 """Check a job before anything runs: `python -m hpcshard.runtime.preflight` reads
 {"job", "sets", "nodes", "gpus"} as JSON on stdin and prints the resolved config.
 
+A sweep sends {"job", "variants": [sets, ...], "nodes", "gpus"} and gets one resolved
+config per variant; a bad one is named by its index ("variant 2: ...").
+
 The CLI runs this in a subprocess (the CLI itself never imports torch). It imports the job,
 builds its config from the --set values, builds the model on the meta device (no memory),
 finds the block to shard and opens the data, so a typo fails here in seconds instead of
@@ -64,9 +67,22 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def preflight_all(request: dict[str, Any]) -> dict[str, Any]:
+    """One variant (`sets`), or each of a sweep's (`variants`), in this one process."""
+    if "variants" not in request:
+        return preflight(request)
+    resolved = []
+    for i, sets in enumerate(request["variants"]):
+        try:
+            resolved.append(preflight({**request, "sets": sets}))
+        except ValueError as err:
+            raise ValueError(f"variant {i}: {err}") from None
+    return {"variants": resolved}
+
+
 def main() -> int:
     try:
-        result = preflight(json.load(sys.stdin))
+        result = preflight_all(json.load(sys.stdin))
     except ValueError as err:
         print(err, file=sys.stderr)
         return 2

@@ -104,6 +104,17 @@ def check_request(req: SbatchRequest) -> str:
     return name
 
 
+def max_array_size(timeout: float = 30) -> int | None:
+    """The cluster's MaxArraySize (an array's indices must stay below it); None: unknown."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
+                              timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    found = re.search(r"^MaxArraySize\s*=\s*(\d+)", proc.stdout, re.MULTILINE)
+    return int(found.group(1)) if found and not proc.returncode else None
+
+
 def job_state(job_id: str) -> dict[str, str]:
     """`scontrol show job` as a dict (works without accounting; finished jobs stay visible
     for MinJobAge), else what accounting keeps of it (`Source` is then "sacct"). Empty when
@@ -138,7 +149,7 @@ class SlurmRun:
     end: str
 
 
-SACCT_FIELDS = "JobIDRaw,State,ExitCode,Elapsed,NodeList,Start,End"
+SACCT_FIELDS = "JobID,State,ExitCode,Elapsed,NodeList,Start,End"
 
 
 def history(job_ids: list[str], timeout: float = 30) -> list[SlurmRun] | None:

@@ -79,6 +79,9 @@ class SbatchRequest:
     """Site template directories, searched before the built-in ones."""
     vars: dict[str, Any] = field(default_factory=dict)
     """A site template's own variables (from the profile)."""
+    array: str = ""
+    """A sweep's job array, `0-N%M` (--array); each task's run directory is
+    RUN_DIR/task-INDEX. Empty: one job."""
 
     @classmethod
     def from_settings(cls, v: Mapping[str, Any], template_dirs: Sequence[Path | str], *,
@@ -102,6 +105,8 @@ class SbatchRequest:
         for node in self.exclude:
             _single_line("exclude", node)
         _single_line("run_dir", str(self.run_dir))
+        if self.array and not re.fullmatch(r"0-\d+(%\d+)?", self.array):
+            raise ValueError(f"array {self.array!r} is not 0-N or 0-N%M")
         if self.mem:
             parse_mem(self.mem)
         limit = parse_time(self.time)
@@ -207,13 +212,14 @@ def render(req: SbatchRequest, command: str, folder: Path, settings: Collection[
     req.validate()
     container = {"runtime": "", "image": "", "mounts": [], "workdir": "", "options": [],
                  **req.container}
+    # An array task's logs go to its own run directory; its id is ARRAY_TASK (%A_%a).
+    logs, job = (req.run_dir / "task-%a" / "logs", "%A_%a") if req.array else (req.run_dir / "logs", "%j")
     values: dict[str, Any] = {
         **asdict(req), **req.vars, "container": container,
         "directives": {k: getattr(req, k) for k in ("partition", "account", "qos", "constraint")},
-        "stdout": str(req.run_dir / "logs" / "slurm-%j.out"),
-        "stderr": str(req.run_dir / "logs" / "slurm-%j.err"),
+        "stdout": str(logs / f"slurm-{job}.out"), "stderr": str(logs / f"slurm-{job}.err"),
         # submitit's own per-task log names (JobPaths without ids; a test holds them equal)
-        "task_stdout": str(folder / "%j_%t_log.out"), "task_stderr": str(folder / "%j_%t_log.err"),
+        "task_stdout": str(folder / f"{job}_%t_log.out"), "task_stderr": str(folder / f"{job}_%t_log.err"),
         "submitit_folder": str(folder), "command": command,
     }
     env = environment(req.template_dirs)

@@ -28,6 +28,29 @@ def executor(req: SbatchRequest, run_dir: Path) -> Any:
         def _make_submission_file_text(self, command: str, uid: str) -> str:
             return render(req, command, Path(self.folder))
 
+        def _internal_process_submissions(self, delayed: list[Any]) -> list[Any]:
+            """Several submissions in a batch are one job array (as submitit's own, whose
+            array executor would write submitit's sbatch text, not the template's): each
+            task's pickle is named ARRAY_TASK, where `_submit` in the task looks."""
+            if len(delayed) == 1:
+                return list(super()._internal_process_submissions(delayed))
+            from submitit.core import utils
+            from submitit.slurm.slurm import SlurmJob
+
+            folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
+            folder.mkdir(parents=True, exist_ok=True)
+            pickles = []
+            for i, one in enumerate(delayed):
+                one.set_timeout(self.parameters.get("time", 5), self.max_num_timeout)
+                pickles.append(folder / f"task-{i}-{os.getpid()}.pkl")
+                one.dump(pickles[-1])
+            first = self._submit_command(self._submitit_command_str)
+            jobs: list[Any] = [SlurmJob(folder=self.folder, job_id=f"{first.job_id}_{i}",
+                                        tasks=list(range(first.num_tasks))) for i in range(len(delayed))]
+            for job, pickle in zip(jobs, pickles, strict=True):
+                job.paths.move_temporary_file(pickle, "submitted_pickle")
+            return jobs
+
     ex = Executor(folder=run_dir / "submitit", python=shlex.quote(req.python) if req.python else None)
     # Only for submitit's bookkeeping (tasks to track, its timeout guess): the text is ours.
     ex.update_parameters(nodes=req.nodes, ntasks_per_node=1,
@@ -68,13 +91,22 @@ def _stderr_captured() -> Iterator[list[str]]:
 
 def submit(req: SbatchRequest, run_dir: Path, fn: Any, *args: Any) -> str:
     """Submit and return the job id; sbatch's own message on refusal (ValueError)."""
+    return submit_array(req, run_dir, fn, [args])[0]
+
+
+def submit_array(req: SbatchRequest, run_dir: Path, fn: Any, tasks: list[tuple[Any, ...]]) -> list[str]:
+    """Submit `fn(*args)` for each args in `tasks`: one job, or one job array (`req.array`
+    set) whose task i runs tasks[i]; their job ids (ARRAY_i for a task). sbatch's own
+    message on refusal (ValueError)."""
     import submitit
 
     ex = executor(req, run_dir)
     failure: BaseException | None = None
+    jobs: list[Any] = []
     with _stderr_captured() as said:
         try:
-            job = ex.submit(fn, *args)
+            with ex.batch():
+                jobs = [ex.submit(fn, *args) for args in tasks]
         except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as err:
             failure = err
     if failure is not None:
@@ -82,4 +114,4 @@ def submit(req: SbatchRequest, run_dir: Path, fn: Any, *args: Any) -> str:
         raise ValueError(f"sbatch refused the job: {lines[-1]}") from None
     for line in said:  # sbatch's warnings on success still reach the user
         print(line, file=sys.stderr)
-    return str(job.job_id)
+    return [str(job.job_id) for job in jobs]

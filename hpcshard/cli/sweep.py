@@ -1,0 +1,238 @@
+"""`hpcshard sweep`: one job, many configurations. On Slurm one job array (task i runs
+configuration i in its own run directory and is preempted and requeued by itself); under
+the local backend the configurations run one after another, or N at a time. `status` and
+`plot` of a sweep directory show every task side by side."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hpcshard import site
+from hpcshard.cli.common import fail, job_states, table, user_errors
+from hpcshard.cli.options import SETS, setting_option, settings, shape_options, slurm_options, spare_options
+from hpcshard.config import parse_sets
+from hpcshard.rundir import store
+from hpcshard.rundir.launchers import launchers
+from hpcshard.rundir.metrics import read_metrics, train_records
+from hpcshard.rundir.spec import RunSpec, check_run_dir, create_run_dir, default_run_dir, job_stem
+from hpcshard.rundir.status import attempts
+from hpcshard.rundir.sweep import Sweep, expand, label, read_configs
+
+
+@click.command()
+@click.argument("job")
+@shape_options()
+@spare_options
+@setting_option("backend")
+@click.option("--grid", multiple=True, metavar="KEY=V1,V2,...",
+              help="One axis of the grid (repeatable): every combination of the axes is a run.")
+@click.option("--configs", "configs_file", type=click.Path(path_type=Path),
+              help="A JSON file of configurations (a list of objects, or one per line); with "
+              "--grid, every axis combination on top of each.")
+@click.option("--max-parallel", type=click.IntRange(min=1),
+              help="Runs at once [default: Slurm: as many as it schedules; local: 1].")
+@click.option("--sweep-dir", type=click.Path(path_type=Path),
+              help="Where the sweep's runs go (task-0, task-1, ...) [default: runs/JOB-sweep-TIME].")
+@click.option("--name", help="Run name [default: the job's name].")
+@setting_option("max_requeues")
+@slurm_options
+@SETS
+def sweep(job: str, nodes: int | None, grid: tuple[str, ...], configs_file: Path | None,
+          max_parallel: int | None, sweep_dir: Path | None, name: str | None,
+          sets: tuple[str, ...], profile: str | None, **opts: Any) -> None:
+    """Run JOB once per configuration: --grid lr=1e-3,3e-4 --grid dim=64,128 is 4 runs (one
+    Slurm job array; one after another under the local backend)."""
+    from hpcshard.cli.submit import check_secrets, check_spares, pick_backend, preflight_many
+
+    with user_errors():
+        res = settings(profile, opts)
+        v = res.values
+        check_secrets(v["secrets"], v["env"], res.profile)
+        if not grid and configs_file is None:
+            raise ValueError("nothing to sweep: give --grid KEY=V1,V2 (repeatable) or --configs FILE")
+        configs = expand(list(grid), read_configs(configs_file) if configs_file else None)
+        if opts.get("requeue_policy") not in (None, "requeue"):
+            raise ValueError(f"--requeue-policy {opts['requeue_policy']}: a sweep's tasks are requeued "
+                             "each by itself (requeue); drop the option")
+        if Path(job).is_file() and not _defines_job(Path(job)):
+            raise ValueError(f"{job} is a plain script: a sweep sets an hpcshard job's config "
+                             "(--grid KEY=...); loop over `hpcshard submit` for a script")
+        from hpcshard.rundir.spec import job_ref
+
+        ref, name = job_ref(job), name or job_stem(job)
+        root = sweep_dir or default_run_dir(f"{job_stem(job)}-sweep", site.storage_root(res))
+        check_run_dir(root)
+        common = {**v["train"], **parse_sets(sets)}
+        backend = pick_backend(v["backend"])
+        specs = [RunSpec(job=ref, sets={**common, **config}, nodes=nodes or 1, gpus=v["gpus_per_node"],
+                         backend=backend, name=f"{name}-{i}", max_requeues=v["max_requeues"],
+                         requeue_policy="requeue", max_restarts=v["max_restarts"],
+                         no_progress_restarts=v["no_progress_restarts"],
+                         health_check=v["health_check"], spares=v["spares"], min_nodes=v["min_nodes"],
+                         bad_nodes=v["bad_nodes"], profile=res.profile)
+                 for i, config in enumerate(configs)]
+        check_spares(specs[0])
+        req = None
+        if backend == "slurm":
+            req = _array_request(v, res, name, specs[0], root, len(configs), max_parallel)
+        for spec, resolved in zip(specs, preflight_many(specs, configs), strict=True):
+            spec.resolved = resolved
+    record = Sweep(job=ref, name=name, backend=backend, configs=configs, max_parallel=max_parallel or 0)
+    create_run_dir(root)
+    for i, spec in enumerate(specs):
+        create_run_dir(record.task_dir(root, i))
+        spec.write(record.task_dir(root, i))
+    record.write(root)
+    click.echo(f"sweep {name}: {len(configs)} configuration(s) of {job}, {specs[0].nodes} node(s) x "
+               f"{specs[0].gpus} GPU(s) each, in {root}")
+    if req is not None:
+        _submit_array(record, root, specs, req)
+    sys.exit(_run_local(record, root, specs, max_parallel or 1))
+
+
+def _defines_job(path: Path) -> bool:
+    from hpcshard import script
+
+    return script.defines_job(path)
+
+
+def _array_request(v: dict[str, Any], res: site.Resolved, name: str, spec: RunSpec, root: Path,
+                   tasks: int, max_parallel: int | None) -> Any:
+    from hpcshard.slurm import cluster
+    from hpcshard.slurm.sbatch import SbatchRequest, render
+
+    req = SbatchRequest.from_settings(v, res.template_dirs, job_name=name, nodes=spec.nodes,
+                                      gpus=spec.gpus, run_dir=root, spares=spec.spares,
+                                      min_nodes=spec.min_nodes)
+    req = replace(req, requeue=True,
+                  array=f"0-{tasks - 1}" + (f"%{max_parallel}" if max_parallel else ""))
+    render(req, "true", root / "submitit", site.SETTINGS)
+    cluster.check_request(req)
+    limit = cluster.max_array_size()
+    if limit is not None and tasks > limit - 1:
+        raise ValueError(f"{tasks} configurations is more than this cluster's job arrays take "
+                         f"(MaxArraySize={limit}: indices 0 to {limit - 1}); split the grid into "
+                         f"sweeps of at most {limit - 1}")
+    return req
+
+
+def _submit_array(record: Sweep, root: Path, specs: list[RunSpec], req: Any) -> None:
+    import shutil
+
+    from hpcshard.launch.slurm import node_main
+    from hpcshard.slurm.submit import submit_array
+
+    tasks = [(str(record.task_dir(root, i).resolve()), spec.gpus, 0, spec.max_requeues, "auto", "requeue")
+             for i, spec in enumerate(specs)]
+    try:
+        ids = submit_array(req, root.resolve(), node_main, tasks)
+    except ValueError as err:
+        shutil.rmtree(root, ignore_errors=True)
+        fail(err)
+    record.array = ids[0].split("_")[0]
+    record.write(root)
+    for i, (spec, job_id) in enumerate(zip(specs, ids, strict=True)):
+        task = record.task_dir(root, i)
+        # A task resumed later is a job of its own, in its own directory.
+        spec.slurm = {**asdict(req), "run_dir": str(task.resolve()), "array": ""}
+        spec.jobs.append(job_id)
+        spec.write(task)
+    click.echo(f"submitted job array {record.array} ({req.array}): task i runs configuration i")
+    for i, config in enumerate(record.configs):
+        click.echo(f"  {record.array}_{i}  {label(config)}  -> {record.task_dir(root, i)}")
+    click.echo(f"status: hpcshard status {root}; curves: hpcshard plot {root}")
+    sys.exit(0)
+
+
+def _run_local(record: Sweep, root: Path, specs: list[RunSpec], parallel: int) -> int:
+    """Each configuration's run, `parallel` at a time (their output in task-N/logs/run.out)."""
+    waiting = list(range(len(specs)))
+    running: dict[int, subprocess.Popen[bytes]] = {}
+    failed = 0
+    while waiting or running:
+        while waiting and len(running) < parallel:
+            i = waiting.pop(0)
+            task = record.task_dir(root, i)
+            (task / "logs").mkdir(parents=True, exist_ok=True)
+            with (task / "logs" / "run.out").open("ab") as out:
+                running[i] = subprocess.Popen([sys.executable, "-m", "hpcshard.launch.local",
+                                               str(task.resolve())], stdout=out, stderr=subprocess.STDOUT)
+            click.echo(f"task {i} ({label(record.configs[i])}): started")
+        for i, proc in list(running.items()):
+            if proc.poll() is not None:
+                del running[i]
+                failed += proc.returncode != 0
+                click.echo(f"task {i} ({label(record.configs[i])}): "
+                           + ("finished" if proc.returncode == 0 else f"failed (exit {proc.returncode}; "
+                              f"see {record.task_dir(root, i) / 'logs' / 'run.out'})"))
+        time.sleep(0.2)
+    show_status(root)
+    return 1 if failed else 0
+
+
+def show_status(root: Path) -> None:
+    """The sweep's table: each configuration's state, step, best evaluation loss, attempts."""
+    record = Sweep.read(root)
+    specs = [RunSpec.read(record.task_dir(root, i)) for i in range(len(record.configs))]
+    slurm = job_states([s.jobs[-1] for s in specs if s.backend == "slurm" and s.jobs])
+    rows = []
+    for i, (spec, config) in enumerate(zip(specs, record.configs, strict=True)):
+        run = record.task_dir(root, i)
+        records = read_metrics(run)
+        train = train_records(records)
+        evals = [r["eval_loss"] for r in records if r.get("eval_loss") is not None and "event" not in r]
+        tried = attempts(run)
+        if spec.backend == "slurm":
+            state = slurm.get(spec.jobs[-1], "-") if spec.jobs else "new"
+        else:
+            state = "running" if launchers(run) else (tried[-1].reason if tried else "waiting")
+        total = spec.resolved.get("config", {}).get("steps", "?")
+        rows.append((f"task-{i}", label(config), state, f"{train[-1]['step'] if train else 0}/{total}",
+                     f"{min(evals):.4f}" if evals else "-", str(len(tried))))
+    click.echo(f"sweep {record.name}: {len(specs)} run(s) of {record.job}, backend {record.backend}"
+               + (f", job array {record.array}" if record.array else "")
+               + f", started {store.age(record.created)} ago")
+    table(("task", "configuration", "state", "step", "best eval", "attempts"), rows)
+
+
+def plot_sweep(root: Path, out: Path | None) -> Path:
+    """Every task's train loss (and eval loss, dashed) over steps, one colour each."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    record = Sweep.read(root)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    drawn = 0
+    for i, config in enumerate(record.configs):
+        records = read_metrics(record.task_dir(root, i))
+        train = train_records(records)
+        steps = {r["step"]: r["loss"] for r in train}  # a step trained again: its newest loss
+        if not steps:
+            continue
+        line, = ax.plot(sorted(steps), [steps[s] for s in sorted(steps)], label=f"{i}: {label(config)}")
+        evals = [r for r in records if r.get("eval_loss") is not None and "event" not in r]
+        if evals:
+            ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "--",
+                    color=line.get_color())
+        drawn += 1
+    if not drawn:
+        plt.close(fig)
+        raise ValueError(f"no run of sweep {root} has training metrics yet")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/token); eval dashed")
+    ax.set_title(f"sweep {record.name} ({len(record.configs)} runs)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    target = out or root / "plot.png"
+    fig.savefig(target, dpi=110)
+    plt.close(fig)
+    return target

@@ -1,0 +1,107 @@
+"""A sweep's directory: `sweep.json` (the job, the configurations, the array job) and one
+ordinary run directory per configuration, `task-INDEX` (every run command works on one).
+Stdlib only."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+SWEEP = "sweep.json"
+
+
+@dataclass
+class Sweep:
+    job: str
+    name: str
+    backend: str
+    configs: list[dict[str, str]]
+    """Each task's --set values (its own; the common ones are in every task's spec)."""
+    max_parallel: int = 0
+    """Tasks at once; 0: as many as the cluster gives (Slurm)."""
+    array: str = ""
+    """The Slurm array job's id; empty under the local backend."""
+    created: float = field(default_factory=time.time)
+
+    def task_dir(self, root: Path, index: int) -> Path:
+        return root / f"task-{index}"
+
+    def write(self, root: Path) -> None:
+        tmp = root / f".{SWEEP}.tmp"
+        tmp.write_text(json.dumps(asdict(self), indent=1) + "\n")
+        tmp.replace(root / SWEEP)
+
+    @classmethod
+    def read(cls, root: Path) -> Sweep:
+        return cls(**json.loads((root / SWEEP).read_text()))
+
+
+def is_sweep(path: Path) -> bool:
+    return (path / SWEEP).is_file()
+
+
+def label(config: dict[str, Any]) -> str:
+    """lr=0.001,dim=64"""
+    return ",".join(f"{key}={value}" for key, value in config.items()) or "(the job's own)"
+
+
+def expand(grid: list[str], listed: list[dict[str, Any]] | None = None) -> list[dict[str, str]]:
+    """Every combination of the `--grid KEY=V1,V2` axes (the first axis slowest), each
+    on top of every configuration a file lists (none: one, the job's own). ValueError,
+    naming the axis and the fix, for an axis that is not KEY=V1,... or repeats a key."""
+    axes: dict[str, list[str]] = {}
+    for item in grid:
+        key, sep, values = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ValueError(f"--grid {item!r} is not KEY=V1,V2,...; write e.g. --grid lr=1e-3,3e-4")
+        if key in axes:
+            raise ValueError(f"--grid {key} is given twice; put all its values in one: "
+                             f"--grid {key}={','.join(axes[key])},{values}")
+        choices = [v.strip() for v in values.split(",")]
+        if not values.strip() or any(not v for v in choices):
+            raise ValueError(f"--grid {item!r} has an empty value; list values separated by commas, "
+                             f"e.g. --grid {key}=1e-3,3e-4")
+        axes[key] = choices
+    base = [{k: _text(v) for k, v in c.items()} for c in (listed if listed is not None else [{}])]
+    combos = [dict(zip(axes, values, strict=True)) for values in itertools.product(*axes.values())]
+    return [{**b, **c} for b in base for c in combos]
+
+
+def read_configs(path: Path) -> list[dict[str, Any]]:
+    """A file of configurations: a JSON list of objects ({"lr": 1e-3, "dim": 64}), or JSON
+    lines, one object each."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ValueError(f"--configs {str(path)!r}: {err.strerror}; give a readable JSON file") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        try:
+            data = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as err:
+            raise ValueError(f"--configs {str(path)!r} line {err.lineno}: not JSON ({err.msg}); write a "
+                             'list of objects, e.g. [{"lr": 0.001}, {"lr": 0.0003}]') from None
+    if isinstance(data, dict):
+        data = [data]
+    if not isinstance(data, list) or not data or not all(isinstance(c, dict) for c in data):
+        raise ValueError(f"--configs {str(path)!r} holds no configurations; write a list of objects, "
+                         'e.g. [{"lr": 0.001}, {"lr": 0.0003}]')
+    for i, config in enumerate(data):
+        bad = next((k for k, v in config.items() if isinstance(v, (dict, list)) or v is None), None)
+        if bad is not None:
+            raise ValueError(f"--configs {str(path)!r}, configuration {i}: {bad} is "
+                             f"{json.dumps(config[bad])}; give a number, a string or a boolean")
+    return data
+
+
+def _text(value: Any) -> str:
+    """A file's JSON value as --set would write it."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value)
