@@ -82,11 +82,13 @@ def read_configs(path: Path) -> list[dict[str, Any]]:
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
-        try:
-            data = [json.loads(line) for line in text.splitlines() if line.strip()]
-        except json.JSONDecodeError as err:
-            raise ValueError(f"--configs {str(path)!r} line {err.lineno}: not JSON ({err.msg}); write a "
-                             'list of objects, e.g. [{"lr": 0.001}, {"lr": 0.0003}]') from None
+        data = []
+        for number, line in enumerate(text.splitlines(), 1):
+            try:
+                data += [json.loads(line)] if line.strip() else []
+            except json.JSONDecodeError as err:
+                raise ValueError(f"--configs {str(path)!r} line {number}: not JSON ({err.msg}); write "
+                                 'a list of objects, e.g. [{"lr": 0.001}, {"lr": 0.0003}]') from None
     if isinstance(data, dict):
         data = [data]
     if not isinstance(data, list) or not data or not all(isinstance(c, dict) for c in data):

@@ -74,11 +74,16 @@ def test_job_state_falls_back_to_sacct_when_scontrol_forgot(tmp_path: Path,
     from hpcshard.slurm import cluster
 
     (tmp_path / "scontrol").write_text("#!/bin/sh\necho 'Invalid job id specified' >&2\nexit 1\n")
-    (tmp_path / "sacct").write_text("#!/bin/sh\necho 'CANCELLED by 0|00:03:10|n[1-2]'\n")
+    (tmp_path / "sacct").write_text(
+        "#!/bin/sh\necho '77|PREEMPTED|0:0|00:01:00|n[3-4]|2026-01-01T10:00:00|2026-01-01T10:01:00'\n"
+        "echo '77|CANCELLED by 0|0:15|00:03:10|n[1-2]|2026-01-01T10:02:00|2026-01-01T10:05:10'\n")
     for name in ("scontrol", "sacct"):
         (tmp_path / name).chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert cluster.job_state("77") == {"JobState": "CANCELLED", "RunTime": "00:03:10", "NodeList": "n[1-2]"}
+    assert cluster.job_state("77") == {
+        "JobState": "CANCELLED", "RunTime": "00:03:10", "NodeList": "n[1-2]", "Restarts": "1",
+        "ExitCode": "0:15", "StartTime": "2026-01-01T10:02:00", "EndTime": "2026-01-01T10:05:10",
+        "Source": "sacct"}
     (tmp_path / "sacct").write_text("#!/bin/sh\necho 'accounting storage is disabled' >&2\nexit 1\n")
     assert cluster.job_state("77") == {}
 

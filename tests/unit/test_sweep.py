@@ -1,0 +1,112 @@
+"""Sweeps without running one: the grid, the file of configurations, the array request,
+and bad input (one line, exit 2, nothing made or submitted). The runs themselves: the dist
+layer (local backend) and the slurm layer (a job array)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+from hpcshard.cli import main
+from hpcshard.rundir.sweep import expand, label, read_configs
+from hpcshard.slurm.sbatch import SbatchRequest, render
+
+
+def test_the_grid_is_every_combination_first_axis_slowest() -> None:
+    assert expand(["lr=1e-3,3e-4", "dim=64,128"]) == [
+        {"lr": "1e-3", "dim": "64"}, {"lr": "1e-3", "dim": "128"},
+        {"lr": "3e-4", "dim": "64"}, {"lr": "3e-4", "dim": "128"}]
+    # a file's configurations, each with every combination of the axes on top
+    assert expand(["seed=1,2"], [{"lr": 0.001, "compile": True}, {"lr": "3e-4"}]) == [
+        {"lr": "0.001", "compile": "true", "seed": "1"}, {"lr": "0.001", "compile": "true", "seed": "2"},
+        {"lr": "3e-4", "seed": "1"}, {"lr": "3e-4", "seed": "2"}]
+    assert label({"lr": "1e-3", "dim": "64"}) == "lr=1e-3,dim=64"
+
+
+@pytest.mark.parametrize("grid,needle", [
+    (["lr="], "--grid 'lr=' has an empty value"),
+    (["lr=1e-3,,3e-4"], "has an empty value"),
+    (["lr"], "--grid 'lr' is not KEY=V1,V2,..."),
+    (["lr=1", "lr=2"], "--grid lr is given twice; put all its values in one: --grid lr=1,2"),
+])
+def test_bad_axes(grid: list[str], needle: str) -> None:
+    with pytest.raises(ValueError, match=None) as err:
+        expand(grid)
+    assert needle in str(err.value)
+
+
+def test_a_file_of_configurations(tmp_path: Path) -> None:
+    listed = tmp_path / "c.json"
+    listed.write_text('[{"lr": 0.001}, {"lr": 0.0003, "dim": 64}]')
+    assert read_configs(listed) == [{"lr": 0.001}, {"lr": 0.0003, "dim": 64}]
+    lines = tmp_path / "c.jsonl"
+    lines.write_text('{"lr": 0.001}\n\n{"lr": 0.0003}\n')
+    assert read_configs(lines) == [{"lr": 0.001}, {"lr": 0.0003}]
+    for text, needle in (("[]", "holds no configurations"), ('{"lr": 1}\nnope', "line 2: not JSON"),
+                         ('[{"lr": [1, 2]}]', "configuration 0: lr is [1, 2]"),
+                         ("[1, 2]", "no configurations")):
+        listed.write_text(text)
+        with pytest.raises(ValueError) as err:
+            read_configs(listed)
+        assert needle in str(err.value), err.value
+    with pytest.raises(ValueError, match="give a readable JSON file"):
+        read_configs(tmp_path / "missing.json")
+
+
+def test_an_array_request_renders_one_task_per_configuration_with_its_own_logs(tmp_path: Path) -> None:
+    req = SbatchRequest(job_name="charlm", nodes=2, gpus_per_node=8, run_dir=Path("/sweeps/s"), array="0-3%2")
+    text = render(req, "python -m submitit.core._submit /sweeps/s/submitit", Path("/sweeps/s/submitit"))
+    assert "#SBATCH --array=0-3%2" in text
+    assert "#SBATCH --output=/sweeps/s/task-%a/logs/slurm-%A_%a.out" in text
+    assert "--output /sweeps/s/submitit/%A_%a_%t_log.out" in text
+    single = render(SbatchRequest(job_name="charlm", nodes=1, gpus_per_node=1, run_dir=Path("/r")), "x",
+                    Path("/r/submitit"))
+    assert "--array" not in single and "#SBATCH --output=/r/logs/slurm-%j.out" in single
+    with pytest.raises(ValueError, match="is not 0-N or 0-N%M"):
+        render(SbatchRequest(job_name="c", nodes=1, gpus_per_node=1, array="0-3; rm -rf /"), "x", tmp_path)
+
+
+def sweep(tmp_path: Path, *args: str) -> Any:
+    return CliRunner().invoke(main, ["sweep", "jobs/charlm.py", "--sweep-dir", str(tmp_path / "s"), *args])
+
+
+@pytest.mark.parametrize("args,needle", [
+    ([], "nothing to sweep: give --grid KEY=V1,V2 (repeatable) or --configs FILE"),
+    (["--grid", "lr="], "--grid 'lr=' has an empty value"),
+    (["--grid", "lr=1e-3", "--requeue-policy", "chain"], "--requeue-policy chain: a sweep's tasks"),
+    (["--configs", "nowhere.json"], "--configs 'nowhere.json'"),
+])
+def test_bad_sweeps_are_one_line_and_nothing_is_made(tmp_path: Path, args: list[str], needle: str) -> None:
+    out = sweep(tmp_path, "--backend", "local", *args)
+    assert out.exit_code == 2, out.output
+    assert needle in out.output and len(out.output.strip().splitlines()) == 1, out.output
+    assert not (tmp_path / "s").exists()
+
+
+def test_more_tasks_than_the_clusters_arrays_take_is_refused_before_submitting(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcshard.slurm import cluster
+
+    monkeypatch.setattr(cluster, "check_request", lambda req: "low")
+    monkeypatch.setattr(cluster, "max_array_size", lambda: 4)  # indices 0..3
+    submitted: list[Any] = []
+    monkeypatch.setattr("hpcshard.slurm.submit.submit_array", lambda *a: submitted.append(a))
+    out = sweep(tmp_path, "--backend", "slurm", "--grid", "lr=1,2,3", "--grid", "dim=32,64")
+    assert out.exit_code == 2 and not submitted and not (tmp_path / "s").exists()
+    assert ("6 configurations is more than this cluster's job arrays take (MaxArraySize=4: indices 0 to 3); "
+            "split the grid into sweeps of at most 3") in out.output
+
+
+def test_a_bad_configuration_is_named_by_the_preflight(tmp_path: Path) -> None:
+    """Every configuration is checked (in one subprocess) before anything is made."""
+    out = sweep(tmp_path, "--backend", "local", "--grid", "lr=1e-3,fast")
+    assert out.exit_code == 2 and not (tmp_path / "s").exists()
+    assert "configuration 1 (lr=fast): --set lr='fast': expected float" in out.output
+    listed = tmp_path / "c.json"
+    listed.write_text(json.dumps([{"dim": 32}, {"dimm": 32}]))
+    out = sweep(tmp_path, "--backend", "local", "--configs", str(listed))
+    assert out.exit_code == 2 and "configuration 1 (dimm=32): unknown --set key 'dimm'" in out.output
