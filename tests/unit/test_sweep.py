@@ -4,7 +4,6 @@ layer (local backend) and the slurm layer (a job array)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -99,14 +98,3 @@ def test_more_tasks_than_the_clusters_arrays_take_is_refused_before_submitting(
     assert out.exit_code == 2 and not submitted and not (tmp_path / "s").exists()
     assert ("6 configurations is more than this cluster's job arrays take (MaxArraySize=4: indices 0 to 3); "
             "split the grid into sweeps of at most 3") in out.output
-
-
-def test_a_bad_configuration_is_named_by_the_preflight(tmp_path: Path) -> None:
-    """Every configuration is checked (in one subprocess) before anything is made."""
-    out = sweep(tmp_path, "--backend", "local", "--grid", "lr=1e-3,fast")
-    assert out.exit_code == 2 and not (tmp_path / "s").exists()
-    assert "configuration 1 (lr=fast): --set lr='fast': expected float" in out.output
-    listed = tmp_path / "c.json"
-    listed.write_text(json.dumps([{"dim": 32}, {"dimm": 32}]))
-    out = sweep(tmp_path, "--backend", "local", "--configs", str(listed))
-    assert out.exit_code == 2 and "configuration 1 (dimm=32): unknown --set key 'dimm'" in out.output
