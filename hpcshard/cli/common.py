@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -41,16 +42,21 @@ def user_errors() -> Iterator[None]:
 
 
 def run_dir_of(target: str) -> Path:
-    """A run directory as given, or the one a Slurm job id writes its log into."""
+    """A run directory as given, or the one a Slurm job id (ARRAY_TASK for a sweep's
+    task) writes its log into."""
     path = Path(target)
-    if path.is_dir() or not target.isdigit():
+    if path.is_dir() or not re.fullmatch(r"\d+(_\d+)?", target):
         return path
     from hpcshard.slurm import cluster
 
     out = cluster.job_state(target).get("StdOut", "")
-    if not out:
+    if out:
+        return Path(out).parent.parent  # RUN_DIR/logs/slurm-%j.out
+    submitted = cluster.submitted_from(target)  # forgotten by scontrol: accounting's
+    if submitted is None:
         raise ValueError(f"Slurm does not know job {target}; give the run directory instead")
-    return Path(out).parent.parent  # RUN_DIR/logs/slurm-%j.out
+    task = target.partition("_")[2]
+    return submitted / f"task-{task}" if task else submitted
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
@@ -102,15 +108,16 @@ def slurm_runs(spec: RunSpec) -> list[dict[str, Any]] | None:
 
 def job_states(jobs: list[str]) -> dict[str, str]:
     """Each job's state: from accounting in one call where the cluster keeps it (the
-    newest run of each), else from scontrol, job by job; a job neither knows is "gone"."""
+    newest run of each), else from scontrol, job by job; "unknown" where neither knows it
+    (or Slurm does not answer)."""
     if not jobs:
         return {}
     from hpcshard.slurm import cluster
 
     runs = cluster.history(jobs)
     if runs is not None:
-        return {**dict.fromkeys(jobs, "gone"), **{r.job: r.state for r in runs}}
-    return {job: cluster.job_state(job).get("JobState", "gone") for job in jobs}
+        return {**dict.fromkeys(jobs, "unknown"), **{r.job: r.state for r in runs}}
+    return {job: cluster.job_state(job).get("JobState", "unknown") for job in jobs}
 
 
 def finished(spec: RunSpec, run_dir: Path) -> bool:

@@ -150,8 +150,8 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
         except (OSError, ValueError) as err:  # the run goes on, unguarded
             print(f"hpcshard: no guard job ({err}); a failure of the batch node will end the run",
                   file=sys.stderr, flush=True)
-    if not spec.newest_job(slurm.job_id):
-        print(f"hpcshard: job {slurm.job_id} is not the run's newest job; exiting", file=sys.stderr)
+    if not spec.newest_job(slurm.ref):
+        print(f"hpcshard: job {slurm.ref} is not the run's newest job; exiting", file=sys.stderr)
         return 0
     chained = attempt_file(run, slurm.job_id)
     attempt = (int(chained.read_text()) if chained.exists() else first_attempt) + slurm.restart_count

@@ -32,6 +32,7 @@ from hpcshard.runtime.device import DistEnv, init_distributed
 from hpcshard.runtime.job import load_job
 from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.train import Trainer
+from hpcshard.slurm.env import job_ref
 
 USER_ERROR = 2
 log = logging.getLogger("hpcshard")
@@ -155,9 +156,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
 
 def _slurm_run() -> dict[str, Any]:
     """Which run of which Slurm job this start is (status matches it with accounting)."""
-    job, task = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_ARRAY_TASK_ID")
-    if task is not None:  # a sweep's task: named ARRAY_TASK, as accounting and the spec do
-        job = f"{os.environ['SLURM_ARRAY_JOB_ID']}_{task}"
+    job = job_ref()  # a sweep's task: ARRAY_TASK, as accounting and the spec name it
     return {"slurm_job": job, "slurm_run": int(os.environ.get("SLURM_RESTART_COUNT", "0"))} if job else {}
 
 

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from hpcshard.slurm.sbatch import SbatchRequest
 from hpcshard.slurm.time import parse_time
@@ -147,6 +148,20 @@ class SlurmRun:
     start: str
     """ISO time; "Unknown" or "None" when it never started."""
     end: str
+
+
+def submitted_from(job_id: str, timeout: float = 30) -> Path | None:
+    """The directory whose sbatch script accounting says the job was submitted with
+    (SubmitLine: `sbatch RUN_DIR/submitit/submission_file_*.sh`): RUN_DIR, or a sweep's
+    directory for ARRAY_TASK. None without accounting or for another kind of job."""
+    try:
+        proc = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "SubmitLine"],
+                              capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = proc.stdout.split()
+    script = next((Path(w) for w in lines if w.endswith(".sh") and "/submitit/" in w), None)
+    return None if proc.returncode or script is None else script.parent.parent
 
 
 SACCT_FIELDS = "JobID,State,ExitCode,Elapsed,NodeList,Start,End"

@@ -44,6 +44,10 @@ class SlurmEnv:
     """The one object that reads SLURM_* variables."""
 
     job_id: str
+    """This job's own id (an array task has one of its own, the same across requeues)."""
+    ref: str
+    """How the run's spec, squeue and sacct name it: ARRAY_TASK for an array task (a sweep's),
+    else the job id."""
     nodes: list[str]
     node_id: int
     restart_count: int
@@ -53,8 +57,19 @@ class SlurmEnv:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> SlurmEnv:
         env = os.environ if environ is None else environ
         gpus = env.get("SLURM_GPUS_ON_NODE") or str(len(env.get("CUDA_VISIBLE_DEVICES", "").split(",")))
-        return cls(job_id=env["SLURM_JOB_ID"], nodes=expand_nodelist(env["SLURM_JOB_NODELIST"]),
+        return cls(job_id=env["SLURM_JOB_ID"], ref=job_ref(env) or env["SLURM_JOB_ID"],
+                   nodes=expand_nodelist(env["SLURM_JOB_NODELIST"]),
                    node_id=int(env["SLURM_NODEID"]),
                    # Unset on the first run, then 1, 2, ... after each requeue.
                    restart_count=int(env.get("SLURM_RESTART_COUNT", "0")),
                    gpus_on_node=int(gpus or 0))
+
+
+def job_ref(environ: Mapping[str, str] | None = None) -> str | None:
+    """The job this process runs in, as the run's spec names it (SlurmEnv.ref); None
+    outside Slurm."""
+    env = os.environ if environ is None else environ
+    task = env.get("SLURM_ARRAY_TASK_ID")
+    if task is not None and env.get("SLURM_ARRAY_JOB_ID"):
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{task}"
+    return env.get("SLURM_JOB_ID")

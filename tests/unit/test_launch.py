@@ -67,6 +67,10 @@ def test_slurm_env_gives_the_node_its_place_and_rendezvous() -> None:
     assert requeued.rdzv_port != node.rdzv_port and requeued.run_id == "4242-2"
     ports = {rdzv_port(str(j), 0) for j in range(1000, 1100)}
     assert len(ports) == 100 and all(20000 <= p < 30000 for p in ports)
+    # a sweep's task: its own job id, and the name the run's spec and accounting give it
+    task = SlurmEnv.from_environ({**env, "SLURM_JOB_ID": "4250", "SLURM_ARRAY_JOB_ID": "4242",
+                                  "SLURM_ARRAY_TASK_ID": "3"})
+    assert (task.job_id, task.ref, slurm.ref) == ("4250", "4242_3", "4242")
 
 
 def test_job_state_falls_back_to_sacct_when_scontrol_forgot(tmp_path: Path,
@@ -172,7 +176,7 @@ def test_a_guard_takes_the_run_over_only_from_a_job_that_failed_without_a_word(
     for r in records:
         ledger.append(tmp_path, r)
     monkeypatch.setattr(slurm.cluster, "show_job", lambda job, timeout=0: {"JobState": state})
-    env = slurm.SlurmEnv(job_id="9", nodes=["n1", "n2"], node_id=0, restart_count=0, gpus_on_node=1)
+    env = slurm.SlurmEnv(job_id="9", ref="9", nodes=["n1", "n2"], node_id=0, restart_count=0, gpus_on_node=1)
     assert slurm._take_over(tmp_path, env, "7") is takes
     if takes:
         attempt = max([0, *(int(str(r["attempt"])) for r in records)])
