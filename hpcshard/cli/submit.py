@@ -273,6 +273,8 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | Non
     """Continue the run in RUN_DIR from its newest checkpoint, on any shape."""
     with user_errors():
         spec = read_spec(run_dir)
+        if spec.backend == "slurm":  # the new job takes them from this environment again
+            check_secrets(spec.slurm.get("secrets", []), spec.slurm.get("env", {}), spec.profile)
         if not finished(spec, run_dir):
             raise ValueError(f"{run_dir} is still running; stop it first (hpcshard preempt "
                              f"{run_dir} saves and stops; hpcshard cancel stops now)")

@@ -4,7 +4,9 @@ directories. Stdlib: the CLI writes it, launchers and ranks read it."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
@@ -157,3 +159,11 @@ def create_run_dir(path: Path) -> None:
     and a file others can write is code others can run."""
     path.mkdir(parents=True, exist_ok=True, mode=0o750)
     (path / "logs").mkdir(exist_ok=True, mode=0o750)
+
+
+def wandb_id(run_dir: Path, created: float) -> str:
+    """A W&B run id for the run directory: the same at every start, different for another
+    run of the same name (W&B ids are letters, digits, - and _)."""
+    name = re.sub(r"[^A-Za-z0-9_-]+", "-", run_dir.name).strip("-")[:40] or "run"
+    digest = hashlib.sha1(f"{run_dir.resolve()}:{created!r}".encode()).hexdigest()[:8]
+    return f"{name}-{digest}"

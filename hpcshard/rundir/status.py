@@ -10,6 +10,7 @@ from typing import Any
 
 from hpcshard.rundir import flight, ledger, store
 from hpcshard.rundir.metrics import read_metrics, train_records
+from hpcshard.rundir.spec import wandb_id
 
 
 @dataclass
@@ -97,6 +98,7 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
     evals = [r for r in records if r.get("eval_loss") is not None and "event" not in r]
     if evals:
         lines.append(f"eval: loss {evals[-1]['eval_loss']:.4f} at step {evals[-1]['step']}")
+    lines += trackers(run_dir, spec)
     done = store.committed(run_dir / store.CHECKPOINTS)
     own = store.last_save(run_dir) if spec.get("script") else {}
     if own.get("saved") and not done:  # a script's own checkpoints, by their names
@@ -167,6 +169,20 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | No
             lines.append(f"rollback {r['rollback']} of {r['of']} ({_clock(r.get('time'))}): nan or inf "
                          f"at step {r['step']}, rolled back to step {r['to']}, skipping "
                          f"{len(r['skipped'])} global batch(es)")
+    return lines
+
+
+def trackers(run_dir: Path, spec: dict[str, Any]) -> list[str]:
+    """Where the run's TensorBoard events and W&B run are (one run across every start)."""
+    config, lines = (spec.get("resolved") or {}).get("config", {}), []
+    if config.get("tensorboard"):
+        lines.append(f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}")
+    if config.get("wandb_project"):
+        run_id = wandb_id(run_dir, spec.get("created", 0.0))
+        where = "/".join(p for p in (config.get("wandb_entity"), config["wandb_project"]) if p)
+        lines.append(f"wandb: run {run_id} in {where}" + (
+            f" (offline: wandb sync {run_dir / 'wandb'}/offline-run-*)"
+            if config.get("wandb_mode") == "offline" else ""))
     return lines
 
 

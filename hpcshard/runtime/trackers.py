@@ -19,20 +19,13 @@ hpcshard's files. Both packages are optional extras (the config names the one mi
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
-log = logging.getLogger("hpcshard")
+from hpcshard.rundir.spec import wandb_id
 
-def wandb_id(run_dir: Path, created: float) -> str:
-    """A W&B run id for the run directory: the same at every start, different for another
-    run of the same name (W&B ids are letters, digits, - and _)."""
-    name = re.sub(r"[^A-Za-z0-9_-]+", "-", run_dir.name).strip("-")[:40] or "run"
-    digest = hashlib.sha1(f"{run_dir.resolve()}:{created!r}".encode()).hexdigest()[:8]
-    return f"{name}-{digest}"
+log = logging.getLogger("hpcshard")
 
 
 def scalars(values: dict[str, Any]) -> dict[str, float]:

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from hpcshard.rundir import ledger
-from hpcshard.rundir.spec import RunSpec
-from hpcshard.runtime.trackers import wandb_id
+from hpcshard.rundir.spec import RunSpec, wandb_id
 from tests.conftest import STEPS, hpcshard, sets, step_records
 from tests.distributed.test_runtime_checkpoint import preempted_once
 
@@ -116,6 +115,11 @@ def test_one_tensorboard_and_one_wandb_run_across_a_requeue_and_an_older_resume(
         for row in wandb_history(d):
             if "train/loss" in row:
                 assert row["train/loss"] == pytest.approx(losses[row["_step"]], rel=1e-9)
+
+    status = hpcshard("status", str(run)).stdout  # where to look
+    assert f"tensorboard: tensorboard --logdir {run / 'tensorboard'}" in status
+    assert f"wandb: run {run_id} in " in status
+    assert f"(offline: wandb sync {run / 'wandb'}/offline-run-*)" in status
 
     # The secrets reached the ranks through the environment and no file of the run directory
     # (spec, ledger, logs, metrics, checkpoints, the trackers' own files).

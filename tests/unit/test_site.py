@@ -454,3 +454,19 @@ def test_a_profiles_secrets_are_named_in_the_script_and_their_values_never_writt
     layers["site"].write_text('[profiles.p]\nsecrets = ["HF-TOKEN"]\n')
     code, out = invoke("render", JOB, "--profile", "p")
     one_line_error(code, out, "secrets: 'HF-TOKEN' is not a valid environment variable name")
+
+
+def test_resuming_a_slurm_run_checks_its_secrets_again(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path) -> None:
+    """The resumed job takes the secrets from the environment `resume` runs in: one missing
+    is one line before Slurm is asked anything."""
+    from hpcshard.rundir.spec import RunSpec
+
+    run = tmp_path / "r"
+    run.mkdir()
+    RunSpec(job=JOB, sets={}, nodes=1, gpus=1, backend="slurm", name="r", profile="p", jobs=["77"],
+            slurm={"secrets": ["HF_TOKEN"], "env": {}}).write(run)
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm command is run
+    code, out = invoke("resume", str(run))
+    one_line_error(code, out, "HF_TOKEN is not set in your environment", "profile 'p' names it")

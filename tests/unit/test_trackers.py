@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from hpcshard.config import TrainConfig
-from hpcshard.runtime.trackers import scalars, wandb_id
+from hpcshard.rundir.spec import wandb_id
+from hpcshard.runtime.trackers import scalars
 
 pytestmark = pytest.mark.unit
 
