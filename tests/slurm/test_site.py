@@ -17,6 +17,8 @@ from tests.conftest import STEPS, hpcshard, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import assert_bitwise_equal, committed, load, trained_to
 from tests.slurm.conftest import restarts, wait_state
 
+TOKEN = "tok" + "X9q" * 11
+"""A secret the profile names: in the submitting environment, never in a file."""
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 # A stand-in for Lmod's `module`: records what was loaded, fails for unknown modules.
@@ -62,7 +64,8 @@ gpus_per_node = 2
 time = "00:10:00"
 modules = ["demo/1.0"]
 env = {{ SITE_MARK = "hello world" }}
-setup = ['echo "setup saw $SITE_MARK on $(hostname)" >> "{tmp_path}/setup.log"']
+setup = ['echo "setup saw $SITE_MARK on $(hostname), secret ${{#SITE_TOKEN}} long" >> "{tmp_path}/setup.log"']
+secrets = ["SITE_TOKEN"]
 signal = "USR1"
 template = "launch.j2"
 vars = {{ reservation = "none" }}
@@ -83,7 +86,7 @@ partition = "lowww"
     path = f"{root / 'bin'}:{os.environ['PATH']}"
     # sbatch passes the submitting environment on: the fake module finds its log there.
     yield {**cluster, "HPCSHARD_SITE": str(root / "site.toml"), "PATH": path,
-           "MODULE_LOG": str(tmp_path / "modules.log")}
+           "MODULE_LOG": str(tmp_path / "modules.log"), "SITE_TOKEN": TOKEN}
 
 
 def test_a_profile_alone_runs_the_demo_through_a_site_launch_block(
@@ -118,7 +121,10 @@ def test_a_profile_alone_runs_the_demo_through_a_site_launch_block(
     assert spec["profile"] == "local" and spec["gpus"] == 2
     # What the profile asked for happened on the compute nodes, once per attempt.
     assert (tmp_path / "modules.log").read_text().count("module load demo/1.0") == 2
-    assert "setup saw hello world on n1" in (tmp_path / "setup.log").read_text()
+    assert f"setup saw hello world on n1, secret {len(TOKEN)} long" in (tmp_path / "setup.log").read_text()
+    assert ': "${SITE_TOKEN:?the secret SITE_TOKEN' in script  # the secret arrived, by name
+    leaked = [f for f in run.rglob("*") if f.is_file() and TOKEN.encode() in f.read_bytes()]
+    assert not leaked, leaked
     assert "site launch on n[1-2]" in (run / "logs" / f"slurm-{job}.out").read_text()
 
 
