@@ -446,7 +446,7 @@ def test_a_profiles_secrets_are_named_in_the_script_and_their_values_never_writt
     code, out = invoke("render", JOB, "--profile", "p", "--run-dir", str(tmp_path / "r"))
     assert code == 0, out
     assert planted not in out and planted[::-1] not in out
-    assert ': "${HF_TOKEN:?the secret HF_TOKEN is not in the job\'s environment' in out
+    assert ': "${HF_TOKEN:?the secret HF_TOKEN is not in the environment of the job' in out
     assert "export NCCL_DEBUG=WARN" in out
     layers["site"].write_text('[profiles.p]\nsecrets = ["HF_TOKEN"]\nenv = { HF_TOKEN = "x" }\n')
     code, out = invoke("render", JOB, "--profile", "p")

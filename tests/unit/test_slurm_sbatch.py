@@ -70,6 +70,27 @@ def test_hostile_values_golden_and_only_quoted() -> None:
     assert not Path("/tmp/hpcshard-pwned").exists()
 
 
+def test_the_script_checks_each_secret_arrived_by_name(tmp_path: Path) -> None:
+    """bash runs the rendered script's guards: silent with the secrets set, one line naming
+    the missing one otherwise (and the whole script parses)."""
+    text = render(request(secrets=["HF_TOKEN", "WANDB_API_KEY"]), COMMAND, Path("/runs/x/submitit"))
+    script = tmp_path / "job.sh"
+    script.write_text(text)
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    guards = "\n".join(line for line in text.splitlines() if line.startswith(": "))
+    env = {"PATH": os.environ["PATH"], "HF_TOKEN": "x", "WANDB_API_KEY": "y"}
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", "-c", guards + "\necho arrived"], capture_output=True, text=True,
+                              env=env)
+
+    ok = run()
+    assert (ok.returncode, ok.stdout, ok.stderr) == (0, "arrived\n", "")
+    del env["WANDB_API_KEY"]
+    missing = run()
+    assert missing.returncode != 0 and "arrived" not in missing.stdout
+    assert "WANDB_API_KEY: the secret WANDB_API_KEY is not in the environment of the job" in missing.stderr
+
+
 def test_memory_is_checked_the_way_slurm_parses_it() -> None:
     for text in HOSTILE:  # never a memory size: refused before anything is rendered
         with pytest.raises(ValueError, match="is not a Slurm memory size"):
