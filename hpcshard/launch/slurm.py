@@ -159,7 +159,7 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     # The profile's notice (--signal in the sbatch script): the ranks listen for it too.
     ranks = RankEnv(attempt=attempt, resume=resume if fresh else "auto",
                     restart_count=slurm.restart_count, notice=spec.slurm.get("signal", NOTICE),
-                    deadline=cluster.end_time(slurm.job_id),
+                    deadline=cluster.end_time(slurm.ref),
                     lead=spec.slurm.get("signal_lead_s"))
     os.environ.update(ranks.to_environ())
     # submitit installed its own SIGUSR2 handler (checkpoint, then requeue from global rank
@@ -183,7 +183,7 @@ def _orphaned(run: Path, slurm: SlurmEnv, attempt: int) -> str:
     from the stop to training again). So its continuation starts at once, on other nodes,
     without waiting for it: nothing of it writes to the run any more (every launcher left
     has stopped, the lost one is marked DOWN next), and only the newest job may train."""
-    batch = (cluster.show_job(slurm.job_id, timeout=30) or {}).get("BatchHost", "")
+    batch = (cluster.show_job(slurm.ref, timeout=30) or {}).get("BatchHost", "")
     lost = {r.get("slurm_node") for r in ledger.bad_nodes(run, attempt, lost=True)}
     return batch if batch and batch in lost else ""
 
@@ -193,11 +193,11 @@ def _end_orphan(run: Path, slurm: SlurmEnv, attempt: int, batch: str) -> None:
     before its lost nodes are marked DOWN (`_down_lost`: Slurm then KILLs every process of
     the step, this launcher and whatever it started). The cancel's TERM is ignored from
     here on."""
-    ledger.append(run, {"event": "cancel", "attempt": attempt, "job": slurm.job_id,
+    ledger.append(run, {"event": "cancel", "attempt": attempt, "job": slurm.ref,
                         "reason": f"its batch node {batch} was lost: it cannot end by itself"})
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(ValueError):
-        cluster.scancel(slurm.job_id)
+        cluster.scancel(slurm.ref)
 
 
 def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:
@@ -228,7 +228,7 @@ def _fewer_nodes(run: Path, slurm: SlurmEnv, attempt: int, bad: list[str]) -> in
     it is. Fewer: without (some of) its spares, or down to `min_nodes`. 0: not at all:
     the run gives up (recorded) instead of waiting in the queue forever."""
     spec = RunSpec.read(run)
-    partition = (cluster.show_job(slurm.job_id, timeout=30) or {}).get("Partition", "")
+    partition = (cluster.show_job(slurm.ref, timeout=30) or {}).get("Partition", "")
     usable = cluster.usable_nodes(partition, bad) if partition else None
     wanted = len(slurm.nodes)
     if usable is None or usable >= wanted:
@@ -267,20 +267,20 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
               + (f"(afterany:{slurm.job_id})" if after else "(at once: this job is cancelled)"),
               file=sys.stderr, flush=True)
         return
-    by = cluster.requeued_by_other(slurm.job_id, slurm.restart_count)
+    by = cluster.requeued_by_other(slurm.ref, slurm.restart_count)
     if by:  # e.g. Lightning's own SIGUSR1 handler runs `scontrol requeue`: never twice
-        ledger.append(run, {"event": "requeue", "attempt": attempt, "job": slurm.job_id,
+        ledger.append(run, {"event": "requeue", "attempt": attempt, "job": slurm.ref,
                             "by": "the job itself", "state": by})
-        print(f"hpcshard: job {slurm.job_id} was already requeued ({by}); not requeued again",
+        print(f"hpcshard: job {slurm.ref} was already requeued ({by}); not requeued again",
               file=sys.stderr, flush=True)
         return
     bad = ledger.bad_slurm_nodes(run)
     fewer = _fewer_nodes(run, slurm, attempt, bad) if bad else None
     if fewer == 0:
         return
-    refused = cluster.requeue(slurm.job_id, exclude=bad, nodes=fewer)
-    ledger.append(run, {"event": "requeue", "attempt": attempt, "job": slurm.job_id,
+    refused = cluster.requeue(slurm.ref, exclude=bad, nodes=fewer)
+    ledger.append(run, {"event": "requeue", "attempt": attempt, "job": slurm.ref,
                         "error": refused or None, **({"excluded": bad} if bad else {}),
                         **({"nodes": fewer} if fewer else {})})
-    print(f"hpcshard: requeued job {slurm.job_id}" + (f" (scontrol: {refused})" if refused else ""),
+    print(f"hpcshard: requeued job {slurm.ref}" + (f" (scontrol: {refused})" if refused else ""),
           file=sys.stderr, flush=True)

@@ -36,42 +36,44 @@ def test_a_sweep_is_one_array_whose_tasks_are_requeued_each_by_itself(cluster: d
     assert f"submitted job array {array} (0-3)" in proc.stdout
     jobs = [json.loads((root / f"task-{i}" / "spec.json").read_text())["jobs"][-1] for i in range(4)]
     assert jobs == [f"{array}_{i}" for i in range(4)]
-    # Task 1 is preempted (its notice, its job only); it saves, requeues itself and resumes.
-    task = root / "task-1"
-    wait_for(partial(trained_to, task, 3), 240, "task 1 at step 3")
+    # Task 3 is preempted (its notice, its job only); it saves, requeues itself and resumes.
+    # (The array's last task has the array's own job id: `scontrol requeue ARRAY` would
+    # requeue every task; it must requeue ARRAY_3.)
+    task = root / "task-3"
+    wait_for(partial(trained_to, task, 3), 240, "task 3 at step 3")
     assert hpcshard("preempt", str(task), env=cluster).returncode == 0
     wait_for(lambda: all(state(job) in DONE for job in jobs), 400, "every task done")
     assert [state(job) for job in jobs] == ["COMPLETED"] * 4
-    assert [restarts(job) for job in jobs] == [0, 1, 0, 0]
+    assert [restarts(job) for job in jobs] == [0, 0, 0, 1]
     starts = [r for r in ledger.read(task) if r["event"] == "start"]
     stop = next(r for r in ledger.read(task) if r["event"] == "end")
     assert stop["reason"] == "stop" and starts[1]["resumed_step"] == stop["saved_step"]
-    assert [(s["slurm_job"], s["slurm_run"]) for s in starts] == [(jobs[1], 0), (jobs[1], 1)]
+    assert [(s["slurm_job"], s["slurm_run"]) for s in starts] == [(jobs[3], 0), (jobs[3], 1)]
     steps = [r["step"] for r in step_records(task)]
     assert sorted(set(steps)) == list(range(1, STEPS + 1))  # every step; the stop's own once more at most
-    for other in (0, 2, 3):  # never interrupted
+    for other in (0, 1, 2):  # never interrupted
         assert len([r for r in ledger.read(root / f"task-{other}") if r["event"] == "start"]) == 1
     table = hpcshard("status", str(root), env=cluster).stdout
     assert f"job array {array}" in table
     rows = {line.split()[0]: line for line in table.splitlines() if line.startswith("task-")}
-    assert "lr=1e-3,dim=48" in rows["task-1"] and rows["task-1"].split()[-1] == "2"  # attempts
+    assert "lr=3e-3,dim=48" in rows["task-3"] and rows["task-3"].split()[-1] == "2"  # attempts
     assert all(" COMPLETED " in rows[f"task-{i}"] and f" {STEPS}/{STEPS} " in rows[f"task-{i}"]
                for i in range(4))
     assert hpcshard("plot", str(root), env=cluster).returncode == 0 and (root / "plot.png").exists()
 
     # Accounting: the controller forgets a job MinJobAge after it ends; sacct still knows
     # its final state, every run and where it ran.
-    wait_for(lambda: forgotten(jobs[1]), 150, f"scontrol to forget job {jobs[1]}")
+    wait_for(lambda: forgotten(jobs[3]), 150, f"scontrol to forget job {jobs[3]}")
     status = hpcshard("status", str(task), env=cluster)
     assert status.returncode == 0, status.stderr
-    assert f"slurm job {jobs[1]}: COMPLETED, restarts 1" in status.stdout
+    assert f"slurm job {jobs[3]}: COMPLETED, restarts 1" in status.stdout
     assert "(from accounting: the controller has forgotten it)" in status.stdout
     assert "slurm runs (2, from accounting):" in status.stdout
-    runs = [line for line in status.stdout.splitlines() if line.startswith(f"  {jobs[1]}.")]
+    runs = [line for line in status.stdout.splitlines() if line.startswith(f"  {jobs[3]}.")]
     assert [r.split()[1] for r in runs] == ["REQUEUED", "COMPLETED"] or \
         [r.split()[1] for r in runs] == ["PREEMPTED", "COMPLETED"], runs
-    assert f"{jobs[1]}.0: " in status.stdout and f"{jobs[1]}.1: COMPLETED" in status.stdout  # per attempt
-    by_id = hpcshard("status", jobs[1], env=cluster)  # the run found through accounting
+    assert f"{jobs[3]}.0: " in status.stdout and f"{jobs[3]}.1: COMPLETED" in status.stdout  # per attempt
+    by_id = hpcshard("status", jobs[3], env=cluster)  # the run found through accounting
     assert by_id.returncode == 0 and str(task) in by_id.stdout
     assert " COMPLETED " in hpcshard("status", str(root), env=cluster).stdout
     listed = hpcshard("ls", str(root), env=cluster)
