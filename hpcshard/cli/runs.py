@@ -130,7 +130,14 @@ def _culprit_log(run_dir: Path, tail: int) -> None:
 @click.command()
 @click.argument("target")
 def cancel(target: str) -> None:
-    """Stop a run now, without a checkpoint (see `preempt` for a clean stop)."""
+    """Stop a run now, without a checkpoint (see `preempt` for a clean stop); of a sweep,
+    every run still going, and none of those waiting starts."""
+    if is_sweep(Path(target)):
+        from hpcshard.cli.sweep import cancel_sweep
+
+        with user_errors():
+            click.echo(cancel_sweep(Path(target)))
+        return
     run_dir, spec = spec_of(target)
     if spec.backend == "slurm" and spec.jobs:
         from hpcshard.slurm import cluster
@@ -162,9 +169,18 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
             fail(err)
     runs = sorted((p.parent for p in root.glob("*/spec.json")), key=lambda p: p.stat().st_mtime,
                   reverse=True)[:limit]
-    if not runs:
+    sweeps = sorted((p.parent for p in root.glob("*/sweep.json")), key=lambda p: p.stat().st_mtime,
+                    reverse=True)[:limit]
+    if not runs and not sweeps:
         click.echo(f"no runs under {root}")
         return
+    if sweeps:
+        from hpcshard.cli.sweep import summary
+
+        for sweep_dir in sweeps:
+            click.echo(f"sweep {sweep_dir.name}: {summary(sweep_dir)}")
+        if not runs:
+            return
     specs = [RunSpec.read(run_dir) for run_dir in runs]
     slurm = job_states([spec.jobs[-1] for spec in specs if spec.backend == "slurm" and spec.jobs])
     click.echo(f"{'run':<32} {'backend':<7} {'shape':>5} {'step':>11} {'loss':>7} {'state':<9} "

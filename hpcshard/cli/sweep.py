@@ -5,6 +5,7 @@ the local backend the configurations run one after another, or N at a time. `sta
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ from hpcshard.cli.common import fail, job_states, table, user_errors
 from hpcshard.cli.options import SETS, setting_option, settings, shape_options, slurm_options, spare_options
 from hpcshard.config import parse_sets
 from hpcshard.rundir import store
-from hpcshard.rundir.launchers import launchers
+from hpcshard.rundir.launchers import launchers, signal_launchers
 from hpcshard.rundir.metrics import read_metrics, train_records
 from hpcshard.rundir.spec import RunSpec, check_run_dir, create_run_dir, default_run_dir, job_stem
 from hpcshard.rundir.status import attempts
@@ -151,12 +152,52 @@ def _submit_array(record: Sweep, root: Path, specs: list[RunSpec], req: Any) -> 
     sys.exit(0)
 
 
+CANCELLED = "cancelled"
+"""In a sweep's directory: `cancel` was asked; the local runner starts no more runs."""
+
+
+def cancel_sweep(root: Path) -> str:
+    """Cancel every run of the sweep that is still going (one scancel for its Slurm jobs;
+    SIGTERM to the local launchers), and keep the waiting ones from starting."""
+    record = Sweep.read(root)
+    (root / CANCELLED).write_text(f"{time.time()}\n")
+    specs = [RunSpec.read(record.task_dir(root, i)) for i in range(len(record.configs))]
+    jobs = [spec.jobs[-1] for spec in specs if spec.backend == "slurm" and spec.jobs]
+    if jobs:
+        from hpcshard.slurm import cluster
+
+        cluster.scancel(*jobs)
+        return f"cancelled Slurm job(s) {' '.join(jobs)} (sweep {root})"
+    sent = sum(signal_launchers(record.task_dir(root, i), signal.SIGTERM) for i in range(len(specs)))
+    return f"cancelled {sent} node launcher(s) of sweep {root}; no waiting run of it will start"
+
+
 def _run_local(record: Sweep, root: Path, specs: list[RunSpec], parallel: int) -> int:
-    """Each configuration's run, `parallel` at a time (their output in task-N/logs/run.out)."""
+    """Each configuration's run, `parallel` at a time (their output in task-N/logs/run.out).
+    Ctrl-C or `hpcshard cancel SWEEP` stops the running ones and starts no more."""
     waiting = list(range(len(specs)))
     running: dict[int, subprocess.Popen[bytes]] = {}
     failed = 0
+    try:
+        failed = _drive(record, root, waiting, running, parallel)
+    except KeyboardInterrupt:
+        for proc in running.values():
+            proc.terminate()
+        for proc in running.values():
+            proc.wait()
+        click.echo(f"interrupted: {len(running)} run(s) stopped, {len(waiting)} never started; "
+                   f"hpcshard resume {root}/task-N continues one", err=True)
+        return 130
+    show_status(root)
+    return 1 if failed else 0
+
+
+def _drive(record: Sweep, root: Path, waiting: list[int], running: dict[int, subprocess.Popen[bytes]],
+           parallel: int) -> int:
+    failed = 0
     while waiting or running:
+        if (root / CANCELLED).exists():
+            waiting.clear()
         while waiting and len(running) < parallel:
             i = waiting.pop(0)
             task = record.task_dir(root, i)
@@ -173,12 +214,11 @@ def _run_local(record: Sweep, root: Path, specs: list[RunSpec], parallel: int) -
                            + ("finished" if proc.returncode == 0 else f"failed (exit {proc.returncode}; "
                               f"see {record.task_dir(root, i) / 'logs' / 'run.out'})"))
         time.sleep(0.2)
-    show_status(root)
-    return 1 if failed else 0
+    return failed
 
 
-def show_status(root: Path) -> None:
-    """The sweep's table: each configuration's state, step, best evaluation loss, attempts."""
+def task_rows(root: Path) -> list[tuple[str, str, str, str, str, str]]:
+    """Each run of the sweep: task, configuration, state, step, best eval loss, attempts."""
     record = Sweep.read(root)
     specs = [RunSpec.read(record.task_dir(root, i)) for i in range(len(record.configs))]
     slurm = job_states([s.jobs[-1] for s in specs if s.backend == "slurm" and s.jobs])
@@ -196,10 +236,28 @@ def show_status(root: Path) -> None:
         total = spec.resolved.get("config", {}).get("steps", "?")
         rows.append((f"task-{i}", label(config), state, f"{train[-1]['step'] if train else 0}/{total}",
                      f"{min(evals):.4f}" if evals else "-", str(len(tried))))
-    click.echo(f"sweep {record.name}: {len(specs)} run(s) of {record.job}, backend {record.backend}"
+    return rows
+
+
+def show_status(root: Path) -> None:
+    """The sweep's table: each configuration's state, step, best evaluation loss, attempts."""
+    record = Sweep.read(root)
+    rows = task_rows(root)
+    click.echo(f"sweep {record.name}: {len(rows)} run(s) of {record.job}, backend {record.backend}"
                + (f", job array {record.array}" if record.array else "")
                + f", started {store.age(record.created)} ago")
     table(("task", "configuration", "state", "step", "best eval", "attempts"), rows)
+
+
+def summary(root: Path) -> str:
+    """One line of a sweep for `ls`: its runs by state, and the best evaluation loss."""
+    rows = task_rows(root)
+    states: dict[str, int] = {}
+    for row in rows:
+        states[row[2]] = states.get(row[2], 0) + 1
+    best = min((row for row in rows if row[4] != "-"), key=lambda row: float(row[4]), default=None)
+    return (f"{len(rows)} run(s): " + ", ".join(f"{n} {state}" for state, n in states.items())
+            + (f"; best eval {best[4]} ({best[1]})" if best else ""))
 
 
 def plot_sweep(root: Path, out: Path | None) -> Path:

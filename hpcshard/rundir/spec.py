@@ -103,6 +103,9 @@ class RunSpec:
 
 def read_spec(run_dir: Path) -> RunSpec:
     if not (run_dir / SPEC).is_file():
+        if (run_dir / "sweep.json").is_file():
+            raise ValueError(f"{str(run_dir)!r} is a sweep: give one of its runs ({run_dir / 'task-0'}, "
+                             "...); status, plot, cancel and ls take the sweep itself")
         raise ValueError(f"{str(run_dir)!r} holds no run (no {SPEC}); start one with hpcshard submit")
     return RunSpec.read(run_dir)
 

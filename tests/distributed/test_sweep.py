@@ -5,10 +5,12 @@ before anything is made. (A job array on Slurm: tests/slurm/test_sweep.py.)"""
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 
 from hpcshard.rundir import ledger
-from tests.conftest import hpcshard, metrics, sets, step_records
+from tests.conftest import hpcshard, hpcshard_bg, metrics, sets, step_records, wait_for
+from tests.distributed.test_runtime_checkpoint import trained_to
 
 
 def test_a_local_sweep_runs_each_configuration_as_its_own_run(tmp_path: Path) -> None:
@@ -53,3 +55,17 @@ def test_a_bad_configuration_is_named_before_anything_is_made(tmp_path: Path) ->
     listed.write_text(json.dumps([{"dim": 32}, {"dimm": 32}]))
     proc = hpcshard("sweep", "jobs/charlm.py", "--configs", str(listed), "--sweep-dir", str(tmp_path / "s"))
     assert proc.returncode == 2 and "configuration 1 (dimm=32): unknown --set key 'dimm'" in proc.stderr
+
+
+def test_cancel_stops_a_local_sweep_and_no_waiting_run_starts(tmp_path: Path) -> None:
+    root = tmp_path / "sweep"
+    proc = hpcshard_bg("sweep", "jobs/charlm.py", "--grid", "seed=1,2,3", "--sweep-dir", str(root),
+                       *sets(steps=5000, ckpt_every=10000, eval_every=10000))
+    wait_for(partial(trained_to, root / "task-0", 2), 120, "task 0 training")
+    cancelled = hpcshard("cancel", str(root))
+    assert cancelled.returncode == 0 and "cancelled 1 node launcher(s) of sweep" in cancelled.stdout
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out
+    assert "task 0 (seed=1): failed" in out and "task 1 (seed=2): started" not in out
+    assert not any((root / f"task-{i}" / "metrics.jsonl").exists() for i in (1, 2))
+    assert max(r["step"] for r in step_records(root / "task-0")) < 5000

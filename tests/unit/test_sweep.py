@@ -4,6 +4,7 @@ layer (local backend) and the slurm layer (a job array)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -98,3 +99,52 @@ def test_more_tasks_than_the_clusters_arrays_take_is_refused_before_submitting(
     assert out.exit_code == 2 and not submitted and not (tmp_path / "s").exists()
     assert ("6 configurations is more than this cluster's job arrays take (MaxArraySize=4: indices 0 to 3); "
             "split the grid into sweeps of at most 3") in out.output
+
+
+def made_sweep(root: Path, backend: str) -> None:
+    """A sweep's directory as `sweep` leaves it: two runs, the first trained to step 4."""
+    from hpcshard.rundir.spec import RunSpec
+    from hpcshard.rundir.sweep import Sweep
+
+    configs = [{"lr": "1e-3"}, {"lr": "3e-3"}]
+    root.mkdir()
+    Sweep(job="jobs/charlm.py", name="charlm", backend=backend, configs=configs,
+          array="900" if backend == "slurm" else "").write(root)
+    for i, config in enumerate(configs):
+        task = root / f"task-{i}"
+        task.mkdir()
+        RunSpec(job="jobs/charlm.py", sets=config, nodes=1, gpus=1, backend=backend, name=f"charlm-{i}",
+                jobs=[f"900_{i}"] if backend == "slurm" else [],
+                resolved={"config": {"steps": 8}}).write(task)
+    (root / "task-0" / "metrics.jsonl").write_text(
+        "\n".join(json.dumps({"step": s, "time": 1.0 + s, "loss": 3.0, "eval_loss": 2.5 if s == 4 else None})
+                  for s in range(1, 5)) + "\n")
+
+
+def test_ls_lists_a_sweep_as_one_line_and_run_commands_name_its_runs(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcshard.slurm import cluster
+
+    made_sweep(tmp_path / "s", "slurm")
+    monkeypatch.setattr(cluster, "history", lambda jobs, **k: [
+        cluster.SlurmRun(job=j, run=0, state="RUNNING", exit_code="0:0", elapsed="1", nodes="n1",
+                         start="2026-01-01T00:00:00", end="Unknown") for j in jobs])
+    out = CliRunner().invoke(main, ["ls", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    assert "sweep s: 2 run(s): 2 RUNNING; best eval 2.5000 (lr=1e-3)" in out.output
+    table = CliRunner().invoke(main, ["status", str(tmp_path / "s")]).output
+    assert "task-0  lr=1e-3        RUNNING  4/8   2.5000" in table and "job array 900" in table
+    out = CliRunner().invoke(main, ["logs", str(tmp_path / "s")])
+    assert out.exit_code == 2 and "is a sweep: give one of its runs" in out.output
+
+
+def test_cancel_of_a_sweep_cancels_every_task_in_one_scancel(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcshard.slurm import cluster
+
+    made_sweep(tmp_path / "s", "slurm")
+    asked: list[tuple[str, ...]] = []
+    monkeypatch.setattr(cluster, "scancel", lambda *args: asked.append(args))
+    out = CliRunner().invoke(main, ["cancel", str(tmp_path / "s")])
+    assert out.exit_code == 0 and asked == [("900_0", "900_1")], out.output
+    assert (tmp_path / "s" / "cancelled").exists()  # the local runner would start no more
