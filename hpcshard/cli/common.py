@@ -90,7 +90,7 @@ def slurm_state(spec: RunSpec) -> dict[str, str] | None:
         return None
     from hpcshard.slurm import cluster
 
-    return cluster.job_state(spec.jobs[-1])
+    return cluster.job_state(spec.jobs[-1], since=spec.created)
 
 
 def slurm_runs(spec: RunSpec) -> list[dict[str, Any]] | None:
@@ -102,11 +102,11 @@ def slurm_runs(spec: RunSpec) -> list[dict[str, Any]] | None:
 
     from hpcshard.slurm import cluster
 
-    runs = cluster.history(list(spec.jobs))
+    runs = cluster.history(list(spec.jobs), since=spec.created)
     return None if runs is None else [asdict(r) for r in runs]
 
 
-def job_states(jobs: list[str]) -> dict[str, str]:
+def job_states(jobs: list[str], since: float | None = None) -> dict[str, str]:
     """Each job's state: from accounting in one call where the cluster keeps it (the
     newest run of each), else from scontrol, job by job; "unknown" where neither knows it
     (or Slurm does not answer)."""
@@ -114,10 +114,9 @@ def job_states(jobs: list[str]) -> dict[str, str]:
         return {}
     from hpcshard.slurm import cluster
 
-    runs = cluster.history(jobs)
-    if runs is not None:
-        return {**dict.fromkeys(jobs, "unknown"), **{r.job: r.state for r in runs}}
-    return {job: cluster.job_state(job).get("JobState", "unknown") for job in jobs}
+    runs = cluster.history(jobs, since=since)
+    found = {r.job: r.state for r in runs or []}  # a pending array's tasks are one row: A_[2-3]
+    return {job: found.get(job) or cluster.job_state(job).get("JobState", "unknown") for job in jobs}
 
 
 def finished(spec: RunSpec, run_dir: Path) -> bool:

@@ -182,7 +182,9 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
         if not runs:
             return
     specs = [RunSpec.read(run_dir) for run_dir in runs]
-    slurm = job_states([spec.jobs[-1] for spec in specs if spec.backend == "slurm" and spec.jobs])
+    on_slurm = [spec for spec in specs if spec.backend == "slurm" and spec.jobs]
+    slurm = job_states([spec.jobs[-1] for spec in on_slurm],
+                       since=min((spec.created for spec in on_slurm), default=None))
     click.echo(f"{'run':<32} {'backend':<7} {'shape':>5} {'step':>11} {'loss':>7} {'state':<9} "
                f"{'slurm':<11} age")
     for run_dir, spec in zip(runs, specs, strict=True):

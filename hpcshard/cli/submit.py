@@ -180,7 +180,7 @@ def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None
                 from hpcshard.slurm import cluster
 
                 cluster.check_request(req)
-                _warn_storage(run_dir, nodes)
+                warn_storage(run_dir, nodes)
         if check_job and not own:
             spec.resolved = preflight(spec)
     return spec, run_dir, req
@@ -200,7 +200,7 @@ def check_secrets(names: list[str], env: dict[str, Any], profile: str | None) ->
                              f"secret the job needs; export {name} first (its value is never written)")
 
 
-def _warn_storage(run_dir: Path, nodes: int) -> None:
+def warn_storage(run_dir: Path, nodes: int) -> None:
     node_local = ("/tmp", "/var/tmp", "/dev/shm", "/scratch/local")
     if nodes > 1 and str(run_dir.resolve()).startswith(node_local):
         click.echo(f"warning: {run_dir} looks node-local; with {nodes} nodes every node must see "

@@ -59,6 +59,10 @@ def sweep(job: str, nodes: int | None, grid: tuple[str, ...], configs_file: Path
         if not grid and configs_file is None:
             raise ValueError("nothing to sweep: give --grid KEY=V1,V2 (repeatable) or --configs FILE")
         configs = expand(list(grid), read_configs(configs_file) if configs_file else None)
+        if v["spares"] or v["min_nodes"]:
+            raise ValueError(f"--spares/--min-nodes ({v['spares']}/{v['min_nodes']}): a sweep's runs do not "
+                             "take spares or shrink yet (a lost node requeues the run); drop them, or "
+                             "submit the configuration alone")
         if opts.get("requeue_policy") not in (None, "requeue"):
             raise ValueError(f"--requeue-policy {opts['requeue_policy']}: a sweep's tasks are requeued "
                              "each by itself (requeue); drop the option")
@@ -116,11 +120,14 @@ def _array_request(v: dict[str, Any], res: site.Resolved, name: str, spec: RunSp
                   array=f"0-{tasks - 1}" + (f"%{max_parallel}" if max_parallel else ""))
     render(req, "true", root / "submitit", site.SETTINGS)
     cluster.check_request(req)
+    from hpcshard.cli.submit import warn_storage
+
+    warn_storage(root, spec.nodes)
     limit = cluster.max_array_size()
-    if limit is not None and tasks > limit - 1:
+    if limit is not None and tasks > limit:
         raise ValueError(f"{tasks} configurations is more than this cluster's job arrays take "
                          f"(MaxArraySize={limit}: indices 0 to {limit - 1}); split the grid into "
-                         f"sweeps of at most {limit - 1}")
+                         f"sweeps of at most {limit}")
     return req
 
 
@@ -132,6 +139,11 @@ def _submit_array(record: Sweep, root: Path, specs: list[RunSpec], req: Any) -> 
 
     tasks = [(str(record.task_dir(root, i).resolve()), spec.gpus, 0, spec.max_requeues, "auto", "requeue")
              for i, spec in enumerate(specs)]
+    for i, spec in enumerate(specs):  # before sbatch: a task may start at once and reads it
+        task = record.task_dir(root, i)
+        # A task resumed later is a job of its own, in its own directory.
+        spec.slurm = {**asdict(req), "run_dir": str(task.resolve()), "array": ""}
+        spec.write(task)
     try:
         ids = submit_array(req, root.resolve(), node_main, tasks)
     except ValueError as err:
@@ -139,12 +151,8 @@ def _submit_array(record: Sweep, root: Path, specs: list[RunSpec], req: Any) -> 
         fail(err)
     record.array = ids[0].split("_")[0]
     record.write(root)
-    for i, (spec, job_id) in enumerate(zip(specs, ids, strict=True)):
-        task = record.task_dir(root, i)
-        # A task resumed later is a job of its own, in its own directory.
-        spec.slurm = {**asdict(req), "run_dir": str(task.resolve()), "array": ""}
-        spec.jobs.append(job_id)
-        spec.write(task)
+    for i, job_id in enumerate(ids):
+        RunSpec.add_job(record.task_dir(root, i), job_id)
     click.echo(f"submitted job array {record.array} ({req.array}): task i runs configuration i")
     for i, config in enumerate(record.configs):
         click.echo(f"  {record.array}_{i}  {label(config)}  -> {record.task_dir(root, i)}")
@@ -174,10 +182,17 @@ def cancel_sweep(root: Path) -> str:
 
 def _run_local(record: Sweep, root: Path, specs: list[RunSpec], parallel: int) -> int:
     """Each configuration's run, `parallel` at a time (their output in task-N/logs/run.out).
-    Ctrl-C or `hpcshard cancel SWEEP` stops the running ones and starts no more."""
+    Ctrl-C (or TERM, HUP) or `hpcshard cancel SWEEP` stops the running ones and starts no
+    more."""
     waiting = list(range(len(specs)))
     running: dict[int, subprocess.Popen[bytes]] = {}
     failed = 0
+
+    def interrupted(signum: int, _frame: object) -> None:  # kill, a hang-up: as Ctrl-C
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, interrupted)
     try:
         failed = _drive(record, root, waiting, running, parallel)
     except KeyboardInterrupt:
@@ -221,7 +236,7 @@ def task_rows(root: Path) -> list[tuple[str, str, str, str, str, str]]:
     """Each run of the sweep: task, configuration, state, step, best eval loss, attempts."""
     record = Sweep.read(root)
     specs = [RunSpec.read(record.task_dir(root, i)) for i in range(len(record.configs))]
-    slurm = job_states([s.jobs[-1] for s in specs if s.backend == "slurm" and s.jobs])
+    slurm = job_states([s.jobs[-1] for s in specs if s.backend == "slurm" and s.jobs], since=record.created)
     rows = []
     for i, (spec, config) in enumerate(zip(specs, record.configs, strict=True)):
         run = record.task_dir(root, i)

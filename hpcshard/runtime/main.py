@@ -32,7 +32,7 @@ from hpcshard.runtime.device import DistEnv, init_distributed
 from hpcshard.runtime.job import load_job
 from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.train import Trainer
-from hpcshard.slurm.env import job_ref
+from hpcshard.slurm.env import current_job
 
 USER_ERROR = 2
 log = logging.getLogger("hpcshard")
@@ -156,7 +156,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
 
 def _slurm_run() -> dict[str, Any]:
     """Which run of which Slurm job this start is (status matches it with accounting)."""
-    job = job_ref()  # a sweep's task: ARRAY_TASK, as accounting and the spec name it
+    job = current_job()  # a sweep's task: ARRAY_TASK, as accounting and the spec name it
     return {"slurm_job": job, "slurm_run": int(os.environ.get("SLURM_RESTART_COUNT", "0"))} if job else {}
 
 

@@ -76,7 +76,10 @@ def preflight_all(request: dict[str, Any]) -> dict[str, Any]:
         try:
             resolved.append(preflight({**request, "sets": sets}))
         except ValueError as err:
-            raise ValueError(f"variant {i}: {err}") from None
+            raise ValueError(f"variant {i}: " + " ".join(str(err).split("\n"))) from None
+        except Exception:
+            print(f"variant {i} ({json.dumps(sets)}) crashed:", file=sys.stderr)
+            raise
     return {"variants": resolved}
 
 

@@ -116,14 +116,14 @@ def max_array_size(timeout: float = 30) -> int | None:
     return int(found.group(1)) if found and not proc.returncode else None
 
 
-def job_state(job_id: str) -> dict[str, str]:
+def job_state(job_id: str, since: float | None = None) -> dict[str, str]:
     """`scontrol show job` as a dict (works without accounting; finished jobs stay visible
     for MinJobAge), else what accounting keeps of it (`Source` is then "sacct"). Empty when
     Slurm no longer knows the job."""
-    fields = show_job(job_id) if shutil.which("scontrol") else None
+    fields = show_job(job_id, timeout=30) if shutil.which("scontrol") else None
     if fields is not None:
         return fields
-    runs = history([job_id])
+    runs = history([job_id], since=since)
     if not runs:
         return {}
     last = runs[-1]
@@ -167,15 +167,18 @@ def submitted_from(job_id: str, timeout: float = 30) -> Path | None:
 SACCT_FIELDS = "JobID,State,ExitCode,Elapsed,NodeList,Start,End"
 
 
-def history(job_ids: list[str], timeout: float = 30) -> list[SlurmRun] | None:
+def history(job_ids: list[str], since: float | None = None, timeout: float = 30) -> list[SlurmRun] | None:
     """Every run of these jobs from `sacct --duplicates` (accounting keeps them after
     scontrol forgets a job, MinJobAge later); None without accounting (sacct missing,
-    failing as it does without slurmdbd, or hanging)."""
+    failing as it does without slurmdbd, or hanging). `since` (Unix time: the run's
+    creation): only jobs from then on, as an id may have been another job's before
+    (ids wrap at MaxJobId; a cluster started afresh numbers them again)."""
     if not job_ids or not shutil.which("sacct"):
         return None
+    window = ["-S", time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since - 60))] if since else []
     try:
         proc = subprocess.run(["sacct", "-j", ",".join(job_ids), "--duplicates", "-X", "-n", "-P",
-                               "-o", SACCT_FIELDS], capture_output=True, text=True, timeout=timeout,
+                               *window, "-o", SACCT_FIELDS], capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, "SLURM_TIME_FORMAT": "standard"})
     except (OSError, subprocess.TimeoutExpired):
         return None

@@ -57,7 +57,7 @@ class SlurmEnv:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> SlurmEnv:
         env = os.environ if environ is None else environ
         gpus = env.get("SLURM_GPUS_ON_NODE") or str(len(env.get("CUDA_VISIBLE_DEVICES", "").split(",")))
-        return cls(job_id=env["SLURM_JOB_ID"], ref=job_ref(env) or env["SLURM_JOB_ID"],
+        return cls(job_id=env["SLURM_JOB_ID"], ref=current_job(env) or env["SLURM_JOB_ID"],
                    nodes=expand_nodelist(env["SLURM_JOB_NODELIST"]),
                    node_id=int(env["SLURM_NODEID"]),
                    # Unset on the first run, then 1, 2, ... after each requeue.
@@ -65,7 +65,7 @@ class SlurmEnv:
                    gpus_on_node=int(gpus or 0))
 
 
-def job_ref(environ: Mapping[str, str] | None = None) -> str | None:
+def current_job(environ: Mapping[str, str] | None = None) -> str | None:
     """The job this process runs in, as the run's spec names it (SlurmEnv.ref); None
     outside Slurm."""
     env = os.environ if environ is None else environ

@@ -29,10 +29,11 @@ def executor(req: SbatchRequest, run_dir: Path) -> Any:
             return render(req, command, Path(self.folder))
 
         def _internal_process_submissions(self, delayed: list[Any]) -> list[Any]:
-            """Several submissions in a batch are one job array (as submitit's own, whose
-            array executor would write submitit's sbatch text, not the template's): each
-            task's pickle is named ARRAY_TASK, where `_submit` in the task looks."""
-            if len(delayed) == 1:
+            """A request with an array (a sweep's, even of one task) is one job array (as
+            submitit's own for a batch, whose array executor would write submitit's sbatch
+            text, not the template's): each task's pickle is named ARRAY_TASK, where
+            `_submit` in the task looks."""
+            if len(delayed) == 1 and not req.array:
                 return list(super()._internal_process_submissions(delayed))
             from submitit.core import utils
             from submitit.slurm.slurm import SlurmJob

@@ -155,7 +155,7 @@ def test_status_of_a_job_the_controller_forgot_reads_accounting(run: Path,
             "(from accounting: the controller has forgotten it)") in out.output
     assert "4242.1: PREEMPTED, n[1-2]" in out.output and "4242.2: COMPLETED, n[2-3]" in out.output
     assert "slurm runs (3, from accounting):" in out.output
-    assert all("--duplicates" in a for a in asked if a[0] == "sacct")
+    assert all("--duplicates" in a and "-S" in a for a in asked if a[0] == "sacct")  # since the run began
     listed = CliRunner().invoke(main, ["ls", str(run.parent)])
     assert listed.exit_code == 0 and "COMPLETED" in listed.output, listed.output
 

@@ -5,6 +5,8 @@ layer (local backend) and the slurm layer (a job array)."""
 from __future__ import annotations
 
 import json
+import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,7 @@ def sweep(tmp_path: Path, *args: str) -> Any:
     (["--grid", "lr="], "--grid 'lr=' has an empty value"),
     (["--grid", "lr=1e-3", "--requeue-policy", "chain"], "--requeue-policy chain: a sweep's tasks"),
     (["--configs", "nowhere.json"], "--configs 'nowhere.json'"),
+    (["--grid", "lr=1e-3", "--spares", "1"], "--spares/--min-nodes (1/0): a sweep's runs do not take spares"),
 ])
 def test_bad_sweeps_are_one_line_and_nothing_is_made(tmp_path: Path, args: list[str], needle: str) -> None:
     out = sweep(tmp_path, "--backend", "local", *args)
@@ -92,13 +95,13 @@ def test_more_tasks_than_the_clusters_arrays_take_is_refused_before_submitting(
     from hpcshard.slurm import cluster
 
     monkeypatch.setattr(cluster, "check_request", lambda req: "low")
-    monkeypatch.setattr(cluster, "max_array_size", lambda: 4)  # indices 0..3
+    monkeypatch.setattr(cluster, "max_array_size", lambda: 5)  # indices 0..4
     submitted: list[Any] = []
     monkeypatch.setattr("hpcshard.slurm.submit.submit_array", lambda *a: submitted.append(a))
     out = sweep(tmp_path, "--backend", "slurm", "--grid", "lr=1,2,3", "--grid", "dim=32,64")
     assert out.exit_code == 2 and not submitted and not (tmp_path / "s").exists()
-    assert ("6 configurations is more than this cluster's job arrays take (MaxArraySize=4: indices 0 to 3); "
-            "split the grid into sweeps of at most 3") in out.output
+    assert ("6 configurations is more than this cluster's job arrays take (MaxArraySize=5: indices 0 to 4); "
+            "split the grid into sweeps of at most 5") in out.output
 
 
 def made_sweep(root: Path, backend: str) -> None:
@@ -148,3 +151,44 @@ def test_cancel_of_a_sweep_cancels_every_task_in_one_scancel(tmp_path: Path,
     out = CliRunner().invoke(main, ["cancel", str(tmp_path / "s")])
     assert out.exit_code == 0 and asked == [("900_0", "900_1")], out.output
     assert (tmp_path / "s" / "cancelled").exists()  # the local runner would start no more
+
+
+def test_an_array_of_one_task_is_still_an_array(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sweep of one configuration: the script says --array=0-0, so the task is ARRAY_0 and
+    its pickle must be named so (submitit's own path for one job would name it ARRAY)."""
+    from hpcshard.slurm.submit import submit_array
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(
+        f"#!/bin/sh\ncp \"$1\" {tmp_path}/submitted.sh\necho 'Submitted batch job 4242'\n")
+    (bin_dir / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    req = SbatchRequest(job_name="c", nodes=1, gpus_per_node=1, run_dir=tmp_path / "s", array="0-0")
+    for tasks, ids in (([("a",)], ["4242_0"]), ([("a",), ("b",)], ["4242_0", "4242_1"])):
+        assert submit_array(replace(req, array=f"0-{len(tasks) - 1}"), tmp_path / "s", print, tasks) == ids
+        for job in ids:
+            assert (tmp_path / "s" / "submitit" / f"{job}_submitted.pkl").is_file()
+        assert f"#SBATCH --array=0-{len(tasks) - 1}" in (tmp_path / "submitted.sh").read_text()
+
+
+def test_task_states_come_from_accounting_and_pending_tasks_from_scontrol(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """sacct lists an array's pending tasks as one row (900_[1-2%1]): those come from scontrol;
+    only jobs since the run was made are asked for (an id may have been another job's)."""
+    from hpcshard.cli.common import job_states
+    from hpcshard.slurm import cluster
+
+    asked: list[Any] = []
+
+    def history(jobs: list[str], since: float | None = None, **_: Any) -> list[Any]:
+        asked.append(since)
+        return [cluster.SlurmRun(job="900_0", run=0, state="RUNNING", exit_code="0:0", elapsed="5",
+                                 nodes="n1", start="2026-01-01T00:00:00", end="Unknown")]
+
+    monkeypatch.setattr(cluster, "history", history)
+    monkeypatch.setattr(cluster, "job_state",
+                        lambda job, **k: {"JobState": "PENDING"} if job == "900_1" else {})
+    assert job_states(["900_0", "900_1", "900_2"], since=1000.0) == {
+        "900_0": "RUNNING", "900_1": "PENDING", "900_2": "unknown"}
+    assert asked == [1000.0]
