@@ -111,7 +111,7 @@ def render_cmd(job: str | None, nodes: int | None, run_dir: Path | None, name: s
     click.echo(sbatch_text(req, run_dir.resolve()), nl=False)
 
 
-def _target(job: str | None, module: str | None, args: tuple[str, ...],
+def job_target(job: str | None, module: str | None, args: tuple[str, ...],
             ) -> tuple[str, str, dict[str, Any]]:
     """(what the run is named after, the job reference, the script) from the command line:
     an hpcshard job (file or module), or a script file / `-m` module run as it is."""
@@ -142,7 +142,7 @@ def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None
         res = settings(profile, opts)
         v = res.values
         check_secrets(v["secrets"], v["env"], res.profile)
-        label, ref, own = _target(job, module, args)
+        label, ref, own = job_target(job, module, args)
         if own:
             if sets:
                 raise ValueError(f"--set {sets[0]}: --set is for hpcshard jobs; pass a script's own "
@@ -157,13 +157,8 @@ def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None
             check_resume(run_dir, resume)
         # The profile's training settings under the command line's.
         train = {} if own else {**v["train"], **parse_sets(sets)}
-        spec = RunSpec(job=ref, sets=train, nodes=nodes, gpus=v["gpus_per_node"],
-                       backend=pick_backend(v["backend"]), name=name or job_stem(label),
-                       max_requeues=v["max_requeues"], requeue_policy=v["requeue_policy"],
-                       max_restarts=v["max_restarts"], no_progress_restarts=v["no_progress_restarts"],
-                       health_check=v["health_check"], spares=v["spares"], min_nodes=v["min_nodes"],
-                       bad_nodes=v["bad_nodes"],
-                       profile=res.profile, script=own)
+        spec = run_spec(res, ref, train, nodes, pick_backend(v["backend"]), name or job_stem(label),
+                        script=own)
         check_spares(spec)
         req = None
         if spec.backend == "slurm":
@@ -184,6 +179,17 @@ def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None
         if check_job and not own:
             spec.resolved = preflight(spec)
     return spec, run_dir, req
+
+
+def run_spec(res: site.Resolved, ref: str, sets: dict[str, str], nodes: int, backend: str, name: str,
+             **fields: Any) -> RunSpec:
+    """The run the merged settings describe (a submit's, or one of a sweep's runs)."""
+    v = res.values
+    return RunSpec(**{**dict(job=ref, sets=sets, nodes=nodes, gpus=v["gpus_per_node"], backend=backend,
+                             name=name, max_requeues=v["max_requeues"], requeue_policy=v["requeue_policy"],
+                             max_restarts=v["max_restarts"], no_progress_restarts=v["no_progress_restarts"],
+                             health_check=v["health_check"], spares=v["spares"], min_nodes=v["min_nodes"],
+                             bad_nodes=v["bad_nodes"], profile=res.profile), **fields})
 
 
 def check_secrets(names: list[str], env: dict[str, Any], profile: str | None) -> None:

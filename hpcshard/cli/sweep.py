@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,14 @@ def sweep(job: str, nodes: int | None, grid: tuple[str, ...], configs_file: Path
           sets: tuple[str, ...], profile: str | None, **opts: Any) -> None:
     """Run JOB once per configuration: --grid lr=1e-3,3e-4 --grid dim=64,128 is 4 runs (one
     Slurm job array; one after another under the local backend)."""
-    from hpcshard.cli.submit import check_secrets, check_spares, pick_backend, preflight_many
+    from hpcshard.cli.submit import (
+        check_secrets,
+        check_spares,
+        job_target,
+        pick_backend,
+        preflight_many,
+        run_spec,
+    )
 
     with user_errors():
         res = settings(profile, opts)
@@ -66,23 +74,17 @@ def sweep(job: str, nodes: int | None, grid: tuple[str, ...], configs_file: Path
         if opts.get("requeue_policy") not in (None, "requeue"):
             raise ValueError(f"--requeue-policy {opts['requeue_policy']}: a sweep's tasks are requeued "
                              "each by itself (requeue); drop the option")
-        if Path(job).is_file() and not _defines_job(Path(job)):
+        named, ref, own = job_target(job, None, ())
+        if own:
             raise ValueError(f"{job} is a plain script: a sweep sets an hpcshard job's config "
                              "(--grid KEY=...); loop over `hpcshard submit` for a script")
-        from hpcshard.rundir.spec import job_ref
-
-        ref, name = job_ref(job), name or job_stem(job)
-        root = sweep_dir or default_run_dir(f"{job_stem(job)}-sweep", site.storage_root(res))
+        name = name or job_stem(named)
+        root = sweep_dir or default_run_dir(f"{job_stem(named)}-sweep", site.storage_root(res))
         check_run_dir(root)
         common = {**v["train"], **parse_sets(sets)}
         backend = pick_backend(v["backend"])
-        specs = [RunSpec(job=ref, sets={**common, **config}, nodes=nodes or 1, gpus=v["gpus_per_node"],
-                         backend=backend, name=f"{name}-{i}", max_requeues=v["max_requeues"],
-                         requeue_policy="requeue", max_restarts=v["max_restarts"],
-                         no_progress_restarts=v["no_progress_restarts"],
-                         health_check=v["health_check"], spares=v["spares"], min_nodes=v["min_nodes"],
-                         bad_nodes=v["bad_nodes"], profile=res.profile)
-                 for i, config in enumerate(configs)]
+        specs = [run_spec(res, ref, {**common, **config}, nodes or 1, backend, f"{name}-{i}",
+                          requeue_policy="requeue") for i, config in enumerate(configs)]
         check_spares(specs[0])
         req = None
         if backend == "slurm":
@@ -100,12 +102,6 @@ def sweep(job: str, nodes: int | None, grid: tuple[str, ...], configs_file: Path
     if req is not None:
         _submit_array(record, root, specs, req)
     sys.exit(_run_local(record, root, specs, max_parallel or 1))
-
-
-def _defines_job(path: Path) -> bool:
-    from hpcshard import script
-
-    return script.defines_job(path)
 
 
 def _array_request(v: dict[str, Any], res: site.Resolved, name: str, spec: RunSpec, root: Path,
@@ -267,9 +263,7 @@ def show_status(root: Path) -> None:
 def summary(root: Path) -> str:
     """One line of a sweep for `ls`: its runs by state, and the best evaluation loss."""
     rows = task_rows(root)
-    states: dict[str, int] = {}
-    for row in rows:
-        states[row[2]] = states.get(row[2], 0) + 1
+    states = Counter(row[2] for row in rows)
     best = min((row for row in rows if row[4] != "-"), key=lambda row: float(row[4]), default=None)
     return (f"{len(rows)} run(s): " + ", ".join(f"{n} {state}" for state, n in states.items())
             + (f"; best eval {best[4]} ({best[1]})" if best else ""))

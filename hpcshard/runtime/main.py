@@ -32,7 +32,7 @@ from hpcshard.runtime.device import DistEnv, init_distributed
 from hpcshard.runtime.job import load_job
 from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.train import Trainer
-from hpcshard.slurm.env import current_job
+from hpcshard.slurm.env import current_run
 
 USER_ERROR = 2
 log = logging.getLogger("hpcshard")
@@ -155,9 +155,10 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
 
 
 def _slurm_run() -> dict[str, Any]:
-    """Which run of which Slurm job this start is (status matches it with accounting)."""
-    job = current_job()  # a sweep's task: ARRAY_TASK, as accounting and the spec name it
-    return {"slurm_job": job, "slurm_run": int(os.environ.get("SLURM_RESTART_COUNT", "0"))} if job else {}
+    """Which run of which Slurm job this start is (status matches it with accounting; a
+    sweep's task is ARRAY_TASK, as accounting and the spec name it)."""
+    run = current_run()
+    return {"slurm_job": run[0], "slurm_run": run[1]} if run else {}
 
 
 def _slow_link(run_dir: Path, env: DistEnv, cfg: TrainConfig, attempt: int) -> bool:

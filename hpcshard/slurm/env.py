@@ -57,19 +57,20 @@ class SlurmEnv:
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> SlurmEnv:
         env = os.environ if environ is None else environ
         gpus = env.get("SLURM_GPUS_ON_NODE") or str(len(env.get("CUDA_VISIBLE_DEVICES", "").split(",")))
-        return cls(job_id=env["SLURM_JOB_ID"], ref=current_job(env) or env["SLURM_JOB_ID"],
-                   nodes=expand_nodelist(env["SLURM_JOB_NODELIST"]),
-                   node_id=int(env["SLURM_NODEID"]),
-                   # Unset on the first run, then 1, 2, ... after each requeue.
-                   restart_count=int(env.get("SLURM_RESTART_COUNT", "0")),
+        ref, restart_count = current_run(env) or (env["SLURM_JOB_ID"], 0)
+        return cls(job_id=env["SLURM_JOB_ID"], ref=ref, nodes=expand_nodelist(env["SLURM_JOB_NODELIST"]),
+                   node_id=int(env["SLURM_NODEID"]), restart_count=restart_count,
                    gpus_on_node=int(gpus or 0))
 
 
-def current_job(environ: Mapping[str, str] | None = None) -> str | None:
-    """The job this process runs in, as the run's spec names it (SlurmEnv.ref); None
-    outside Slurm."""
+def current_run(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:
+    """The job this process runs in, as the run's spec names it (SlurmEnv.ref), and which
+    run of it this is (SLURM_RESTART_COUNT: unset on the first, then 1, 2, ... after each
+    requeue); None outside Slurm."""
     env = os.environ if environ is None else environ
-    task = env.get("SLURM_ARRAY_TASK_ID")
+    if "SLURM_JOB_ID" not in env:
+        return None
+    task, restarts = env.get("SLURM_ARRAY_TASK_ID"), int(env.get("SLURM_RESTART_COUNT", "0"))
     if task is not None and env.get("SLURM_ARRAY_JOB_ID"):
-        return f"{env['SLURM_ARRAY_JOB_ID']}_{task}"
-    return env.get("SLURM_JOB_ID")
+        return f"{env['SLURM_ARRAY_JOB_ID']}_{task}", restarts
+    return env["SLURM_JOB_ID"], restarts
