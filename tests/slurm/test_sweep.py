@@ -12,11 +12,12 @@ from pathlib import Path
 
 from hpcshard.rundir import ledger
 from tests.conftest import hpcshard, sets, step_records, wait_for
-from tests.distributed.test_runtime_checkpoint import trained_to
+from tests.distributed.test_runtime_checkpoint import assert_bitwise_equal, committed, load, trained_to
 from tests.slurm.conftest import CONF, restarts, state
 
 DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 STEPS = 30
+SETS = sets(steps=STEPS, ckpt_every=10, eval_every=STEPS, log_every=1)
 
 
 def forgotten(job: str) -> bool:
@@ -30,7 +31,7 @@ def test_a_sweep_is_one_array_whose_tasks_are_requeued_each_by_itself(cluster: d
     proc = hpcshard("sweep", "--backend", "slurm", "jobs/charlm.py", "--grid", "lr=1e-3,3e-3",
                     "--grid", "dim=32,48", "--nodes", "1", "--gpus", "1", "--partition", "low",
                     "--time", "10:00", "--sweep-dir", str(root),
-                    *sets(steps=STEPS, ckpt_every=10, eval_every=STEPS, log_every=1), env=cluster)
+                    *SETS, env=cluster)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     array = json.loads((root / "sweep.json").read_text())["array"]
     assert f"submitted job array {array} (0-3)" in proc.stdout
@@ -51,6 +52,13 @@ def test_a_sweep_is_one_array_whose_tasks_are_requeued_each_by_itself(cluster: d
     assert [(s["slurm_job"], s["slurm_run"]) for s in starts] == [(jobs[3], 0), (jobs[3], 1)]
     steps = [r["step"] for r in step_records(task)]
     assert sorted(set(steps)) == list(range(1, STEPS + 1))  # every step; the stop's own once more at most
+    # As a single run resumes: the preempted task ends with the weights (and optimizer) of
+    # its configuration run through once, without a stop (local backend, the same shape).
+    alone = tmp_path / "alone"
+    proc = hpcshard("submit", "--backend", "local", "jobs/charlm.py", "--run-dir", str(alone),
+                    "--set", "lr=3e-3", "--set", "dim=48", *SETS)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert_bitwise_equal(load(committed(task)[STEPS]), load(committed(alone)[STEPS]), "task 3")
     for other in (0, 1, 2):  # never interrupted
         assert len([r for r in ledger.read(root / f"task-{other}") if r["event"] == "start"]) == 1
     table = hpcshard("status", str(root), env=cluster).stdout
