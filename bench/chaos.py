@@ -107,7 +107,7 @@ class Soak:
         host = at["slurm"][node]
         done: dict[str, Any] = {"kind": kind, "node": node, "slurm_node": host}
         if kind in ("rank_kill", "rank_hang"):
-            from hpcshard.launch.supervise import ranks_below
+            from hpcshard.launch.procs import ranks_below
 
             ranks = ranks_below([int(launchers.pid_file(self.run_dir, node).read_text())])
             victim = self.rng.choice(ranks)

@@ -29,7 +29,7 @@ TORCHRUN_REPEATS = 3
 
 
 def _ranks(run_dir: Path) -> list[int]:
-    from hpcshard.launch.supervise import ranks_below
+    from hpcshard.launch.procs import ranks_below
     from hpcshard.rundir.launchers import launchers
 
     return ranks_below(launchers(run_dir))
@@ -77,7 +77,7 @@ def torchrun_faults(repeats: int = TORCHRUN_REPEATS) -> dict[str, list[float]]:
     shared with the workers (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: the shared store keeps the
     previous attempt's gloo addresses under the same keys, so every restart fails in
     connectFullMesh with "Connection refused"; pytorch/pytorch#135712)."""
-    from hpcshard.launch.supervise import alive, children, kill_tree
+    from hpcshard.launch.procs import alive, children, kill_tree
 
     def worker(rank: int) -> int:
         """torchrun's worker of global rank `rank`, by its environment (not by the order of

@@ -24,7 +24,7 @@ REPEATS = 3
 
 
 def _freeze(run_dir: Path, node: int) -> float:
-    from hpcshard.launch.supervise import descendants
+    from hpcshard.launch.procs import descendants
     from hpcshard.rundir.launchers import pid_file
 
     launcher = int(pid_file(run_dir, node).read_text())

@@ -5,6 +5,7 @@ this process never imports torch."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -30,7 +31,7 @@ from hpcshard.cli.options import (
     spare_options,
 )
 from hpcshard.config import parse_sets
-from hpcshard.rundir import ledger, store
+from hpcshard.rundir import lease, ledger, store
 from hpcshard.rundir.ledger import bad_slurm_nodes, next_attempt
 from hpcshard.rundir.metrics import METRICS, last_record
 from hpcshard.rundir.rankenv import REQUEUE_EXIT
@@ -80,10 +81,24 @@ def submit(job: str | None, nodes: int | None, run_dir: Path | None, name: str |
     spec, run_dir, req = _prepare(job, nodes or 1, run_dir, name, resume, sets, profile, opts,
                                   module=module, args=args)
     create_run_dir(run_dir)
+    # Two commands given one new --run-dir at once both found it empty: one gets the run.
+    claim = take_run(run_dir, "hpcshard submit")
     if spec.backend == "slurm":
         assert req is not None
-        _submit_slurm(spec, run_dir, req, resume, follow, fresh=True)
-    _launch(spec, run_dir, resume)
+        _submit_slurm(spec, run_dir, req, resume, follow, claim, fresh=True)
+    _launch(spec, run_dir, resume, claim)
+
+
+def take_run(run_dir: Path, what: str) -> lease.Owner:
+    """This command takes the run (`rundir.lease`) until it hands it to the job it
+    submits, or, on the local backend, until the run ends here; one line and exit 2 while
+    another job or command owns it, or Slurm cannot say whether its job still runs."""
+    from hpcshard.slurm import cluster
+
+    try:
+        return lease.take(run_dir, lease.Owner.of_process(what), cluster.job_alive)
+    except lease.Busy as err:
+        fail(err)
 
 
 @click.command("render")
@@ -214,14 +229,16 @@ def warn_storage(run_dir: Path, nodes: int) -> None:
 
 
 def _submit_slurm(spec: RunSpec, run_dir: Path, req: SbatchRequest, resume: str,
-                  follow: bool, fresh: bool = False) -> NoReturn:
-    """Submit; if sbatch refuses, a run directory made for this submission goes again."""
+                  follow: bool, claim: lease.Owner, fresh: bool = False) -> NoReturn:
+    """Submit, then hand the run to the job; if sbatch refuses, a run directory made for
+    this submission goes again."""
     from hpcshard.launch.slurm import node_main
+    from hpcshard.slurm import cluster
     from hpcshard.slurm.submit import submit
 
     _warn_lead_time(run_dir, req)
     spec.slurm = {**asdict(req), "run_dir": str(req.run_dir)}
-    spec.write(run_dir)
+    spec.write(run_dir)  # (this command owns the run: nobody else writes it meanwhile)
     try:
         job_id = submit(req, run_dir.resolve(), node_main, str(run_dir.resolve()), spec.gpus,
                               next_attempt(run_dir), spec.max_requeues, resume,
@@ -229,9 +246,16 @@ def _submit_slurm(spec: RunSpec, run_dir: Path, req: SbatchRequest, resume: str,
     except ValueError as err:
         if fresh:
             shutil.rmtree(run_dir, ignore_errors=True)
+        else:
+            lease.release(run_dir, claim)
         fail(err)
-    spec.jobs.append(job_id)
-    spec.write(run_dir)
+    spec = RunSpec.add_job(run_dir, job_id)
+    # Last: the job's launchers wait for it (`launch.slurm.own_run`) before they train.
+    if lease.hand_over(run_dir, claim, lease.Owner.of_job(job_id)) is None:
+        with contextlib.suppress(ValueError):
+            cluster.scancel(job_id)
+        fail(ValueError(f"{run_dir} was taken over while job {job_id} was submitted (its lease: "
+                        f"{lease.path(run_dir)}); job {job_id} is cancelled"))
     click.echo(f"submitted job {job_id}: {spec.nodes} node(s){_spares(spec)} x {spec.gpus} GPU(s), "
                + _what(spec))
     click.echo(f"run directory: {run_dir}")
@@ -278,6 +302,26 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | Non
            min_nodes: int | None, resume: str, sets: tuple[str, ...]) -> None:
     """Continue the run in RUN_DIR from its newest checkpoint, on any shape."""
     with user_errors():
+        read_spec(run_dir)  # (a directory that holds no run gets no lease)
+    # The run is this command's from here: a job or command that owns it refuses this, and
+    # nothing takes it over while the preflight runs (seconds).
+    claim = take_run(run_dir, "hpcshard resume")
+    try:
+        req, spec = _resumed(run_dir, nodes, gpus, spares, min_nodes, resume, sets)
+    except BaseException:
+        lease.release(run_dir, claim)
+        raise
+    if req is not None:
+        _submit_slurm(spec, run_dir, req, resume, False, claim)
+    _launch(spec, run_dir, resume, claim)
+
+
+def _resumed(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | None,
+             min_nodes: int | None, resume: str, sets: tuple[str, ...],
+             ) -> tuple[SbatchRequest | None, RunSpec]:
+    """The run's spec on its new shape (read now that this command owns the run), and
+    the sbatch request on Slurm; every check of `resume`."""
+    with user_errors():
         spec = read_spec(run_dir)
         if spec.backend == "slurm":  # the new job takes them from this environment again
             check_secrets(spec.slurm.get("secrets", []), spec.slurm.get("env", {}), spec.profile)
@@ -305,13 +349,12 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | Non
             cluster.check_request(req)
         if not spec.script:
             spec.resolved = preflight(spec)
-    if req is not None:
-        _submit_slurm(spec, run_dir, req, resume, follow=False)
-    _launch(spec, run_dir, resume)
+    return req, spec
 
 
-def _launch(spec: RunSpec, run_dir: Path, resume: str) -> NoReturn:
-    spec.write(run_dir)
+def _launch(spec: RunSpec, run_dir: Path, resume: str, claim: lease.Owner) -> NoReturn:
+    """The local backend: run it here, as the owner of the run, until it ends."""
+    spec.write(run_dir)  # (this command owns the run: nobody else writes it meanwhile)
     click.echo(f"run {spec.name}: {spec.nodes} node(s){_spares(spec)} x {spec.gpus} rank(s), {_what(spec)}")
     click.echo(f"run directory: {run_dir}")
     from hpcshard.launch.local import run_local
@@ -320,8 +363,11 @@ def _launch(spec: RunSpec, run_dir: Path, resume: str) -> NoReturn:
         click.echo(f"stopped on request with a committed checkpoint: requeued as attempt "
                    f"{attempt} ({count}/{spec.max_requeues})")
 
-    code = run_local(run_dir.resolve(), spec.nodes, spec.gpus, spares=spec.spares, resume=resume,
-                     max_requeues=spec.max_requeues, on_attempt=requeued)
+    try:
+        code = run_local(run_dir.resolve(), spec.nodes, spec.gpus, spares=spec.spares, resume=resume,
+                         max_requeues=spec.max_requeues, on_attempt=requeued, owner=claim.token)
+    finally:
+        lease.release(run_dir, claim)
     _report(run_dir, code)
     last = ledger.end_of(run_dir, next_attempt(run_dir) - 1) or {}
     if code != 0 and last.get("user_error"):

@@ -20,7 +20,7 @@ from hpcshard import site
 from hpcshard.cli.common import fail, job_states, table, user_errors
 from hpcshard.cli.options import SETS, setting_option, settings, shape_options, slurm_options, spare_options
 from hpcshard.config import parse_sets
-from hpcshard.rundir import store
+from hpcshard.rundir import lease, store
 from hpcshard.rundir.launchers import launchers, signal_launchers
 from hpcshard.rundir.metrics import read_metrics, train_records
 from hpcshard.rundir.spec import RunSpec, check_run_dir, create_run_dir, default_run_dir, job_stem
@@ -130,16 +130,19 @@ def _array_request(v: dict[str, Any], res: site.Resolved, name: str, spec: RunSp
 def _submit_array(record: Sweep, root: Path, specs: list[RunSpec], req: Any) -> None:
     import shutil
 
+    from hpcshard.cli.submit import take_run
     from hpcshard.launch.slurm import node_main
     from hpcshard.slurm.submit import submit_array
 
     tasks = [(str(record.task_dir(root, i).resolve()), spec.gpus, 0, spec.max_requeues, "auto", "requeue")
              for i, spec in enumerate(specs)]
+    claims = []
     for i, spec in enumerate(specs):  # before sbatch: a task may start at once and reads it
         task = record.task_dir(root, i)
         # A task resumed later is a job of its own, in its own directory.
         spec.slurm = {**asdict(req), "run_dir": str(task.resolve()), "array": ""}
         spec.write(task)
+        claims.append(take_run(task, "hpcshard sweep"))  # until its task is submitted
     try:
         ids = submit_array(req, root.resolve(), node_main, tasks)
     except ValueError as err:
@@ -149,6 +152,7 @@ def _submit_array(record: Sweep, root: Path, specs: list[RunSpec], req: Any) -> 
     record.write(root)
     for i, job_id in enumerate(ids):
         RunSpec.add_job(record.task_dir(root, i), job_id)
+        lease.hand_over(record.task_dir(root, i), claims[i], lease.Owner.of_job(job_id))
     click.echo(f"submitted job array {record.array} ({req.array}): task i runs configuration i")
     for i, config in enumerate(record.configs):
         click.echo(f"  {record.array}_{i}  {label(config)}  -> {record.task_dir(root, i)}")

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpcshard.launch.node import NodeEnv
-from hpcshard.launch.supervise import descendants, send
-from hpcshard.rundir import ledger
+from hpcshard.launch.procs import descendants, send
+from hpcshard.rundir import lease, ledger
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, RankEnv
 
 # A node that failed takes the job down: the others get this long to follow (they see
@@ -35,18 +35,20 @@ def free_port() -> int:
 
 
 def run_local(run_dir: Path, nodes: int, per_node: int, *, spares: int = 0, resume: str = "auto",
-              max_requeues: int = 10, on_attempt: Callable[[int, int], None] | None = None) -> int:
+              max_requeues: int = 10, on_attempt: Callable[[int, int], None] | None = None,
+              owner: str = "") -> int:
     """Run the job in `run_dir` on `nodes` x `per_node` local ranks (and `spares` more
     emulated nodes, waiting to take a lost one's place); returns its exit code.
 
     An attempt that ends with REQUEUE_EXIT (stopped on request, checkpoint committed) is
     started again the way Slurm requeues a job, up to `max_requeues` times; the new
-    attempt resumes from the newest checkpoint.
+    attempt resumes from the newest checkpoint. `owner`: the lease token of this process,
+    which owns the run (`rundir.lease`), for the launchers and ranks.
     """
     attempt = ledger.next_attempt(run_dir)
     requeues = 0
     while True:
-        code = _attempt(run_dir, nodes, per_node, attempt, resume, requeues, spares)
+        code = _attempt(run_dir, nodes, per_node, attempt, resume, requeues, spares, owner)
         if code != REQUEUE_EXIT or requeues >= max_requeues:
             return code
         requeues += 1
@@ -56,14 +58,14 @@ def run_local(run_dir: Path, nodes: int, per_node: int, *, spares: int = 0, resu
 
 
 def _attempt(run_dir: Path, nodes: int, per_node: int, attempt: int, resume: str,
-             restarts: int = 0, spares: int = 0) -> int:
+             restarts: int = 0, spares: int = 0, owner: str = "") -> int:
     port, run_id = free_port(), uuid.uuid4().hex[:12]
     cores = os.cpu_count() or 1
     procs = []
     for rank in range(nodes + spares):
         node = NodeEnv(node_rank=rank, nnodes=nodes + spares, per_node=per_node, rdzv_host="127.0.0.1",
                        rdzv_port=port, run_id=run_id)
-        ranks = RankEnv(attempt=attempt, resume=resume, restart_count=restarts)
+        ranks = RankEnv(attempt=attempt, resume=resume, restart_count=restarts, owner=owner)
         env = {**os.environ, **node.to_environ(), **ranks.to_environ()}
         # All emulated nodes share this host's cores.
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // (nodes * per_node))))
@@ -129,8 +131,16 @@ def main(argv: list[str]) -> int:
 
     run_dir = Path(argv[0]).resolve()
     spec = RunSpec.read(run_dir)
-    return run_local(run_dir, spec.nodes, spec.gpus, spares=spec.spares,
-                     max_requeues=spec.max_requeues)
+    try:
+        me = lease.take(run_dir, lease.Owner.of_process("a local sweep's task"), lambda job: None)
+    except lease.Busy as err:
+        print(f"hpcshard: {err}", file=sys.stderr, flush=True)
+        return 2
+    try:
+        return run_local(run_dir, spec.nodes, spec.gpus, spares=spec.spares,
+                         max_requeues=spec.max_requeues, owner=me.token)
+    finally:
+        lease.release(run_dir, me)
 
 
 if __name__ == "__main__":

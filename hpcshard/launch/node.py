@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcshard import script
-from hpcshard.launch.supervise import Agent, Supervisor, children, send
+from hpcshard.launch.procs import Agent, children, send
+from hpcshard.launch.supervise import Supervisor
 from hpcshard.launch.zygote import Zygote
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import pid_file
@@ -119,16 +120,19 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
         return sup.proc if sup is not None else (proc[0] if proc else None)
 
     def forward(signum: int, _frame: object) -> None:
-        if sup is not None:
-            sup.ending = True
+        if sup is not None:  # (the supervisor hands it to an agent that starts later)
+            sup.ending = signum
         if (p := current()) is not None:
             p.send_signal(signum)
+            if sup is not None:
+                sup.ending_sent = True
 
     def to_ranks(signum: int, _frame: object) -> None:
-        if sup is not None and sup.noticed is None:
-            sup.noticed = time.monotonic()
-        if (p := current()) is not None:
-            _signal_ranks(p.pid, signum)
+        if sup is not None:  # it tells every rank that is up, or comes up later, within a poll
+            if sup.noticed is None:
+                sup.noticed = time.monotonic()
+        elif (p := current()) is not None:
+            send(children(p.pid), signum)
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
@@ -158,10 +162,6 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
     if end is not None and end.get("reason") == "stop":
         return REQUEUE_EXIT
     return code
-
-
-def _signal_ranks(torchrun: int, signum: int) -> None:
-    send(children(torchrun), signum)
 
 
 def _script_outcome(run_dir: Path, first: bool, attempt: int, code: int, *, noticed: bool,

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from hpcshard.launch.node import NodeEnv, run_node
-from hpcshard.rundir import launchers, ledger
+from hpcshard.rundir import launchers, lease, ledger
+from hpcshard.rundir.files import write_atomic
 from hpcshard.rundir.launchers import attempt_file
 from hpcshard.rundir.rankenv import NOTICE, REQUEUE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
@@ -56,16 +57,26 @@ def _resubmit(run_dir: Path, job_id: str, *args: str) -> str:
     return new
 
 
-def chain(run_dir: Path, job_id: str, attempt: int, after: bool = True) -> str:
+def chain(run_dir: Path, job_id: str, attempt: int, owner: lease.Owner, after: bool = True) -> str:
     """Submit a continuation of this job that starts when it ends (`afterany`): the same
-    script and submitit pickle under a new job id. Returns the new id. `after=False`: at
-    once, on other nodes (this job is an orphan, cancelled next: see `_orphaned`)."""
+    script and submitit pickle under a new job id, and hand it the run (`owner`: this
+    job's lease). Returns the new id. `after=False`: at once, on other nodes (this job is
+    an orphan, cancelled next: see `_orphaned`)."""
     new = _resubmit(run_dir, job_id, *([f"--dependency=afterany:{job_id}"] if after else []))
     chained = attempt_file(run_dir, new)
     chained.parent.mkdir(exist_ok=True)
-    chained.write_text(f"{attempt}\n")
+    write_atomic(chained, f"{attempt}\n")
     RunSpec.add_job(run_dir, new)
+    if lease.hand_over(run_dir, owner, lease.Owner.of_job(new)) is None:
+        with contextlib.suppress(ValueError):
+            cluster.scancel(new)
+        raise ValueError(f"the run was taken over by {_owner_name(run_dir)}: continuation {new} cancelled")
     return new
+
+
+def _owner_name(run_dir: Path) -> str:
+    owner = lease.read(run_dir)
+    return owner.what or owner.name if owner else "nobody"
 
 
 GUARD_WAIT_S = 60.0
@@ -87,7 +98,7 @@ def guard(run_dir: Path, job_id: str) -> str:
     # A node less (the failed one) may leave no room for the spares: fewer are taken then.
     new = _resubmit(run_dir, job_id, f"--dependency=afternotok:{job_id}", "--kill-on-invalid-dep=yes",
                     f"--nodes={fewest}-{spec.nodes + spec.spares}")
-    launchers.guard_file(run_dir, new).write_text(f"{job_id}\n")
+    write_atomic(launchers.guard_file(run_dir, new), f"{job_id}\n")
     return new
 
 
@@ -99,12 +110,14 @@ def _drop_guards(run: Path, job_id: str) -> None:
                 cluster.scancel(guard_id)
 
 
-def _take_over(run: Path, slurm: SlurmEnv, guarded: str) -> bool:
+def _take_over(run: Path, slurm: SlurmEnv, guarded: str, first_attempt: int, max_requeues: int) -> bool:
     """A guard job started: its job ended in a failed state. It takes the run over (as a
-    continuation: the next attempt, from the last checkpoint) only when that job was still
-    the run's newest, nobody cancelled it, and its attempt never closed (no end, requeue,
-    continuation or give-up: it was killed from outside). One launcher decides; the others
-    wait for its word."""
+    continuation: the next attempt, from the last checkpoint) only when that job still
+    owned the run (`rundir.lease`: not resumed or continued meanwhile) and Slurm says it is
+    over, nobody cancelled it, its attempt never closed (no end, requeue, continuation or
+    give-up: it was killed from outside), and the run's continuations have not reached
+    `max_requeues` (a take-over is one: a run that fails the same way every time must not
+    take itself over forever). One launcher decides; the others wait for its word."""
     mine = attempt_file(run, slurm.job_id)
     declined = launchers.guard_file(run, slurm.job_id).with_suffix(".no")
     if not launchers.claim(run, f"take-over-{slurm.job_id}"):
@@ -112,26 +125,74 @@ def _take_over(run: Path, slurm: SlurmEnv, guarded: str) -> bool:
         while not mine.exists() and not declined.exists() and time.monotonic() < deadline:
             time.sleep(0.5)
         return mine.exists()
-    spec = RunSpec.read(run)
     state = (cluster.show_job(guarded, timeout=30) or {}).get("JobState", "")
     led = ledger.read(run)
     attempt = max((int(r["attempt"]) for r in led), default=0)
     closed = [r["event"] for r in led if r.get("attempt") == attempt
               and r["event"] in ("end", "requeue", "chain", "gave_up", "guard")]
-    why = ("its job is no longer the run's newest" if not spec.newest_job(guarded) else
+    owner = lease.read(run)
+    why = (f"job {guarded} no longer owns the run ({_owner_name(run)} does)"
+           if owner is not None and owner.name != lease.Owner.of_job(guarded).name else
+           "its job is no longer the run's newest" if not RunSpec.read(run).newest_job(guarded) else
            f"job {guarded} ended {state}" if state in ENDED else
-           f"attempt {attempt} ended ({closed[0]})" if closed else "")
+           f"attempt {attempt} ended ({closed[0]})" if closed else
+           f"the cap of {max_requeues} continuations is reached"
+           if _continuations(led, first_attempt) >= max_requeues else "")
+    if not why:
+        try:
+            lease.take(run, lease.Owner.of_job(slurm.ref), cluster.job_alive)
+        except lease.Busy as err:
+            why = str(err)
     if why:
         print(f"hpcshard: guard {slurm.job_id} not needed: {why}", file=sys.stderr, flush=True)
-        declined.write_text(why + "\n")
+        if "cap of" in why:
+            ledger.append(run, {"event": "gave_up", "attempt": attempt, "reason": f"guard job "
+                                f"{slurm.job_id} did not take the run over: {why}"})
+        write_atomic(declined, why + "\n")
         return False
     ledger.append(run, {"event": "guard", "attempt": attempt, "job": guarded, "next": slurm.job_id,
                         "state": state or "unknown"})
     RunSpec.add_job(run, slurm.job_id)
-    mine.write_text(f"{attempt + 1}\n")
+    write_atomic(mine, f"{attempt + 1}\n")
     print(f"hpcshard: job {guarded} ended {state or 'without a word'} while training: "
           f"guard job {slurm.job_id} takes the run over", file=sys.stderr, flush=True)
     return True
+
+
+def _continuations(led: list[dict[str, object]], first_attempt: int) -> int:
+    """Continuations since this submission (requeues, continuation jobs, guard take-overs):
+    `hpcshard resume` starts a fresh count."""
+    return sum(1 for r in led if r["event"] in ("requeue", "chain", "guard")
+               and int(str(r["attempt"])) >= first_attempt)
+
+
+def own_run(run: Path, ref: str) -> lease.Owner | None:
+    """This job's lease on the run (`rundir.lease`), or None when another job or command
+    owns it (this job then exits without touching the run). A job the command that
+    submitted it has not named the owner yet (sbatch returned a moment ago) waits for it;
+    a run without an owner (released, or made by an older hpcshard) is taken."""
+    me = lease.Owner.of_job(ref)
+    deadline = time.monotonic() + lease.SUBMIT_WAIT_S
+    while True:
+        current = lease.read(run)
+        if current is not None and current.name == me.name:
+            return current
+        submitting = (current is not None and current.kind == "process" and current.process is not None
+                      and current.process.alive() is not False)
+        if submitting and time.monotonic() < deadline:
+            time.sleep(0.5)
+            continue
+        if current is None or current.kind == "process":  # (one that never named this job)
+            try:
+                return lease.take(run, me, cluster.job_alive)
+            except lease.Busy as err:
+                if current is None:
+                    continue  # another launcher of this job took it first
+                print(f"hpcshard: job {ref} exits: {err}", file=sys.stderr, flush=True)
+                return None
+        print(f"hpcshard: job {ref} does not own {run} ({current.what or current.name} does); "
+              "exiting", file=sys.stderr, flush=True)
+        return None
 
 
 def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int,
@@ -141,7 +202,10 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     run = Path(run_dir)
     guarded = launchers.guard_file(run, slurm.job_id)
     if (guarded.exists() and not attempt_file(run, slurm.job_id).exists()
-            and not _take_over(run, slurm, guarded.read_text().strip())):
+            and not _take_over(run, slurm, guarded.read_text().strip(), first_attempt, max_requeues)):
+        return 0
+    owner = own_run(run, slurm.ref)
+    if owner is None:
         return 0
     spec = RunSpec.read(run)
     if spec.guarded and launchers.claim(run, f"guard-{slurm.job_id}"):
@@ -160,7 +224,7 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     ranks = RankEnv(attempt=attempt, resume=resume if fresh else "auto",
                     restart_count=slurm.restart_count, notice=spec.slurm.get("signal", NOTICE),
                     deadline=cluster.end_time(slurm.ref),
-                    lead=spec.slurm.get("signal_lead_s"))
+                    lead=spec.slurm.get("signal_lead_s"), owner=owner.token)
     os.environ.update(ranks.to_environ())
     # submitit installed its own SIGUSR2 handler (checkpoint, then requeue from global rank
     # 0 with its own timeout bookkeeping). run_node replaces it: the notice goes to the ranks.
@@ -168,7 +232,7 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     # One launcher sends the job on: node 0's, unless it was lost.
     if code == REQUEUE_EXIT and launchers.claim(run, f"continue-{attempt}"):
         orphan = _orphaned(run, slurm, attempt) if policy == "chain" else ""
-        _continue(run, slurm, attempt, first_attempt, max_requeues, policy, after=not orphan)
+        _continue(run, slurm, attempt, first_attempt, max_requeues, policy, owner, after=not orphan)
         if orphan:
             _end_orphan(run, slurm, attempt, orphan)
         _down_lost(run, spec, attempt)
@@ -244,10 +308,8 @@ def _fewer_nodes(run: Path, slurm: SlurmEnv, attempt: int, bad: list[str]) -> in
 
 
 def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_requeues: int,
-              policy: str, after: bool = True) -> None:
-    # Continuations since this submission: `hpcshard resume` starts a fresh count.
-    done = sum(1 for r in ledger.read(run)
-               if r["event"] in ("requeue", "chain", "guard") and r["attempt"] >= first_attempt)
+              policy: str, owner: lease.Owner, after: bool = True) -> None:
+    done = _continuations(ledger.read(run), first_attempt)
     if policy == "none" or done >= max_requeues:
         why = "the requeue policy is none" if policy == "none" else f"the cap of {max_requeues} is reached"
         ledger.append(run, {"event": "gave_up", "attempt": attempt, "reason": why})
@@ -256,7 +318,7 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
         return
     if policy == "chain":
         try:
-            new = chain(run, slurm.job_id, attempt + 1, after=after)
+            new = chain(run, slurm.job_id, attempt + 1, owner, after=after)
         except (OSError, ValueError) as err:
             ledger.append(run, {"event": "gave_up", "attempt": attempt, "reason": f"chain failed: {err}"})
             return

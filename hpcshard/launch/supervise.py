@@ -8,134 +8,53 @@ it was still training is a crash, declared at once for the whole job (`rundir.la
 one fault file per cycle, first declarer wins). Every launcher polls for a declaration too,
 so a fault on one node stops the others within a poll, not after torchrun's 300 s exit
 barrier or gloo's 30 minutes. Each launcher then kills what is left of its ranks (SIGCONT
-first: a stopped process would not die of SIGTERM; then SIGKILL) and says it is down; node
-0 decides, once every node is down, whether to restart (within the budget, not when the
-job's own code raised the same exception at the same step twice) and where the next
-rendezvous is; every node starts the next cycle from the newest committed checkpoint.
+first: a stopped process would not die of SIGTERM; then SIGKILL) and says it is down; the
+lowest launcher that is not lost gathers the facts and asks `launch.policy` what to do
+(restart, requeue, stop); every node starts the next cycle from the newest committed
+checkpoint, or ends as decided.
+
+The pieces it uses each live in a module of their own: `launch.liveness` (heartbeats on
+the reader's clock), `launch.health` (node and storage checks), `launch.exclusion` (bad
+nodes), `launch.procs` (the node's processes), `launch.policy` (the decision).
+
+Writes to the run directory on the fault path are tried, never trusted: on a full disk
+(or one that went read-only) the launcher still kills its ranks first, says what it can,
+and the run stops for its storage, with no node blamed.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
-import shutil
 import signal
 import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
-from hpcshard.launch.watchdog import Limits, Watchdog, process_state, started, stat_fields
-from hpcshard.rundir import flight, launchers, ledger, store
-from hpcshard.rundir.launchers import LAUNCH as LAUNCH_DIR
-from hpcshard.rundir.progress import Board, board_path, boards
-from hpcshard.rundir.rankenv import BUG_EXIT, REQUEUE_EXIT, STACKS_SIGNAL, RankEnv
+from hpcshard.launch import exclusion, health, policy
+from hpcshard.launch.liveness import BEAT_S, LOST_S, UNHEARD_S, Peers
+from hpcshard.launch.policy import Decision, Facts
+from hpcshard.launch.procs import Agent, alive, children, descendants, kill_below, kill_tree, send
+from hpcshard.launch.watchdog import Limits, Watchdog, process_state
+from hpcshard.rundir import flight, launchers, lease, ledger, store
+from hpcshard.rundir.progress import Board, board_path
+from hpcshard.rundir.rankenv import STORAGE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
 
+__all__ = ["BEAT_S", "LOST_S", "UNHEARD_S", "Agent", "Fenced", "Roster", "Supervisor", "Watch",
+           "children", "descendants", "send"]
 
-class Agent(Protocol):
-    """A cycle's torchrun (or warm) agent: a Popen, or a fork of the node's zygote."""
-
-    pid: int
-    returncode: int | None
-
-    def poll(self) -> int | None: ...
-    def wait(self, timeout: float | None = None) -> int: ...
-    def send_signal(self, signum: int) -> None: ...
-
-
-FLIGHT_WAIT_S = 0.3
-"""How long the ranks get to write their flight records (a few ms each, measured)."""
-STACKS_WAIT_S = 1.0
-"""How long the ranks get to write their stacks before they are killed."""
 POLL_S = 0.2
 """How often a launcher looks at its board and for a declared fault."""
 DOWN_TIMEOUT_S = 120.0
-"""How long node 0 waits for every node to report its ranks dead before it gives up."""
-HEALTH_TIMEOUT_S = 120.0
-"""How long the profile's health check may take."""
-BEAT_S = 1.0
-"""How often a launcher says it is alive (a small file in the run directory)."""
-LOST_S = 8.0
-"""A node whose launcher has said nothing for this long is lost (dead, frozen, cut off):
-eight missed heartbeats, so a launcher slowed by a loaded host is not taken for one."""
-UNHEARD_S = 30.0
-"""...and one never heard of is lost this long after this launcher began (launchers of one
-job start seconds apart)."""
+"""How long the decider waits for every node to report its ranks dead before it gives up."""
 COMMS_ERRORS = ("DistBackendError", "DistNetworkError", "DistError", "DistStoreError")
 """Exceptions a rank raises because a peer died: a consequence, never the culprit."""
 COMMS_MESSAGES = ("gloo/transport", "Connection reset", "Connection closed", "Broken pipe", "NCCL")
 """...and what gloo's and NCCL's RuntimeErrors say when that happens."""
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of `pid`, from /proc (Linux; works in containers without ps)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            fields = stat_fields(entry)  # empty when it exited while we looked
-            if fields and int(fields[1]) == pid:
-                found.append(int(entry))
-    return found
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid`, from /proc (a warm agent's forked ranks, torchrun's
-    workers and whatever they started)."""
-    found: list[int] = []
-    todo = [pid]
-    while todo:
-        kids = children(todo.pop())
-        found += kids
-        todo += kids
-    return found
-
-
-def ranks_below(pids: list[int]) -> list[int]:
-    """The ranks (pids, by global rank) below these launchers, from the boards of this
-    host: whatever lies between (torchrun, a warm agent, the zygote), a rank is what
-    reports on a board. A board left by a killed launcher may name a pid that now is
-    another process (pids wrap): only a slot written since its process started counts."""
-    below = {d for pid in pids for d in descendants(pid)}
-    slots = sorted((s.rank, s.pid) for board in boards() for s in board
-                   if s.pid in below and s.since >= started(s.pid) - 1.0)
-    return [pid for _, pid in slots]
-
-
-def alive(pid: int) -> bool:
-    """Running or stopped, not a zombie: a killed rank stays a zombie until its agent reaps
-    it, and must count as dead at once."""
-    return process_state(pid) not in ("", "Z", "X")
-
-
-def send(pids: list[int], sig: int) -> None:
-    """`sig` to each of `pids` that still exists."""
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, sig)
-
-
-def kill_tree(proc: Agent, stacks: list[int] | tuple[int, ...] = (),
-              also: list[int] | tuple[int, ...] = ()) -> None:
-    """End a cycle's agent and every rank below it, whatever state they are in. `stacks`:
-    ranks asked first to write their Python stacks into their logs (what a hang was doing).
-    `also`: ranks that may no longer be below it (an agent that died leaves orphans)."""
-    pids = [*descendants(proc.pid), *(p for p in also if alive(p)), proc.pid]
-    if stacks:  # which collective each rank waits in, before a stopped one may move again
-        flight.ask([p for p in stacks if process_state(p) not in ("T", "t")])
-        time.sleep(FLIGHT_WAIT_S)
-    send(pids, signal.SIGCONT)  # a stopped process ignores all but SIGKILL until continued
-    if stacks:  # where each rank is: its Python stacks, into its log
-        send(list(stacks), STACKS_SIGNAL)
-        time.sleep(STACKS_WAIT_S)
-    send([*descendants(proc.pid), *pids], signal.SIGKILL)
-    proc.wait()
 
 
 def _who(culprit: dict[str, Any] | None) -> str:
@@ -150,25 +69,6 @@ def _who(culprit: dict[str, Any] | None) -> str:
     if culprit.get("error"):
         text += f": {culprit['error']}: {culprit.get('message', '')} (traceback in {culprit.get('log')})"
     return text
-
-
-MIN_FREE_MEMORY = 0.05
-"""A node with less than this share of its memory available fails its health check (a
-leaked process from an earlier job, a full tmpfs)."""
-
-
-def memory_short(meminfo: Path = Path("/proc/meminfo")) -> str:
-    """"" when at least MIN_FREE_MEMORY of the node's memory is available, else why not."""
-    try:
-        fields = {k: int(v.split()[0]) for k, _, v in (line.partition(":") for line in
-                                                         meminfo.read_text().splitlines()) if v}
-    except (OSError, ValueError):
-        return ""  # not Linux, or no /proc: nothing to judge by
-    total, available = fields.get("MemTotal", 0), fields.get("MemAvailable", 0)
-    if total and available < MIN_FREE_MEMORY * total:
-        return (f"{available / 2**20:.1f} GiB of {total / 2**20:.0f} GiB memory available, under "
-                f"{MIN_FREE_MEMORY:.0%} (a process left from another job?)")
-    return ""
 
 
 def free_port() -> int:
@@ -205,7 +105,8 @@ class Roster:
 
 
 class Fenced(Exception):
-    """This launcher was stopped (its node frozen) and its peers went on without it."""
+    """This launcher must leave the run at once and say nothing: it was stopped (its node
+    frozen) and its peers went on without it, or the run was taken over."""
 
 
 @dataclass
@@ -234,10 +135,14 @@ class Supervisor:
         self.grace = grace
         """Own scripts: how long after a notice their ranks may run before they are killed."""
         self.proc: Agent | None = None
-        self.ending = False
-        """A TERM or INT came (cancel, the scheduler): the ranks end, nothing restarts."""
+        self.ending: int | None = None
+        """The TERM or INT that came (cancel, the scheduler): the ranks end, nothing restarts."""
+        self.ending_sent = False
+        """...and whether the cycle's agent has had it (it may have come before the agent was)."""
         self.noticed: float | None = None
         """When a stop notice came: the ranks stop cleanly; a failure then is not restarted."""
+        self.told: set[int] = set()
+        """The rank pids that have had the notice (ranks that join after it get it too)."""
         self.killed = False
         """The grace period ran out and the ranks were killed."""
         self.where = {"node": node.node_rank, "host": socket.gethostname(),
@@ -245,38 +150,59 @@ class Supervisor:
                          if os.environ.get("SLURMD_NODENAME") else {})}
         """This node, in every record it writes."""
         self.beaten = self.looked = 0.0
-        self.began = time.time()
-        self.heard_since = self.began
-        """Since when this launcher's own heartbeats reach the run directory: a peer's
-        silence counts from then (on a full or hung disk nobody's beats land, and nobody
-        is lost for it)."""
+        self.seq = 0
+        """This launcher's heartbeats so far (what its peers see move)."""
+        self.peers = Peers()
         self.roster = Roster.first(node.nnodes, spec.nodes)
         """Who trains in the current cycle, and who waits."""
         self.seen_bad: set[int] = set()
         self.at_cycle = 0
         self.fenced = False
-        """It stood still while the run went on without it: it has left the run."""
+        """It left the run (fenced off): nothing of it may write to the run any more."""
+        self.leaving = False
+        """It is saying its last word (its exit code): nothing to judge any more."""
+        self.renewed = time.monotonic()
+        self.storage = ""
+        """Why the run directory refused this launcher's last write ("" once one lands)."""
 
     @property
     def me(self) -> int:
         return int(self.node.node_rank)
 
+    # -- heartbeat, lease, and writes that may fail -----------------------------------
     def beat(self, done: int | None = None) -> None:
         """Say this launcher is alive, at most every BEAT_S (called from every wait); `done`:
         it ends with this exit code (never to be taken for lost, nor waited for)."""
-        if time.monotonic() - self.beaten >= BEAT_S or done is not None:
-            stalled = time.monotonic() - self.beaten if self.beaten else 0.0
-            self.beaten = time.monotonic()
-            if stalled > LOST_S:
-                self._stood_still(stalled)
-            try:
-                launchers.beat(self.run_dir, self.ranks.attempt, self.me,
-                               {**self.where, **({"done": done} if done is not None else {})})
-            except OSError:  # a full disk must not end supervision, nor lose every peer
-                self.heard_since = math.inf
-                return
-            if self.heard_since == math.inf:
-                self.heard_since = time.time()
+        if time.monotonic() - self.beaten < BEAT_S and done is None:
+            return
+        stalled = time.monotonic() - self.beaten if self.beaten else 0.0
+        self.beaten = time.monotonic()
+        if stalled > LOST_S and not self.leaving:
+            self._stood_still(stalled)
+        self.seq += 1
+        record = {**self.where, "pid": os.getpid(), "seq": self.seq,
+                  **({"done": done} if done is not None else {})}
+        if not self._try("its heartbeat", launchers.beat, self.run_dir, self.ranks.attempt, self.me, record):
+            self.peers.cannot_beat()  # a full disk must not end supervision, nor lose every peer
+            return
+        self.peers.beat_landed()
+        if done is None:
+            self._renew()
+
+    def _try(self, what: str, write: Callable[..., Any], *args: Any) -> bool:
+        """Write something to the run directory; False (said once, not raised) when it was
+        refused: the fault path must go on (kill the ranks, decide) whatever the disk does."""
+        try:
+            write(*args)
+        except OSError as err:
+            why = health.storage_error(err, self.run_dir)
+            if why != self.storage:
+                print(f"hpcshard: node {self.me}: {what} could not be written: {why}", file=sys.stderr,
+                      flush=True)
+            self.storage = why if health.is_storage_error(err) else self.storage
+            return False
+        self.storage = ""
+        return True
 
     def _stood_still(self, seconds: float) -> None:
         """This launcher did not run for `seconds` (its node was frozen, stopped, starved):
@@ -288,57 +214,92 @@ class Supervisor:
         attempt, cycle = self.ranks.attempt, self.at_cycle
         # Decided facts only: a peer's suspicion (a fault naming it lost) is not one, and a
         # launcher that comes back before the decision is kept (it says it is down).
-        decided = launchers.decision(self.run_dir, attempt, cycle) or {}
-        kept = [*decided.get("active", []), *decided.get("spares", [])]
-        if (decided.get("restart") and self.me not in kept) or any(
-                r.get("node") == self.me for r in ledger.bad_nodes(self.run_dir, attempt, lost=True)):
+        found = launchers.decision(self.run_dir, attempt, cycle)
+        decided = Decision.from_dict(found) if found else None
+        dropped = decided is not None and decided.restart and self.me not in (
+            *decided.active, *decided.spares)
+        declared = any(r.get("node") == self.me for r in ledger.bad_nodes(self.run_dir, attempt, lost=True))
+        if dropped or declared:
             raise Fenced(f"declared lost while it stood still for {seconds:.0f} s")
         if ledger.moved_on(self.run_dir, attempt, cycle):
             raise Fenced(f"the run started again without it while it stood still for {seconds:.0f} s")
-        if self.heard_since != math.inf:
-            self.heard_since = time.time()
+        self.peers.woke()
+
+    def _renew(self) -> None:
+        """The cycle's leader renews the run's lease every RENEW_S (`rundir.lease`); one
+        that finds the run taken over (a guard, a `resume` that found this job's Slurm state
+        over) leaves it at once: its ranks must not commit or clean anything more."""
+        if not self.ranks.owner or self.me != self.roster.leader:
+            return
+        if time.monotonic() - self.renewed < lease.RENEW_S:
+            return
+        self.renewed = time.monotonic()
+        try:
+            kept = lease.renew(self.run_dir, self.ranks.owner)
+        except OSError:  # a full or hung disk: the ranks' own check before a commit stands
+            return
+        if not kept:
+            now = lease.read(self.run_dir)
+            raise Fenced(f"the run was taken over by {now.what or now.name if now else 'nobody'}")
 
     def lost(self, nodes: list[int] | tuple[int, ...]) -> list[int]:
-        """Which of these nodes are lost: silent for LOST_S (or never heard of, UNHEARD_S
-        after this launcher began). One that said it ended is not."""
+        """Which of these nodes are lost: their heartbeat stood still for LOST_S (or never
+        heard of, UNHEARD_S after this launcher began). One that said it ended is not."""
         self.beat()  # (a launcher stopped since its last beat must not judge before it knows)
-        now, beats = time.time(), launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
-        unheard = self.began + UNHEARD_S - LOST_S
-        return [n for n in nodes if "done" not in beats.get(n, {})
-                and now - max(beats.get(n, {}).get("time", unheard), self.heard_since) > LOST_S]
+        return self.peers.lost(nodes, launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes))
 
     # -- one cycle -------------------------------------------------------------------
     def run(self) -> int:
         """Supervise this node's ranks until the run ends here; the exit code. A launcher
-        fenced off (`_stood_still`) returns 0 and must write nothing more (`fenced`)."""
+        fenced off (`_stood_still`, a lost lease) returns 0 and writes nothing more."""
         try:
             code = self._run()
-            self.beat(done=code)
         except Fenced as why:  # its ranks must not train on, nor it speak for the run
             self.fenced = True
-            below = descendants(os.getpid())  # agents, ranks, zygote, a health check
-            send(below, signal.SIGCONT)
-            send(below, signal.SIGKILL)
+            kill_below(os.getpid())  # agents, ranks, zygote, a health check
             print(f"hpcshard: node {self.me} leaves the run: {why}", file=sys.stderr, flush=True)
             return 0  # (not a failure: a non-zero exit would take the others' job down)
+        except BaseException:
+            # A bug here must not leave ranks training unsupervised, nor peers waiting for a
+            # node whose launcher is gone: kill them, and say this launcher is done.
+            kill_below(os.getpid())
+            self._done(1)
+            raise
+        self._done(code)
         return code
+
+    def _done(self, code: int) -> None:
+        """The last heartbeat: this launcher ends with `code` (peers do not wait for it)."""
+        self.leaving = True  # (no judging anyone on the way out)
+        self.beat(done=code)
 
     def _run(self) -> int:
         self.beat()
         cycle, unhealthy = 0, False
         node = replace(self.node, nnodes=len(self.roster.active))
-        why = self.health()
-        if why:  # this node must not train: node 0 (or whoever decides) replaces it or stops
+        found = health.check(self.run_dir, leader=self.me == self.roster.leader,
+                             ranks=int(self.node.per_node), command=self.spec.health_check, waiting=self.beat)
+        if found.storage:  # the run's trouble: nobody trains, no node is blamed
+            print(f"hpcshard: node {self.me}: {found.storage}", file=sys.stderr, flush=True)
+            cause = {"cause": found.storage, "storage": found.storage, **self.where}
+            self._try("its fault declaration", launchers.declare_fault, self.run_dir, self.ranks.attempt, 0,
+                      cause)
+            self.storage = found.storage
+            return self.recover(0, Watch(code=STORAGE_EXIT, fault=launchers.fault(
+                self.run_dir, self.ranks.attempt, 0) or cause)).code
+        if found.node:  # this node must not train: the decider replaces it or stops
             unhealthy = True
-            self.bad(0, self.me, self.where, f"health check: {why}")
+            self._bad(0, self.me, self.where, f"health check: {found.node}")
             if self.me in self.roster.active:  # (a spare that fails is simply never used)
-                launchers.declare_fault(self.run_dir, self.ranks.attempt, 0, {
-                    "cause": f"node {self.me} failed its health check: {why}", **self.where})
+                self._try("its fault declaration", launchers.declare_fault, self.run_dir, self.ranks.attempt,
+                          0, {"cause": f"node {self.me} failed its health check: {found.node}", **self.where})
             name = self.where.get("slurm_node", self.where["host"])
-            print(f"hpcshard: node {self.me} ({name}) failed its health check: {why}",
+            print(f"hpcshard: node {self.me} ({name}) failed its health check: {found.node}",
                   file=sys.stderr, flush=True)
         while True:
             self.at_cycle = cycle
+            if self.ending is not None:  # a cancel before the ranks started: none start
+                return 128 + self.ending
             if self.me in self.roster.active and not unhealthy:
                 watch = self.cycle(replace(node, node_rank=self.roster.active.index(self.me)), cycle)
             else:
@@ -346,12 +307,12 @@ class Supervisor:
             if watch.fault is None:
                 return watch.code
             decided = self.recover(cycle, watch)
-            if not decided.get("restart") or self.ending:
-                return int(decided.get("code", 1))
+            if not decided.restart or self.ending is not None:
+                return decided.code
             cycle += 1
-            self.roster = Roster(tuple(decided["active"]), tuple(decided["spares"]))
-            node = replace(self.node, nnodes=len(self.roster.active), rdzv_host=decided["host"],
-                           rdzv_port=int(decided["port"]), run_id=f"{self.node.run_id}-c{cycle}")
+            self.roster = Roster(decided.active, decided.spares)
+            node = replace(self.node, nnodes=len(self.roster.active), rdzv_host=decided.host,
+                           rdzv_port=decided.port, run_id=f"{self.node.run_id}-c{cycle}")
 
     def idle(self, cycle: int) -> Watch:
         """A launcher without ranks this cycle (a spare, or a node declared bad): alive and
@@ -366,7 +327,7 @@ class Supervisor:
             ended = [n for n in self.roster.active if "done" in beats.get(n, {})]
             if ended and set(ended) | set(self.lost(self.roster.active)) >= set(self.roster.active):
                 return Watch(code=int(beats[ended[0]]["done"]))
-            if self.ending:
+            if self.ending is not None:
                 return Watch(code=0)
             time.sleep(POLL_S)
 
@@ -384,52 +345,66 @@ class Supervisor:
         lost = self.lost(watched)
         for n in (n for n in lost if n in roster.spares and n not in self.seen_bad):
             self.seen_bad.add(n)
-            self.bad(cycle, n, launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
-                     .get(n, {}), f"lost: its launcher was silent for {LOST_S:.0f} s (a spare)")
+            self._bad(cycle, n, launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
+                      .get(n, {}), f"lost: its launcher was silent for {LOST_S:.0f} s (a spare)")
         gone = [n for n in lost if n in roster.active]
         if gone:
-            launchers.declare_fault(self.run_dir, self.ranks.attempt, cycle, {
-                **self.where, "noticed": self.noticed is not None, "lost": gone,
-                "cause": f"node(s) {gone} lost: silent for {LOST_S:.0f} s"})
+            self._try("its fault declaration", launchers.declare_fault, self.run_dir, self.ranks.attempt,
+                      cycle, {**self.where, "noticed": self.noticed is not None, "lost": gone,
+                              "cause": f"node(s) {gone} lost: silent for {LOST_S:.0f} s"})
 
     def cycle(self, node: Any, cycle: int) -> Watch:
         path = board_path(node.run_id, node.node_rank)
         board = Board.create(path, node.per_node)
         env = replace(self.ranks, cycle=cycle, board=str(path),
                       resume=self.ranks.resume if cycle == 0 else "auto")
+        self.told.clear()
+        self.ending_sent = False
         self.proc = self.start(node, env.to_environ())
         try:
             return self._watch(self.proc, board, cycle)
         finally:
             board.close(remove=True)
 
+    def _tell(self, proc: Agent, slots: list[Any]) -> None:
+        """Signals that came before there was anyone to hear them reach the ranks now. A
+        notice goes to every rank that has joined the board since (a rank is on its board
+        only once its handler is in: earlier, the notice is ignored or kills it), even one
+        that came while the agent was still in its rendezvous: lost before, a time-limit
+        notice so lost ended in TIMEOUT, never requeued. A TERM or INT (cancel) that came
+        before the agent existed goes to it as soon as it does (before, the run trained on
+        to its end)."""
+        if self.ending is not None and not self.ending_sent:
+            proc.send_signal(self.ending)
+            self.ending_sent = True
+        if self.noticed is not None:
+            new = [s.pid for s in slots if s.pid not in self.told and s.phase != "done"]
+            send(new, self.ranks.notice_signal)
+            self.told.update(new)
+
     def _watch(self, proc: Agent, board: Board, cycle: int) -> Watch:
         attempt = self.ranks.attempt
         dog = Watchdog(Limits.from_config(self.spec.resolved.get("config", {})), poll_s=POLL_S)
         hang: dict[str, Any] | None = None
-        started, told, learned = time.monotonic(), False, False
-        before = launchers.decision(self.run_dir, attempt, cycle - 1) if cycle else None
+        learned = False
+        found = launchers.decision(self.run_dir, attempt, cycle - 1) if cycle else None
+        before = Decision.from_dict(found) if found else None
         while True:
             self.beat()
             self.watch_peers(cycle)
             code = proc.poll()
             slots = board.read()
             reached = max((s.step for s in slots), default=0)
+            self._tell(proc, slots)
             if before is not None and self._recovered(cycle, before, slots):
                 before = None
-            if (self.noticed is not None and not told and self.noticed < started
-                    and len(slots) == board.slots):
-                # The notice came while the ranks were down (a fault's recovery): the new
-                # ones hear it as soon as they are up (their handler is in by then).
-                send([s.pid for s in slots], self.ranks.notice_signal)
-                told = True
             # A cancel, a script's grace that ran out, or a script told to stop (its ranks
             # may die of the notice, or save inside a step for any time): they end as they
             # will; nothing is a fault now.
-            if self.ending or self.killed or (self.noticed is not None and self.spec.script):
+            if self.ending is not None or self.killed or (self.noticed is not None and self.spec.script):
                 self._grace(proc)
                 # (another node may have declared a fault before its notice came: take part)
-                if code is not None or (self.spec.script and not self.ending and not self.killed
+                if code is not None or (self.spec.script and self.ending is None and not self.killed
                                         and launchers.fault(self.run_dir, attempt, cycle)):
                     break
                 time.sleep(POLL_S)
@@ -454,29 +429,18 @@ class Supervisor:
                 print(f"hpcshard: node {self.me}: every rank finished; the launcher's exit {code} "
                       "after them is not a fault", file=sys.stderr, flush=True)
                 code = 0
-        if code == 0 or self.ending or self.killed or (self.noticed is not None and fault is None and (
-                self.spec.script or (code is not None and not dead))):
+        stopped_on_notice = self.noticed is not None and fault is None and (
+            self.spec.script or (code is not None and not dead))
+        if code == 0 or self.ending is not None or self.killed or stopped_on_notice:
             # Done, cancelled, or stopped on the notice (whatever the exit: not restarted).
             return Watch(code=code if code is not None else proc.wait(), reached=reached)
         if code is not None and not dead and self._final(cycle):
             return Watch(code=code, reached=reached)  # restarting would change nothing
-        # A fault, also after a notice (a rank that died while the job stopped): node 0
+        # A fault, also after a notice (a rank that died while the job stopped): the decider
         # then sends the job back through the queue instead of restarting it here.
-        info: dict[str, Any] = {**self.where, "noticed": self.noticed is not None}
-        if hang:
-            info.update({k: hang[k] for k in ("cause", "rank", "step", "phase", "pid", "state",
-                                              "limit", "silent_s")})
-        elif dead:
-            info.update(cause=f"rank {dead[0]['rank']} died (its process is gone)", rank=dead[0]["rank"],
-                        step=dead[0]["step"])
-        elif code is not None and (slow := self._straggled(cycle)):
-            info.update(cause="a node with every link slow (health_link_gbps): stopped before training"
-                        if slow[0].get("kind") == "link" else
-                        "a straggler (straggler_policy=bad_node): the ranks saved and stopped")
-        else:
-            info.update(cause=f"the ranks of node {self.me} failed (exit {code})")
-        if fault is None:
-            launchers.declare_fault(self.run_dir, attempt, cycle, info)
+        info = self._cause(code, dead, hang, cycle)
+        if fault is None:  # (tried: a full disk must not keep this launcher from its ranks)
+            self._try("its fault declaration", launchers.declare_fault, self.run_dir, attempt, cycle, info)
         now = board.read()
         where = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase, **self.where,
                   "state": process_state(s.pid) or "gone"} for s in now]
@@ -488,30 +452,50 @@ class Supervisor:
             kill_tree(proc, stacks=live, also=live)
         elif live:  # the agent died and left its ranks behind: they must not train on
             kill_tree(proc, also=live)
-        return Watch(code=proc.returncode or 1, fault=launchers.fault(self.run_dir, attempt, cycle),
-                     dead=dead + stopped, reached=reached, ranks=where)
+        declared = launchers.fault(self.run_dir, attempt, cycle) or fault or info
+        return Watch(code=proc.returncode or 1, fault=declared, dead=dead + stopped, reached=reached,
+                     ranks=where)
+
+    def _cause(self, code: int | None, dead: list[dict[str, Any]], hang: dict[str, Any] | None,
+               cycle: int) -> dict[str, Any]:
+        """The fault this launcher declares: what it saw."""
+        info: dict[str, Any] = {**self.where, "noticed": self.noticed is not None}
+        if hang:
+            info.update({k: hang[k] for k in ("cause", "rank", "step", "phase", "pid", "state",
+                                              "limit", "silent_s")})
+        elif dead:
+            info.update(cause=f"rank {dead[0]['rank']} died (its process is gone)", rank=dead[0]["rank"],
+                        step=dead[0]["step"])
+        elif code is not None and (slow := exclusion.stragglers(self.run_dir, self.ranks.attempt, cycle)):
+            info.update(cause="a node with every link slow (health_link_gbps): stopped before training"
+                        if slow[0].get("kind") == "link" else
+                        "a straggler (straggler_policy=bad_node): the ranks saved and stopped")
+        else:
+            info.update(cause=f"the ranks of node {self.me} failed (exit {code})")
+        return info
 
     def _learned(self, dog: Watchdog, cycle: int) -> bool:
         """The leader, once per cycle: the step limit its watchdog learned, in the ledger."""
         if self.me == self.roster.leader:
             limits = dog.limits
-            ledger.append(self.run_dir, {
+            self._try("the watchdog's limit", ledger.append, self.run_dir, {
                 "event": "watchdog", "attempt": self.ranks.attempt, "cycle": cycle,
                 "step_limit": round(dog.step_limit() or 0, 3), "median_step": round(dog.median(), 4),
                 "factor": limits.factor, "floor_s": limits.floor_s, "phase_s": limits.phase_s,
                 "join_s": limits.join_s})
         return True
 
-    def _recovered(self, cycle: int, decided: dict[str, Any], slots: list[Any]) -> bool:
+    def _recovered(self, cycle: int, decided: Decision, slots: list[Any]) -> bool:
         """The leader, after a restart: once a rank trains past the step it resumed from, the
-        ledger says how long the fault cost (declared -> training again)."""
-        resumed = int(decided.get("committed") or 0)
+        ledger says how long the fault cost (declared -> training again; the declaration's
+        time is its writer's clock: a measure for people, nothing is decided on it)."""
+        resumed = decided.committed
         if self.me != self.roster.leader or not any(s.phase == "step" and s.step > resumed for s in slots):
             return False
         fault = launchers.fault(self.run_dir, self.ranks.attempt, cycle - 1) or {}
-        ledger.append(self.run_dir, {"event": "recovered", "attempt": self.ranks.attempt,
-                                     "cycle": cycle, "step": resumed + 1,
-                                     "seconds": round(time.time() - fault.get("time", time.time()), 2)})
+        self._try("the recovery's time", ledger.append, self.run_dir, {
+            "event": "recovered", "attempt": self.ranks.attempt, "cycle": cycle, "step": resumed + 1,
+            "seconds": round(time.time() - fault.get("time", time.time()), 2)})
         return True
 
     def _grace(self, proc: Agent) -> None:
@@ -523,30 +507,37 @@ class Supervisor:
             self.killed = True
 
     def _final(self, cycle: int) -> bool:
-        """The runtime ended this cycle on purpose: a bad value (exit 2, one line) or a
-        non-finite loss (which stops the run). Not faults: a restart changes nothing."""
+        """The runtime ended this cycle on purpose: a bad value (exit 2, one line), a
+        non-finite loss (which stops the run) or storage that took no checkpoint. Not
+        faults: a restart changes nothing."""
         end = ledger.end_of(self.run_dir, self.ranks.attempt) or {}
         return end.get("cycle", 0) == cycle and bool(end.get("user_error")
-                                                       or end.get("reason") == "nonfinite")
+                                                       or end.get("reason") in ("nonfinite", "storage"))
 
     # -- between cycles --------------------------------------------------------------
-    def recover(self, cycle: int, watch: Watch) -> dict[str, Any]:
-        """Say this node is down, then wait for the decision: node 0's, or, once the
-        launchers below this one are all lost, this one's own."""
+    def recover(self, cycle: int, watch: Watch) -> Decision:
+        """Say this node is down, then wait for the decision: the decider's, or, once the
+        launchers below this one are all lost, this one's own. Storage that refuses this
+        launcher's down record decides by itself: the run stops for it, whoever decides."""
         attempt = self.ranks.attempt
-        launchers.mark_down(self.run_dir, attempt, cycle, self.me, {
+        said = self._try("its down record", launchers.mark_down, self.run_dir, attempt, cycle, self.me, {
             "host": self.where["host"], "dead": watch.dead, "reached": watch.reached,
-            "ranks": watch.ranks})
+            "ranks": watch.ranks, **({"storage": self.storage} if self.storage else {})})
+        if not said and self.storage:
+            return self._conclude(cycle, watch, policy.decide(Facts(
+                cycle=cycle, active=self.roster.active, storage=self.storage, committed=self._committed())))
         deadline = time.monotonic() + DOWN_TIMEOUT_S + 30
         while True:
             self.beat()  # (first: one frozen here past the deadline is fenced, not failed)
             found = launchers.decision(self.run_dir, attempt, cycle)
             if found is not None:
-                return found
+                return Decision.from_dict(found)
             if self.decider() == self.me:
-                return launchers.decide(self.run_dir, attempt, cycle, self.decide(cycle, watch))
+                return self.decide(cycle, watch)
             if time.monotonic() >= deadline:
-                return {"restart": False, "code": 1, "reason": "no launcher decided (are they gone?)"}
+                return self._conclude(cycle, watch, Decision(
+                    action=policy.Action.STOP, code=1, end="unreported",
+                    reason="no launcher decided (are they gone?)"), share=False)
             time.sleep(POLL_S)
 
     def decider(self) -> int:
@@ -556,105 +547,58 @@ class Supervisor:
         lost = set(self.lost(below))
         return next(n for n in [*below, self.me] if n not in lost)
 
-    def decide(self, cycle: int, watch: Watch) -> dict[str, Any]:
-        """Once every node is down (or lost): restart, on which nodes, or stop and why.
-        Recorded in the ledger. A lost or unhealthy node is replaced by a spare; without
-        one the run goes on with fewer nodes where `min_nodes` allows it, else back through
-        the queue without it."""
-        attempt, roster = self.ranks.attempt, self.roster
-        members = [n for n in roster.members if n not in self.seen_bad]
+    def decide(self, cycle: int, watch: Watch) -> Decision:
+        """Once every node is down (or lost): gather the facts, ask the policy, record the
+        decision and share it (first decider wins)."""
+        attempt = self.ranks.attempt
+        members = [n for n in self.roster.members if n not in self.seen_bad]
         deadline = time.monotonic() + DOWN_TIMEOUT_S
-        lost: list[int] = []
         while True:
             self.beat()
-            missing = sorted(set(members) - set(launchers.nodes_down(self.run_dir, attempt, cycle,
-                                                                     self.node.nnodes)))
+            down = launchers.nodes_down(self.run_dir, attempt, cycle, self.node.nnodes)
+            missing = sorted(set(members) - set(down))
             lost = self.lost(missing)
-            if set(lost) == set(missing):
+            if set(lost) == set(missing) or time.monotonic() > deadline:
                 break
-            if time.monotonic() > deadline:
-                return self._record(cycle, watch, restart=False, code=1,
-                                    reason=f"node(s) {missing} did not report their ranks down "
-                                    f"within {DOWN_TIMEOUT_S:.0f} s")
             time.sleep(POLL_S)
-        beats = launchers.beats(self.run_dir, attempt, self.node.nnodes)
-        for n in lost:
-            self.bad(cycle, n, beats.get(n, {}), f"lost: its launcher was silent for {LOST_S:.0f} s")
         downs = launchers.downs(self.run_dir, attempt, cycle, self.node.nnodes)
+        storage = self.storage or next((d["storage"] for d in downs if d.get("storage")), "") or (
+            (watch.fault or {}).get("storage", ""))
+        bad: dict[int, str] = {}
+        if not storage:  # nothing went wrong with the disk: blame the nodes that earned it
+            beats = launchers.beats(self.run_dir, attempt, self.node.nnodes)
+            for n in lost:
+                bad[n] = f"lost: its launcher was silent for {LOST_S:.0f} s"
+                self._bad(cycle, n, beats.get(n, {}), bad[n])
+            for n, where, why in exclusion.slow_nodes(self.run_dir, attempt, cycle, downs):
+                bad[n] = why
+                self._bad(cycle, n, where, why)
+            bad = {**exclusion.bad(self.run_dir, attempt), **bad}  # (ours, if a record did not land)
         committed = self._committed()
-        if self.noticed is not None or (watch.fault or {}).get("noticed"):
-            return self._record(cycle, watch, downs, restart=False, code=REQUEUE_EXIT,
-                                committed=committed, end="stop", lost=lost,
-                                reason="a stop notice came as well: requeued, not restarted here")
-        self._slow_nodes(cycle, downs)
-        said = self._bad()
-        bad = set(said)
-        active = [n for n in roster.active if n not in bad]
-        spares = [n for n in roster.spares if n not in bad]
-        gone = [n for n in roster.active if n in bad]
-        where: dict[str, Any] = {"lost": lost}
-        if gone:
-            why = f"node(s) {gone} bad ({'; '.join(sorted({said[n] for n in gone}))})"
-            taken, spares = spares[:len(gone)], spares[len(gone):]
-            active = sorted([*active, *taken])
-            fewest = self.spec.min_nodes or len(roster.active)
-            if len(active) < fewest:
-                if self.spec.backend == "local" and not lost:
-                    return self._record(cycle, watch, downs, restart=False, code=1, committed=committed,
-                                        bad=gone, reason=f"{why}; the local backend has no other "
-                                        "node to use")
-                return self._record(cycle, watch, downs, restart=False, code=REQUEUE_EXIT, end="fault",
-                                    committed=committed, bad=sorted(bad), **where,
-                                    reason=f"{why}: requeued without them")
-            where.update(bad=gone, replaced=dict(zip(map(str, gone), taken, strict=False)))
-            if len(active) == len(roster.active):
-                why += f": spare node(s) {taken} take their place"
-            else:
-                why += (f": {len(taken)} spare(s) left, going on with {len(active)} nodes "
-                        f"(min_nodes {fewest}; the mesh is planned again)")
-        else:
-            why = ""
-        bug = self._same_bug(cycle)
-        stalled = 0 if gone else self._stalled(cycle, committed)
-        if bug:
-            return self._record(cycle, watch, downs, restart=False, code=BUG_EXIT, committed=committed,
-                                reason=f"the job's own code raised {bug} again at the same step: a "
-                                "bug, not a fault; not restarted")
-        if stalled >= self.spec.no_progress_restarts:
-            return self._record(cycle, watch, downs, restart=False, code=1, committed=committed,
-                                reason=f"{stalled} restarts in a row without a newer checkpoint")
-        if cycle + 1 > self.spec.max_restarts:
-            # Training advanced, but this allocation has had its share of faults (a flaky
-            # node?): back through the queue, as after a preemption, up to max_requeues.
-            return self._record(cycle, watch, downs, restart=False, code=REQUEUE_EXIT,
-                                committed=committed, end="fault", **where,
-                                reason=(f"{why}; " if why else "") + f"the restart budget "
-                                f"({self.spec.max_restarts}) is spent: requeued")
-        return self._record(cycle, watch, downs, restart=True, port=free_port(), host=self._host(),
-                            active=active, spares=spares, committed=committed, **where,
-                            reason=(f"{why}; " if why else "")
-                            + f"restart {cycle + 1} of {self.spec.max_restarts}")
+        facts = Facts(cycle=cycle, active=self.roster.active, spares=self.roster.spares,
+                      min_nodes=self.spec.min_nodes, local=self.spec.backend == "local", lost=tuple(lost),
+                      unreported=tuple(n for n in missing if n not in lost), bad=bad,
+                      noticed=self.noticed is not None or bool((watch.fault or {}).get("noticed")),
+                      bug=self._same_bug(cycle), stalled=self._stalled(cycle, committed),
+                      committed=committed, storage=storage, max_restarts=self.spec.max_restarts,
+                      no_progress_restarts=self.spec.no_progress_restarts)
+        self.seen_bad |= set(facts.bad)
+        decided = policy.decide(facts)
+        if decided.restart:
+            decided = replace(decided, port=free_port(), host=self._host())
+        return self._conclude(cycle, watch, decided, downs)
 
-    def _straggled(self, cycle: int) -> list[dict[str, Any]]:
-        """The stragglers the ranks named in this cycle under straggler_policy=bad_node."""
-        return [r for r in ledger.read(self.run_dir) if r["event"] == "straggler"
-                and r.get("policy") == "bad_node" and r["attempt"] == self.ranks.attempt
-                and r.get("cycle") == cycle]
-
-    def _slow_nodes(self, cycle: int, downs: list[dict[str, Any]]) -> None:
-        """The node of each straggler named under straggler_policy=bad_node is bad (the
-        down records say which node each rank ran on)."""
-        node_of = {int(r["rank"]): r for down in downs for r in down.get("ranks", [])}
-        bad = set(self._bad())
-        for r in self._straggled(cycle):
-            if int(r["rank"]) in node_of:
-                where = node_of[int(r["rank"])]
-                if int(where["node"]) not in bad:
-                    bad.add(int(where["node"]))
-                    self.bad(cycle, int(where["node"]), where, f"slow link: every link of it under "
-                             f"{r['floor_gbps']:g} GB/s (slowest {r['gbps']} GB/s)"
-                             if r.get("kind") == "link" else f"straggler: rank {r['rank']} computed "
-                             f"{r['ratio']}x slower than the median of the others")
+    def _conclude(self, cycle: int, watch: Watch, decided: Decision,
+                  downs: list[dict[str, Any]] | None = None, share: bool = True) -> Decision:
+        """Share the decision (the first decider's stands), record it, say it in one line."""
+        if share:
+            try:
+                decided = Decision.from_dict(launchers.decide(self.run_dir, self.ranks.attempt, cycle,
+                                                              decided.to_dict()))
+            except OSError as err:  # the others learn it from their own storage trouble
+                print(f"hpcshard: the decision could not be shared ({err.strerror})", file=sys.stderr)
+        self._record(cycle, watch, downs or [], decided)
+        return decided
 
     def _host(self) -> str:
         """Where the next rendezvous is: this launcher's host, as the others reach it."""
@@ -662,93 +606,12 @@ class Supervisor:
             return str(self.node.rdzv_host)
         return str(self.where.get("slurm_node") or self.node.rdzv_host)
 
-    def _bad(self) -> dict[int, str]:
-        """The nodes declared bad in this attempt (they never train in it again), and why."""
-        found = {int(r["node"]): str(r["reason"]) for r in ledger.bad_nodes(self.run_dir, self.ranks.attempt)}
-        self.seen_bad |= set(found)
-        return found
-
-    def health(self) -> str:
-        """Before this attempt trains: can this node do its part? "" if so, else why not.
-        The run directory takes a write (every node: each mounts it), has room for another
-        checkpoint as big as the newest (node 0: the file system is shared), memory is
-        free, the node's GPUs answer (where nvidia-smi is), and the profile's
-        `health_check` command exits 0."""
-        probe = self.run_dir / LAUNCH_DIR / f".health-{self.me}"
-        try:
-            probe.parent.mkdir(exist_ok=True)
-            probe.write_text("ok")
-            probe.unlink()
-        except OSError as err:
-            return f"the run directory {self.run_dir} takes no write ({err.strerror})"
-        if self.me == 0:
-            newest = store.committed(self.run_dir / store.CHECKPOINTS)
-            need = max((c.bytes for c in newest), default=0) * 1.1
-            free = shutil.disk_usage(self.run_dir).free
-            if free < need:
-                return (f"{free / 1e9:.1f} GB free in {self.run_dir}, less than a checkpoint "
-                        f"needs ({need / 1e9:.1f} GB)")
-        why = memory_short() or self._gpus_short()
-        if why:
-            return why
-        if self.spec.health_check:
-            return self._check(["bash", "-c", self.spec.health_check], "the profile's health_check")
-        return ""
-
-    def _gpus_short(self) -> str:
-        """Where nvidia-smi is (a GPU node): it must list a GPU for every rank of the node."""
-        smi = shutil.which("nvidia-smi")
-        if not smi:
-            return ""
-        with tempfile.NamedTemporaryFile("w+") as out:
-            said = self._check([smi, "--query-gpu=index", "--format=csv,noheader"], "nvidia-smi",
-                               out=out)
-            if said:
-                return said
-            out.seek(0)
-            found = len([line for line in out.read().splitlines() if line.strip()])
-        ranks = int(self.node.per_node)
-        return "" if found >= ranks else f"nvidia-smi lists {found} GPU(s); this node runs {ranks} ranks"
-
-    def _check(self, argv: list[str], name: str, out: Any = None) -> str:
-        """Run a check command, still beating (a site's check may take a minute, and a
-        silent launcher is a lost one); "" when it exits 0, else what it said last.
-        `out`: a file that gets what it printed (else a temporary one)."""
-        with contextlib.ExitStack() as stack:
-            out = out or stack.enter_context(tempfile.TemporaryFile("w+"))
-            proc = stack.enter_context(subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT,
-                env={**os.environ, "HPCSHARD_RUN_DIR": str(self.run_dir)}))
-            deadline = time.monotonic() + HEALTH_TIMEOUT_S
-            while proc.poll() is None:
-                try:
-                    self.beat()
-                except Fenced:  # (Popen's exit would wait for the command)
-                    proc.kill()
-                    raise
-                if time.monotonic() > deadline:
-                    proc.kill()
-                    return f"{name} took over {HEALTH_TIMEOUT_S:.0f} s"
-                time.sleep(POLL_S)
-            out.seek(0)
-            said = out.read().strip().splitlines()
-        if not proc.returncode:
-            return ""
-        return f"{name} exited {proc.returncode}" + (f": {said[-1]}" if said else "")
-
-    def bad(self, cycle: int, node: int, where: dict[str, Any], reason: str) -> None:
-        """A node this run must not use again (a ledger record, with where it ran). On
-        Slurm, with `bad_nodes = drain`, Slurm is told too (where the user may)."""
+    def _bad(self, cycle: int, node: int, where: dict[str, Any], reason: str) -> None:
+        """A node this run must not use again (the ledger, and Slurm where asked to)."""
         self.beat()  # (a launcher stopped since its last beat must not judge before it knows)
-        told: dict[str, Any] = {}
-        if where.get("slurm_node") and self.spec.bad_nodes == "drain":
-            from hpcshard.slurm import cluster
-
-            refused = cluster.drain(where["slurm_node"], f"hpcshard {self.run_dir.name}: {reason}")
-            told = {"drained": not refused, **({"drain_error": refused} if refused else {})}
-        ledger.append(self.run_dir, {
-            "event": "bad_node", "attempt": self.ranks.attempt, "cycle": cycle, "node": node,
-            **{k: where[k] for k in ("host", "slurm_node") if k in where}, "reason": reason, **told})
+        self.seen_bad.add(node)
+        self._try("a bad node's record", exclusion.declare_bad, self.run_dir, self.ranks.attempt, cycle,
+                  node, where, reason, self.spec.bad_nodes == "drain")
 
     def _committed(self) -> int:
         """The newest step a restart resumes from: hpcshard's committed checkpoints, or a
@@ -757,9 +620,9 @@ class Supervisor:
             return int(store.last_save(self.run_dir)["saved_step"] or 0)
         return max((c.step for c in store.committed(self.run_dir / store.CHECKPOINTS)), default=0)
 
-    def _record(self, cycle: int, watch: Watch, downs: list[dict[str, Any]] | None = None,
-                **decided: Any) -> dict[str, Any]:
-        downs = downs or []
+    def _record(self, cycle: int, watch: Watch, downs: list[dict[str, Any]], decided: Decision) -> None:
+        """The fault in the ledger (cause, culprit, cost, decision) and, for a decision that
+        ends the attempt, its end record; one line on the console."""
         dead = [d for down in downs for d in down.get("dead", [])]
         fault = watch.fault or {}
         collectives = flight.missing(flight.read(self.run_dir, self.ranks.attempt, cycle))
@@ -775,26 +638,25 @@ class Supervisor:
         beats = launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
         gone = [{"node": n, "state": "lost", **{k: v for k, v in beats.get(n, {}).items()
                                                  if k in ("host", "slurm_node")}}
-                for n in decided.get("lost", []) if n in self.roster.active]
+                for n in decided.lost if n in self.roster.active]
         culprit = self._failed_first(cycle) or (dead[0] if dead else gone[0] if gone else
                                                 root[0] if len(root) == 1 else hung)
         reached = max([watch.reached, *(d.get("reached", 0) for d in downs)])
-        ledger.append(self.run_dir, {
+        self._try("the fault's record", ledger.append, self.run_dir, {
             "event": "fault", "attempt": self.ranks.attempt, "cycle": cycle,
             "cause": fault.get("cause", "unknown"), "declared": fault.get("time"),
-            "culprit": culprit, "reached": reached, **decided,
-            "lost_steps": max(0, reached - decided.get("committed", reached)),
+            "culprit": culprit, "reached": reached, **decided.to_dict(),
+            "lost_steps": max(0, reached - decided.committed),
             # how long the culprit had been silent when a hang was declared; a crash is
             # seen within one look
             "detect_s": fault.get("silent_s", POLL_S), "collectives": collectives})
         waits = flight.summary(collectives)
         print(f"hpcshard: fault: {fault.get('cause', 'unknown')}; {_who(culprit)}; "
-              f"{waits + '; ' if waits else ''}{decided['reason']}", file=sys.stderr, flush=True)
-        if decided.get("end"):  # back through the queue: how this attempt ended, for status
-            ledger.append(self.run_dir, {"event": "end", "attempt": self.ranks.attempt, "cycle": cycle,
-                                         "reason": decided["end"], "how": decided["reason"],
-                                         "saved_step": decided.get("committed")})
-        return decided
+              f"{waits + '; ' if waits else ''}{decided.reason}", file=sys.stderr, flush=True)
+        if decided.end:  # the attempt ends here: how, for status and for a guard job
+            self._try("the attempt's end", ledger.append, self.run_dir, {
+                "event": "end", "attempt": self.ranks.attempt, "cycle": cycle, "reason": decided.end,
+                "how": decided.reason, "saved_step": decided.committed})
 
     def _failures(self, cycle: int) -> list[dict[str, Any]]:
         return [r for r in ledger.read(self.run_dir) if r.get("event") == "rank_failed"

@@ -1,9 +1,15 @@
-"""Small files written so that a reader never sees half of one (stdlib)."""
+"""Small files written so that a reader never sees half of one, and a lock that holds on
+NFS (stdlib)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import secrets
+import socket
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,17 +26,122 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def side_name(path: Path) -> Path:
+    """A name beside `path` that no other writer uses at the same time: host, pid and a
+    random part (two launchers of different hosts, or of containers with their own pid
+    namespace, can have equal pids). Hidden, and ending in TMP_SUFFIX: never read as the
+    real thing."""
+    return path.with_name(f".{path.name}.{socket.gethostname()}.{os.getpid()}."
+                          f"{secrets.token_hex(4)}{TMP_SUFFIX}")
+
+
 def write_atomic(path: Path, text: str, mode: int = 0o640) -> None:
     """Write a small file so that readers see the old or the new content, never a mix.
-    The mode is set explicitly: a group-writable umask must not make it refusable."""
-    tmp = path.with_name(path.name + TMP_SUFFIX)
-    with tmp.open("w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.chmod(tmp, mode)
-    os.replace(tmp, path)
+    Each writer writes its own side file and renames it over `path`: of two writers at
+    once, one rename wins whole (with one fixed side name, measured: two writers of
+    spec.json crashed 251 times in 600 updates and gave torn reads). The mode is set
+    explicitly: a group-writable umask must not make it refusable."""
+    tmp = side_name(path)
+    try:
+        with tmp.open("w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
     fsync_dir(path.parent)
+
+
+def create_exclusive(path: Path, text: str) -> bool:
+    """Write `path` whole unless it exists (written aside, then linked: no reader sees it
+    half written, and of two writers exactly one wins). False when it existed.
+
+    On NFS a LINK whose reply was lost is retransmitted, and the retry can report EEXIST
+    (or another error) although the first one succeeded: the side file's link count says
+    what really happened (2: the link is ours)."""
+    path.parent.mkdir(exist_ok=True)
+    aside = side_name(path)
+    aside.write_text(text)
+    try:
+        try:
+            os.link(aside, path)
+        except OSError:
+            return aside.stat().st_nlink == 2
+        return True
+    finally:
+        aside.unlink()
+
+
+LOCK_STALE_S = 30.0
+"""A lock whose holder's token stayed the same this long (on the waiter's own monotonic
+clock) is taken for one left by a crashed holder and broken: a holder keeps it for
+milliseconds (a read-modify-write of a small file)."""
+
+
+@contextlib.contextmanager
+def locked(path: Path, timeout: float = 120.0, poll: float = 0.05) -> Iterator[None]:
+    """Hold PATH.lock while the block runs: a read-modify-write of `path` by several
+    processes or hosts. A link() lock, as NFS recommends (an O_EXCL create is not atomic
+    on NFSv2, and flock() is not kept by every NFS server): the holder's token is linked
+    to the lock's name; the link count of its own file says whether it got it. A lock
+    left by a crashed holder is broken once its token stood still for LOCK_STALE_S,
+    measured on this process's monotonic clock (no two hosts' clocks compared).
+    TimeoutError after `timeout` seconds."""
+    lock = path.with_name(path.name + ".lock")
+    token = f"{socket.gethostname()} {os.getpid()} {secrets.token_hex(8)}\n"
+    mine = side_name(lock)
+    mine.write_text(token)
+    deadline = time.monotonic() + timeout
+    seen, since = "", time.monotonic()
+    try:
+        while True:
+            with contextlib.suppress(OSError):
+                os.link(mine, lock)
+            if mine.stat().st_nlink == 2:
+                break
+            holder = _read(lock)
+            if holder != seen:
+                seen, since = holder, time.monotonic()
+            elif holder and time.monotonic() - since > LOCK_STALE_S:
+                _break(lock, holder)
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{lock} is held by {seen.strip() or 'someone'} for over "
+                                   f"{timeout:.0f} s")
+            time.sleep(poll)
+        try:
+            yield
+        finally:
+            if _read(lock) == token:
+                with contextlib.suppress(FileNotFoundError):
+                    lock.unlink()
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            mine.unlink()
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except (FileNotFoundError, UnicodeDecodeError):
+        return ""
+
+
+def _break(lock: Path, holder: str) -> None:
+    """Remove a stale lock, unless another waiter broke it and took it meanwhile: it is
+    renamed away first and put back if it turns out to be a fresh holder's."""
+    grave = side_name(lock)
+    try:
+        os.rename(lock, grave)
+    except FileNotFoundError:
+        return
+    if _read(grave) != holder:  # a fresh holder's: give it back
+        with contextlib.suppress(OSError):
+            os.link(grave, lock)
+    grave.unlink()
 
 
 def append_line(path: Path, line: str) -> None:

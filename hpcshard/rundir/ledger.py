@@ -9,13 +9,19 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpcshard.rundir.files import append_line, read_lines
+from hpcshard.rundir.files import append_line, locked, read_lines
 
 LEDGER = "attempts.jsonl"
 
 
 def append(run_dir: Path, record: dict[str, Any]) -> None:
-    append_line(run_dir / LEDGER, json.dumps({"time": time.time(), **record}) + "\n")
+    """Append one record. Launchers and ranks of several hosts append: under the ledger's
+    lock, as O_APPEND writes of two NFS clients are not atomic (each appends at the end
+    its own client last saw, and one record overwrites the other); the lock's holder opens
+    the file afresh, which revalidates its size (close-to-open)."""
+    path = run_dir / LEDGER
+    with locked(path):
+        append_line(path, json.dumps({"time": time.time(), **record}) + "\n")
 
 
 def read(run_dir: Path) -> list[dict[str, Any]]:

@@ -22,6 +22,10 @@ own scripts (`hpcshard.preemption.REQUEUE`) and the launchers all use this one."
 BUG_EXIT = 3
 """Exit code meaning "the job's own code raised the same exception at the same step on a
 retry: a bug, not a fault"; never restarted or requeued."""
+STORAGE_EXIT = 74
+"""Exit code meaning "the run's storage is full, over its quota or read-only: stopped, with
+no node blamed; free space, then resume" (EX_IOERR in sysexits.h). Never restarted or
+requeued: every attempt would fail the same way."""
 STRAGGLER_EXIT = 76
 """The ranks stopped together after saving because a node straggles and the policy is
 bad_node: a fault (its node is declared bad), not the end of the run."""
@@ -87,6 +91,10 @@ class RankEnv:
     """HPCSHARD_CYCLE: in-place restarts of the ranks within this attempt (a fault)."""
     board: str = ""
     """HPCSHARD_BOARD: the node's progress board (`rundir.progress`); empty: none."""
+    owner: str = ""
+    """HPCSHARD_OWNER: the lease token of the job or process that owns the run
+    (`rundir.lease`): rank 0 checks it still does before it commits or cleans anything;
+    empty: no lease (a run directory of an older hpcshard)."""
 
     def __post_init__(self) -> None:  # USR2, usr2, SIGUSR2: one spelling from here on
         object.__setattr__(self, "notice", signal_name(self.notice))
@@ -101,13 +109,14 @@ class RankEnv:
                    notice=env.get("HPCSHARD_STOP_SIGNAL", DEFAULT_NOTICE),
                    deadline=float(deadline) if deadline else None,
                    lead=int(env["HPCSHARD_NOTICE_LEAD"]) if env.get("HPCSHARD_NOTICE_LEAD") else None,
-                   cycle=int(env.get("HPCSHARD_CYCLE", "0")), board=env.get("HPCSHARD_BOARD", ""))
+                   cycle=int(env.get("HPCSHARD_CYCLE", "0")), board=env.get("HPCSHARD_BOARD", ""),
+                   owner=env.get("HPCSHARD_OWNER", ""))
 
     def to_environ(self) -> dict[str, str]:
         env = {"HPCSHARD_ATTEMPT": str(self.attempt), "HPCSHARD_RESUME": self.resume,
                "HPCSHARD_RESTART_COUNT": str(self.restart_count),
                "HPCSHARD_STOP_SIGNAL": self.notice, "HPCSHARD_CYCLE": str(self.cycle),
-               "HPCSHARD_BOARD": self.board}
+               "HPCSHARD_BOARD": self.board, "HPCSHARD_OWNER": self.owner}
         if self.deadline is not None:
             env["HPCSHARD_DEADLINE"] = str(int(self.deadline))
         if self.lead is not None:

@@ -9,12 +9,13 @@ import json
 import re
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hpcshard.rundir import store
-from hpcshard.rundir.files import write_atomic
+from hpcshard.rundir.files import locked, write_atomic
 
 SPEC = "spec.json"
 POLICIES = ("requeue", "chain", "none")
@@ -77,12 +78,22 @@ class RunSpec:
         return cls(**json.loads((run_dir / SPEC).read_text()))
 
     @classmethod
+    def update(cls, run_dir: Path, change: Callable[[RunSpec], None]) -> RunSpec:
+        """Read, change and write spec.json under its lock: several writers (a command, a
+        job's launcher adding a continuation, a guard taking over) each keep the others'
+        changes. Never write back a spec read seconds ago: what others wrote meanwhile
+        would be lost (a guard's take-over, erased by a `resume` that read the spec before
+        its preflight)."""
+        with locked(run_dir / SPEC):
+            spec = cls.read(run_dir)
+            change(spec)
+            spec.write(run_dir)
+        return spec
+
+    @classmethod
     def add_job(cls, run_dir: Path, job_id: str) -> RunSpec:
         """Record a Slurm job submitted for the run (a continuation job, say)."""
-        spec = cls.read(run_dir)
-        spec.jobs.append(job_id)
-        spec.write(run_dir)
-        return spec
+        return cls.update(run_dir, lambda spec: spec.jobs.append(job_id))
 
     @property
     def no_kill(self) -> bool:

@@ -313,3 +313,25 @@ def scancel(*args: str) -> None:
                          "commands are") from None
     if proc.returncode:
         raise ValueError(f"scancel {' '.join(args)}: {proc.stderr.strip()}")
+
+
+QUERY_TIMEOUT_S = 30.0
+"""How long a query of one job's state may take before Slurm counts as not answering."""
+
+
+def job_alive(job_id: str, timeout: float | None = None) -> bool | None:
+    """Is the job still alive (pending, running, requeued, completing)? False when it is in
+    a final state or Slurm says it does not know it (forgotten after MinJobAge: over long
+    ago); None when Slurm did not answer (scontrol missing, failing or hanging): never to be
+    taken for "over" (a second job on a live run would be the result)."""
+    try:
+        proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
+                              text=True, timeout=timeout or QUERY_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode == 0:
+        state = next((t.partition("=")[2] for t in proc.stdout.split() if t.startswith("JobState=")), "")
+        return bool(state) and state not in FINAL_STATES
+    if "Invalid job id" in proc.stderr:
+        return False
+    return None

@@ -10,7 +10,7 @@ import signal
 import time
 from pathlib import Path
 
-from hpcshard.launch.supervise import children
+from hpcshard.launch.procs import children
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import launchers
 from hpcshard.rundir.rankenv import REQUEUE_EXIT

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from hpcshard.launch.supervise import LOST_S, descendants, ranks_below
+from hpcshard.launch.liveness import LOST_S
+from hpcshard.launch.procs import descendants, ranks_below
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import beats, launchers, pid_file
 from tests.conftest import STEPS, hpcshard, hpcshard_bg, metrics, sets, step_records, wait_for

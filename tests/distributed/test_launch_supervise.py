@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hpcshard.launch.supervise import descendants
+from hpcshard.launch.procs import descendants
 from hpcshard.rundir import flight, ledger
 from hpcshard.rundir.goodput import account
 from hpcshard.rundir.launchers import launchers

@@ -21,7 +21,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-from hpcshard.launch.supervise import ranks_below
+from hpcshard.launch.procs import ranks_below
 from hpcshard.rundir import ledger, store
 from hpcshard.rundir.launchers import launchers
 from hpcshard.rundir.rankenv import REQUEUE_EXIT

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from hpcshard.launch.supervise import ranks_below
+from hpcshard.launch.procs import ranks_below
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import guards, launchers
 from tests.conftest import STEPS, hpcshard, sets, step_records, wait_for

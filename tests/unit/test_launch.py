@@ -107,7 +107,7 @@ def test_a_late_notice_cannot_kill_a_finished_rank() -> None:
 
 
 def test_a_node_with_almost_no_memory_available_fails_its_health_check(tmp_path: Path) -> None:
-    from hpcshard.launch.supervise import memory_short
+    from hpcshard.launch.health import memory_short
 
     info = tmp_path / "meminfo"
     info.write_text("MemTotal:       25165824 kB\nMemFree:  100 kB\nMemAvailable:     524288 kB\n")
@@ -117,68 +117,78 @@ def test_a_node_with_almost_no_memory_available_fails_its_health_check(tmp_path:
     assert memory_short(tmp_path / "absent") == ""
 
 
-def test_a_peer_is_not_lost_while_this_launchers_own_heartbeats_cannot_be_written(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_peer_is_lost_by_the_readers_clock_not_the_writers() -> None:
+    """Defect 10: heartbeats compared the writer's wall clock with the reader's; 9 s of skew
+    made a healthy node "lost" at once. A peer is alive while its sequence number moves,
+    timed on the reader's monotonic clock, whatever time its records carry."""
+    from hpcshard.launch.liveness import LOST_S, UNHEARD_S, Peers
+
+    peers = Peers(began=100.0, heard_since=100.0)
+    skewed = {1: {"seq": 1, "time": 100.0 - 9}, 2: {"seq": 1, "time": 100.0 + 3600}}
+    assert peers.lost([1, 2], skewed, now=100.0) == []
+    for t in range(101, 130):  # node 1 beats every second; node 2 stands still
+        skewed[1] = {"seq": t, "time": 0.0}
+        found = peers.lost([1, 2], skewed, now=float(t))
+        assert 1 not in found
+        assert (2 in found) == (t - 100.0 > LOST_S)
+    assert peers.lost([3], skewed, now=100.0 + UNHEARD_S + 0.1) == [3]  # never heard of
+    assert peers.lost([3], {3: {"seq": 0, "done": 0}}, now=500.0) == []  # it ended
+
+
+def test_a_peer_is_not_lost_while_this_launchers_own_heartbeats_cannot_be_written() -> None:
     """On a full (or hung) disk nobody's heartbeat lands: silence then says nothing about a
     peer. It counts again from the first beat of this launcher's that lands."""
-    import time
+    from hpcshard.launch.liveness import LOST_S, Peers
 
-    from hpcshard.launch import supervise
-    from hpcshard.rundir import launchers
-    from hpcshard.rundir.rankenv import RankEnv
-    from hpcshard.rundir.spec import RunSpec
-
-    spec = RunSpec(job="jobs/charlm.py", sets={}, nodes=2, gpus=1, backend="local", name="x")
-    node = NodeEnv(node_rank=0, nnodes=2, per_node=1, rdzv_host="localhost", rdzv_port=1, run_id="x")
-    sup = supervise.Supervisor(node, tmp_path, spec, RankEnv(), start=lambda *_: None)  # type: ignore[arg-type,return-value]
-    (tmp_path / launchers.LAUNCH).mkdir()
-    launchers.beat(tmp_path, 0, 1, {"node": 1})
-    clock = [time.time() + supervise.LOST_S + 1]
-    monkeypatch.setattr(supervise.time, "time", lambda: clock[0])
-    assert sup.lost([1]) == [1]  # silent for LOST_S while this launcher's beats land
-
-    def full(*_: object) -> None:
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(launchers, "beat", full)
-    sup.beaten = 0.0  # (lost() beat just now: the next is due)
-    sup.beat()
-    assert sup.lost([1]) == []
-    monkeypatch.undo()
-    monkeypatch.setattr(supervise.time, "time", lambda: clock[0])
-    sup.beaten = 0.0
-    sup.beat()  # the disk has room again
-    assert sup.lost([1]) == []
-    clock[0] += supervise.LOST_S + 1
-    assert sup.lost([1]) == [1]
+    peers = Peers(began=0.0, heard_since=0.0)
+    beats = {1: {"seq": 5}}
+    assert peers.lost([1], beats, now=1.0) == []
+    assert peers.lost([1], beats, now=LOST_S + 2) == [1]  # stood still while ours landed
+    peers.cannot_beat()
+    assert peers.lost([1], beats, now=100.0) == []
+    peers.beat_landed(now=100.0)  # the disk has room again
+    assert peers.lost([1], beats, now=100.0 + LOST_S - 1) == []
+    assert peers.lost([1], beats, now=100.0 + LOST_S + 1) == [1]
 
 
-@pytest.mark.parametrize("state,records,jobs,takes", [
-    ("FAILED", [], ["7"], True),  # its batch node failed: nothing closed the attempt
-    ("NODE_FAIL", [{"event": "start", "attempt": 2}], ["7"], True),
-    ("CANCELLED", [], ["7"], False),  # somebody cancelled it
-    ("COMPLETED", [], ["7"], False),
-    ("FAILED", [{"event": "end", "attempt": 0, "reason": "error"}], ["7"], False),  # a real failure
-    ("FAILED", [{"event": "chain", "attempt": 0}], ["7"], False),  # continued already
-    ("FAILED", [], ["7", "8"], False),  # a newer job has the run
+@pytest.mark.parametrize("state,records,jobs,owner,takes", [
+    ("FAILED", [], ["7"], "7", True),  # its batch node failed: nothing closed the attempt
+    ("NODE_FAIL", [{"event": "start", "attempt": 2}], ["7"], "7", True),
+    ("FAILED", [], ["7"], None, True),  # a run of an older hpcshard: no lease
+    ("CANCELLED", [], ["7"], "7", False),  # somebody cancelled it
+    ("COMPLETED", [], ["7"], "7", False),
+    ("FAILED", [{"event": "end", "attempt": 0, "reason": "error"}], ["7"], "7", False),  # a real failure
+    ("FAILED", [{"event": "chain", "attempt": 0}], ["7"], "7", False),  # continued already
+    ("FAILED", [], ["7", "8"], None, False),  # a newer job has the run
+    ("FAILED", [], ["7"], "8", False),  # another job owns the run (a resume)
+    # defect 1: take-overs count against max_requeues (2 here), or a run that dies the same
+    # way every time takes itself over forever
+    ("FAILED", [{"event": "requeue", "attempt": 0}, {"event": "guard", "attempt": 1},
+                {"event": "start", "attempt": 2}], ["7"], "7", False),
 ])
 def test_a_guard_takes_the_run_over_only_from_a_job_that_failed_without_a_word(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, state: str, records: list[dict[str, object]],
-        jobs: list[str], takes: bool) -> None:
+        jobs: list[str], owner: str | None, takes: bool) -> None:
     from hpcshard.launch import slurm
-    from hpcshard.rundir import ledger
+    from hpcshard.rundir import lease, ledger
     from hpcshard.rundir.launchers import LAUNCH, attempt_file
     from hpcshard.rundir.spec import RunSpec
 
     RunSpec(job="jobs/charlm.py", sets={}, nodes=2, gpus=1, backend="slurm", name="x", spares=1,
             jobs=jobs).write(tmp_path)
     (tmp_path / LAUNCH).mkdir()
+    if owner is not None:
+        lease.take(tmp_path, lease.Owner.of_job(owner), lambda job: None)
     for r in records:
         ledger.append(tmp_path, r)
     monkeypatch.setattr(slurm.cluster, "show_job", lambda job, timeout=0: {"JobState": state})
+    monkeypatch.setattr(slurm.cluster, "job_alive", lambda job, timeout=0: state not in (
+        "FAILED", "NODE_FAIL", "CANCELLED", "COMPLETED"))
     env = slurm.SlurmEnv(job_id="9", ref="9", nodes=["n1", "n2"], node_id=0, restart_count=0, gpus_on_node=1)
-    assert slurm._take_over(tmp_path, env, "7") is takes
+    assert slurm._take_over(tmp_path, env, "7", 0, 2) is takes
     if takes:
+        now = lease.read(tmp_path)
+        assert now is not None and now.job == "9"  # the guard owns the run now
         attempt = max([0, *(int(str(r["attempt"])) for r in records)])
         assert attempt_file(tmp_path, "9").read_text() == f"{attempt + 1}\n"
         assert RunSpec.read(tmp_path).jobs == [*jobs, "9"]
@@ -186,4 +196,6 @@ def test_a_guard_takes_the_run_over_only_from_a_job_that_failed_without_a_word(
         assert guard["job"] == "7" and guard["state"] == state
     else:
         assert not attempt_file(tmp_path, "9").exists() and RunSpec.read(tmp_path).jobs == jobs
-        assert [r["event"] for r in ledger.read(tmp_path)] == [r["event"] for r in records]
+        said = [r for r in ledger.read(tmp_path)][len(records):]
+        # only a spent budget is recorded: the run ends there, and status must say why
+        assert [r["event"] for r in said] == (["gave_up"] if len(records) == 3 else [])

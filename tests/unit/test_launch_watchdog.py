@@ -8,7 +8,7 @@ import struct
 import time
 import uuid
 
-from hpcshard.launch.supervise import ranks_below
+from hpcshard.launch.procs import ranks_below
 from hpcshard.launch.watchdog import Limits, Watchdog, started
 from hpcshard.rundir.progress import _SLOT, Board, Slot, board_path
 

@@ -1,0 +1,57 @@
+"""Bad nodes: a node declared bad is never used again by the run (the ledger's `bad_node`
+records; later jobs of the run exclude them in Slurm), and, where the profile says
+`bad_nodes = drain` and the user may, Slurm is told too (an admin reads why in `sinfo -R`).
+Only a node's own trouble makes it bad: lost (silent), a failed health check, a straggler
+or a node with every link slow. Never storage (see `launch.health`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hpcshard.rundir import ledger
+
+
+def declare_bad(run_dir: Path, attempt: int, cycle: int, node: int, where: dict[str, Any],
+                reason: str, drain: bool) -> None:
+    """Record node `node` (of this attempt's launchers; `where`: its host and Slurm node)
+    as bad for the run, and drain it in Slurm when asked to."""
+    told: dict[str, Any] = {}
+    if where.get("slurm_node") and drain:
+        from hpcshard.slurm import cluster
+
+        refused = cluster.drain(where["slurm_node"], f"hpcshard {run_dir.name}: {reason}")
+        told = {"drained": not refused, **({"drain_error": refused} if refused else {})}
+    ledger.append(run_dir, {
+        "event": "bad_node", "attempt": attempt, "cycle": cycle, "node": node,
+        **{k: where[k] for k in ("host", "slurm_node") if k in where}, "reason": reason, **told})
+
+
+def bad(run_dir: Path, attempt: int) -> dict[int, str]:
+    """The nodes declared bad in this attempt (they never train in it again), and why."""
+    return {int(r["node"]): str(r["reason"]) for r in ledger.bad_nodes(run_dir, attempt)}
+
+
+def stragglers(run_dir: Path, attempt: int, cycle: int) -> list[dict[str, Any]]:
+    """The stragglers the ranks named in this cycle under straggler_policy=bad_node."""
+    return [r for r in ledger.read(run_dir) if r["event"] == "straggler"
+            and r.get("policy") == "bad_node" and r["attempt"] == attempt and r.get("cycle") == cycle]
+
+
+def slow_nodes(run_dir: Path, attempt: int, cycle: int, downs: list[dict[str, Any]]
+               ) -> list[tuple[int, dict[str, Any], str]]:
+    """The node of each straggler named under straggler_policy=bad_node, not bad yet (the
+    down records say which node each rank ran on): (node, where it ran, why)."""
+    node_of = {int(r["rank"]): r for down in downs for r in down.get("ranks", [])}
+    known = set(bad(run_dir, attempt))
+    found = []
+    for r in stragglers(run_dir, attempt, cycle):
+        where = node_of.get(int(r["rank"]))
+        if where is None or int(where["node"]) in known:
+            continue
+        known.add(int(where["node"]))
+        why = (f"slow link: every link of it under {r['floor_gbps']:g} GB/s (slowest {r['gbps']} GB/s)"
+               if r.get("kind") == "link" else
+               f"straggler: rank {r['rank']} computed {r['ratio']}x slower than the median of the others")
+        found.append((int(where["node"]), where, why))
+    return found

@@ -1,0 +1,190 @@
+"""What to do after a fault: a pure function of what the launchers found (`Facts`), returning
+a typed `Decision`. No I/O, no clock: every branch is tested table-driven
+(tests/unit/test_launch_policy.py), and the supervisor only gathers the facts and carries
+the decision out.
+
+The rules, first match wins:
+
+1. Nodes that never reported their ranks down and are not lost: nothing is known of them;
+   stop (nothing restarts with ranks that may still run).
+2. The run's storage is full, over quota or read-only: stop, blame no node (restarting or
+   requeueing would fail the same way; a drained node would not come back).
+3. A stop notice came as well: back through the queue, not restarted here.
+4. Bad nodes (lost, failed a health check, straggling): spares take their places; without
+   enough, the run goes on with fewer nodes down to `min_nodes`, else back through the
+   queue without them (the local backend has no other node: stop).
+5. The job's own code raised the same exception at the same step twice: a bug; stop.
+6. `no_progress_restarts` restarts in a row without a newer checkpoint: stop.
+7. This allocation's restart budget is spent: back through the queue.
+8. Else restart in place, on the nodes rule 4 chose.
+
+Every decision that is neither a restart nor a requeue ends the attempt (`Decision.end`),
+and the launcher records that end: a run that gives up says so, and a guard job never
+takes over a run whose attempt was closed (it did, in a loop, when the give-up left no
+record).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+from hpcshard.rundir.rankenv import BUG_EXIT, REQUEUE_EXIT, STORAGE_EXIT
+
+
+class Action(StrEnum):
+    RESTART = "restart"
+    """Every node starts its ranks again, inside this allocation."""
+    REQUEUE = "requeue"
+    """The launchers exit REQUEUE_EXIT: the job goes back through the queue (or a
+    continuation job is submitted), resuming from the newest checkpoint."""
+    STOP = "stop"
+    """The run stops here; `hpcshard resume` continues it once the cause is dealt with."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Facts:
+    """What the deciding launcher knows once every node is down or lost."""
+
+    cycle: int
+    """The cycle that failed (0: the attempt's first)."""
+    active: tuple[int, ...]
+    """The launchers whose ranks trained in it."""
+    spares: tuple[int, ...] = ()
+    """The launchers waiting to take a lost node's place."""
+    min_nodes: int = 0
+    """Fewest nodes the run may go on with; 0: as many as trained."""
+    local: bool = False
+    """The local backend: there is no other node to be given."""
+    lost: tuple[int, ...] = ()
+    """Launchers silent for LOST_S in this cycle (dead, frozen, cut off)."""
+    unreported: tuple[int, ...] = ()
+    """Launchers that neither said their ranks are down nor went silent, by the deadline."""
+    bad: dict[int, str] = field(default_factory=dict)
+    """Every node declared bad in this attempt, and why (lost ones among them)."""
+    noticed: bool = False
+    """A stop notice (preemption, time limit) came before or during the fault."""
+    bug: str = ""
+    """The exception the job's own code raised at the same step in this cycle and the one
+    before ("" if not so)."""
+    stalled: int = 0
+    """Restarts in a row so far after which the committed step did not move."""
+    committed: int = 0
+    """The newest committed step: where a restart resumes."""
+    storage: str = ""
+    """Why the run's storage cannot take the run's writes (full, quota, read-only); "" if it can."""
+    max_restarts: int = 3
+    no_progress_restarts: int = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class Decision:
+    """What every launcher of the job does next (written once, as next-A-C.json)."""
+
+    action: Action
+    code: int = 0
+    """The launchers' exit code when they do not restart."""
+    reason: str
+    end: str = ""
+    """How the attempt ends in the ledger ("" for a restart): stop (requeued after a notice),
+    fault (requeued after faults), bug, gave_up, storage, unreported."""
+    active: tuple[int, ...] = ()
+    """A restart: the launchers whose ranks train next."""
+    spares: tuple[int, ...] = ()
+    bad: tuple[int, ...] = ()
+    """Nodes this decision leaves out for good."""
+    replaced: dict[str, int] = field(default_factory=dict)
+    """Bad node (as a string: JSON) -> the spare that takes its place."""
+    lost: tuple[int, ...] = ()
+    committed: int = 0
+    host: str = ""
+    """A restart: where the next rendezvous is (the decider fills it in)."""
+    port: int = 0
+
+    @property
+    def restart(self) -> bool:
+        return self.action is Action.RESTART
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        return {**d, "action": self.action.value, "restart": self.restart}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Decision:
+        known = {k: v for k, v in d.items() if k in cls.__dataclass_fields__}
+        for name in ("active", "spares", "bad", "lost"):
+            known[name] = tuple(known.get(name, ()))
+        return cls(**{**known, "action": Action(d.get("action", "restart" if d.get("restart") else "stop"))})
+
+
+def decide(f: Facts) -> Decision:
+    """The decision after a fault in cycle `f.cycle` (see the module's rules)."""
+    stop = Decision(action=Action.STOP, code=1, reason="", committed=f.committed, lost=f.lost)
+    if f.unreported:
+        return replace(stop, end="unreported", reason=f"node(s) {list(f.unreported)} did not report "
+                       "their ranks down, nor went silent: nothing restarts while their ranks may still run")
+    if f.storage:
+        return replace(stop, code=STORAGE_EXIT, end="storage", reason=f"{f.storage}; no node is "
+                       "blamed: free space (or fix the mount), then hpcshard resume")
+    requeue = replace(stop, action=Action.REQUEUE, code=REQUEUE_EXIT)
+    if f.noticed:
+        return replace(requeue, end="stop", reason="a stop notice came as well: requeued, not restarted here")
+    nodes = _without_bad(f)
+    if nodes.refused is not None:
+        return replace(nodes.refused, committed=f.committed, lost=f.lost)
+    why = f"{nodes.why}; " if nodes.why else ""
+    if f.bug:
+        return replace(stop, code=BUG_EXIT, end="bug", reason=f"the job's own code raised {f.bug} again "
+                       "at the same step: a bug, not a fault; not restarted")
+    if f.stalled >= f.no_progress_restarts and not nodes.bad:  # (new nodes: a new chance)
+        return replace(stop, end="gave_up",
+                       reason=f"{f.stalled} restarts in a row without a newer checkpoint")
+    if f.cycle + 1 > f.max_restarts:
+        # Training advanced, but this allocation has had its share of faults (a flaky
+        # node?): back through the queue, as after a preemption, up to max_requeues.
+        return replace(requeue, end="fault", bad=nodes.bad, replaced=nodes.replaced,
+                       reason=f"{why}the restart budget ({f.max_restarts}) is spent: requeued")
+    return Decision(action=Action.RESTART, active=nodes.active, spares=nodes.spares, bad=nodes.bad,
+                    replaced=nodes.replaced, committed=f.committed, lost=f.lost,
+                    reason=f"{why}restart {f.cycle + 1} of {f.max_restarts}")
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """Rule 4's answer: who trains next once the bad nodes are out, or the decision when
+    too few are left (`refused`)."""
+
+    active: tuple[int, ...]
+    spares: tuple[int, ...]
+    why: str = ""
+    bad: tuple[int, ...] = ()
+    replaced: dict[str, int] = field(default_factory=dict)
+    refused: Decision | None = None
+
+
+def _without_bad(f: Facts) -> Nodes:
+    """Spares take the bad nodes' places; without enough, fewer nodes down to min_nodes."""
+    active = tuple(n for n in f.active if n not in f.bad)
+    spares = tuple(n for n in f.spares if n not in f.bad)
+    gone = tuple(n for n in f.active if n in f.bad)
+    if not gone:
+        return Nodes(active, spares)
+    why = f"node(s) {list(gone)} bad ({'; '.join(sorted({f.bad[n] for n in gone}))})"
+    taken, spares = spares[:len(gone)], spares[len(gone):]
+    active = tuple(sorted((*active, *taken)))
+    fewest = f.min_nodes or len(f.active)
+    if len(active) < fewest:
+        if f.local and not f.lost:
+            refused = Decision(action=Action.STOP, code=1, end="gave_up", bad=gone,
+                               reason=f"{why}; the local backend has no other node to use")
+        else:
+            refused = Decision(action=Action.REQUEUE, code=REQUEUE_EXIT, end="fault",
+                               bad=tuple(sorted(f.bad)), reason=f"{why}: requeued without them")
+        return Nodes((), (), refused=refused)
+    if len(active) == len(f.active):
+        why += f": spare node(s) {list(taken)} take their place"
+    else:
+        why += (f": {len(taken)} spare(s) left, going on with {len(active)} nodes "
+                f"(min_nodes {fewest}; the mesh is planned again)")
+    return Nodes(active, spares, why, gone, dict(zip(map(str, gone), taken, strict=False)))

@@ -1,0 +1,253 @@
+"""RUN_DIR/owner.json: which job or process owns the run (one at a time), stdlib only.
+
+A run directory is written by one job at a time: its ranks commit checkpoints, clean
+interrupted saves and append to the ledger. Two jobs on one run (a `resume` while the job
+still runs, a guard that takes over from a job that is not dead, a thawed node) would
+train two timelines into one checkpoint store. The lease says who owns the run:
+
+    {"kind": "job", "job": "4242", "epoch": 3, "beat": 17}          a Slurm job (or ARRAY_TASK)
+    {"kind": "process", "process": {...}, "epoch": 4, "beat": 2}    a local run's CLI, or a
+                                                                    command that is submitting
+
+Each change of owner raises the epoch; an owner is `name@epoch` (its token), so a job that
+was taken over and comes back (a requeue of a job a guard replaced, a node thawed) no longer
+matches. Changes happen under `files.locked` (a read-modify-write that holds on NFS), and
+a reader opens the file afresh each time (close-to-open consistency: a file replaced by
+rename on another host is read fresh at once, unlike a new name, which NFS may hide for
+its lookup cache time).
+
+Whether the current owner is still alive is asked of whoever knows: Slurm for a job (an
+unknown state is never "over": `busy` then refuses), the kernel for a process on this host
+(pid and start time: a reused pid is not the owner), and for a process on another host its
+beats: a live owner renews the lease every RENEW_S, and one whose beat stands still for
+WATCH_S on the reader's own monotonic clock is over (no two hosts' clocks are compared).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from hpcshard.rundir.files import locked, write_atomic
+
+LEASE = "owner.json"
+RENEW_S = 5.0
+"""How often a live owner renews its lease (one small file written by one process)."""
+WATCH_S = 4 * RENEW_S
+"""A process owner on another host whose beat did not move for this long is over."""
+SUBMIT_WAIT_S = 120.0
+"""How long a starting job waits for the command that submitted it to name it the owner
+(sbatch returned; the command writes the lease next)."""
+
+
+class Busy(ValueError):
+    """The run has a live owner (or one nobody can vouch is over): nothing may take it."""
+
+
+def boot_id() -> str:
+    """This host's boot (Linux); a pid and start time mean a process only within one."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def start_ticks(pid: int) -> int:
+    """When `pid` started, in clock ticks since boot (/proc/PID/stat); 0 if it is gone. With
+    the boot id, a process's identity: a pid reused after it died has another start."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process, wherever it runs: not just a pid (pids are reused, and equal in two
+    containers or on two hosts)."""
+
+    host: str
+    pid: int
+    start: int
+    boot: str
+
+    @classmethod
+    def current(cls) -> Process:
+        pid = os.getpid()
+        return cls(host=socket.gethostname(), pid=pid, start=start_ticks(pid), boot=boot_id())
+
+    def alive(self) -> bool | None:
+        """True or False on this host (same boot); None on another, where only its beats
+        can tell."""
+        if self.host != socket.gethostname() or self.boot != boot_id():
+            return None
+        return start_ticks(self.pid) == self.start != 0
+
+    def __str__(self) -> str:
+        return f"process {self.pid} on {self.host}"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """Who owns the run: a Slurm job, or a process (a local run; a command submitting)."""
+
+    kind: str
+    job: str = ""
+    process: Process | None = None
+    epoch: int = 0
+    beat: int = 0
+    what: str = ""
+    """What the owner is doing, for the one-line refusals ("hpcshard resume", "local run")."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of_job(cls, job: str) -> Owner:
+        return cls(kind="job", job=job, what=f"Slurm job {job}")
+
+    @classmethod
+    def of_process(cls, what: str) -> Owner:
+        return cls(kind="process", process=Process.current(), what=what)
+
+    @property
+    def name(self) -> str:
+        if self.kind == "job":
+            return f"job:{self.job}"
+        p = self.process
+        assert p is not None
+        return f"process:{p.host}:{p.pid}:{p.start}"
+
+    @property
+    def token(self) -> str:
+        """The owner at this epoch: what a job checks before it commits or cleans."""
+        return f"{self.name}@{self.epoch}"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self)) + "\n"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Owner:
+        process = Process(**d["process"]) if d.get("process") else None
+        return cls(**{**d, "process": process})
+
+
+def path(run_dir: Path) -> Path:
+    return run_dir / LEASE
+
+
+def read(run_dir: Path) -> Owner | None:
+    """The current owner, None when the run has none (never had, or released). Opened
+    afresh: another host's rename is seen at once."""
+    try:
+        return Owner.from_dict(json.loads(path(run_dir).read_text()))
+    except FileNotFoundError:
+        return None
+    except (ValueError, TypeError, KeyError):
+        return None  # a file of an older layout or torn by hand: nobody's
+
+
+def owns(run_dir: Path, token: str) -> bool:
+    """Does the owner with this token (`Owner.token`) still own the run? An empty token
+    (a process that was never given one: a test, an older launcher) always does."""
+    if not token:
+        return True
+    current = read(run_dir)
+    return current is not None and current.token == token
+
+
+JobAlive = Callable[[str], "bool | None"]
+"""Slurm's word on a job: True (pending, running, requeued...), False (over, or unknown
+to Slurm), None (Slurm did not answer)."""
+
+
+def busy(run_dir: Path, owner: Owner | None, job_alive: JobAlive, watch_s: float = WATCH_S) -> str:
+    """Why `owner` (of `run_dir`) may still be live; "" when it surely is not. A job: what
+    Slurm says, and no answer is never "over". A process on this host: the kernel's answer
+    (pid and start time). A process on another host: whether its beat moves within
+    `watch_s` (this waits up to that long, reading the lease afresh each second)."""
+    if owner is None:
+        return ""
+    if owner.kind == "job":
+        alive = job_alive(owner.job)
+        if alive is None:
+            return (f"Slurm did not answer whether job {owner.job}, which owns the run, still "
+                    "runs; try again when the controller answers")
+        return f"Slurm job {owner.job} still owns it" if alive else ""
+    assert owner.process is not None
+    who = f"{owner.what or 'a command'} ({owner.process})"
+    here = owner.process.alive()
+    if here is not None:
+        return f"{who} still owns it" if here else ""
+    deadline = time.monotonic() + watch_s
+    while time.monotonic() < deadline:
+        time.sleep(min(1.0, watch_s))
+        now = read(run_dir)
+        if now is None or now.token != owner.token:
+            return "" if now is None else f"{now.what or now.name} took it meanwhile"
+        if now.beat != owner.beat:
+            return f"{who} still owns it (it renews the lease)"
+    return ""
+
+
+def take(run_dir: Path, me: Owner, job_alive: JobAlive, watch_s: float = WATCH_S) -> Owner:
+    """Make `me` the owner (epoch + 1) and return it as written; when `me` owns the run
+    already (another launcher of the same job took it first), the lease as it is. Refused
+    (Busy, with the reason) while the current owner may be live (`busy`). The owner is
+    judged outside the lock (asking Slurm, or watching a beat, takes seconds) and taken
+    under it only if it is still the one judged."""
+    while True:
+        current = read(run_dir)
+        if current is not None and current.name == me.name:
+            return current
+        why = busy(run_dir, current, job_alive, watch_s)
+        if why:
+            raise Busy(f"{run_dir} is in use: {why}")
+        with locked(path(run_dir)):
+            if _state(read(run_dir)) != _state(current):
+                continue  # it changed while judged: judge the new one
+            new = replace(me, epoch=(current.epoch if current else 0) + 1, beat=0)
+            write_atomic(path(run_dir), new.to_json())
+            return new
+
+
+def _state(owner: Owner | None) -> tuple[str, int] | None:
+    return None if owner is None else (owner.token, owner.beat)
+
+
+def renew(run_dir: Path, token: str) -> bool:
+    """A live owner's beat (every RENEW_S): the lease's beat moves on. False when the owner
+    with this token no longer owns the run (taken over: it must stop writing to the run)."""
+    with locked(path(run_dir)):
+        current = read(run_dir)
+        if current is None or current.token != token:
+            return False
+        write_atomic(path(run_dir), replace(current, beat=current.beat + 1).to_json())
+        return True
+
+
+def hand_over(run_dir: Path, me: Owner, to: Owner) -> Owner | None:
+    """`me` gives the run to `to` (a continuation job it submitted, the job a command
+    submitted): `to` at the next epoch, or None when `me` did not own it any more."""
+    with locked(path(run_dir)):
+        current = read(run_dir)
+        if current is not None and current.token != me.token:
+            return None
+        new = replace(to, epoch=(current.epoch if current else 0) + 1, beat=0)
+        write_atomic(path(run_dir), new.to_json())
+        return new
+
+
+def release(run_dir: Path, me: Owner) -> None:
+    """`me` is done with the run (a local run that ended): nobody owns it now. Nothing
+    happens when somebody else owns it."""
+    with contextlib.suppress(OSError), locked(path(run_dir)):
+        current = read(run_dir)
+        if current is not None and current.token == me.token:
+            path(run_dir).unlink()

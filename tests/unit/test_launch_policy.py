@@ -1,0 +1,76 @@
+"""The recovery policy (launch.policy.decide), branch by branch: facts in, a typed decision
+out, no processes."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from hpcshard.launch.policy import Action, Decision, Facts, decide
+from hpcshard.rundir.rankenv import BUG_EXIT, REQUEUE_EXIT, STORAGE_EXIT
+
+pytestmark = pytest.mark.unit
+
+BASE = Facts(cycle=0, active=(0, 1), committed=40)
+LOST = "lost: its launcher was silent for 8 s"
+
+# (name, facts, action, code, end, active, spares, bad, words in the reason)
+CASES = [
+    ("a crash restarts in place", BASE, Action.RESTART, 0, "", (0, 1), (), (), "restart 1 of 3"),
+    ("unreported nodes stop everything", replace(BASE, unreported=(1,), storage="full", noticed=True),
+     Action.STOP, 1, "unreported", (), (), (), "did not report"),
+    ("storage stops before any node is blamed",
+     replace(BASE, storage="the run directory /r is full", noticed=True, bad={1: LOST}),
+     Action.STOP, STORAGE_EXIT, "storage", (), (), (), "no node is blamed"),
+    ("a notice requeues", replace(BASE, noticed=True, bad={1: LOST}), Action.REQUEUE, REQUEUE_EXIT,
+     "stop", (), (), (), "notice"),
+    ("a spare takes a lost node's place", replace(BASE, spares=(2,), lost=(1,), bad={1: LOST}),
+     Action.RESTART, 0, "", (0, 2), (), (1,), "spare node(s) [2] take their place"),
+    ("two bad, one spare, min_nodes 1: fewer nodes",
+     replace(BASE, active=(0, 1, 2), spares=(3,), min_nodes=1, bad={1: LOST, 2: "health check: x"}),
+     Action.RESTART, 0, "", (0, 3), (), (1, 2), "going on with 2 nodes"),
+    ("no spare and no min_nodes: requeued without the bad node", replace(BASE, lost=(1,), bad={1: LOST}),
+     Action.REQUEUE, REQUEUE_EXIT, "fault", (), (), (1,), "requeued without them"),
+    ("the local backend has no other node", replace(BASE, local=True, bad={1: "health check: x"}),
+     Action.STOP, 1, "gave_up", (), (), (1,), "local backend"),
+    ("a lost node on the local backend is requeued (the node comes back)",
+     replace(BASE, local=True, lost=(1,), bad={1: LOST}), Action.REQUEUE, REQUEUE_EXIT, "fault", (), (),
+     (1,), "requeued without them"),
+    ("the same bug twice stops", replace(BASE, cycle=1, bug="ZeroDivisionError"), Action.STOP, BUG_EXIT,
+     "bug", (), (), (), "a bug, not a fault"),
+    ("no progress after restarts gives up", replace(BASE, cycle=2, stalled=2), Action.STOP, 1, "gave_up",
+     (), (), (), "2 restarts in a row"),
+    ("no progress, but a bad node replaced: one more try",
+     replace(BASE, cycle=2, stalled=2, spares=(2,), bad={1: LOST}), Action.RESTART, 0, "", (0, 2), (),
+     (1,), "restart 3 of 3"),
+    ("a spent restart budget requeues", replace(BASE, cycle=3), Action.REQUEUE, REQUEUE_EXIT, "fault", (),
+     (), (), "restart budget (3) is spent"),
+    ("a bad node is never active again", replace(BASE, active=(0, 2), spares=(3,), bad={1: LOST}),
+     Action.RESTART, 0, "", (0, 2), (3,), (), "restart 1 of 3"),
+]
+
+
+@pytest.mark.parametrize("name,facts,action,code,end,active,spares,bad,said", CASES, ids=[c[0] for c in CASES])
+def test_every_branch_of_the_policy(name: str, facts: Facts, action: Action, code: int, end: str,
+                                    active: tuple[int, ...], spares: tuple[int, ...], bad: tuple[int, ...],
+                                    said: str) -> None:
+    got = decide(facts)
+    assert (got.action, got.code, got.end) == (action, code, end)
+    assert said in got.reason
+    assert got.committed == facts.committed and got.lost == facts.lost
+    if action is Action.RESTART:
+        assert (got.active, got.spares) == (active, spares)
+    assert got.bad == bad
+    # Every decision that neither restarts nor requeues closes the attempt (defect 1: a
+    # give-up without a closing record let a guard job take the run over, again and again).
+    assert bool(got.end) == (action is not Action.RESTART)
+
+
+def test_a_decision_survives_its_file() -> None:
+    """The decider writes it once (next-A-C.json); every launcher reads it back."""
+    got = replace(decide(replace(BASE, spares=(2,), bad={1: LOST})), host="n1", port=29400)
+    import json
+
+    back = Decision.from_dict(json.loads(json.dumps(got.to_dict())))
+    assert back == got and back.restart and back.to_dict()["restart"] is True
