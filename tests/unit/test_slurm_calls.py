@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from hpcshard.cli import main
 from hpcshard.rundir import ledger
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.slurm import client, cluster
@@ -192,3 +194,25 @@ def test_a_job_query_tells_over_from_no_answer(bin_dir: Path, body: str, said: c
     fake(bin_dir, "scontrol", body)
     assert cluster.query_job("77").said is said
     assert cluster.job_alive("77") is alive
+
+
+def test_resume_refuses_when_slurm_does_not_answer(tmp_path: Path, bin_dir: Path) -> None:
+    """scontrol hangs and there is no accounting: the run may well be training. resume says
+    so in one line and submits nothing (it took the silence for "over", and submitted a
+    second job on the live run)."""
+    train = tmp_path / "train.py"
+    train.write_text("print('training')\n")
+    fake(bin_dir, "sinfo", 'echo "debug*|2|gpu:2|infinite"\n')
+    fake(bin_dir, "srun", "exit 1\n")  # submitit looks for it; never run here
+    submitted = fake(bin_dir, "sbatch", 'case "$1" in --parsable) echo 4243;; '
+                     '*) echo "Submitted batch job 4243";; esac\n')
+    run = tmp_path / "run"
+    out = CliRunner().invoke(main, ["submit", "--backend", "slurm", str(train), "--run-dir", str(run)])
+    assert out.exit_code == 0 and len(calls(submitted)) == 1, out.output
+    fake(bin_dir, "scontrol", HANG)
+    out = CliRunner().invoke(main, ["resume", str(run)])
+    assert out.exit_code == 2, out.output
+    assert out.output.strip().splitlines() == [
+        f"Error: Slurm did not answer whether job 4243 of {run} is still running, so nothing was "
+        "submitted; try again once `scontrol ping` answers"]
+    assert len(calls(submitted)) == 1 and RunSpec.read(run).jobs == ["4243"]
