@@ -119,18 +119,21 @@ def job_states(jobs: list[str], since: float | None = None) -> dict[str, str]:
     return {job: found.get(job) or cluster.job_state(job).get("JobState", "unknown") for job in jobs}
 
 
-def finished(spec: RunSpec, run_dir: Path) -> bool:
-    """Nothing of this run is running: its Slurm job is over, or no local launcher lives."""
-    state = slurm_state(spec)
-    if state is not None:
-        from hpcshard.slurm.cluster import FINAL_STATES
+def finished(spec: RunSpec, run_dir: Path) -> bool | None:
+    """Nothing of this run is running: True when its newest Slurm job is over (Slurm says it
+    ended, or has forgotten it) or no local launcher lives; None when Slurm did not answer,
+    never taken for over: `resume` would then start a second job on a live run. (Not
+    accounting's word either: it may lag the controller, and cannot say a job is alive.)"""
+    if spec.backend == "slurm" and spec.jobs:
+        from hpcshard.slurm import cluster
 
-        return state.get("JobState", "") in FINAL_STATES or not state
+        return cluster.query_job(spec.jobs[-1]).over
     return not launchers(run_dir)
 
 
-def follow_log(log: Path, done: Callable[[], bool], interval: float = 1.0) -> None:
-    """Print `log` as it grows until `done()` is true (then print what is left)."""
+def follow_log(log: Path, done: Callable[[], bool | None], interval: float = 1.0) -> None:
+    """Print `log` as it grows until `done()` is true (then print what is left); None (not
+    known: Slurm did not answer) is asked again."""
     pos = 0
     while True:
         over = done()

@@ -279,15 +279,17 @@ def _follow(run_dir: Path, job_id: str) -> int:
     """Print rank 0's log as it grows until Slurm says the job is over (requeues included)."""
     from hpcshard.slurm import cluster
 
-    final: dict[str, str] = {}
+    final = {"state": ""}
 
-    def over() -> bool:
-        final.update(cluster.job_state(job_id) or {"JobState": ""})
-        return final["JobState"] in cluster.FINAL_STATES or not final["JobState"]
+    def over() -> bool:  # a controller that does not answer is asked again, not taken for "over"
+        answer = cluster.query_job(job_id)
+        if answer.over is not None:
+            final["state"] = answer.state
+        return answer.over is True
 
     follow_log(run_dir / "logs" / "rank-0.log", over)
-    click.echo(f"job {job_id}: {final['JobState'] or 'no longer known to Slurm'}")
-    return 0 if final["JobState"] == "COMPLETED" else 1
+    click.echo(f"job {job_id}: {final['state'] or 'no longer known to Slurm'}")
+    return 0 if final["state"] == "COMPLETED" else 1
 
 
 @click.command()
@@ -325,7 +327,11 @@ def _resumed(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | N
         spec = read_spec(run_dir)
         if spec.backend == "slurm":  # the new job takes them from this environment again
             check_secrets(spec.slurm.get("secrets", []), spec.slurm.get("env", {}), spec.profile)
-        if not finished(spec, run_dir):
+        over = finished(spec, run_dir)
+        if over is None:
+            raise ValueError(f"Slurm did not answer whether job {spec.jobs[-1]} of {run_dir} is still "
+                             "running, so nothing was submitted; try again once `scontrol ping` answers")
+        if not over:
             raise ValueError(f"{run_dir} is still running; stop it first (hpcshard preempt "
                              f"{run_dir} saves and stops; hpcshard cancel stops now)")
         probe_writable(run_dir)

@@ -340,9 +340,14 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
     fewer = _fewer_nodes(run, slurm, attempt, bad) if bad else None
     if fewer == 0:
         return
-    refused = cluster.requeue(slurm.ref, exclude=bad, nodes=fewer)
+    asked = cluster.requeue(slurm.ref, exclude=bad, nodes=fewer)  # retried through a controller's blip
+    if not asked.queued:
+        why = f"requeue failed: {asked.error}; continue with `hpcshard resume {run}`"
+        ledger.append(run, {"event": "gave_up", "attempt": attempt, "reason": why})
+        print(f"hpcshard: not continued: {why}", file=sys.stderr, flush=True)
+        return
     ledger.append(run, {"event": "requeue", "attempt": attempt, "job": slurm.ref,
-                        "error": refused or None, **({"excluded": bad} if bad else {}),
+                        "error": asked.error or None, **({"excluded": bad} if bad else {}),
                         **({"nodes": fewer} if fewer else {})})
-    print(f"hpcshard: requeued job {slurm.ref}" + (f" (scontrol: {refused})" if refused else ""),
+    print(f"hpcshard: requeued job {slurm.ref}" + (f" ({asked.error})" if asked.error else ""),
           file=sys.stderr, flush=True)

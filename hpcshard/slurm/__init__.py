@@ -3,6 +3,7 @@ only where they are needed):
 
     time     Slurm's time and memory values, parsed the way Slurm parses them
     sbatch   the request (SbatchRequest) and its rendering through a jinja2 template
+    client   one way to run Slurm's commands: a timeout, a bounded retry where it is safe
     cluster  queries and commands: sinfo, scontrol, sacct, scancel, sbatch
     submit   submission through submitit, with hpcshard's own sbatch text
     env      SlurmEnv: the one object that reads SLURM_* inside an allocation

@@ -2,19 +2,22 @@
 what a job is doing (scontrol, sacct), and what to do to one (sbatch, scancel, scontrol
 requeue). Stdlib: the login node and the launchers inside an allocation both use it.
 Every command may be missing (a container without Slurm's client) or hang (a controller
-that does not answer): callers get None, an empty dict or a ValueError, not a traceback."""
+that does not answer): each runs under a timeout, with a bounded retry where repeating it
+is safe (`client`), and callers get None, an empty dict, a typed answer (`query_job`) or a
+ValueError, not a traceback."""
 
 from __future__ import annotations
 
+import enum
 import os
 import re
 import shutil
-import signal
-import subprocess
+import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from hpcshard.slurm import client
 from hpcshard.slurm.sbatch import SbatchRequest
 from hpcshard.slurm.time import parse_time
 
@@ -25,14 +28,11 @@ FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_F
 
 def ping(timeout: float = 15) -> tuple[bool, str]:
     """Does a controller answer `scontrol ping`? (ok, what it said, last line)."""
-    try:
-        proc = subprocess.run(["scontrol", "ping"], capture_output=True, text=True, timeout=timeout)
-    except OSError as err:
-        return False, f"scontrol: {err.strerror}"
-    except subprocess.TimeoutExpired:
-        return False, f"scontrol ping hung for {timeout:g} s"
-    out = (proc.stdout + proc.stderr).strip()
-    return proc.returncode == 0 and "UP" in proc.stdout, out.splitlines()[-1] if out else "no answer"
+    reply = client.run_once(["scontrol", "ping"], timeout)
+    if reply.code is None:
+        return False, reply.err
+    out = (reply.out + reply.err).strip()
+    return reply.ok and "UP" in reply.out, out.splitlines()[-1] if out else "no answer"
 
 
 def available() -> bool:
@@ -62,12 +62,11 @@ def partitions() -> dict[str, Partition]:
     if not shutil.which("sinfo"):
         raise ValueError("Slurm's client commands are not installed here (no sinfo on PATH); "
                          "submit from a login node, or use --backend local")
-    proc = subprocess.run(["sinfo", "-h", "-o", "%P|%D|%G|%l"], capture_output=True, text=True)
-    if proc.returncode:
-        detail = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else "no output"
-        raise ValueError(f"Slurm does not answer (sinfo: {detail}); check that the controller runs "
+    reply = client.run(["sinfo", "-h", "-o", "%P|%D|%G|%l"], tries=2, retry=_blip)
+    if not reply.ok:
+        raise ValueError(f"Slurm does not answer (sinfo: {reply.said}); check that the controller runs "
                          "and SLURM_CONF points at its slurm.conf, or use --backend local")
-    out = proc.stdout
+    out = reply.out
     found: dict[str, Partition] = {}
     for line in out.splitlines():
         name, count, gres, limit = line.split("|")
@@ -105,22 +104,25 @@ def check_request(req: SbatchRequest) -> str:
     return name
 
 
-def max_array_size(timeout: float = 30) -> int | None:
+def _blip(reply: client.Reply) -> bool:
+    """Retry a query only after a transient failure that came back by itself (a hung one
+    has cost its whole timeout already: its caller hears "no answer")."""
+    return reply.blip
+
+
+def max_array_size(timeout: float | None = None) -> int | None:
     """The cluster's MaxArraySize (an array's indices must stay below it); None: unknown."""
-    try:
-        proc = subprocess.run(["scontrol", "show", "config"], capture_output=True, text=True,
-                              timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    found = re.search(r"^MaxArraySize\s*=\s*(\d+)", proc.stdout, re.MULTILINE)
-    return int(found.group(1)) if found and not proc.returncode else None
+    reply = client.run(["scontrol", "show", "config"], timeout=timeout, tries=2, retry=_blip)
+    found = re.search(r"^MaxArraySize\s*=\s*(\d+)", reply.out, re.MULTILINE)
+    return int(found.group(1)) if found and reply.ok else None
 
 
 def job_state(job_id: str, since: float | None = None) -> dict[str, str]:
     """`scontrol show job` as a dict (works without accounting; finished jobs stay visible
     for MinJobAge), else what accounting keeps of it (`Source` is then "sacct"). Empty when
-    Slurm no longer knows the job."""
-    fields = show_job(job_id, timeout=30) if shutil.which("scontrol") else None
+    Slurm no longer knows the job, or did not answer: good enough to show (status, ls);
+    what decides whether a job is over asks `query_job`, which tells the two apart."""
+    fields = show_job(job_id) if shutil.which("scontrol") else None
     if fields is not None:
         return fields
     runs = history([job_id], since=since)
@@ -150,24 +152,21 @@ class SlurmRun:
     end: str
 
 
-def submitted_from(job_id: str, timeout: float = 30) -> Path | None:
+def submitted_from(job_id: str, timeout: float | None = None) -> Path | None:
     """The directory whose sbatch script accounting says the job was submitted with
     (SubmitLine: `sbatch RUN_DIR/submitit/submission_file_*.sh`): RUN_DIR, or a sweep's
     directory for ARRAY_TASK. None without accounting or for another kind of job."""
-    try:
-        proc = subprocess.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "SubmitLine"],
-                              capture_output=True, text=True, timeout=timeout)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = proc.stdout.split()
-    script = next((Path(w) for w in lines if w.endswith(".sh") and "/submitit/" in w), None)
-    return None if proc.returncode or script is None else script.parent.parent
+    reply = client.run(["sacct", "-j", job_id, "-X", "-n", "-P", "-o", "SubmitLine"], timeout=timeout,
+                       tries=2, retry=_blip)
+    script = next((Path(w) for w in reply.out.split() if w.endswith(".sh") and "/submitit/" in w), None)
+    return None if not reply.ok or script is None else script.parent.parent
 
 
 SACCT_FIELDS = "JobID,State,ExitCode,Elapsed,NodeList,Start,End"
 
 
-def history(job_ids: list[str], since: float | None = None, timeout: float = 30) -> list[SlurmRun] | None:
+def history(job_ids: list[str], since: float | None = None,
+            timeout: float | None = None) -> list[SlurmRun] | None:
     """Every run of these jobs from `sacct --duplicates` (accounting keeps them after
     scontrol forgets a job, MinJobAge later); None without accounting (sacct missing,
     failing as it does without slurmdbd, or hanging). `since` (Unix time: the run's
@@ -176,15 +175,10 @@ def history(job_ids: list[str], since: float | None = None, timeout: float = 30)
     if not job_ids or not shutil.which("sacct"):
         return None
     window = ["-S", time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(since - 60))] if since else []
-    try:
-        proc = subprocess.run(["sacct", "-j", ",".join(job_ids), "--duplicates", "-X", "-n", "-P",
-                               *window, "-o", SACCT_FIELDS], capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, "SLURM_TIME_FORMAT": "standard"})
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if proc.returncode:
-        return None
-    return parse_history(proc.stdout, job_ids)
+    reply = client.run(["sacct", "-j", ",".join(job_ids), "--duplicates", "-X", "-n", "-P", *window,
+                        "-o", SACCT_FIELDS], timeout=timeout, tries=2, retry=_blip,
+                       env={"SLURM_TIME_FORMAT": "standard"})
+    return parse_history(reply.out, job_ids) if reply.ok else None
 
 
 def parse_history(text: str, job_ids: list[str]) -> list[SlurmRun]:
@@ -204,18 +198,72 @@ def parse_history(text: str, job_ids: list[str]) -> list[SlurmRun]:
     return runs
 
 
+class Said(enum.Enum):
+    """What the controller said when asked about a job."""
+
+    KNOWN = "known"
+    """It answered with the job's fields (pending, running, requeued, or ended within
+    MinJobAge)."""
+    NO_SUCH_JOB = "no such job"
+    """It answered "Invalid job id specified": it has forgotten the job (MinJobAge, 300 s
+    by default, after it ended) or never had it. Either way nothing of it runs."""
+    NO_ANSWER = "no answer"
+    """scontrol is missing, failed otherwise, or hung past its timeout: the job may well
+    be running. Never to be taken for "over" (a second job would race a live one)."""
+
+
+@dataclass(frozen=True)
+class JobQuery:
+    """`scontrol show job` of one job, as a typed answer."""
+
+    job: str
+    said: Said
+    fields: dict[str, str] = field(default_factory=dict)
+    """scontrol's fields (KNOWN only), times in ISO form."""
+    error: str = ""
+    """Why there was no answer (NO_ANSWER only)."""
+
+    @property
+    def state(self) -> str:
+        return self.fields.get("JobState", "")
+
+    @property
+    def over(self) -> bool | None:
+        """True: the job runs no more (a final state, or the controller forgot it); False:
+        it is pending, running, or on its way back through the queue; None: unknown."""
+        if self.said is Said.NO_ANSWER:
+            return None
+        return self.said is Said.NO_SUCH_JOB or self.state in FINAL_STATES
+
+
+def query_job(job_id: str, timeout: float | None = None) -> JobQuery:
+    """Ask the controller about `job_id` (scontrol only: accounting's record may lag the
+    controller's and cannot say a job is alive). A transient failure is asked again once;
+    a hang is not (it has cost the whole timeout, client.TIMEOUT_S by default)."""
+    reply = client.run(["scontrol", "show", "job", "-o", job_id], timeout=timeout, tries=2, retry=_blip,
+                       env={"SLURM_TIME_FORMAT": "standard"})
+    if reply.says("Invalid job id specified"):
+        return JobQuery(job_id, Said.NO_SUCH_JOB)
+    fields = {key: value for key, sep, value in (t.partition("=") for t in reply.out.split()) if sep}
+    if not reply.ok or "JobState" not in fields:
+        return JobQuery(job_id, Said.NO_ANSWER, error=reply.said or "scontrol printed no job")
+    return JobQuery(job_id, Said.KNOWN, fields)
+
+
+def job_alive(job_id: str, timeout: float | None = None) -> bool | None:
+    """Is this job pending or running (a requeued one counts)? True, False (Slurm says it
+    is over or has forgotten it), or None: Slurm did not answer, so nobody may act as if it
+    were over (a lease on the run, `resume`)."""
+    over = query_job(job_id, timeout).over
+    return None if over is None else not over
+
+
 def show_job(job_id: str, timeout: float | None = None) -> dict[str, str] | None:
     """`scontrol show job -o` as a dict, times in ISO form whatever the site's
-    SLURM_TIME_FORMAT; None when scontrol is missing, fails or hangs past `timeout`."""
-    try:
-        proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
-                              text=True, timeout=timeout,
-                              env={**os.environ, "SLURM_TIME_FORMAT": "standard"})
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if proc.returncode:
-        return None
-    return {key: value for key, sep, value in (t.partition("=") for t in proc.stdout.split()) if sep}
+    SLURM_TIME_FORMAT; None when scontrol is missing, fails or hangs past `timeout`, or
+    the controller has forgotten the job (`query_job` tells these apart)."""
+    answer = query_job(job_id, timeout)
+    return answer.fields if answer.said is Said.KNOWN else None
 
 
 def end_time(job_id: str) -> int | None:
@@ -230,61 +278,100 @@ def end_time(job_id: str) -> int | None:
 def usable_nodes(partition: str, exclude: list[str] | tuple[str, ...] = ()) -> int | None:
     """How many nodes of `partition` a job could still be given: responding, not down,
     drained or failed, and not in `exclude`. None: sinfo did not answer."""
-    try:
-        proc = subprocess.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N %t"],
-                              capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
+    reply = client.run(["sinfo", "-h", "-N", "-p", partition, "-o", "%N %t"], tries=2, retry=_blip)
+    if not reply.ok:
         return None
-    if proc.returncode:
-        return None
-    states = dict(line.split() for line in proc.stdout.splitlines() if len(line.split()) == 2)
+    states = dict(line.split() for line in reply.out.splitlines() if len(line.split()) == 2)
     return sum(1 for node, state in states.items() if node not in exclude and not state.endswith("*")
                and state.rstrip("~#!%$@^-") in ("idle", "alloc", "mix", "comp", "resv", "plnd"))
 
 
-def requeue(job_id: str, exclude: list[str] | tuple[str, ...] = (), nodes: int | None = None) -> str:
-    """Ask Slurm to requeue this job; "" when it agreed, else what it said. A job that
-    reaches its time limit is never requeued by Slurm itself (it ends TIMEOUT), so the job
-    must do it before the limit. `exclude`: nodes it must not run on again (held while its
-    ExcNodeList is updated, so the scheduler cannot place it first). `nodes`: fewer nodes
-    than it had (what is left of the partition once those are excluded)."""
-    # (Slurm changes ExcNodeList only while a job is pending. Once it is held, Slurm ends
-    # the job's steps, this process among them, with TERM: the commands after it ignore TERM;
-    # they take milliseconds, well inside KillWait.)
+REQUEUE_BUDGET_S = 60.0
+"""How long a requeue keeps trying through a controller that does not answer. It runs
+after the notice (signal_lead, 120 s by default, before the time limit) and the save, and
+a job that reaches its limit ends TIMEOUT, which Slurm never requeues."""
+HELD_BUDGET_S = 20.0
+"""Once `requeuehold` took, Slurm ends the job's steps, this launcher among them: TERM
+(ignored) and KILL KillWait later (30 s by default). The update and the release that must
+follow are done by then."""
+ALREADY_REQUEUED = "Job is pending execution"
+"""ESLURM_JOB_PENDING: what a requeue of a job that is already back in the queue gets. The
+job this launcher runs in cannot be pending unless a requeue took (ours, whose answer was
+lost, or the job's own): the requeue is done."""
+
+
+def _scontrol(args: list[str], deadline: float) -> client.Reply:
+    """An scontrol action on this job that is safe to repeat (requeue, update, release),
+    retried through transient failures until `deadline`, and outliving the TERM that a
+    requeue brings."""
+    return client.run(["scontrol", *args], tries=5, deadline=deadline, ignore_term=True)
+
+
+def _requeued(reply: client.Reply) -> bool:
+    return reply.ok or reply.says(ALREADY_REQUEUED)
+
+
+def _tried(reply: client.Reply) -> str:
+    """What went wrong, in one line, and how often it was tried."""
+    if reply.code is None and not reply.hung:  # e.g. inside a container without Slurm's client
+        return f"{reply.err}; the launcher's environment (its container) needs Slurm's client"
+    return reply.said + (f" ({reply.tries} tries)" if reply.tries > 1 else "")
+
+
+@dataclass(frozen=True)
+class Requeue:
+    """How a requeue went."""
+
+    queued: bool
+    """The job is back in the queue and starts again by itself."""
+    error: str = ""
+    """What went wrong, in one line ("" when nothing did); a queued job may have one (its
+    ExcNodeList could not be changed)."""
+
+
+def requeue(job_id: str, exclude: list[str] | tuple[str, ...] = (), nodes: int | None = None) -> Requeue:
+    """Ask Slurm to requeue this job. A job that reaches its time limit is never requeued
+    by Slurm itself (it ends TIMEOUT), so the job must do it before the limit. `exclude`:
+    nodes it must not run on again (held while its ExcNodeList is updated, so the
+    scheduler cannot place it first). `nodes`: fewer nodes than it had (what is left of
+    the partition once those are excluded). Transient failures are retried for up to
+    REQUEUE_BUDGET_S; a `release` follows every `requeuehold` that may have taken."""
+    deadline = time.monotonic() + REQUEUE_BUDGET_S
+    if not (exclude or nodes):
+        reply = _scontrol(["requeue", job_id], deadline)
+        return Requeue(True) if _requeued(reply) else Requeue(False, f"scontrol requeue: {_tried(reply)}")
+    # Slurm changes ExcNodeList only while a job is pending: hold it, update, release.
+    hold = _scontrol(["requeuehold", job_id], deadline)
+    if not _requeued(hold) and not hold.transient:  # refused: nothing is held
+        return Requeue(False, f"scontrol requeuehold: {_tried(hold)}")
+    # Held, or maybe (its answer was lost): the release follows whatever the update does,
+    # else the job stays held for good. The update gets half the time the release has.
+    held = time.monotonic()
     update = [f"ExcNodeList={','.join(exclude)}", *([f"NumNodes={nodes}"] if nodes else [])]
-    steps = ([["requeuehold", job_id], ["update", f"JobId={job_id}", *update], ["release", job_id]]
-             if exclude or nodes else [["requeue", job_id]])
-    for args in steps:
-        try:
-            proc = subprocess.run(["scontrol", *args], capture_output=True, text=True,
-                                  preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
-        except OSError as err:  # e.g. inside a container without Slurm's client commands
-            return (f"scontrol: {err.strerror}; the launcher's environment (its container) "
-                    "needs Slurm's client")
-        if proc.returncode:
-            return proc.stderr.strip() or f"scontrol {args[0]} exited {proc.returncode}"
-    return ""
+    changed = _scontrol(["update", f"JobId={job_id}", *update], held + HELD_BUDGET_S / 2)
+    released = _scontrol(["release", job_id], held + HELD_BUDGET_S)
+    said = ([] if _requeued(hold) else [f"requeuehold: {_tried(hold)}"]) + (
+        [] if changed.ok else [f"update: {_tried(changed)} (requeued with the nodes it had)"]) + (
+        [] if released.ok else [f"release: {_tried(released)}: job {job_id} may stay held; "
+                                f"release it with `scontrol release {job_id}`"])
+    return Requeue(_requeued(hold) and released.ok, "; ".join(f"scontrol {s}" for s in said))
 
 
 def drain(node: str, reason: str, state: str = "DRAIN") -> str:
     """Tell Slurm a node is bad: DRAIN with a reason (no new job lands on it; an admin reads
     why in `sinfo -R`), or DOWN for one that is gone (what Slurm does itself after
     SlurmdTimeout; until then a job step with a task on it cannot end). Needs operator
-    rights; returns "" or what scontrol said."""
-    try:
-        proc = subprocess.run(["scontrol", "update", f"NodeName={node}", f"State={state}",
-                               f"Reason={reason[:200]}"], capture_output=True, text=True, timeout=30,
-                              preexec_fn=lambda: signal.signal(signal.SIGTERM, signal.SIG_IGN))
-    except (OSError, subprocess.TimeoutExpired) as err:
-        return str(err)
-    return (proc.stderr.strip() or f"exit {proc.returncode}") if proc.returncode else ""
+    rights; returns "" or what scontrol said. Tried once: the fault path waits on it."""
+    reply = client.run_once(["scontrol", "update", f"NodeName={node}", f"State={state}",
+                             f"Reason={reason[:200]}"], client.TIMEOUT_S, ignore_term=True)
+    return reply.said
 
 
 def requeued_by_other(job_id: str, restart_count: int) -> str:
     """Has something else in the job (the script's framework) requeued it already? Slurm
     counts requeues in Restarts before the steps are even killed; a second requeue would
     cost the run a whole extra attempt. Returns what Slurm says, or "" if not."""
-    info = show_job(job_id, timeout=30) or {}
+    info = show_job(job_id) or {}
     restarts = int(info.get("Restarts", restart_count) or restart_count)
     state = info.get("JobState", "")
     if restarts > restart_count or state in ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING"):
@@ -292,46 +379,53 @@ def requeued_by_other(job_id: str, restart_count: int) -> str:
     return ""
 
 
-def sbatch(*args: str) -> str:
-    """`sbatch --parsable ARGS`: the new job's id, or ValueError with sbatch's own last line."""
-    try:
-        proc = subprocess.run(["sbatch", "--parsable", *args], capture_output=True, text=True)
-    except OSError as err:
-        raise ValueError(f"cannot run sbatch ({err.strerror}); run this where Slurm's commands are") from None
-    if proc.returncode:
-        said = proc.stderr.strip().splitlines()
-        raise ValueError(f"sbatch refused the job: {said[-1] if said else 'no message'}")
-    return proc.stdout.strip().split(";")[0]
+def sbatch(*args: str, unique: bool = False, timeout: float | None = None) -> str:
+    """`sbatch --parsable ARGS` (the script last): the new job's id, or ValueError with
+    sbatch's own last line. sbatch's warnings on success go to stderr.
+
+    sbatch is not idempotent: sent twice, it makes two jobs. It is sent again only after a
+    failure that proves the controller never got it (`client.UNSENT`: no connection, and
+    Slurm's client has already tried for MessageTimeout). After one that leaves it open
+    (our timeout, "Socket timed out", a dropped connection: the controller may have made
+    the job and lost only its reply) it is not: with `unique` (no job was ever submitted
+    from this script path: submitit's `.submission_file_<uuid>.sh`) the job is looked for
+    in squeue by that path; otherwise, or when it is not there, the error says that a job
+    may have been made. (A stray one would not train: only a run's newest recorded job
+    does, `RunSpec.newest_job`.)"""
+    reply = client.run(["sbatch", "--parsable", *args], tries=3, retry=lambda r: r.unsent,
+                       timeout=client.SBATCH_TIMEOUT_S if timeout is None else timeout)
+    if reply.ok:
+        if reply.err:
+            print(reply.err, file=sys.stderr)
+        return reply.out.strip().split(";")[0]
+    if reply.code is None and not reply.hung:
+        raise ValueError(f"{reply.err}; run this where Slurm's commands are")
+    if not reply.transient or reply.unsent:  # the controller's answer, or it was never reached
+        raise ValueError(f"sbatch refused the job: {_tried(reply)}")
+    found = _submitted(args[-1]) if unique and args else None
+    if found:
+        return found
+    raise ValueError(f"sbatch got no clear answer ({reply.said}); the job may have been submitted "
+                     "all the same: look with `squeue --me` before submitting again")
+
+
+def _submitted(script: str) -> str | None:
+    """The job (its array's id, for an array) submitted from this script path, if the
+    controller has it (sbatch records the script's full path as the job's command)."""
+    reply = client.run(["squeue", "--me", "-h", "-t", "all", "-o", "%A|%o"], tries=3, retry=_blip)
+    path = os.path.abspath(script)
+    return next((job.strip() for job, _, command in (line.partition("|") for line in reply.out.splitlines())
+                 if command.strip() == path), None) if reply.ok else None
 
 
 def scancel(*args: str) -> None:
-    """`scancel ARGS`; ValueError with scancel's message when it fails."""
-    try:
-        proc = subprocess.run(["scancel", *args], capture_output=True, text=True)
-    except OSError as err:
-        raise ValueError(f"cannot run scancel ({err.strerror}); run this where Slurm's "
-                         "commands are") from None
-    if proc.returncode:
-        raise ValueError(f"scancel {' '.join(args)}: {proc.stderr.strip()}")
-
-
-QUERY_TIMEOUT_S = 30.0
-"""How long a query of one job's state may take before Slurm counts as not answering."""
-
-
-def job_alive(job_id: str, timeout: float | None = None) -> bool | None:
-    """Is the job still alive (pending, running, requeued, completing)? False when it is in
-    a final state or Slurm says it does not know it (forgotten after MinJobAge: over long
-    ago); None when Slurm did not answer (scontrol missing, failing or hanging): never to be
-    taken for "over" (a second job on a live run would be the result)."""
-    try:
-        proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True,
-                              text=True, timeout=timeout or QUERY_TIMEOUT_S)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    if proc.returncode == 0:
-        state = next((t.partition("=")[2] for t in proc.stdout.split() if t.startswith("JobState=")), "")
-        return bool(state) and state not in FINAL_STATES
-    if "Invalid job id" in proc.stderr:
-        return False
-    return None
+    """`scancel ARGS`; ValueError with scancel's message when it fails. A cancel is safe to
+    repeat: it is sent again after a transient failure (not after a hang: the user, or the
+    launcher, has waited the whole timeout already), and then a job already gone counts as
+    cancelled (the first one took, and only its answer was lost)."""
+    reply = client.run(["scancel", *args], tries=3, retry=_blip)
+    if reply.ok or (reply.tries > 1 and reply.says("Invalid job id", "already completing or completed")):
+        return
+    if reply.code is None and not reply.hung:
+        raise ValueError(f"{reply.err}; run this where Slurm's commands are")
+    raise ValueError(f"scancel {' '.join(args)}: {_tried(reply)}")

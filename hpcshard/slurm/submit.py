@@ -4,17 +4,15 @@ when a job is submitted (`render` stays instant)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import shlex
-import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
+import uuid
 from pathlib import Path
 from typing import Any
 
+from hpcshard.slurm import cluster
 from hpcshard.slurm.sbatch import SbatchRequest, render
 from hpcshard.slurm.time import parse_time
 
@@ -27,6 +25,24 @@ def executor(req: SbatchRequest, run_dir: Path) -> Any:
     class Executor(submitit.SlurmExecutor):  # type: ignore[misc]
         def _make_submission_file_text(self, command: str, uid: str) -> str:
             return render(req, command, Path(self.folder))
+
+        def _submit_command(self, command: str) -> Any:
+            """submitit 1.5.4's own (core.Executor._submit_command), but sbatch through
+            `cluster.sbatch`: submitit runs it with no timeout and no retry. The script's
+            name is new for each submission, so a submission whose answer was lost is
+            found by it instead of being sent twice."""
+            from submitit.core import utils
+
+            uid = uuid.uuid4().hex
+            folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
+            script = folder / f".submission_file_{uid}.sh"
+            script.write_text(self._make_submission_file_text(command, uid))
+            job = self.job_class(folder=self.folder, job_id=cluster.sbatch(str(script), unique=True),
+                                 tasks=list(range(self._num_tasks())))
+            job.paths.move_temporary_file(script, "submission_file", keep_as_symlink=True)
+            self._write_job_id(job.job_id, uid)
+            self._set_job_permissions(job.paths.folder)
+            return job
 
         def _internal_process_submissions(self, delayed: list[Any]) -> list[Any]:
             """A request with an array (a sweep's, even of one task) is one job array (as
@@ -71,27 +87,9 @@ def sbatch_text(req: SbatchRequest, run_dir: Path) -> str:
     return render(req, submit_command(req, run_dir), run_dir / "submitit")
 
 
-@contextlib.contextmanager
-def _stderr_captured() -> Iterator[list[str]]:
-    """submitit runs sbatch without capturing its stderr: catch it at the file descriptor, so
-    a refusal is reported once, in hpcshard's own error line."""
-    captured: list[str] = []
-    with tempfile.TemporaryFile(mode="w+") as sink:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield captured
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            captured.extend(line for line in sink.read().splitlines() if line.strip())
-
-
 def submit(req: SbatchRequest, run_dir: Path, fn: Any, *args: Any) -> str:
-    """Submit and return the job id; sbatch's own message on refusal (ValueError)."""
+    """Submit and return the job id; sbatch's own message on refusal, or that it gave no
+    clear answer (ValueError: `cluster.sbatch`)."""
     return submit_array(req, run_dir, fn, [args])[0]
 
 
@@ -99,20 +97,7 @@ def submit_array(req: SbatchRequest, run_dir: Path, fn: Any, tasks: list[tuple[A
     """Submit `fn(*args)` for each args in `tasks`: one job, or one job array (`req.array`
     set) whose task i runs tasks[i]; their job ids (ARRAY_i for a task). sbatch's own
     message on refusal (ValueError)."""
-    import submitit
-
     ex = executor(req, run_dir)
-    failure: BaseException | None = None
-    jobs: list[Any] = []
-    with _stderr_captured() as said:
-        try:
-            with ex.batch():
-                jobs = [ex.submit(fn, *args) for args in tasks]
-        except (subprocess.CalledProcessError, submitit.core.utils.FailedJobError) as err:
-            failure = err
-    if failure is not None:
-        lines = said or [str(failure)]
-        raise ValueError(f"sbatch refused the job: {lines[-1]}") from None
-    for line in said:  # sbatch's warnings on success still reach the user
-        print(line, file=sys.stderr)
+    with ex.batch():  # submitted when the batch closes (`_submit_command`: cluster.sbatch)
+        jobs = [ex.submit(fn, *args) for args in tasks]
     return [str(job.job_id) for job in jobs]

@@ -130,7 +130,7 @@ def test_status_of_a_job_the_controller_forgot_reads_accounting(run: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A Slurm run whose job scontrol no longer knows (older than MinJobAge): its final
     state, restarts and every run of it from sacct, each attempt beside the run it was."""
-    from hpcshard.slurm import cluster
+    from hpcshard.slurm import client, cluster
 
     spec = RunSpec.read(run)
     spec.backend, spec.jobs = "slurm", ["4242"]
@@ -148,7 +148,7 @@ def test_status_of_a_job_the_controller_forgot_reads_accounting(run: Path,
 
     monkeypatch.setattr(cluster, "show_job", lambda *a, **k: None)  # purged: scontrol fails
     monkeypatch.setattr(cluster.shutil, "which", lambda name: f"/usr/bin/{name}")
-    monkeypatch.setattr(cluster.subprocess, "run", sacct)
+    monkeypatch.setattr(client.subprocess, "run", sacct)
     out = CliRunner().invoke(main, ["status", str(run)])
     assert out.exit_code == 0, out.output
     assert ("slurm job 4242: COMPLETED, restarts 2, nodes n[2-3], run time 00:00:30, exit 0:0 "

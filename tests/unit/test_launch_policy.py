@@ -51,7 +51,8 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,facts,action,code,end,active,spares,bad,said", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("name,facts,action,code,end,active,spares,bad,said", CASES,
+                         ids=[c[0] for c in CASES])
 def test_every_branch_of_the_policy(name: str, facts: Facts, action: Action, code: int, end: str,
                                     active: tuple[int, ...], spares: tuple[int, ...], bad: tuple[int, ...],
                                     said: str) -> None:

@@ -119,9 +119,9 @@ def test_resume_of_a_slurm_run_never_takes_no_answer_for_over(tmp_path: Path, mo
     lease.take(run, lease.Owner.of_job("41"), never)
     calls = _fake_slurm(tmp_path / "bin", scontrol)
     monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}:{os.environ['PATH']}")
-    from hpcshard.slurm import cluster
+    from hpcshard.slurm import client
 
-    monkeypatch.setattr(cluster, "QUERY_TIMEOUT_S", 1.0)  # (a hung scontrol: 1 s, not 30)
+    monkeypatch.setattr(client, "TIMEOUT_S", 1.0)  # (a hung scontrol: 1 s, not 30)
     result = CliRunner().invoke(main, ["resume", str(run)])
     assert result.exit_code == 2, result.output
     assert said in result.output and len(result.output.strip().splitlines()) == 1

@@ -161,7 +161,7 @@ def test_an_array_of_one_task_is_still_an_array(tmp_path: Path, monkeypatch: pyt
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "sbatch").write_text(
-        f"#!/bin/sh\ncp \"$1\" {tmp_path}/submitted.sh\necho 'Submitted batch job 4242'\n")
+        f"#!/bin/sh\nfor a; do script=$a; done\ncp \"$script\" {tmp_path}/submitted.sh\necho 4242\n")
     (bin_dir / "sbatch").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
     req = SbatchRequest(job_name="c", nodes=1, gpus_per_node=1, run_dir=tmp_path / "s", array="0-0")

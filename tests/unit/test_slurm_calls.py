@@ -1,0 +1,219 @@
+"""Slurm calls that hang or give up: fake Slurm commands first on PATH (and nothing else:
+no real sacct behind them), each logging how it was called. Timeouts and back-offs are
+made short so that a hang costs a second, not minutes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from hpcshard.cli import main
+from hpcshard.rundir import lease, ledger
+from hpcshard.rundir.spec import RunSpec
+from hpcshard.slurm import client, cluster
+from hpcshard.slurm.env import SlurmEnv
+
+HANG = "exec /bin/sleep 30\n"
+"""A command whose controller never answers (exec: the sleep itself is what times out)."""
+
+
+@pytest.fixture
+def bin_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The only directory on PATH; short timeouts and back-offs."""
+    path = tmp_path / "bin"
+    path.mkdir()
+    monkeypatch.setenv("PATH", str(path))
+    monkeypatch.setattr(client, "TIMEOUT_S", 0.5)
+    monkeypatch.setattr(client, "SBATCH_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(client, "BACKOFF_S", 0.05)
+    monkeypatch.setattr(cluster, "REQUEUE_BUDGET_S", 2.0)
+    monkeypatch.setattr(cluster, "HELD_BUDGET_S", 1.5)
+    return path
+
+
+def fake(bin_dir: Path, name: str, body: str) -> Path:
+    """A fake Slurm command that appends its arguments to BIN/NAME.log, then runs `body`."""
+    log = bin_dir / f"{name}.log"
+    script = bin_dir / name
+    script.write_text(f'#!/bin/sh\necho "$*" >> {log}\n{body}')
+    script.chmod(0o755)
+    return log
+
+
+def calls(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.parametrize("update", [
+    'echo "Invalid node name specified for job 77" >&2; exit 1\n',  # refused
+    HANG,  # no answer
+])
+def test_release_follows_requeuehold_whatever_the_update_does(bin_dir: Path, update: str) -> None:
+    log = fake(bin_dir, "scontrol", f'if [ "$1" = update ]; then {update}fi\nexit 0\n')
+    asked = cluster.requeue("77", exclude=["n3"])
+    assert [c.split()[0] for c in calls(log) if c.split()[0] != "update"] == ["requeuehold", "release"]
+    assert calls(log)[-1] == "release 77"
+    assert asked.queued  # requeued, only not without n3: said so
+    assert "update" in asked.error and "requeued with the nodes it had" in asked.error
+
+
+def test_a_requeuehold_whose_answer_was_lost_is_released_all_the_same(bin_dir: Path) -> None:
+    log = fake(bin_dir, "scontrol", f'if [ "$1" = requeuehold ]; then {HANG}fi\nexit 0\n')
+    asked = cluster.requeue("77", exclude=["n3"])
+    assert calls(log)[-1] == "release 77" and "update JobId=77 ExcNodeList=n3" in calls(log)
+    assert not asked.queued and "gave no answer" in asked.error  # not known to be queued: said so
+
+
+def continue_run(tmp_path: Path) -> list[dict[str, object]]:
+    """A clean stop of attempt 0 of Slurm job 77 under the requeue policy: what the
+    launcher records."""
+    from hpcshard.launch import slurm
+
+    run = tmp_path / "run"
+    run.mkdir()
+    RunSpec(job="jobs/charlm.py", sets={}, nodes=2, gpus=1, backend="slurm", name="x",
+            jobs=["77"]).write(run)
+    env = SlurmEnv(job_id="77", ref="77", nodes=["n1", "n2"], node_id=0, restart_count=0, gpus_on_node=1)
+    slurm._continue(run, env, attempt=0, first_attempt=0, max_requeues=3, policy="requeue",
+                    owner=lease.Owner.of_job("77"))
+    return ledger.read(run)
+
+
+SHOW = 'if [ "$1" = show ]; then echo "JobId=77 JobState=RUNNING Restarts=0"; exit 0; fi\n'
+
+
+def test_a_requeue_goes_through_a_controller_blip(tmp_path: Path, bin_dir: Path) -> None:
+    blipped = tmp_path / "blipped"
+    log = fake(bin_dir, "scontrol", SHOW + (
+        f'if [ "$1" = requeue ] && [ ! -e {blipped} ]; then : > {blipped}\n'
+        '  echo "Socket timed out on send/recv operation for job 77" >&2; exit 1\nfi\nexit 0\n'))
+    (record,) = continue_run(tmp_path)
+    assert [c for c in calls(log) if c.startswith("requeue")] == ["requeue 77", "requeue 77"]
+    assert record["event"] == "requeue" and record["error"] is None, record
+
+
+def test_a_retried_requeue_that_had_taken_counts_as_done(tmp_path: Path, bin_dir: Path) -> None:
+    """The first answer was lost but the requeue took: the retry hears that the job is
+    pending already."""
+    tried = tmp_path / "tried"
+    fake(bin_dir, "scontrol", SHOW + (
+        f'if [ "$1" = requeue ]; then if [ -e {tried} ]; then '
+        'echo "Job is pending execution for job 77" >&2; exit 1; fi\n'
+        f'  : > {tried}; {HANG}fi\nexit 0\n'))
+    (record,) = continue_run(tmp_path)
+    assert record["event"] == "requeue" and record["error"] is None, record
+
+
+@pytest.mark.parametrize("said,tries", [
+    ("Unable to contact slurm controller (connect failure)", 5),  # down for the whole budget
+    ("Requested operation is presently disabled for job 77", 1),  # refused: asking again is no use
+])
+def test_a_requeue_that_still_fails_gives_up_with_its_reason(tmp_path: Path, bin_dir: Path,
+                                                             said: str, tries: int) -> None:
+    log = fake(bin_dir, "scontrol", SHOW + f'echo "{said}" >&2; exit 1\n')
+    start = time.monotonic()
+    (record,) = continue_run(tmp_path)
+    assert time.monotonic() - start < cluster.REQUEUE_BUDGET_S + 2
+    assert len([c for c in calls(log) if c.startswith("requeue")]) == tries
+    assert record["event"] == "gave_up" and said in str(record["reason"]), record
+    assert "hpcshard resume" in str(record["reason"])
+
+
+HUNG_CALLS = {
+    "sbatch": (lambda: cluster.sbatch("job.sh"), "may have been submitted"),
+    "scancel": (lambda: cluster.scancel("77"), "gave no answer"),
+    "requeue": (lambda: cluster.requeue("77"), "gave no answer"),
+    "requeuehold": (lambda: cluster.requeue("77", exclude=["n3"]), "gave no answer"),
+    "partitions": (lambda: cluster.partitions(), "Slurm does not answer"),
+    "query_job": (lambda: cluster.query_job("77"), "gave no answer"),
+}
+
+
+@pytest.mark.parametrize("name", HUNG_CALLS)
+def test_every_slurm_call_ends_when_the_controller_hangs(bin_dir: Path, name: str) -> None:
+    for command in ("sbatch", "scancel", "scontrol", "sinfo", "squeue"):
+        fake(bin_dir, command, HANG)
+    call, said = HUNG_CALLS[name]
+    bound = cluster.REQUEUE_BUDGET_S + cluster.HELD_BUDGET_S + 1 if "requeue" in name else 3
+    start = time.monotonic()
+    try:
+        answer = str(call())
+    except ValueError as err:
+        answer = str(err)
+    assert time.monotonic() - start < bound
+    assert said in answer, answer
+
+
+def test_sbatch_is_sent_again_only_when_it_surely_was_not_sent(tmp_path: Path, bin_dir: Path) -> None:
+    down = tmp_path / "down"
+    log = fake(bin_dir, "sbatch", (
+        f'if [ ! -e {down} ]; then : > {down}; echo "sbatch: error: Batch job submission failed: '
+        'Unable to contact slurm controller (connect failure)" >&2; exit 1; fi\necho 4243\n'))
+    assert cluster.sbatch("job.sh") == "4243" and len(calls(log)) == 2  # never reached: sent again
+    log.unlink()
+    fake(bin_dir, "sbatch", 'echo "sbatch: error: Batch job submission failed: Socket timed out on '
+         'send/recv operation" >&2; exit 1\n')
+    with pytest.raises(ValueError, match="may have been submitted"):
+        cluster.sbatch("job.sh")  # it may have been made: never sent twice
+    assert len(calls(log)) == 1
+
+
+def test_a_submission_whose_answer_was_lost_is_found_by_its_script(tmp_path: Path, bin_dir: Path) -> None:
+    script = tmp_path / ".submission_file_0123.sh"
+    log = fake(bin_dir, "sbatch", HANG)
+    fake(bin_dir, "squeue", f'echo "4242|/elsewhere/job.sh"\necho "4243|{script}"\n')
+    assert cluster.sbatch(str(script), unique=True) == "4243" and len(calls(log)) == 1
+    with pytest.raises(ValueError, match="may have been submitted"):
+        cluster.sbatch(str(tmp_path / "other.sh"), unique=True)
+
+
+def test_a_repeated_scancel_of_a_job_that_went_meanwhile_succeeds(tmp_path: Path, bin_dir: Path) -> None:
+    tried = tmp_path / "tried"
+    log = fake(bin_dir, "scancel", (
+        f'if [ -e {tried} ]; then echo "scancel: error: Kill job error on job id 77: Invalid job id '
+        f'specified" >&2; exit 1; fi\n: > {tried}\n'
+        'echo "scancel: error: Socket timed out on send/recv operation" >&2; exit 1\n'))
+    cluster.scancel("77")
+    assert len(calls(log)) == 2
+    with pytest.raises(ValueError, match="Invalid job id"):
+        cluster.scancel("77")  # at the first try, still an error
+
+
+@pytest.mark.parametrize("body,said,alive", [
+    ('echo "JobId=77 JobState=RUNNING Restarts=1"\n', cluster.Said.KNOWN, True),
+    ('echo "JobId=77 JobState=COMPLETED Restarts=1"\n', cluster.Said.KNOWN, False),
+    ('echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1\n', cluster.Said.NO_SUCH_JOB, False),
+    ('echo "slurm_load_jobs error: Unable to contact slurm controller (connect failure)" >&2; exit 1\n',
+     cluster.Said.NO_ANSWER, None),
+    (HANG, cluster.Said.NO_ANSWER, None),
+])
+def test_a_job_query_tells_over_from_no_answer(bin_dir: Path, body: str, said: cluster.Said,
+                                               alive: bool | None) -> None:
+    fake(bin_dir, "scontrol", body)
+    assert cluster.query_job("77").said is said
+    assert cluster.job_alive("77") is alive
+
+
+def test_resume_refuses_when_slurm_does_not_answer(tmp_path: Path, bin_dir: Path) -> None:
+    """scontrol hangs and there is no accounting: the run may well be training. resume says
+    so in one line and submits nothing (it took the silence for "over", and submitted a
+    second job on the live run)."""
+    train = tmp_path / "train.py"
+    train.write_text("print('training')\n")
+    fake(bin_dir, "sinfo", 'echo "debug*|2|gpu:2|infinite"\n')
+    fake(bin_dir, "srun", "exit 1\n")  # submitit looks for it; never run here
+    submitted = fake(bin_dir, "sbatch", 'case "$1" in --parsable) echo 4243;; '
+                     '*) echo "Submitted batch job 4243";; esac\n')
+    run = tmp_path / "run"
+    out = CliRunner().invoke(main, ["submit", "--backend", "slurm", str(train), "--run-dir", str(run)])
+    assert out.exit_code == 0 and len(calls(submitted)) == 1, out.output
+    fake(bin_dir, "scontrol", HANG)
+    out = CliRunner().invoke(main, ["resume", str(run)])
+    assert out.exit_code == 2, out.output
+    assert out.output.strip().splitlines() == [
+        f"Error: {run} is in use: Slurm did not answer whether job 4243, which owns the run, still "
+        "runs; try again when the controller answers"]
+    assert len(calls(submitted)) == 1 and RunSpec.read(run).jobs == ["4243"]
