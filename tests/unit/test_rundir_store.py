@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpcshard.cli import main
-from hpcshard.rundir import store
+from hpcshard.rundir import launchers, store
 
 
 def make(root: Path, step: int, *, commit: bool = True, files: dict[str, int] | None = None) -> Path:
@@ -197,8 +197,7 @@ def test_resume_refuses_a_run_that_is_still_going(root: Path) -> None:
     run = root.parent
     (run / "spec.json").write_text(json.dumps({"job": "x.py", "sets": {}, "nodes": 1, "gpus": 1,
                                                "backend": "local", "name": "x"}))
-    (run / "launch").mkdir()
-    (run / "launch" / "node-0.pid").write_text(f"{os.getpid()}\n")  # alive: this very process
+    launchers.write_pid_file(run, 0)  # alive: this very process
     result = CliRunner().invoke(main, ["resume", str(run)])
     assert result.exit_code == 2 and "still running" in result.output
     (run / "launch" / "node-0.pid").write_text("999999999\n")  # left by a launcher killed -9
