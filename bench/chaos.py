@@ -109,7 +109,9 @@ class Soak:
         if kind in ("rank_kill", "rank_hang"):
             from hpcshard.launch.procs import ranks_below
 
-            ranks = ranks_below([int(launchers.pid_file(self.run_dir, node).read_text())])
+            launcher = launchers.read_pid(launchers.pid_file(self.run_dir, node))
+            assert launcher is not None, f"node {node}'s launcher is not running"
+            ranks = ranks_below([launcher])
             victim = self.rng.choice(ranks)
             os.kill(victim, signal.SIGKILL if kind == "rank_kill" else signal.SIGSTOP)
             done["pid"] = victim

@@ -25,9 +25,10 @@ REPEATS = 3
 
 def _freeze(run_dir: Path, node: int) -> float:
     from hpcshard.launch.procs import descendants
-    from hpcshard.rundir.launchers import pid_file
+    from hpcshard.rundir.launchers import pid_file, read_pid
 
-    launcher = int(pid_file(run_dir, node).read_text())
+    launcher = read_pid(pid_file(run_dir, node))
+    assert launcher is not None, f"node {node}'s launcher is not running"
     for pid in [launcher, *descendants(launcher)]:
         os.kill(pid, signal.SIGSTOP)
     return time.time()

@@ -80,7 +80,7 @@ def submit(job: str | None, nodes: int | None, run_dir: Path | None, name: str |
     script as it is: `submit train.py -- ARGS`, `submit -m package.module -- ARGS`."""
     spec, run_dir, req = _prepare(job, nodes or 1, run_dir, name, resume, sets, profile, opts,
                                   module=module, args=args)
-    create_run_dir(run_dir)
+    create_run_dir(run_dir, spec.run_group)
     # Two commands given one new --run-dir at once both found it empty: one gets the run.
     claim = take_run(run_dir, "hpcshard submit")
     if spec.backend == "slurm":
@@ -167,7 +167,7 @@ def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None
                                  "(in $HPCSHARD_CHECKPOINT_DIR); use auto or never")
             own.update(cwd=str(Path.cwd()), signal=v["script_signal"], grace=v["script_grace"])
         run_dir = run_dir or default_run_dir(label, site.storage_root(res))
-        check_run_dir(run_dir)
+        check_run_dir(run_dir, v["run_group"])
         if resume not in ("auto", "never"):
             check_resume(run_dir, resume)
         # The profile's training settings under the command line's.
@@ -204,7 +204,8 @@ def run_spec(res: site.Resolved, ref: str, sets: dict[str, str], nodes: int, bac
                              name=name, max_requeues=v["max_requeues"], requeue_policy=v["requeue_policy"],
                              max_restarts=v["max_restarts"], no_progress_restarts=v["no_progress_restarts"],
                              health_check=v["health_check"], spares=v["spares"], min_nodes=v["min_nodes"],
-                             bad_nodes=v["bad_nodes"], profile=res.profile), **fields})
+                             bad_nodes=v["bad_nodes"], run_group=v["run_group"], profile=res.profile),
+                       **fields})
 
 
 def check_secrets(names: list[str], env: dict[str, Any], profile: str | None) -> None:

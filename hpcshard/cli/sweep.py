@@ -80,7 +80,7 @@ def sweep(job: str, nodes: int | None, grid: tuple[str, ...], configs_file: Path
                              "(--grid KEY=...); loop over `hpcshard submit` for a script")
         name = name or job_stem(named)
         root = sweep_dir or default_run_dir(f"{job_stem(named)}-sweep", site.storage_root(res))
-        check_run_dir(root)
+        check_run_dir(root, v["run_group"])
         common = {**v["train"], **parse_sets(sets)}
         backend = pick_backend(v["backend"])
         specs = [run_spec(res, ref, {**common, **config}, nodes or 1, backend, f"{name}-{i}",
@@ -92,9 +92,9 @@ def sweep(job: str, nodes: int | None, grid: tuple[str, ...], configs_file: Path
         for spec, resolved in zip(specs, preflight_many(specs, configs), strict=True):
             spec.resolved = resolved
     record = Sweep(job=ref, name=name, backend=backend, configs=configs, max_parallel=max_parallel or 0)
-    create_run_dir(root)
+    create_run_dir(root, specs[0].run_group)
     for i, spec in enumerate(specs):
-        create_run_dir(record.task_dir(root, i))
+        create_run_dir(record.task_dir(root, i), spec.run_group)
         spec.write(record.task_dir(root, i))
     record.write(root)
     click.echo(f"sweep {name}: {len(configs)} configuration(s) of {job}, {specs[0].nodes} node(s) x "

@@ -19,7 +19,7 @@ from hpcshard.launch.procs import Agent, children, send
 from hpcshard.launch.supervise import Supervisor
 from hpcshard.launch.zygote import Zygote
 from hpcshard.rundir import ledger
-from hpcshard.rundir.launchers import pid_file
+from hpcshard.rundir.launchers import write_pid_file
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.rundir.store import last_save
@@ -137,9 +137,7 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
     signal.signal(stop_signal, to_ranks)
-    pids = pid_file(run_dir, node.node_rank)
-    pids.parent.mkdir(exist_ok=True)
-    pids.write_text(f"{os.getpid()}\n")
+    pids = write_pid_file(run_dir, node.node_rank)
     try:
         if sup is not None:
             code = sup.run()

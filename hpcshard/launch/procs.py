@@ -59,10 +59,12 @@ def ranks_below(pids: list[int]) -> list[int]:
     """The ranks (pids, by global rank) below these launchers, from the boards of this
     host: whatever lies between (torchrun, a warm agent, the zygote), a rank is what
     reports on a board. A board left by a killed launcher may name a pid that now is
-    another process (pids wrap): only a slot written since its process started counts."""
+    another process (pids wrap): only a slot written since its process started counts
+    (both on the boot clock: start times floor to a clock tick, so a slot of the process
+    itself is never earlier)."""
     below = {d for pid in pids for d in descendants(pid)}
     slots = sorted((s.rank, s.pid) for board in boards() for s in board
-                   if s.pid in below and s.since >= started(s.pid) - 1.0)
+                   if s.pid in below and s.since >= started(s.pid))
     return [pid for _, pid in slots]
 
 

@@ -412,7 +412,7 @@ class Supervisor:
             dead = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase, **self.where}
                     for s in slots if s.phase != "done" and not alive(s.pid)]
             if code is None and not dead:
-                hang = dog.look(slots, time.time())
+                hang = dog.look(slots)
                 if not learned and dog.step_limit() is not None:
                     learned = self._learned(dog, cycle)
             if code is not None or dead or hang or launchers.fault(self.run_dir, attempt, cycle):

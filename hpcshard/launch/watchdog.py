@@ -9,17 +9,21 @@ hang. Joining the process group has its own, `watchdog_join_s`: every rank has s
 then, and a rank stuck connecting to the store (seen: rarely, after a hard requeue) would
 wait for torch's 30 minutes. A rank stopped by a signal, or still running while its peers
 wait in a collective, is named as the culprit.
+
+Every time here is on the host's boot clock (`rundir.proc.clock`), as the board's are: a
+step of the wall clock (NTP, an admin's `date`) is neither a hang nor hides one.
 """
 
 from __future__ import annotations
 
-import os
 import statistics
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
+from hpcshard.rundir.proc import clock, started, stat_fields
 from hpcshard.rundir.progress import Slot
+
+__all__ = ["Limits", "Watchdog", "process_state", "stat_fields", "started"]
 
 
 @dataclass(frozen=True)
@@ -39,25 +43,6 @@ class Limits:
                    warmup_steps=int(cfg.get("watchdog_warmup_steps", d.warmup_steps)),
                    phase_s=float(cfg.get("watchdog_phase_s", d.phase_s)),
                    join_s=float(cfg.get("watchdog_join_s", d.join_s)))
-
-
-def stat_fields(pid: int | str) -> list[str]:
-    """/proc/PID/stat after the command name: state, ppid, ... (empty when it is gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
-def started(pid: int) -> float:
-    """Unix time at which `pid` started (0.0 if it is gone): a record naming a pid is about
-    this process only if it was written after that (pids wrap, at 32768 by default)."""
-    fields = stat_fields(pid)
-    if not fields:
-        return 0.0
-    boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                if line.startswith("btime "))
-    return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")
 
 
 def process_state(pid: int) -> str:
@@ -89,8 +74,10 @@ class Watchdog:
             return None
         return max(self.limits.floor_s, self.limits.factor * self.median())
 
-    def look(self, slots: list[Slot], now: float) -> dict[str, Any] | None:
-        """Learn from the board; a hang record when a rank overran its phase, else None."""
+    def look(self, slots: list[Slot], now: float | None = None) -> dict[str, Any] | None:
+        """Learn from the board; a hang record when a rank overran its phase, else None.
+        `now` (default: now) is on the clock of the slots' `since`, `rundir.proc.clock`."""
+        now = clock() if now is None else now
         for s in slots:
             before = self.seen.get(s.rank)
             if before is not None and before.phase == s.phase == "step" and s.step > before.step:

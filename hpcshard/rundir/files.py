@@ -60,20 +60,28 @@ def create_exclusive(path: Path, text: str) -> bool:
     """Write `path` whole unless it exists (written aside, then linked: no reader sees it
     half written, and of two writers exactly one wins). False when it existed.
 
-    On NFS a LINK whose reply was lost is retransmitted, and the retry can report EEXIST
-    (or another error) although the first one succeeded: the side file's link count says
-    what really happened (2: the link is ours)."""
+    The side file's name is this writer's alone (`side_name`): launchers in containers
+    share pids, and one writer's side file overwritten by another's was linked or removed
+    under it. On NFS a LINK whose reply was lost is sent again and then fails (EEXIST, or
+    another error) although the first one made the link: the side file's link count (2:
+    its own name and `path`) says who won."""
     path.parent.mkdir(exist_ok=True)
     aside = side_name(path)
-    aside.write_text(text)
+    fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o640)
     try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
         try:
             os.link(aside, path)
-        except OSError:
-            return aside.stat().st_nlink == 2
+        except OSError as err:
+            if os.stat(aside).st_nlink == 2:
+                return True  # our link was made; the error came from its retransmission
+            if isinstance(err, FileExistsError):
+                return False
+            raise
         return True
     finally:
-        aside.unlink()
+        aside.unlink(missing_ok=True)
 
 
 LOCK_STALE_S = 30.0

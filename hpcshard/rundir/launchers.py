@@ -1,7 +1,8 @@
 """RUN_DIR/launch/: what the launchers leave for each other and for the CLI.
 
-    node-N.pid       a node launcher's pid while it runs (local backend: `preempt`,
-                     `cancel` and `resume` find the live ones here)
+    node-N.pid       a node launcher's identity while it runs (pid, start time, boot, host,
+                     pid namespace: `rundir.proc`); the local backend's `preempt`, `cancel`
+                     and `resume` find the live ones here, and a reused pid is not one
     job-J.attempt    the attempt number a continuation job J starts with (chain policy)
     fault-A-C.json   a fault in cycle C of attempt A, declared by the first launcher to
                      see it (created exclusively: one declaration, whoever is first)
@@ -21,20 +22,49 @@ shared storage, and a node whose launcher writes nothing is a node that is gone.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
 
-from hpcshard.rundir import ledger
-from hpcshard.rundir.files import write_atomic
+from hpcshard.rundir import ledger, proc
+from hpcshard.rundir.files import create_exclusive, write_atomic
 
 LAUNCH = "launch"
 
 
 def pid_file(run_dir: Path, node_rank: int) -> Path:
     return run_dir / LAUNCH / f"node-{node_rank}.pid"
+
+
+def write_pid_file(run_dir: Path, node_rank: int) -> Path:
+    """This process is node `node_rank`'s launcher: its identity, written whole."""
+    path = pid_file(run_dir, node_rank)
+    path.parent.mkdir(exist_ok=True)
+    write_atomic(path, json.dumps(proc.identity(os.getpid())) + "\n")
+    return path
+
+
+def _identity(path: Path) -> dict[str, Any] | None:
+    """The launcher a pid file names (None: unreadable, or of a version that wrote a bare
+    pid, which cannot tell the launcher from a process that got its pid later)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def read_pid(path: Path) -> int | None:
+    """The pid of the launcher this pid file names, if that launcher still runs on this
+    host: None when it is gone, when its pid now belongs to another process (a later start
+    time), or when the file is another host's, boot's or pid namespace's (its pid names
+    nothing here)."""
+    record = _identity(path)
+    return int(record["pid"]) if record is not None and proc.same(record) else None
 
 
 def attempt_file(run_dir: Path, job_id: str) -> Path:
@@ -54,29 +84,59 @@ def guards(run_dir: Path) -> list[str]:
 
 
 def launchers(run_dir: Path) -> list[int]:
-    """The pids of the launchers that are still alive (a pid file left behind by one
-    killed with -9 does not count; another user's live process does)."""
-    alive = []
-    for path in sorted((run_dir / LAUNCH).glob("node-*.pid")):
-        try:
-            pid = int(path.read_text())
-            os.kill(pid, 0)
-        except (ProcessLookupError, ValueError, FileNotFoundError):
-            continue
-        except PermissionError:
-            pass
-        alive.append(pid)
-    return alive
+    """The pids of the run's launchers that still run on this host. A pid file left by one
+    killed with -9 does not count, nor one whose pid now belongs to another process (its
+    start time differs). A pid file written on another host (or before a reboot, or in a
+    container's own pid namespace) is left out too: its pid cannot be checked from here,
+    and would name an unrelated process. (The local backend runs every launcher on the
+    host of its CLI; of a Slurm run's, Slurm is asked.)"""
+    found = (read_pid(path) for path in sorted((run_dir / LAUNCH).glob("node-*.pid")))
+    return [pid for pid in found if pid is not None]
+
+
+def _pidfd(pid: int) -> int | None:
+    """A handle on process `pid` that a later process with its pid cannot take over (Linux
+    5.3+); None where there is none (then the pid itself is signalled)."""
+    try:
+        return os.pidfd_open(pid)
+    except AttributeError:
+        return None
+    except OSError as err:
+        if err.errno in (errno.ENOSYS, errno.EINVAL, errno.EPERM):
+            return None
+        raise
+
+
+def _signal_identified(path: Path, sig: int) -> bool:
+    """Send `sig` to the launcher `path` names, if it is still that process. With a pidfd
+    the check and the signal are about one process: opened first, then the start time
+    checked, so a pid reused in between fails the check instead of getting the signal."""
+    record = _identity(path)
+    if record is None or not proc.here(record):
+        return False
+    try:
+        fd = _pidfd(int(record["pid"]))
+    except (ProcessLookupError, ValueError, TypeError, KeyError):
+        return False
+    try:
+        if not proc.same(record):
+            return False
+        if fd is None:
+            os.kill(int(record["pid"]), sig)
+        else:
+            signal.pidfd_send_signal(fd, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def signal_launchers(run_dir: Path, sig: int) -> int:
-    """Send `sig` to every live launcher of the run; returns how many got it."""
-    sent = 0
-    for pid in launchers(run_dir):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-            sent += 1
-    return sent
+    """Send `sig` to every live launcher of the run on this host (`launchers`); returns how
+    many got it."""
+    return sum(_signal_identified(path, sig) for path in sorted((run_dir / LAUNCH).glob("node-*.pid")))
 
 
 def _cycle_file(run_dir: Path, kind: str, attempt: int, cycle: int, suffix: str = ".json") -> Path:
@@ -85,23 +145,14 @@ def _cycle_file(run_dir: Path, kind: str, attempt: int, cycle: int, suffix: str 
 
 
 def _create(path: Path, text: str) -> bool:
-    """Write `path` whole unless it exists (written aside, then linked: no reader sees it
-    half written, and of two writers exactly one wins). False when it existed."""
-    path.parent.mkdir(exist_ok=True)
-    aside = path.with_name(f".{path.name}.{os.getpid()}")
-    aside.write_text(text)
-    try:
-        os.link(aside, path)
-    except FileExistsError:
-        return False
-    finally:
-        aside.unlink()
-    return True
+    """Write `path` whole unless it exists; of two writers exactly one wins (False when it
+    existed): `files.create_exclusive`."""
+    return create_exclusive(path, text)
 
 
 def claim(run_dir: Path, name: str) -> bool:
     """The first launcher to claim `name` gets True; every other one False."""
-    return _create(run_dir / LAUNCH / name, f"{os.getpid()}\n")
+    return _create(run_dir / LAUNCH / name, json.dumps(proc.identity(os.getpid())) + "\n")
 
 
 def declare_fault(run_dir: Path, attempt: int, cycle: int, record: dict[str, Any]) -> bool:

@@ -28,13 +28,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hpcshard.rundir import proc
 from hpcshard.rundir.files import locked, write_atomic
 
 LEASE = "owner.json"
@@ -51,45 +51,29 @@ class Busy(ValueError):
     """The run has a live owner (or one nobody can vouch is over): nothing may take it."""
 
 
-def boot_id() -> str:
-    """This host's boot (Linux); a pid and start time mean a process only within one."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def start_ticks(pid: int) -> int:
-    """When `pid` started, in clock ticks since boot (/proc/PID/stat); 0 if it is gone. With
-    the boot id, a process's identity: a pid reused after it died has another start."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[19])
-    except (OSError, IndexError, ValueError):
-        return 0
-
-
 @dataclass(frozen=True)
 class Process:
     """One process, wherever it runs: not just a pid (pids are reused, and equal in two
-    containers or on two hosts)."""
+    containers or on two hosts). `rundir.proc` says who a pid is."""
 
     host: str
     pid: int
     start: int
     boot: str
+    pidns: str = ""
 
     @classmethod
     def current(cls) -> Process:
-        pid = os.getpid()
-        return cls(host=socket.gethostname(), pid=pid, start=start_ticks(pid), boot=boot_id())
+        found = proc.identity(os.getpid())
+        assert found is not None
+        return cls(host=found["host"], pid=found["pid"], start=found["start"], boot=found["boot"],
+                   pidns=found["pidns"])
 
     def alive(self) -> bool | None:
-        """True or False on this host (same boot); None on another, where only its beats
-        can tell."""
-        if self.host != socket.gethostname() or self.boot != boot_id():
-            return None
-        return start_ticks(self.pid) == self.start != 0
+        """True or False where its pid can be looked up (this boot of this host, this pid
+        namespace); None elsewhere, where only its beats can tell."""
+        record = asdict(self)
+        return proc.same(record) if proc.here(record) else None
 
     def __str__(self) -> str:
         return f"process {self.pid} on {self.host}"

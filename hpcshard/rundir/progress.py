@@ -5,22 +5,31 @@ per local rank: pid, global rank, step, phase and when the phase began. A rank w
 slot in place through mmap (no system call per step, nothing on shared storage, no
 collective); the launcher reads the whole board a few times a second. Stdlib: the
 launcher and the ranks share this module.
+
+A board decides which pids its launcher kills, and /dev/shm is writable by every user of
+the host: a board is the user's own. Its name holds a random token (the ranks learn it
+from HPCSHARD_BOARD), it is created exclusively without following a symlink, mode 0600,
+and a board that another user owns, or that others may write, is never read or joined.
+Times are on the host's boot clock (`rundir.proc.clock`), never the wall clock.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import secrets
+import stat
 import struct
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from hpcshard.rundir.proc import clock
 
 PHASES = ("idle", "setup", "load", "step", "eval", "save", "done", "join")
 """What a rank is doing. `done`: it left the training loop (finished, stopped, failed);
 `join`: it joins the process group (init_process_group: the store, the backend's mesh)."""
 
-_SLOT = struct.Struct("<qqqqd")  # pid, rank, step, phase, phase start (Unix time)
+_SLOT = struct.Struct("<qqqqd")  # pid, rank, step, phase, phase start (boot clock)
 
 
 @dataclass(frozen=True)
@@ -31,7 +40,8 @@ class Slot:
     step: int
     phase: str
     since: float
-    """Unix time at which this phase began."""
+    """When this phase began, on the host's boot clock (`rundir.proc.clock`: the clock of
+    process start times, which wall-clock steps do not move)."""
 
 
 def board_dir() -> Path:
@@ -40,15 +50,18 @@ def board_dir() -> Path:
 
 
 def board_path(run_id: str, node_rank: int) -> Path:
-    return board_dir() / f"hpcshard-{run_id}-node{node_rank}.board"
+    """A new board's path: a fresh random token each call, so that nobody can create (or
+    link) the file before the launcher does."""
+    return board_dir() / f"hpcshard-{run_id}-node{node_rank}-{secrets.token_hex(16)}.board"
 
 
 def boards() -> list[list[Slot]]:
-    """Every board on this host, read (boards that vanish while read are left out)."""
+    """Every board of this user on this host, read (boards that vanish while read, and
+    boards that are not this user's alone, are left out)."""
     found = []
     for path in board_dir().glob("hpcshard-*.board"):
         try:
-            board = Board(path, path.stat().st_size // _SLOT.size)
+            board = Board(path)
         except (OSError, ValueError):
             continue
         found.append(board.read())
@@ -56,28 +69,45 @@ def boards() -> list[list[Slot]]:
     return found
 
 
+def _refuse_foreign(path: Path, fd: int) -> None:
+    """PermissionError unless the open file is this user's and only this user's to write."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+        raise PermissionError(f"progress board {path} is not this user's own (uid {st.st_uid}, "
+                              f"mode {stat.filemode(st.st_mode)}): refused, its pids may be anyone's")
+
+
 class Board:
     """A node's board. The launcher creates it (`create`); each rank opens it once."""
 
-    def __init__(self, path: Path, slots: int) -> None:
-        self.path, self.slots = path, slots
-        fd = os.open(path, os.O_RDWR)
+    def __init__(self, path: Path, slots: int | None = None) -> None:
+        """Open an existing board (its size gives `slots` when None); PermissionError when
+        it is a symlink or not this user's own."""
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
-            self._map = mmap.mmap(fd, _SLOT.size * slots)
+            _refuse_foreign(path, fd)
+            self.path = path
+            self.slots = os.fstat(fd).st_size // _SLOT.size if slots is None else slots
+            self._map = mmap.mmap(fd, _SLOT.size * self.slots)
         finally:
             os.close(fd)
 
     @classmethod
     def create(cls, path: Path, slots: int) -> Board:
-        """A fresh, zeroed board (the launcher, before each start of its ranks)."""
-        with path.open("wb") as f:
-            f.write(b"\0" * _SLOT.size * slots)
+        """A fresh, zeroed board (the launcher, before each start of its ranks), at a path
+        from `board_path`. FileExistsError if anything is there already (a symlink too:
+        never followed)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.write(fd, b"\0" * _SLOT.size * slots)
+        finally:
+            os.close(fd)
         return cls(path, slots)
 
     def publish(self, local_rank: int, *, rank: int, step: int, phase: str) -> None:
         """Write this rank's slot: an in-memory copy of 40 bytes."""
         _SLOT.pack_into(self._map, local_rank * _SLOT.size, os.getpid(), rank, step,
-                        PHASES.index(phase), time.time())
+                        PHASES.index(phase), clock())
 
     def read(self) -> list[Slot]:
         """Every slot a rank has written (a rank that has not started yet has none)."""

@@ -4,8 +4,10 @@ directories. Stdlib: the CLI writes it, launchers and ranks read it."""
 
 from __future__ import annotations
 
+import grp
 import hashlib
 import json
+import os
 import re
 import tempfile
 import time
@@ -59,6 +61,10 @@ class RunSpec:
     health_check: str = ""
     """A shell command every node runs before each attempt trains (the profile's); a
     non-zero exit makes the node bad for this run."""
+    run_group: str = ""
+    """The Unix group the run directory is shared with (the profile's `run_group`): its
+    checkpoint files are loaded when that group owns them, whoever wrote them. Empty: the
+    run is private, and only the user's own files load."""
     script: dict[str, Any] = field(default_factory=dict)
     """A script run as is (not an hpcshard job): kind (file|module), target, args, cwd,
     signal and grace (what it is sent on a notice, and how long it has). Empty for a job."""
@@ -146,13 +152,32 @@ def default_run_dir(job: str, root: Path = Path("runs")) -> Path:
     return root / f"{job_stem(job)}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def check_run_dir(path: Path) -> None:
-    """Refuse a run directory that holds another run or cannot be written, creating nothing."""
+def check_run_dir(path: Path, group: str = "") -> None:
+    """Refuse a run directory that holds another run, is not the user's, or cannot be
+    written, and a `group` (the profile's run_group) the user is not in; creating nothing."""
     if path.exists() and not path.is_dir():
         raise ValueError(f"run directory {str(path)!r} is a file; choose a directory path")
     if path.is_dir() and any(path.iterdir()):
         raise ValueError(f"run directory {str(path)!r} is not empty; choose a new --run-dir")
+    if path.is_dir() and (owner := path.stat().st_uid) != os.geteuid():
+        raise ValueError(f"run directory {str(path)!r} belongs to uid {owner}, not to you: its owner "
+                         "could replace what the run loads; choose a --run-dir of your own")
+    if group:
+        group_id(group)
     probe_writable(path)
+
+
+def group_id(group: str) -> int:
+    """The id of `group`, a group this user is in (root: any); ValueError saying why not."""
+    try:
+        gid = grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ValueError(f"run_group {group!r} is not a group on this host; name one of yours "
+                         "(`id -Gn` lists them), or leave run_group empty for private runs") from None
+    if os.geteuid() != 0 and gid != os.getegid() and gid not in os.getgroups():
+        raise ValueError(f"run_group {group!r}: you are not in that group (`id -Gn` lists yours); "
+                         "name one of yours, or leave run_group empty for private runs")
+    return gid
 
 
 def probe_writable(path: Path) -> None:
@@ -168,11 +193,38 @@ def probe_writable(path: Path) -> None:
                          f"{str(ancestor)!r}); choose a --run-dir you can write") from None
 
 
-def create_run_dir(path: Path) -> None:
-    """Run directories are private to the user and group: checkpoints in them hold pickles,
-    and a file others can write is code others can run."""
-    path.mkdir(parents=True, exist_ok=True, mode=0o750)
-    (path / "logs").mkdir(exist_ok=True, mode=0o750)
+def create_run_dir(path: Path, group: str = "") -> None:
+    """Run directories are the user's: checkpoints in them hold pickles, and a file others
+    can write is code others can run. Private (0700) by default; with `group` (the
+    profile's run_group) owned by that group, 2770 (setgid: what is made inside keeps the
+    group), for a project whose members share runs. The mode is set, not asked of mkdir:
+    an existing (empty) directory would keep its own, and the umask would trim it."""
+    gid = group_id(group) if group else -1
+    path.mkdir(parents=True, exist_ok=True)
+    for d in (path, path / "logs"):
+        d.mkdir(exist_ok=True, mode=0o700)
+        if group:
+            os.chown(d, -1, gid)
+        d.chmod(0o2770 if group else 0o700)
+
+
+def trusted_gid(run_dir: Path) -> int | None:
+    """The group whose members' checkpoint files this run loads (`RunSpec.run_group`), or
+    None: only the user's own (no spec, no group, or a group unknown here).
+
+    The trust is only as good as who wrote it: a spec.json this user does not own (or
+    that others may write) names no group. The user's own submit, resume or job writes it
+    before the job's ranks start, so a run shared by a project is trusted by whichever
+    member's job runs it; a spec another user wrote (a run of theirs, `ckpt export`ed) is
+    not taken at its word."""
+    spec = run_dir / SPEC
+    try:
+        group = RunSpec.read(run_dir).run_group
+        if not group or store.unsafe_permissions(spec):
+            return None
+        return grp.getgrnam(group).gr_gid
+    except (FileNotFoundError, KeyError):
+        return None
 
 
 def wandb_id(run_dir: Path, created: float) -> str:

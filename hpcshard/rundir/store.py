@@ -9,13 +9,15 @@
 A directory is a checkpoint only once rank 0 has written its manifest and renamed it from
 `.tmp` into place, after every rank finished writing. DCP's `.metadata` is a pickle, so a
 checkpoint someone else can write is code someone else can run: the loader refuses
-directories and files that are group- or world-writable.
+directories and files that another user owns or that are group- or world-writable (the
+group of a run shared through the profile's `run_group` excepted).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pwd
 import re
 import shutil
 import stat
@@ -63,14 +65,31 @@ class Checkpoint:
         return int(self.manifest.get("bytes", 0))
 
 
-def unsafe_permissions(path: Path) -> str:
-    """A reason to refuse `path` (dir or file) if others than its owner can write it."""
-    mode = path.lstat().st_mode
-    if mode & (stat.S_IWGRP | stat.S_IWOTH):
+def unsafe_permissions(path: Path, trusted_gid: int | None = None) -> str:
+    """A reason to refuse `path` (dir or file) if someone else wrote it or may write it:
+    its owner is not this user, or others than its owner can write it. `trusted_gid`: the
+    group the run is shared with (the profile's `run_group`), whose members' files and
+    group-writable ones are accepted when they belong to that group."""
+    st = path.lstat()
+    trusted = trusted_gid is not None and st.st_gid == trusted_gid
+    if st.st_uid != os.geteuid() and not trusted:
+        return (f"{path} belongs to {_user(st.st_uid)}, not to you; a checkpoint is a pickle "
+                "that runs code when loaded: load your own, or share the run with a group you "
+                "trust (the profile's run_group)")
+    mode = st.st_mode
+    if mode & stat.S_IWOTH or (mode & stat.S_IWGRP and not trusted):
         who = "others" if mode & stat.S_IWOTH else "its group"
         return (f"{path} is writable by {who} (mode {stat.filemode(mode)}); a checkpoint is "
                 f"a pickle that runs code when loaded: fix with `chmod go-w {path}`")
     return ""
+
+
+def _user(uid: int) -> str:
+    """`name (uid N)`, or `uid N` where the name is unknown here."""
+    try:
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except KeyError:
+        return f"uid {uid}"
 
 
 def file_sizes(path: Path) -> dict[str, int]:
@@ -142,10 +161,11 @@ def committed(root: Path) -> list[Checkpoint]:
     return [c for c in scan(root) if c.committed]
 
 
-def check_safe(ckpt: Checkpoint) -> None:
-    """Refuse (ValueError) a checkpoint that others can write: its dirs and every file."""
+def check_safe(ckpt: Checkpoint, trusted_gid: int | None = None) -> None:
+    """Refuse (ValueError) a checkpoint that someone else wrote or can write: its dirs and
+    every file (`unsafe_permissions`; `trusted_gid`: the run's shared group, if any)."""
     for path in [ckpt.path.parent, ckpt.path, *sorted(ckpt.path.iterdir())]:
-        reason = unsafe_permissions(path)
+        reason = unsafe_permissions(path, trusted_gid)
         if reason:
             raise ValueError(f"refusing checkpoint {ckpt.path}: {reason}")
 

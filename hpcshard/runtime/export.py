@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 
 from hpcshard.config import build_config
 from hpcshard.rundir import store
-from hpcshard.rundir.spec import RunSpec
+from hpcshard.rundir.spec import RunSpec, trusted_gid
 from hpcshard.runtime.blocks import on_meta
 from hpcshard.runtime.job import load_job
 from hpcshard.runtime.pretrained import Stored
@@ -42,7 +42,7 @@ def _checkpoint(run_dir: Path, step: int | None) -> tuple[store.Checkpoint, Any,
     ckpt, _ = store.select(run_dir / store.CHECKPOINTS, "auto" if step is None else str(step))
     if ckpt is None:
         raise ValueError(f"no committed checkpoint in {run_dir / store.CHECKPOINTS}")
-    store.check_safe(ckpt)
+    store.check_safe(ckpt, trusted_gid(run_dir))
     spec = RunSpec.read(run_dir)
     job = load_job(spec.job)
     cfg = build_config(job.config, spec.sets)

@@ -40,6 +40,13 @@ def _signal(value: str) -> None:
                          "something else to the processes of a job")
 
 
+def _group(value: str) -> None:
+    # Checked as a name only: whether it exists and the user is in it is asked at submit,
+    # by the user it concerns (a site profile is read by users of other groups too).
+    if value and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_.-]*\$?", value):
+        raise ValueError("give a Unix group name (letters, digits, _ . -), as `id -Gn` shows it")
+
+
 def _env_names(value: dict[str, Any]) -> None:
     for key in value:
         if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
@@ -179,6 +186,13 @@ SETTINGS: dict[str, Setting] = {
     "storage_root": Setting("str", "runs", "Where run directories go (shared storage seen by "
                             "every node); ~ and $VARS expand, relative paths are from the "
                             "current directory."),
+    "run_group": Setting("str", "", "The Unix group run directories are shared with, for a "
+                         "project whose members share runs: each run directory is made owned by "
+                         "it, mode 2770, and checkpoint files that group owns are loaded though "
+                         "another member wrote them (a checkpoint is a pickle: code runs when it "
+                         "loads). You must be in the group.", _group,
+                         unset="private (run directories 0700; only your own checkpoint files "
+                         "load)"),
     "template": Setting("str", "sbatch.j2", "The sbatch template, found on the template path."),
     "vars": Setting("vars", {}, "Extra variables for site templates.", _var_names),
 }

@@ -20,7 +20,7 @@ import pytest
 from hpcshard.launch.liveness import LOST_S
 from hpcshard.launch.procs import descendants, ranks_below
 from hpcshard.rundir import ledger
-from hpcshard.rundir.launchers import beats, launchers, pid_file
+from hpcshard.rundir.launchers import beats, launchers, pid_file, read_pid
 from tests.conftest import STEPS, hpcshard, hpcshard_bg, metrics, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import (
     assert_bitwise_equal,
@@ -43,7 +43,8 @@ node sending to the slow one made its healthy link in look as slow."""
 
 def freeze(run: Path, node: int, sig: int = signal.SIGSTOP) -> float:
     """SIGSTOP (or `sig`) every process of emulated node `node`; returns when."""
-    launcher = int(pid_file(run, node).read_text())
+    launcher = read_pid(pid_file(run, node))
+    assert launcher is not None, f"node {node}'s launcher is not running"
     for pid in [launcher, *descendants(launcher)]:
         os.kill(pid, sig)
     return time.time()
@@ -220,7 +221,8 @@ def test_a_node_behind_every_slow_link_is_declared_bad_before_training(tmp_path:
                        "--run-dir", str(run), *sets(steps=4, health_link_mb=LINK_MB,
                                                     health_link_gbps=LINK_FLOOR, straggler_every=0))
     wait_for(lambda: pid_file(run, 1).exists(), 60, "node 1's launcher")
-    slow = int(pid_file(run, 1).read_text())
+    slow = read_pid(pid_file(run, 1))
+    assert slow is not None
     done = threading.Event()
 
     def throttle() -> None:

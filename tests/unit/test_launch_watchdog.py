@@ -4,13 +4,19 @@ the slow phases that are never a hang, and which rank it names."""
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import time
 import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
 
 from hpcshard.launch.procs import ranks_below
 from hpcshard.launch.watchdog import Limits, Watchdog, started
-from hpcshard.rundir.progress import _SLOT, Board, Slot, board_path
+from hpcshard.rundir.proc import clock
+from hpcshard.rundir.progress import _SLOT, Board, Slot, board_path, boards
 
 LIMITS = Limits(factor=3.0, floor_s=5.0, warmup_steps=3, phase_s=100.0)
 
@@ -110,7 +116,78 @@ def test_a_board_left_by_a_killed_launcher_does_not_name_a_reused_pid() -> None:
         boards[1].publish(0, rank=5, step=1, phase="step")
         # other xdist workers' launchers are below the same parent: count this pid only
         assert ranks_below([os.getppid()]).count(os.getpid()) == 1
-        assert started(os.getpid()) <= time.time()
+        assert started(os.getpid()) <= clock()
     finally:
         for board in boards:
             board.close(remove=True)
+
+
+@pytest.fixture
+def board() -> Iterator[Board]:
+    """A 2-slot board of this process, as a launcher creates it."""
+    made = Board.create(board_path(f"unit-{uuid.uuid4().hex}", 0), 2)
+    yield made
+    made.close(remove=True)
+
+
+def test_a_wall_clock_step_is_no_hang_and_a_real_overrun_is_one(
+        board: Board, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The board's times and the watchdog's are on the boot clock: the wall clock stepping
+    30 s forward (NTP, an admin's `date`) while a rank joins (limit 20 s here) is no hang;
+    the same rank still joining 20 s later on the boot clock is one."""
+    dog = Watchdog(Limits(join_s=20.0), poll_s=0.2)
+    board.publish(0, rank=0, step=0, phase="join")
+    board.publish(1, rank=1, step=0, phase="join")
+    wall = time.time()
+    monkeypatch.setattr(time, "time", lambda: wall + 30.0)
+    assert dog.look(board.read()) is None  # as the launcher calls it: now
+    hang = dog.look(board.read(), clock() + 20.0)
+    assert hang is not None and hang["phase"] == "join" and hang["limit"] == 20.0
+
+
+def test_a_real_overrun_on_the_boot_clock_is_seen_as_it_happens(board: Board) -> None:
+    dog = Watchdog(Limits(join_s=0.3))
+    board.publish(0, rank=0, step=0, phase="join")
+    assert dog.look(board.read()) is None
+    time.sleep(0.4)
+    assert dog.look(board.read()) is not None
+
+
+def test_a_symlink_planted_at_a_boards_path_is_not_followed(tmp_path: Path) -> None:
+    """/dev/shm is everyone's: a board's name is not guessable (a random token), and one
+    planted at it anyway (a symlink to a file of the user's) is neither followed nor taken:
+    creation fails and the file it points to is untouched."""
+    assert board_path("run", 0) != board_path("run", 0)
+    precious = tmp_path / "precious"
+    precious.write_text("the user's own file")
+    path = board_path(f"unit-{uuid.uuid4().hex}", 0)
+    path.symlink_to(precious)
+    try:
+        with pytest.raises(FileExistsError):
+            Board.create(path, 2)
+        with pytest.raises(OSError):  # a rank told to use it refuses it too (O_NOFOLLOW)
+            Board(path, 2)
+    finally:
+        path.unlink()
+    assert precious.read_text() == "the user's own file"
+
+
+def test_a_new_board_is_the_users_alone(board: Board) -> None:
+    st = board.path.stat()
+    assert st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) == 0o600
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+def test_a_board_another_user_owns_or_others_may_write_is_ignored(board: Board) -> None:
+    """Whoever can write a board chooses which pids its reader kills (ranks_below): one
+    that another user owns, or that its group may write, is neither read nor joined."""
+    board.publish(0, rank=4242, step=1, phase="step")
+    seen = lambda: any(s.rank == 4242 for b in boards() for s in b)  # noqa: E731
+    assert seen()
+    board.path.chmod(0o660)
+    assert not seen()
+    board.path.chmod(0o600)
+    os.chown(board.path, 65534, 65534)
+    assert not seen()
+    with pytest.raises(PermissionError, match="not this user's own"):
+        Board(board.path, 2)

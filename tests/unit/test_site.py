@@ -320,6 +320,7 @@ def test_doctor_names_a_missing_storage_root(layers: dict[str, Path],
 @pytest.mark.parametrize("text,needles", [
     ('[profiles.a]\nsignal = "TERM"\n', ["signal = 'TERM'", "USR1 or USR2", "torchrun"]),
     ('[profiles.a]\nsignal = "CHLD"\n', ["signal = 'CHLD'", "USR1 or USR2"]),
+    ('[profiles.a]\nrun_group = "a b"\n', ["run_group = 'a b'", "Unix group name"]),
     ('[profiles.a]\nvars = { when = 2026-01-01 }\n', ["vars.when", "string, number, boolean"]),
 ])
 def test_values_the_launch_cannot_carry_are_refused(layers: dict[str, Path], text: str,
@@ -327,6 +328,16 @@ def test_values_the_launch_cannot_carry_are_refused(layers: dict[str, Path], tex
     layers["site"].write_text(text)
     code, out = invoke("render", JOB, "--profile", "a")
     one_line_error(code, out, str(layers["site"]), *needles)
+
+
+def test_a_run_group_that_is_not_the_users_is_one_line_and_nothing_is_made(
+        layers: dict[str, Path], tmp_path: Path) -> None:
+    """Whether the group exists (and the user is in it) is asked at submit, of the user it
+    concerns: a site profile is read by users of other groups too."""
+    layers["site"].write_text('[profiles.a]\nrun_group = "no-such-group-x"\n')
+    code, out = invoke("render", JOB, "--profile", "a", "--run-dir", str(tmp_path / "r"))
+    one_line_error(code, out, "run_group 'no-such-group-x' is not a group", "id -Gn")
+    assert not (tmp_path / "r").exists()
 
 
 def test_signal_names_are_normalised(layers: dict[str, Path]) -> None:

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from hpcshard.config import TrainConfig
 from hpcshard.rundir import store
+from hpcshard.rundir.spec import trusted_gid
 from hpcshard.runtime.checkpoint.io import HandOffStager, PrivateWriter, fast_writes, one_line
 from hpcshard.runtime.checkpoint.state import (
     LOAD_OPTIONS,
@@ -268,7 +269,7 @@ class Checkpointer:
                     self._supersede(-1)
                 return None
             chosen = store.inspect(Path(path))
-            store.check_safe(chosen)
+            store.check_safe(chosen, trusted_gid(self.root.parent))
             try:
                 self._load(chosen)
             except BaseException as err:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpcshard.rundir import store
+from hpcshard.rundir.spec import trusted_gid
 from hpcshard.runtime.checkpoint.state import rng_state, set_rng_state
 
 
@@ -72,6 +74,13 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module,
     return final
 
 
+def _trusted() -> int | None:
+    """The group whose checkpoint files load (the run's run_group), under hpcshard's
+    launcher; under a plain torchrun, none: only the user's own files."""
+    run_dir = os.environ.get("HPCSHARD_RUN_DIR")
+    return trusted_gid(Path(run_dir)) if run_dir else None
+
+
 def load_checkpoint(root: str | Path, model: torch.nn.Module,
                     optimizer: torch.optim.Optimizer | None = None,
                     step: int | None = None) -> dict[str, Any] | None:
@@ -87,7 +96,7 @@ def load_checkpoint(root: str | Path, model: torch.nn.Module,
     if not dist.is_initialized() or dist.get_rank() == 0:
         ckpt, _ = store.select(root, "auto" if step is None else str(step))
         if ckpt is not None:
-            store.check_safe(ckpt)
+            store.check_safe(ckpt, _trusted())
             choice = [(str(ckpt.path), ckpt.step, ckpt.manifest.get("extra", {}),
                        int(ckpt.manifest.get("world", 1)))]
     if dist.is_initialized():
