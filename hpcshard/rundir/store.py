@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcshard.errors import UserError
 from hpcshard.rundir.files import TMP_SUFFIX, fsync_dir, write_atomic
 
 CHECKPOINTS = "checkpoints"
@@ -164,14 +165,14 @@ def select(root: Path, resume: str, exclude: frozenset[Path] = frozenset(),
         match = [c for c in valid if c.step == int(resume)]
         if not match:
             steps = ", ".join(str(c.step) for c in valid) or "none"
-            raise ValueError(f"resume={resume}: no committed checkpoint at step {resume} in "
-                             f"{root}; committed steps: {steps}")
+            raise UserError(f"resume={resume}: no committed checkpoint at step {resume} in "
+                            f"{root}; committed steps: {steps}")
         return match[0], []
     if resume != "auto":
         ckpt = inspect(Path(resume))
         if not ckpt.committed:
-            raise ValueError(f"resume={resume!r} is not a usable checkpoint: {ckpt.problem}; "
-                             "give a step-N directory with a manifest, a step number, auto or never")
+            raise UserError(f"resume={resume!r} is not a usable checkpoint: {ckpt.problem}; "
+                            "give a step-N directory with a manifest, a step number, auto or never")
         return ckpt, []
     skipped: list[Checkpoint] = []
     for ckpt in reversed(scan(root)):

@@ -1,8 +1,10 @@
 """What every rank runs (`hpcshard.entry` calls `main` under torchrun or in a warm fork).
 
 RUN_DIR/spec.json (written by `hpcshard submit`) names the job and its --set values.
-A user error (a bad value the preflight could not see) exits 2 with one line; its
-traceback goes to the rank's log file.
+A user error (a bad value the preflight could not see: hpcshard's own `UserError`) exits
+2 with one line, and is not restarted; its traceback goes to the rank's log file. Any
+other exception (a torch or json ValueError included) is a rank failure, which the
+launchers may restart.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 import torch.distributed as dist
 
 from hpcshard.config import TrainConfig, build_config
+from hpcshard.errors import UserError
 from hpcshard.rundir import flight, launchers, ledger
 from hpcshard.rundir.progress import Board
 from hpcshard.rundir.rankenv import STACKS_SIGNAL, STRAGGLER_EXIT, RankEnv
@@ -61,8 +64,8 @@ def check_writable(run_dir: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as err:
-        raise ValueError(f"run directory {run_dir} is not writable ({err.strerror}); "
-                         "checkpoints could not be saved: fix its permissions or mount") from None
+        raise UserError(f"run directory {run_dir} is not writable ({err.strerror}); "
+                        "checkpoints could not be saved: fix its permissions or mount") from None
 
 
 def main(argv: list[str] | None = None, early: list[int] | None = None,
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
                                                                                       attempt):
             return STRAGGLER_EXIT
         summary = trainer.run(stop)
-    except ValueError as err:
+    except UserError as err:
         log.debug("user error", exc_info=True)
         if env.is_main:
             print(f"error: {err}", file=sys.stderr)

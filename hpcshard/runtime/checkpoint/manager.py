@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpcshard.config import TrainConfig
+from hpcshard.errors import UserError
 from hpcshard.rundir import store
 from hpcshard.runtime.checkpoint.io import HandOffStager, PrivateWriter, fast_writes, one_line
 from hpcshard.runtime.checkpoint.state import (
@@ -256,13 +257,13 @@ class Checkpointer:
         while True:
             path, passed, error = self._decide(how, frozenset(c.path for c, _ in failed))
             if error:
-                raise ValueError(error)
+                raise UserError(error)
             skipped += passed
             if path is None:
                 if failed:
                     ckpt, why = failed[0]
-                    raise ValueError(f"no checkpoint in {self.root} could be loaded; the newest, "
-                                     f"{ckpt.path.name}, failed with: {why}{self._config_note(ckpt)}")
+                    raise UserError(f"no checkpoint in {self.root} could be loaded; the newest, "
+                                    f"{ckpt.path.name}, failed with: {why}{self._config_note(ckpt)}")
                 self._log_skipped(skipped)
                 if how == "never":
                     self._supersede(-1)
@@ -277,8 +278,8 @@ class Checkpointer:
                 why = one_line(err)
                 log.debug("load failure", exc_info=err)
                 if how != "auto":
-                    raise ValueError(f"checkpoint {chosen.path} failed to load: {why}"
-                                     f"{self._config_note(chosen)}") from None
+                    raise UserError(f"checkpoint {chosen.path} failed to load: {why}"
+                                    f"{self._config_note(chosen)}") from None
                 failed.append((chosen, why))
                 skipped.append((chosen.path.name, f"failed to load ({why})"))
                 continue
