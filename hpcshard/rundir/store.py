@@ -15,12 +15,14 @@ is never loaded and never counts for retention. DCP's `.metadata` is a pickle, s
 checkpoint someone else can write is code someone else can run: the loader refuses
 directories and files that are group- or world-writable.
 
-    step-00000020.deleting.tmp/ retired, being deleted beside training
+    step-00000020.deleting.tmp/ retired, being deleted beside training (`hpcshard ckpt list`
+                                shows one a deletion left behind; the next start removes it)
     step-00000010.corrupt/      failed to load while an older one loaded: kept for inspection
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -46,6 +48,9 @@ FORMAT = 2
 file found in `step-N.tmp` at the commit."""
 DELETING = ".deleting" + TMP_SUFFIX
 CORRUPT = ".corrupt"
+RETIRE_WAIT_S = 10.0
+"""How long a process that retired checkpoints waits at its exit for their deletion, at
+least (the runtime waits as long as its slowest save took, if that is longer)."""
 
 
 class Incomplete(Exception):
@@ -310,13 +315,54 @@ def retire(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
         os.replace(c.path, trash[-1])
     # Deleting hundreds of MB is not part of the save: it runs beside training.
     if trash:
-        threading.Thread(target=_delete, args=(trash,), name="hpcshard-retire", daemon=True).start()
+        thread = threading.Thread(target=_delete, args=(trash,), name="hpcshard-retire", daemon=True)
+        if not _RETIRING:  # a script's interpreter exit; the runtime leaves by os._exit
+            atexit.register(wait_retired, RETIRE_WAIT_S)
+        _RETIRING.append((thread, trash))
+        thread.start()
     return [c.path for c in doomed]
+
+
+_RETIRING: list[tuple[threading.Thread, list[Path]]] = []
+"""This process's deleting threads and what each deletes."""
 
 
 def _delete(paths: list[Path]) -> None:
     for path in paths:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_retired(timeout: float) -> list[Path]:
+    """Wait up to `timeout` seconds for this process's retired checkpoints to be deleted;
+    returns those still there. A process must call this before it leaves by `os._exit`
+    (a rank does) or ends its interpreter (an `atexit` hook does): either kills a daemon
+    thread mid-deletion, and nothing would ever remove what it left. What is still there
+    after the bound is `step-N.deleting.tmp`: never loaded, removed by the next start,
+    shown by `hpcshard ckpt list`."""
+    deadline = time.monotonic() + timeout
+    for thread, _ in _RETIRING:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    _RETIRING[:] = [(t, paths) for t, paths in _RETIRING if t.is_alive()]
+    return [p for _, paths in _RETIRING for p in paths if p.exists()]
+
+
+def leftovers(root: Path) -> list[Checkpoint]:
+    """What `scan` leaves out, for `hpcshard ckpt list`: retired checkpoints still being
+    deleted, or left for good by a deletion cut short (`step-N.deleting.tmp`), and
+    quarantined ones (`step-N.corrupt`). Oldest first."""
+    if not root.is_dir():
+        return []
+    why = {DELETING: "retired, not yet deleted (a deletion cut short leaves it; the next "
+                     "start removes it)",
+           CORRUPT: "quarantined: failed to load while an older checkpoint loaded; kept for "
+                    "inspection (delete it when done)"}
+    found = []
+    for p in root.iterdir():
+        kind = next((k for k in why if p.name.endswith(k)), None)
+        step = parse_step(p.name.removesuffix(kind)) if kind else None
+        if kind and step is not None and p.is_dir():
+            found.append(Checkpoint(path=p, step=step, problem=why[kind]))
+    return sorted(found, key=lambda c: (c.step, c.path.name))
 
 
 # -- a script's own checkpoints, found by their names ----------------------------------

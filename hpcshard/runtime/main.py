@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from hpcshard.config import TrainConfig, build_config
 from hpcshard.errors import UserError
-from hpcshard.rundir import flight, launchers, ledger
+from hpcshard.rundir import flight, launchers, ledger, store
 from hpcshard.rundir.progress import Board
 from hpcshard.rundir.rankenv import STACKS_SIGNAL, STRAGGLER_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
@@ -136,6 +136,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
             stop.ignore_from_now()
         if dist.is_initialized():
             dist.destroy_process_group()
+    _wait_retired(trainer)
     if summary.reason == "straggler":  # not an end: the launchers replace the node
         return STRAGGLER_EXIT
     if env.is_main:
@@ -155,6 +156,20 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
             "the final checkpoint (step %d) could not be saved; see the errors above", summary.step)
         return 1
     return 0
+
+
+def _wait_retired(trainer: Trainer | None) -> None:
+    """Before the rank leaves (by `os._exit`, which kills threads mid-work): let the
+    deletion of checkpoints retired by this run's last saves finish. Bounded by the
+    slowest of the last saves, at least store.RETIRE_WAIT_S: deleting a checkpoint is less
+    work for the storage than writing it was, and a time-limit stop keeps twice that save
+    before the deadline, of which its own save spent one. What is left after the bound
+    is `step-N.deleting.tmp`: never loaded, removed by the next start, shown by `ckpt list`."""
+    saves = trainer.ckpt.save_seconds[-3:] if trainer is not None and trainer.ckpt is not None else []
+    left = store.wait_retired(max([store.RETIRE_WAIT_S, *saves]))
+    if left:
+        log.warning("retired checkpoints still being deleted as the rank exits: %s (the next "
+                    "start removes them)", ", ".join(p.name for p in left))
 
 
 def _slurm_run() -> dict[str, Any]:

@@ -158,6 +158,25 @@ def test_a_checkpoint_the_file_system_cannot_read_is_not_skipped(root: Path,
     assert store.retire(root, keep_last=1) == []  # an unreadable one does not count, nor go
 
 
+def test_retired_checkpoints_are_deleted_before_the_process_leaves(root: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank leaves by os._exit, which kills the deleting thread: it waits for it first."""
+    import shutil
+
+    real = shutil.rmtree
+
+    def slow(path, *args, **kwargs) -> None:
+        time.sleep(0.5)
+        real(path, *args, **kwargs)
+    monkeypatch.setattr(shutil, "rmtree", slow)
+    for s in (10, 20, 30):
+        make(root, s)
+    store.retire(root, keep_last=1)
+    assert store.wait_retired(0.05) == [root / (store.step_name(s) + store.DELETING) for s in (10, 20)]
+    assert store.wait_retired(5) == []
+    assert [p.name for p in root.iterdir()] == [store.step_name(30)]
+
+
 def test_incomplete_directories_are_cleaned(root: Path) -> None:
     make(root, 10)
     make(root, 20, commit=False)
@@ -203,6 +222,20 @@ def test_cli_ckpt_list(root: Path) -> None:
     lines = result.output.splitlines()
     assert "committed" in lines[1] and "0.0MB" in lines[1] and "[2, 2]" in lines[1]
     assert "invalid" in lines[2] and "incomplete" in lines[2]
+
+
+def test_cli_ckpt_list_shows_what_deletions_and_quarantines_left(root: Path) -> None:
+    """A deletion cut short (the rank's exit) leaves step-N.deleting.tmp: it takes room
+    and must not be invisible."""
+    make(root, 10)
+    (root / "step-00000010").rename(root / ("step-00000010" + store.DELETING))
+    make(root, 20, files={".metadata": 10, "__0_0.distcp": 2_000_000})
+    (root / "step-00000020").rename(root / ("step-00000020" + store.CORRUPT))
+    make(root, 30)
+    lines = CliRunner().invoke(main, ["ckpt", "list", str(root.parent)]).output.splitlines()
+    assert "deleting" in lines[1] and "step-00000010.deleting.tmp" in lines[1] and "next start" in lines[1]
+    assert "corrupt" in lines[2] and "2.0MB" in lines[2] and "quarantined" in lines[2]
+    assert "committed" in lines[3] and len(lines) == 4
 
 
 @pytest.mark.parametrize("command", [["resume"], ["ckpt", "list"], ["ckpt", "export", "--out", "m.pt"],
