@@ -15,6 +15,7 @@ import typing
 from dataclasses import dataclass
 from typing import Any
 
+from hpcshard.errors import UserError
 from hpcshard.rundir.rankenv import NOTICE, signal_name
 
 SHARDING_MODES = ("auto", "hybrid", "full", "grad-op", "none")
@@ -27,15 +28,15 @@ C = typing.TypeVar("C", bound="TrainConfig")
 
 def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ValueError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
+        raise UserError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
 
 
 def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
     if not math.isfinite(value):
-        raise ValueError(f"{name}={value!r} is not valid; it must be a finite number")
+        raise UserError(f"{name}={value!r} is not valid; it must be a finite number")
     if value < 0 or (value == 0 and not zero_ok):
         bound = ">= 0" if zero_ok else "> 0"
-        raise ValueError(f"{name}={value!r} is not valid; it must be {bound}")
+        raise UserError(f"{name}={value!r} is not valid; it must be {bound}")
 
 
 @dataclass(kw_only=True)
@@ -195,8 +196,8 @@ class TrainConfig:
             _choice("output_dtype", self.output_dtype, PRECISIONS)
         r = self.reshard_after_forward
         if r not in ("auto", "true", "false") and not (r.isdigit() and int(r) > 1):
-            raise ValueError(f"reshard_after_forward={r!r} is not valid; choose auto, true, false, "
-                             "or a group size N > 1 that divides the shard group")
+            raise UserError(f"reshard_after_forward={r!r} is not valid; choose auto, true, false, "
+                            "or a group size N > 1 that divides the shard group")
         _choice("nan_policy", self.nan_policy, NAN_POLICIES)
         _choice("straggler_policy", self.straggler_policy, STRAGGLER_POLICIES)
         if self.wandb_mode:
@@ -204,10 +205,10 @@ class TrainConfig:
         for package, setting in (("tensorboard", self.tensorboard and "tensorboard=true"),
                                  ("wandb", self.wandb_project and f"wandb_project={self.wandb_project}")):
             if setting and importlib.util.find_spec(package) is None:
-                raise ValueError(f"{setting} needs the {package} package, which is not installed: "
-                                 f"pip install 'hpcshard[{package}]' (or drop the setting)")
+                raise UserError(f"{setting} needs the {package} package, which is not installed: "
+                                f"pip install 'hpcshard[{package}]' (or drop the setting)")
         if self.ac not in ("none", "full") and not (self.ac.isdigit() and int(self.ac) > 0):
-            raise ValueError(
+            raise UserError(
                 f"ac={self.ac!r} is not valid; choose none, full, or a positive integer K "
                 "(checkpoint every K-th block)"
             )
@@ -221,8 +222,8 @@ class TrainConfig:
             _positive(name, getattr(self, name), zero_ok=True)
         _positive("lora_alpha", self.lora_alpha)
         if self.lora_rank and self.tp > 1:
-            raise ValueError(f"lora_rank={self.lora_rank} with tp={self.tp}: LoRA adapters are not "
-                             "split by tensor parallelism; use tp=1 (FSDP shards them)")
+            raise UserError(f"lora_rank={self.lora_rank} with tp={self.tp}: LoRA adapters are not "
+                            "split by tensor parallelism; use tp=1 (FSDP shards them)")
 
         for name in ("tp", "keep_last", "watchdog_factor", "watchdog_floor_s", "watchdog_phase_s",
                      "watchdog_join_s", "nan_skip", "straggler_margin", "straggler_patience"):
@@ -232,14 +233,14 @@ class TrainConfig:
     def accumulation(self, world: int) -> tuple[int, int]:
         """(micro batch per rank, accumulation steps) for a world size, or ValueError."""
         if self.batch_size % world:
-            raise ValueError(
+            raise UserError(
                 f"batch_size={self.batch_size} does not divide over {world} ranks; "
                 f"use a multiple of {world}"
             )
         per_rank = self.batch_size // world
         micro = self.micro_batch_size or per_rank
         if per_rank % micro:
-            raise ValueError(
+            raise UserError(
                 f"micro_batch_size={micro} does not divide the {per_rank} sequences per rank "
                 f"(batch_size={self.batch_size} over {world} ranks); use a divisor of {per_rank}"
             )
@@ -257,8 +258,8 @@ def signal_names(text: str) -> list[str]:
     except ValueError:
         names = []
     if not names or {"SIGKILL", "SIGSTOP"} & set(names):
-        raise ValueError(f"stop_signals={text!r} is not valid; give signal names such as "
-                         "USR2 or USR2,TERM (not KILL or STOP)")
+        raise UserError(f"stop_signals={text!r} is not valid; give signal names such as "
+                        "USR2 or USR2,TERM (not KILL or STOP)")
     return names
 
 
@@ -268,7 +269,7 @@ def _parse_bool(text: str) -> bool:
         return True
     if low in ("0", "false", "no", "off"):
         return False
-    raise ValueError("expected a boolean (true/false)")
+    raise UserError("expected a boolean (true/false)")
 
 
 def _convert(text: str, kind: Any) -> Any:
@@ -282,7 +283,7 @@ def _convert(text: str, kind: Any) -> Any:
     if origin is typing.Literal:
         choices = typing.get_args(kind)
         if text not in choices:
-            raise ValueError(f"expected one of {', '.join(map(str, choices))}")
+            raise UserError(f"expected one of {', '.join(map(str, choices))}")
         return text
     if kind is bool:
         return _parse_bool(text)
@@ -290,11 +291,11 @@ def _convert(text: str, kind: Any) -> Any:
         try:
             value = kind(text)
         except ValueError:
-            raise ValueError(f"expected {kind.__name__}") from None
+            raise UserError(f"expected {kind.__name__}") from None
         if kind is float and not math.isfinite(value):  # nan, inf: no training survives them
-            raise ValueError("expected a finite number")
+            raise UserError("expected a finite number")
         return value
-    raise ValueError(f"fields of type {kind} cannot be set from the command line")
+    raise UserError(f"fields of type {kind} cannot be set from the command line")
 
 
 def parse_sets(items: typing.Iterable[str]) -> dict[str, str]:
@@ -303,7 +304,7 @@ def parse_sets(items: typing.Iterable[str]) -> dict[str, str]:
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ValueError(f"--set {item!r} is not key=value; write e.g. --set steps=100")
+            raise UserError(f"--set {item!r} is not key=value; write e.g. --set steps=100")
         out[key.strip()] = value
     return out
 
@@ -315,12 +316,12 @@ def build_config(cls: type[C], sets: dict[str, str]) -> C:
     values: dict[str, Any] = {}
     for key, text in sets.items():
         if key not in fields:
-            raise ValueError(
+            raise UserError(
                 f"unknown --set key {key!r} for {cls.__name__}; valid keys: "
                 + ", ".join(sorted(fields))
             )
         try:
             values[key] = _convert(text, hints[key])
         except ValueError as err:
-            raise ValueError(f"--set {key}={text!r}: {err}") from None
+            raise UserError(f"--set {key}={text!r}: {err}") from None
     return cls(**values)

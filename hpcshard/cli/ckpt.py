@@ -20,19 +20,40 @@ def ckpt() -> None:
 @ckpt.command("list")
 @click.argument("run_dir", type=click.Path(path_type=Path))
 def ckpt_list(run_dir: Path) -> None:
-    """Every checkpoint of RUN_DIR: step, status, size, world, age."""
+    """Every checkpoint of RUN_DIR: step, status, size, world, age; also what interrupted
+    saves and deletions left behind, and quarantined checkpoints (`.tmp`, `.deleting.tmp`,
+    `.corrupt` directories: they take room, and are never loaded)."""
     read_run(run_dir)
-    entries = store.scan(run_dir / store.CHECKPOINTS)
+    root = run_dir / store.CHECKPOINTS
+    entries = sorted([*store.scan(root), *store.leftovers(root)], key=lambda c: (c.step, c.path.name))
     if not entries:
-        click.echo(f"no checkpoints in {run_dir / store.CHECKPOINTS}")
+        click.echo(f"no checkpoints in {root}")
         return
     click.echo(f"{'step':>8}  {'status':<10} {'size':>10}  {'world':>5}  {'mesh':<8} {'age':>5}  reason")
     for c in entries:
         m = c.manifest
-        status = "committed" if c.committed else "invalid"
-        click.echo(f"{c.step:>8}  {status:<10} {c.bytes / 1e6:>8.1f}MB  {m.get('world', '-'):>5}  "
+        click.echo(f"{c.step:>8}  {_status(c):<10} {_size(c) / 1e6:>8.1f}MB  {m.get('world', '-'):>5}  "
                    f"{str(m.get('mesh', '-')):<8} {store.age(m['time']) if 'time' in m else '-':>5}  "
-                   f"{m.get('reason', c.problem)}")
+                   f"{m.get('reason', c.problem)}" + ("" if c.path.name == store.step_name(c.step)
+                                                      else f" [{c.path.name}]"))
+
+
+def _status(c: store.Checkpoint) -> str:
+    if c.committed:
+        return "committed"
+    name = c.path.name
+    return ("deleting" if name.endswith(store.DELETING) else "corrupt" if name.endswith(store.CORRUPT)
+            else "invalid")
+
+
+def _size(c: store.Checkpoint) -> int:
+    """The manifest's bytes, or what the directory holds now (an entry without a manifest)."""
+    if c.bytes:
+        return c.bytes
+    try:
+        return sum(p.stat().st_size for p in c.path.iterdir() if p.is_file())
+    except OSError:  # being deleted as we look
+        return 0
 
 
 @ckpt.command("export")

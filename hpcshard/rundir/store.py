@@ -7,14 +7,23 @@
         latest                  the name of the newest committed checkpoint
 
 A directory is a checkpoint only once rank 0 has written its manifest and renamed it from
-`.tmp` into place, after every rank finished writing. DCP's `.metadata` is a pickle, so a
+`.tmp` into place, after every rank finished writing and every file DCP's `.metadata`
+names was found with at least the bytes it says it wrote: whatever else happened to
+`step-N.tmp` in between (a second job's start cleans every `*.tmp`) never commits. The
+manifest records those files and their sizes; a checkpoint whose files no longer match it
+is never loaded and never counts for retention. DCP's `.metadata` is a pickle, so a
 checkpoint someone else can write is code someone else can run: the loader refuses
 directories and files that another user owns or that are group- or world-writable (the
 group of a run shared through the profile's `run_group` excepted).
+
+    step-00000020.deleting.tmp/ retired, being deleted beside training (`hpcshard ckpt list`
+                                shows one a deletion left behind; the next start removes it)
+    step-00000010.corrupt/      failed to load while an older one loaded: kept for inspection
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import pwd
@@ -27,12 +36,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hpcshard.errors import UserError
 from hpcshard.rundir.files import TMP_SUFFIX, fsync_dir, write_atomic
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
+METADATA = ".metadata"
+"""DCP's index of a checkpoint (a pickle): every item, and the file, offset and length of
+its bytes. Written last, by rank 0, once every rank's writes returned."""
 LATEST = "latest"
-FORMAT = 1
+FORMAT = 2
+"""2: the manifest lists exactly the files `.metadata` names (and itself); 1 listed every
+file found in `step-N.tmp` at the commit."""
+DELETING = ".deleting" + TMP_SUFFIX
+CORRUPT = ".corrupt"
+RETIRE_WAIT_S = 10.0
+"""How long a process that retired checkpoints waits at its exit for their deletion, at
+least (the runtime waits as long as its slowest save took, if that is longer)."""
+
+
+class Incomplete(Exception):
+    """A save that must not be committed: a file DCP's `.metadata` names is missing or
+    shorter than the bytes DCP wrote into it, or `.metadata` itself is missing."""
 
 
 def step_name(step: int) -> str:
@@ -55,6 +80,9 @@ class Checkpoint:
     manifest: dict[str, Any] = field(default_factory=dict)
     problem: str = ""
     """Why it cannot be loaded; empty when it is a valid committed checkpoint."""
+    unreadable: bool = False
+    """The file system failed to answer (not a missing file): the problem may be gone on
+    the next look, and says nothing about the checkpoint."""
 
     @property
     def committed(self) -> bool:
@@ -97,46 +125,89 @@ def file_sizes(path: Path) -> dict[str, int]:
             if p.is_file() and p.name != MANIFEST}
 
 
+def sizes_by_name(path: Path, names: list[str] | set[str] | dict[str, int]) -> dict[str, int]:
+    """The size of each named file in `path`; absent names are left out. Each file is
+    looked up by its name, never found by listing `path`: on NFS a host's listing of a
+    directory can lag behind files other hosts created (attribute caching, 30-60 s), while
+    the lookup of a name this host never asked for goes to the server."""
+    found = {}
+    for name in sorted(names):
+        try:
+            found[name] = (path / name).stat().st_size
+        except FileNotFoundError:
+            continue
+    return found
+
+
+def written(tmp: Path, least: dict[str, int]) -> dict[str, int]:
+    """The files of a save that `.metadata` names (`least`: each file and the fewest bytes
+    it must have, as DCP's `.metadata` says), with their sizes; `Incomplete` when one is
+    missing or short, or `.metadata` itself is missing."""
+    least = {METADATA: 1, **least}
+    found = sizes_by_name(tmp, least)
+    wrong = [f"{name} is missing" if name not in found else
+             f"{name} has {found[name]} of the {need} bytes DCP wrote"
+             for name, need in sorted(least.items()) if found.get(name, -1) < need]
+    if wrong:
+        more = f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""
+        raise Incomplete(f"{'; '.join(wrong[:3])}{more} in {tmp}")
+    return found
+
+
 def inspect(path: Path) -> Checkpoint:
-    """Read and verify one checkpoint directory against its manifest (sizes, not content)."""
+    """Read and verify one checkpoint directory against its manifest (sizes, not content).
+
+    A file system error other than a missing file (ESTALE, EIO on NFS or Lustre) says
+    nothing about the checkpoint: it is `unreadable`, never taken for damage."""
     step = parse_step(path.name)
     ckpt = Checkpoint(path=path, step=-1 if step is None else step)
     if path.name.endswith(TMP_SUFFIX):
         ckpt.problem = "incomplete (never committed: a save was interrupted)"
         return ckpt
-    manifest = path / MANIFEST
-    if not manifest.is_file():
-        ckpt.problem = "incomplete (no manifest)"
-        return ckpt
     try:
-        ckpt.manifest = json.loads(manifest.read_text())
-    except (json.JSONDecodeError, OSError) as err:
-        ckpt.problem = f"corrupt manifest ({err})"
-        return ckpt
-    if step is None:
-        ckpt.step = int(ckpt.manifest.get("step", -1))
-    expected: dict[str, int] = ckpt.manifest.get("files", {})
-    found = file_sizes(path)
-    missing = sorted(set(expected) - set(found))
-    wrong = sorted(n for n in expected if n in found and found[n] != expected[n])
-    if missing:
-        ckpt.problem = f"missing files: {', '.join(missing)}"
-    elif wrong:
-        ckpt.problem = "size differs from the manifest: " + ", ".join(
-            f"{n} ({found[n]} != {expected[n]} bytes)" for n in wrong)
-    elif ckpt.manifest.get("step") != ckpt.step:
-        ckpt.problem = f"manifest says step {ckpt.manifest.get('step')}, directory says {ckpt.step}"
+        ckpt.problem = _check(ckpt, step)
+    except OSError as err:
+        ckpt.problem, ckpt.unreadable = f"unreadable ({err})", True
     return ckpt
 
 
+def _check(ckpt: Checkpoint, step: int | None) -> str:
+    """What is wrong with `ckpt` against its manifest ("" when nothing); fills its manifest."""
+    try:
+        ckpt.manifest = json.loads((ckpt.path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "incomplete (no manifest)"
+    except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError) as err:
+        return f"corrupt manifest ({err})"
+    if step is None:
+        ckpt.step = int(ckpt.manifest.get("step", -1))
+    expected: dict[str, int] = ckpt.manifest.get("files", {})
+    found = sizes_by_name(ckpt.path, expected)
+    missing = sorted(set(expected) - set(found))
+    wrong = sorted(n for n in expected if n in found and found[n] != expected[n])
+    if METADATA not in expected:
+        return f"the manifest lists no {METADATA} (DCP's index): it cannot be loaded"
+    if missing:
+        return f"missing files: {', '.join(missing)}"
+    if wrong:
+        return "size differs from the manifest: " + ", ".join(
+            f"{n} ({found[n]} != {expected[n]} bytes)" for n in wrong)
+    if ckpt.manifest.get("step") != ckpt.step:
+        return f"manifest says step {ckpt.manifest.get('step')}, directory says {ckpt.step}"
+    return ""
+
+
 def commit(tmp: Path, step: int, manifest: dict[str, Any], keep_last: int, keep_every: int = 0,
-           ) -> tuple[Path, dict[str, Any], list[Path]]:
-    """Rank 0, once every rank has written its shards into `tmp` (step-N.tmp): add the
-    manifest, rename into place, fsync, move `latest`, retire old checkpoints. Returns the
-    committed path, the full manifest and the retired paths."""
+           *, least: dict[str, int]) -> tuple[Path, dict[str, Any], list[Path]]:
+    """Rank 0, once every rank has written its shards into `tmp` (step-N.tmp): check that
+    every file `least` names (what DCP's `.metadata` says was written: file -> fewest
+    bytes, from `runtime.checkpoint.io.written_by_dcp`) is there, add the manifest, rename
+    into place, fsync, move `latest`, retire old checkpoints. Returns the committed path,
+    the full manifest and the retired paths. Raises `Incomplete` (nothing published, no
+    older checkpoint touched) when a file is missing or short."""
+    files = written(tmp, least)
     for f in (tmp, *tmp.iterdir()):  # shards (and the directory) may come from a loose umask
         f.chmod(f.stat().st_mode & ~0o022)
-    files = file_sizes(tmp)
     manifest = {"format": FORMAT, "step": step, **manifest, "files": files,
                 "bytes": sum(files.values()), "time": time.time()}
     write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
@@ -167,7 +238,7 @@ def check_safe(ckpt: Checkpoint, trusted_gid: int | None = None) -> None:
     for path in [ckpt.path.parent, ckpt.path, *sorted(ckpt.path.iterdir())]:
         reason = unsafe_permissions(path, trusted_gid)
         if reason:
-            raise ValueError(f"refusing checkpoint {ckpt.path}: {reason}")
+            raise UserError(f"refusing checkpoint {ckpt.path}: {reason}")
 
 
 def select(root: Path, resume: str, exclude: frozenset[Path] = frozenset(),
@@ -176,30 +247,47 @@ def select(root: Path, resume: str, exclude: frozenset[Path] = frozenset(),
 
     auto: the newest valid committed checkpoint (None when there is none);
     never: None; STEP: that committed step; PATH: that checkpoint directory.
+    `Unreadable` when the file system fails to answer about one it would take or skip:
+    a checkpoint is never skipped (and later quarantined) for an ESTALE.
     """
     if resume == "never":
         return None, []
     if resume.isdigit():
-        valid = committed(root)
-        match = [c for c in valid if c.step == int(resume)]
+        entries = scan(root)
+        match = [c for c in entries if c.committed and c.step == int(resume)]
         if not match:
-            steps = ", ".join(str(c.step) for c in valid) or "none"
-            raise ValueError(f"resume={resume}: no committed checkpoint at step {resume} in "
-                             f"{root}; committed steps: {steps}")
+            for c in entries:
+                readable(c)
+            steps = ", ".join(str(c.step) for c in entries if c.committed) or "none"
+            raise UserError(f"resume={resume}: no committed checkpoint at step {resume} in "
+                            f"{root}; committed steps: {steps}")
         return match[0], []
     if resume != "auto":
-        ckpt = inspect(Path(resume))
+        ckpt = readable(inspect(Path(resume)))
         if not ckpt.committed:
-            raise ValueError(f"resume={resume!r} is not a usable checkpoint: {ckpt.problem}; "
-                             "give a step-N directory with a manifest, a step number, auto or never")
+            raise UserError(f"resume={resume!r} is not a usable checkpoint: {ckpt.problem}; "
+                            "give a step-N directory with a manifest, a step number, auto or never")
         return ckpt, []
     skipped: list[Checkpoint] = []
     for ckpt in reversed(scan(root)):
-        if ckpt.committed and ckpt.path not in exclude:
+        if ckpt.path in exclude:
+            continue
+        if readable(ckpt).committed:
             return ckpt, skipped
-        if ckpt.path not in exclude:
-            skipped.append(ckpt)
+        skipped.append(ckpt)
     return None, skipped
+
+
+class Unreadable(OSError):
+    """The file system failed to answer about a checkpoint (ESTALE, EIO): it is neither
+    loaded nor skipped; a later look (a retry, the restarted ranks) decides."""
+
+
+def readable(ckpt: Checkpoint) -> Checkpoint:
+    """`ckpt`, or `Unreadable` when the file system failed to answer about it."""
+    if ckpt.unreadable:
+        raise Unreadable(f"checkpoint {ckpt.path} is {ckpt.problem}")
+    return ckpt
 
 
 def clean_incomplete(root: Path) -> list[str]:
@@ -232,7 +320,9 @@ def supersede(root: Path, after_step: int) -> list[str]:
 
 def retire(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
     """Delete committed checkpoints beyond the newest `keep_last` (keeping multiples of
-    `keep_every`). Called only after a commit, so the newest committed one always stays."""
+    `keep_every`). Only checkpoints that pass `inspect` count, and the newest of them
+    always stays: a checkpoint whose files went missing after its commit never makes an
+    older, loadable one go."""
     keep_last = max(1, keep_last)
     valid = committed(root)
     doomed = [c for c in valid[:-keep_last]
@@ -241,17 +331,58 @@ def retire(root: Path, keep_last: int, keep_every: int = 0) -> list[Path]:
     for c in doomed:
         # Rename first: a crash mid-delete leaves a .tmp the loader ignores (and the next
         # start removes), never a half-deleted directory that still looks committed.
-        trash.append(c.path.with_name(c.path.name + ".deleting" + TMP_SUFFIX))
+        trash.append(c.path.with_name(c.path.name + DELETING))
         os.replace(c.path, trash[-1])
     # Deleting hundreds of MB is not part of the save: it runs beside training.
     if trash:
-        threading.Thread(target=_delete, args=(trash,), name="hpcshard-retire", daemon=True).start()
+        thread = threading.Thread(target=_delete, args=(trash,), name="hpcshard-retire", daemon=True)
+        if not _RETIRING:  # a script's interpreter exit; the runtime leaves by os._exit
+            atexit.register(wait_retired, RETIRE_WAIT_S)
+        _RETIRING.append((thread, trash))
+        thread.start()
     return [c.path for c in doomed]
+
+
+_RETIRING: list[tuple[threading.Thread, list[Path]]] = []
+"""This process's deleting threads and what each deletes."""
 
 
 def _delete(paths: list[Path]) -> None:
     for path in paths:
         shutil.rmtree(path, ignore_errors=True)
+
+
+def wait_retired(timeout: float) -> list[Path]:
+    """Wait up to `timeout` seconds for this process's retired checkpoints to be deleted;
+    returns those still there. A process must call this before it leaves by `os._exit`
+    (a rank does) or ends its interpreter (an `atexit` hook does): either kills a daemon
+    thread mid-deletion, and nothing would ever remove what it left. What is still there
+    after the bound is `step-N.deleting.tmp`: never loaded, removed by the next start,
+    shown by `hpcshard ckpt list`."""
+    deadline = time.monotonic() + timeout
+    for thread, _ in _RETIRING:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    _RETIRING[:] = [(t, paths) for t, paths in _RETIRING if t.is_alive()]
+    return [p for _, paths in _RETIRING for p in paths if p.exists()]
+
+
+def leftovers(root: Path) -> list[Checkpoint]:
+    """What `scan` leaves out, for `hpcshard ckpt list`: retired checkpoints still being
+    deleted, or left for good by a deletion cut short (`step-N.deleting.tmp`), and
+    quarantined ones (`step-N.corrupt`). Oldest first."""
+    if not root.is_dir():
+        return []
+    why = {DELETING: "retired, not yet deleted (a deletion cut short leaves it; the next "
+                     "start removes it)",
+           CORRUPT: "quarantined: failed to load while an older checkpoint loaded; kept for "
+                    "inspection (delete it when done)"}
+    found = []
+    for p in root.iterdir():
+        kind = next((k for k in why if p.name.endswith(k)), None)
+        step = parse_step(p.name.removesuffix(kind)) if kind else None
+        if kind and step is not None and p.is_dir():
+            found.append(Checkpoint(path=p, step=step, problem=why[kind]))
+    return sorted(found, key=lambda c: (c.step, c.path.name))
 
 
 # -- a script's own checkpoints, found by their names ----------------------------------

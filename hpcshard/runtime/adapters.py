@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from hpcshard.errors import UserError
 from hpcshard.runtime.blocks import InitFn, canonical_name
 
 ADAPTER_PARTS = (".lora_A.", ".lora_B.", ".lora_embedding_A.", ".lora_embedding_B.",
@@ -39,17 +40,17 @@ def apply_lora(model: nn.Module, cfg: Any) -> None:
     try:
         from peft import LoraConfig, inject_adapter_in_model
     except ImportError:
-        raise ValueError("lora_rank needs the peft package: pip install 'hpcshard[lora]'") from None
+        raise UserError("lora_rank needs the peft package: pip install 'hpcshard[lora]'") from None
     targets = [t.strip() for t in cfg.lora_targets.split(",") if t.strip()]
     if not targets and getattr(getattr(model, "config", None), "model_type", None) is None:
-        raise ValueError("lora_targets is empty and the model is no transformers model: name the "
-                         "layers to adapt, e.g. --set lora_targets=attn.q,attn.v")
+        raise UserError("lora_targets is empty and the model is no transformers model: name the "
+                        "layers to adapt, e.g. --set lora_targets=attn.q,attn.v")
     config = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
                         target_modules=targets or None)
     try:
         inject_adapter_in_model(config, model)
     except ValueError as err:  # no module matched, or one PEFT cannot adapt
-        raise ValueError(f"lora_targets={cfg.lora_targets!r}: {str(err).splitlines()[0]}") from None
+        raise UserError(f"lora_targets={cfg.lora_targets!r}: {str(err).splitlines()[0]}") from None
 
 
 def apply_freeze(model: nn.Module, patterns: str) -> None:
@@ -59,8 +60,8 @@ def apply_freeze(model: nn.Module, patterns: str) -> None:
     for pattern in wanted:
         hits = [n for n in names if fnmatch(n, pattern) or fnmatch(base_name(n), pattern)]
         if not hits:
-            raise ValueError(f"freeze={pattern!r} matches no parameter; names look like "
-                             f"{next(iter(names))!r} (fnmatch patterns, comma-separated)")
+            raise UserError(f"freeze={pattern!r} matches no parameter; names look like "
+                            f"{next(iter(names))!r} (fnmatch patterns, comma-separated)")
         for n in hits:
             names[n].requires_grad_(False)
 

@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 from torch.overrides import TorchFunctionMode
 
+from hpcshard.errors import UserError
+
 
 def repeated_classes(model: nn.Module) -> dict[str, int]:
     """Classes that fill a ModuleList (>= 2 children of one class), with their parameter counts."""
@@ -66,16 +68,16 @@ def find_blocks(model: nn.Module, block: str = "", min_params: int = 0) -> list[
         present = {type(m).__name__ for m in model.modules()}
         missing = [n for n in wanted if n not in present]
         if missing:
-            raise ValueError(f"block={missing[0]!r} is not a class in the model; classes in it: "
-                             + ", ".join(sorted(present)))
+            raise UserError(f"block={missing[0]!r} is not a class in the model; classes in it: "
+                            + ", ".join(sorted(present)))
         # Children before parents (fully_shard goes bottom-up), siblings in model order.
         return [m for m in _post_order(model) if type(m).__name__ in wanted]
     if min_params:
         return _size_based(model, min_params)
     found = repeated_classes(model)
     if not found:
-        raise ValueError("no repeated block (a ModuleList of one class) found in the model; "
-                         "name one with --set block=ClassName or use --set block_min_params=N")
+        raise UserError("no repeated block (a ModuleList of one class) found in the model; "
+                        "name one with --set block=ClassName or use --set block_min_params=N")
     name = max(found, key=lambda k: found[k])
     return [m for m in model.modules() if type(m).__name__ == name]
 

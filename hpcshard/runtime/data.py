@@ -19,6 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hpcshard.errors import UserError
+
 TOKEN_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
 
 
@@ -55,7 +57,7 @@ def load_splits(cfg: DataConfig, vocab_size: int | None = None) -> DataSplits:
         from hpcshard.runtime.sft import load_sft
 
         if vocab_size is None:
-            raise ValueError("sft data needs the model's vocabulary size; this job does not pass it")
+            raise UserError("sft data needs the model's vocabulary size; this job does not pass it")
         sft = load_sft(cfg, vocab_size)
         return DataSplits(train=sft.train, eval=sft.eval, vocab_size=vocab_size,
                           train_targets=sft.train_targets, eval_targets=sft.eval_targets,
@@ -107,10 +109,10 @@ def text_files(path: str | Path, pattern: str = "*") -> list[Path]:
     if root.is_file():
         return [root]
     if not root.is_dir():
-        raise ValueError(f"data path {str(root)!r} does not exist; give a text file or directory")
+        raise UserError(f"data path {str(root)!r} does not exist; give a text file or directory")
     files = sorted(p for p in root.rglob(pattern) if p.is_file())
     if not files:
-        raise ValueError(f"no files match {pattern!r} under {str(root)!r}")
+        raise UserError(f"no files match {pattern!r} under {str(root)!r}")
     return files
 
 
@@ -131,10 +133,10 @@ def bytes_splits(files: list[Path], eval_every: int = 20) -> DataSplits:
 def token_file(path: str | Path, dtype: str = "uint16") -> np.ndarray:
     """A flat binary token file (nanoGPT's train.bin), memory-mapped, never read whole."""
     if dtype not in TOKEN_DTYPES:
-        raise ValueError(f"token dtype {dtype!r} is not valid; choose one of: {', '.join(TOKEN_DTYPES)}")
+        raise UserError(f"token dtype {dtype!r} is not valid; choose one of: {', '.join(TOKEN_DTYPES)}")
     p = Path(path)
     if not p.is_file():
-        raise ValueError(f"token file {str(p)!r} does not exist")
+        raise UserError(f"token file {str(p)!r} does not exist")
     return np.memmap(p, dtype=TOKEN_DTYPES[dtype], mode="r")
 
 
@@ -173,8 +175,8 @@ class GlobalBatches:
         self.micro, self.rank, self.world, self.seed = micro, rank, world, seed
         self.samples = (len(tokens) - 1) // seq_len
         if self.samples < batch_size:
-            raise ValueError(f"the training data has {self.samples} sequences of {seq_len + 1} "
-                             f"tokens, fewer than one batch ({batch_size}); lower batch_size or seq_len")
+            raise UserError(f"the training data has {self.samples} sequences of {seq_len + 1} "
+                            f"tokens, fewer than one batch ({batch_size}); lower batch_size or seq_len")
         self.epoch, self.offset = 0, 0
         self._perm: torch.Tensor | None = None
         self.skip: set[tuple[int, int]] = set()

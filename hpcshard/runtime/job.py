@@ -27,6 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from hpcshard.config import TrainConfig
+from hpcshard.errors import UserError
 from hpcshard.runtime.blocks import InitFn, reset_init
 from hpcshard.runtime.data import DataSplits
 
@@ -76,8 +77,8 @@ class Job:
 def require_tp_plan(job: Job, tp: int, ref: str) -> None:
     """tp > 1 needs the job's plan; one line otherwise (preflight, planner, ranks)."""
     if tp > 1 and job.tp_plan is None:
-        raise ValueError(f"tp={tp}: job {ref} has no tp_plan (how to split its model); add one "
-                         "to its Job (see the README) or use tp=1")
+        raise UserError(f"tp={tp}: job {ref} has no tp_plan (how to split its model); add one "
+                        "to its Job (see the README) or use tp=1")
 
 
 def _import_file(path: Path) -> Any:
@@ -95,18 +96,18 @@ def load_job(ref: str) -> Job:
     path = Path(ref)
     if ref.endswith(".py") or path.exists():
         if not path.is_file():
-            raise ValueError(f"job file {ref!r} does not exist; give a .py file or a module name")
+            raise UserError(f"job file {ref!r} does not exist; give a .py file or a module name")
         module = _import_file(path.resolve())
     else:
         try:
             module = importlib.import_module(ref)
         except ModuleNotFoundError as err:
-            raise ValueError(f"job {ref!r} is neither a file nor an importable module ({err})") from None
+            raise UserError(f"job {ref!r} is neither a file nor an importable module ({err})") from None
     job = getattr(module, "job", None)
     if not isinstance(job, Job):
         found = [k for k, v in vars(module).items() if isinstance(v, Job)]
         if len(found) != 1:
-            raise ValueError(f"{ref!r} defines no job; it needs a module-level "
-                             "`job = hpcshard.runtime.Job(config=..., model=..., data=...)`")
+            raise UserError(f"{ref!r} defines no job; it needs a module-level "
+                            "`job = hpcshard.runtime.Job(config=..., model=..., data=...)`")
         job = getattr(module, found[0])
     return job

@@ -1,8 +1,10 @@
 """What every rank runs (`hpcshard.entry` calls `main` under torchrun or in a warm fork).
 
 RUN_DIR/spec.json (written by `hpcshard submit`) names the job and its --set values.
-A user error (a bad value the preflight could not see) exits 2 with one line; its
-traceback goes to the rank's log file.
+A user error (a bad value the preflight could not see: hpcshard's own `UserError`) exits
+2 with one line, and is not restarted; its traceback goes to the rank's log file. Any
+other exception (a torch or json ValueError included) is a rank failure, which the
+launchers may restart.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any
 import torch.distributed as dist
 
 from hpcshard.config import TrainConfig, build_config
-from hpcshard.rundir import flight, launchers, ledger
+from hpcshard.errors import UserError
+from hpcshard.rundir import flight, launchers, ledger, store
 from hpcshard.rundir.progress import Board
 from hpcshard.rundir.rankenv import STACKS_SIGNAL, STRAGGLER_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
@@ -61,8 +64,8 @@ def check_writable(run_dir: Path) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as err:
-        raise ValueError(f"run directory {run_dir} is not writable ({err.strerror}); "
-                         "checkpoints could not be saved: fix its permissions or mount") from None
+        raise UserError(f"run directory {run_dir} is not writable ({err.strerror}); "
+                        "checkpoints could not be saved: fix its permissions or mount") from None
 
 
 def main(argv: list[str] | None = None, early: list[int] | None = None,
@@ -118,7 +121,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
                                                                                       attempt):
             return STRAGGLER_EXIT
         summary = trainer.run(stop)
-    except ValueError as err:
+    except UserError as err:
         log.debug("user error", exc_info=True)
         if env.is_main:
             print(f"error: {err}", file=sys.stderr)
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
             stop.ignore_from_now()
         if dist.is_initialized():
             dist.destroy_process_group()
+    _wait_retired(trainer)
     if summary.reason == "straggler":  # not an end: the launchers replace the node
         return STRAGGLER_EXIT
     if env.is_main:
@@ -152,6 +156,20 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
             "the final checkpoint (step %d) could not be saved; see the errors above", summary.step)
         return 1
     return 0
+
+
+def _wait_retired(trainer: Trainer | None) -> None:
+    """Before the rank leaves (by `os._exit`, which kills threads mid-work): let the
+    deletion of checkpoints retired by this run's last saves finish. Bounded by the
+    slowest of the last saves, at least store.RETIRE_WAIT_S: deleting a checkpoint is less
+    work for the storage than writing it was, and a time-limit stop keeps twice that save
+    before the deadline, of which its own save spent one. What is left after the bound
+    is `step-N.deleting.tmp`: never loaded, removed by the next start, shown by `ckpt list`."""
+    saves = trainer.ckpt.save_seconds[-3:] if trainer is not None and trainer.ckpt is not None else []
+    left = store.wait_retired(max([store.RETIRE_WAIT_S, *saves]))
+    if left:
+        log.warning("retired checkpoints still being deleted as the rank exits: %s (the next "
+                    "start removes them)", ", ".join(p.name for p in left))
 
 
 def _slurm_run() -> dict[str, Any]:

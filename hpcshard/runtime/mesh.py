@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from hpcshard.config import SHARDING_MODES
+from hpcshard.errors import UserError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -14,7 +15,7 @@ if TYPE_CHECKING:
 def resolve_sharding(mode: str, nodes: int) -> str:
     """`auto` is hybrid when there is more than one node, else full."""
     if mode not in SHARDING_MODES:
-        raise ValueError(f"sharding={mode!r} is not valid; choose one of: {', '.join(SHARDING_MODES)}")
+        raise UserError(f"sharding={mode!r} is not valid; choose one of: {', '.join(SHARDING_MODES)}")
     if mode == "auto":
         return "hybrid" if nodes > 1 else "full"
     return mode
@@ -24,8 +25,8 @@ def check_tp(tp: int, per_node: int) -> None:
     """A tensor parallel group lives inside one node (its collectives run every layer)."""
     if tp < 1 or per_node % tp:
         divisors = [d for d in range(1, per_node + 1) if per_node % d == 0]
-        raise ValueError(f"tp={tp} does not divide the {per_node} ranks of a node; "
-                         f"use one of {', '.join(map(str, divisors))}")
+        raise UserError(f"tp={tp} does not divide the {per_node} ranks of a node; "
+                        f"use one of {', '.join(map(str, divisors))}")
 
 
 def mesh_shape(mode: str, nodes: int, per_node: int, tp: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:

@@ -19,6 +19,7 @@ import traceback
 from typing import Any
 
 from hpcshard.config import build_config
+from hpcshard.errors import UserError
 from hpcshard.runtime.blocks import find_blocks, on_meta
 from hpcshard.runtime.data import GlobalBatches
 from hpcshard.runtime.job import load_job, require_tp_plan
@@ -40,8 +41,8 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
         n = int(cfg.reshard_after_forward)
         if group % n or n >= group:
             fits = [d for d in range(2, group) if group % d == 0]
-            raise ValueError(f"reshard_after_forward={n} must divide the shard group of {group} "
-                             f"ranks and be smaller; use " + (", ".join(map(str, fits)) if fits
+            raise UserError(f"reshard_after_forward={n} must divide the shard group of {group} "
+                            f"ranks and be smaller; use " + (", ".join(map(str, fits)) if fits
                                                            else "true or false on this shape"))
     with on_meta():
         model = job.model(cfg)
@@ -76,7 +77,7 @@ def preflight_all(request: dict[str, Any]) -> dict[str, Any]:
         try:
             resolved.append(preflight({**request, "sets": sets}))
         except ValueError as err:
-            raise ValueError(f"variant {i}: " + " ".join(str(err).split("\n"))) from None
+            raise UserError(f"variant {i}: " + " ".join(str(err).split("\n"))) from None
         except Exception:
             print(f"variant {i} ({json.dumps(sets)}) crashed:", file=sys.stderr)
             raise

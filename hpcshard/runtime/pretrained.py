@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from hpcshard.errors import UserError
+
 log = logging.getLogger("hpcshard")
 
 SUFFIX = ".safetensors"
@@ -65,11 +67,11 @@ def config_file(path: str | Path) -> Path:
     """A checkpoint directory's config.json, or one line saying what is wrong."""
     root = Path(path)
     if not root.is_dir():
-        raise ValueError(f"init_from={str(path)!r} is not a directory; give a Hugging Face "
-                         "checkpoint directory (config.json and *.safetensors)")
+        raise UserError(f"init_from={str(path)!r} is not a directory; give a Hugging Face "
+                        "checkpoint directory (config.json and *.safetensors)")
     if not (root / "config.json").is_file():
-        raise ValueError(f"init_from={str(path)!r} has no config.json; give a directory "
-                         "written by save_pretrained")
+        raise UserError(f"init_from={str(path)!r} has no config.json; give a directory "
+                        "written by save_pretrained")
     return root / "config.json"
 
 
@@ -83,8 +85,8 @@ def read_dir(path: str | Path) -> Stored:
         found = sorted(p.name for p in root.iterdir())[:5]
         hint = (" (pytorch_model.bin: convert it to safetensors with save_pretrained)"
                 if any(n.endswith(".bin") for n in found) else "")
-        raise ValueError(f"init_from={str(path)!r} holds no *.safetensors files{hint}; "
-                         "give a directory written by save_pretrained")
+        raise UserError(f"init_from={str(path)!r} holds no *.safetensors files{hint}; "
+                        "give a directory written by save_pretrained")
     from safetensors import safe_open
 
     shapes: dict[str, tuple[int, ...]] = {}
@@ -97,15 +99,17 @@ def read_dir(path: str | Path) -> Stored:
                     piece = f.get_slice(key)
                     shapes[key], dtypes[key] = tuple(piece.get_shape()), piece.get_dtype()
                     where[key] = file
+        except OSError:  # the storage's trouble, not the file's: a fault a restart may mend
+            raise
         except Exception as err:  # safetensors raises its own error types
-            raise ValueError(f"init_from: {file} is not a readable safetensors file ({err})") from None
+            raise UserError(f"init_from: {file} is not a readable safetensors file ({err})") from None
     index = root / "model.safetensors.index.json"
     if index.is_file():  # a sharded checkpoint: every file it names must be there
         names = set(json.loads(index.read_text()).get("weight_map", {}).values())
         missing = sorted(n for n in names if not (root / n).is_file())
         if missing:
-            raise ValueError(f"init_from={str(path)!r} lacks {len(missing)} file(s) its index "
-                             f"names, e.g. {missing[0]}; copy the whole checkpoint")
+            raise UserError(f"init_from={str(path)!r} lacks {len(missing)} file(s) its index "
+                            f"names, e.g. {missing[0]}; copy the whole checkpoint")
     return Stored(root, shapes, dtypes, where)
 
 
@@ -144,11 +148,11 @@ def match(model: nn.Module, stored: Stored) -> dict[str, str]:
             found[first] = name
     where = f"init_from={str(stored.path)!r}"
     if missing:
-        raise ValueError(f"{where} lacks {len(missing)} of the model's tensors, e.g. {missing[0]!r}; "
-                         "is it a checkpoint of this architecture?")
+        raise UserError(f"{where} lacks {len(missing)} of the model's tensors, e.g. {missing[0]!r}; "
+                        "is it a checkpoint of this architecture?")
     if mismatched:
-        raise ValueError(f"{where}: {len(mismatched)} tensor(s) differ in shape, e.g. {mismatched[0]}; "
-                         "the model's config must be the checkpoint's")
+        raise UserError(f"{where}: {len(mismatched)} tensor(s) differ in shape, e.g. {mismatched[0]}; "
+                        "the model's config must be the checkpoint's")
     extra = set(stored.shapes) - set(found.values())
     if extra:
         log.warning("init_from: %d checkpoint tensor(s) are not in the model and are not read, "

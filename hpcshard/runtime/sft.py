@@ -30,6 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from hpcshard.errors import UserError
+
 IGNORE = -100
 """The target of a masked position (what F.cross_entropy ignores by default)."""
 HOLD_OUT = 20
@@ -77,8 +79,8 @@ def tokenizer_dir(cfg: Any) -> str:
         where = (f"tokenizer={source!r} holds" if cfg.tokenizer
                  else f"init_from={cfg.init_from!r} holds" if cfg.init_from
                  else "no tokenizer or init_from is set, so there is")
-        raise ValueError(f"sft data needs a tokenizer: {where} no tokenizer files; give "
-                         "--set tokenizer=DIR (a directory written by tokenizer.save_pretrained)")
+        raise UserError(f"sft data needs a tokenizer: {where} no tokenizer files; give "
+                        "--set tokenizer=DIR (a directory written by tokenizer.save_pretrained)")
     return str(source)
 
 
@@ -88,7 +90,7 @@ def load_tokenizer(path: str) -> Any:
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as err:  # transformers raises many kinds
-        raise ValueError(f"tokenizer {path!r} could not be loaded ({str(err).splitlines()[0]})") from None
+        raise UserError(f"tokenizer {path!r} could not be loaded ({str(err).splitlines()[0]})") from None
 
 
 def _prompt_completion(tok: Any, record: dict[str, Any]) -> tuple[list[int], list[int]] | str:
@@ -167,15 +169,15 @@ def load_sft(cfg: Any, vocab_size: int) -> SftData:
     for key in ("sft", "sft_eval"):
         value = getattr(cfg, key)
         if value and not Path(value).is_file():
-            raise ValueError(f"{key}={value!r} is not a file; give a JSONL file of prompt/completion "
-                             "or messages records")
+            raise UserError(f"{key}={value!r} is not a file; give a JSONL file of prompt/completion "
+                            "or messages records")
     tok = load_tokenizer(tokenizer_dir(cfg))
     if len(tok) > vocab_size:
-        raise ValueError(f"the tokenizer has {len(tok)} tokens, more than the model's vocab_size="
-                         f"{vocab_size}; use the model's own tokenizer")
+        raise UserError(f"the tokenizer has {len(tok)} tokens, more than the model's vocab_size="
+                        f"{vocab_size}; use the model's own tokenizer")
     train = read(Path(cfg.sft), tok)
     if not train.items:
-        raise ValueError(f"sft={cfg.sft!r} has no usable record ({train.report()})")
+        raise UserError(f"sft={cfg.sft!r} has no usable record ({train.report()})")
     report = train.report()
     if cfg.sft_eval:
         held = read(Path(cfg.sft_eval), tok)

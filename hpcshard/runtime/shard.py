@@ -20,6 +20,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ParallelStyle
 
+from hpcshard.errors import UserError
 from hpcshard.runtime.blocks import InitFn, canonical_name, find_blocks, module_seed, reset_init
 
 DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -117,16 +118,16 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     if not plan:
-        raise ValueError("the job's tp_plan is empty; name the modules to split "
-                         "(see the README's section on tensor parallel plans)")
+        raise UserError("the job's tp_plan is empty; name the modules to split "
+                        "(see the README's section on tensor parallel plans)")
     # src_data_rank=None: nothing to send, the model is on the meta device (materialize
     # initialises every shard the same way on every rank).
     parallelize_module(model, mesh, plan, src_data_rank=None)
     left = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
     if left:
-        raise ValueError(f"the job's tp_plan leaves {len(left)} parameter(s) out of tensor "
-                         f"parallelism, e.g. {left[0]!r}: give its module a style "
-                         "(SequenceParallel for a norm, RowwiseParallel for an embedding)")
+        raise UserError(f"the job's tp_plan leaves {len(left)} parameter(s) out of tensor "
+                        f"parallelism, e.g. {left[0]!r}: give its module a style "
+                        "(SequenceParallel for a norm, RowwiseParallel for an embedding)")
 
 
 def shard_model(model: nn.Module, mesh: DeviceMesh, plan: ShardPlan) -> list[nn.Module]:

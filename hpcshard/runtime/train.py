@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpcshard.config import TrainConfig
+from hpcshard.errors import UserError
 from hpcshard.rundir import store
 from hpcshard.rundir.rankenv import RankEnv
 from hpcshard.runtime.adapters import apply_freeze, apply_lora, frozen, with_adapters
@@ -308,9 +309,9 @@ class Trainer:
         assert self.init_from is not None
         saved = loaded.manifest.get("frozen_from")
         if saved is not None and saved != self.init_from.fingerprint:
-            raise ValueError(f"init_from={str(self.init_from.path)!r} is not the checkpoint this run's "
-                             f"frozen weights came from (its tensors or files changed since "
-                             f"{Path(loaded.path).name}); point init_from at the original")
+            raise UserError(f"init_from={str(self.init_from.path)!r} is not the checkpoint this run's "
+                            f"frozen weights came from (its tensors or files changed since "
+                            f"{Path(loaded.path).name}); point init_from at the original")
         load_pretrained(self.model, self.init_from,
                         {k: v for k, v in self.init_names.items() if k in self.frozen})
 

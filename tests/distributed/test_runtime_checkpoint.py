@@ -360,3 +360,29 @@ def test_resume_never_moves_the_old_timeline_aside(uninterrupted: Path, tmp_path
     assert sorted(committed(run)) == [1, 2]
     (aside,) = (run / store.CHECKPOINTS).glob("superseded-*")
     assert len(list(aside.iterdir())) == STEPS
+
+
+SLOW_DELETE = '''import shutil, time
+_rmtree = shutil.rmtree
+def rmtree(path, *args, **kwargs):
+    if str(path).endswith(".deleting.tmp"):
+        time.sleep(2)  # a big checkpoint on slow storage
+    return _rmtree(path, *args, **kwargs)
+shutil.rmtree = rmtree
+'''
+
+
+def test_checkpoints_retired_by_the_last_save_are_gone_when_the_run_ends(tmp_path: Path) -> None:
+    """A rank leaves by os._exit, which kills the thread deleting what the last commit
+    retired: its step-N.deleting.tmp stayed for good (nothing starts after the last
+    attempt to remove it). Every process here deletes retired checkpoints 2 s slower
+    (a sitecustomize on PYTHONPATH)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(SLOW_DELETE)
+    run = tmp_path / "retired"
+    proc = hpcshard("submit", "--gpus", "1", "jobs/charlm.py", "--run-dir", str(run),
+                    *sets(steps=4, ckpt_every=2, keep_last=1),
+                    env={"PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(p.name for p in (run / store.CHECKPOINTS).iterdir() if p.is_dir()) == [store.step_name(4)]

@@ -7,6 +7,7 @@ evaluation, which the watchdog must not take for a hang."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import sys
 import time
@@ -37,6 +38,9 @@ class Config(charlm.Config):  # type: ignore[name-defined,misc]
     """Raise in this process's N-th forward pass (0: never)."""
     fail_rank: int = -1
     """Only this global rank raises (-1: every rank)."""
+    fail_with: str = "runtime"
+    """What it raises: runtime (a RuntimeError), or json (json's JSONDecodeError: a
+    ValueError that is the job's bug, not a bad value of the user's)."""
     nan_at: int = 0
     """Return a nan loss in this process's N-th forward pass (0: never)."""
     nan_batch: int = 0
@@ -68,6 +72,8 @@ def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     cfg: Config = model.cfg  # type: ignore[assignment]
     rank = int(os.environ.get("RANK", "0"))
     if cfg.fail_at and calls == cfg.fail_at and cfg.fail_rank in (-1, rank):
+        if cfg.fail_with == "json":
+            json.loads("{injected bug in the job's loss")
         raise RuntimeError(f"injected bug in the job's loss (forward pass {calls})")
     if (cfg.spin_at and calls == cfg.spin_at and cfg.fail_rank in (-1, rank)
             and os.environ.get("HPCSHARD_CYCLE") == "0"):

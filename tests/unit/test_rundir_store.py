@@ -102,6 +102,84 @@ def test_retention_never_counts_incomplete_ones(root: Path) -> None:
     assert [c.step for c in store.committed(root)] == [10]
 
 
+SHARDS = {"__0_0.distcp": 100, "__1_0.distcp": 100}
+"""What DCP's .metadata of `make`'s checkpoints says was written: file -> fewest bytes."""
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda p: (p / "__1_0.distcp").unlink(), "__1_0.distcp is missing"),
+    (lambda p: (p / "__1_0.distcp").write_bytes(b"x" * 60), "__1_0.distcp has 60 of the 100 bytes DCP wrote"),
+    (lambda p: (p / store.METADATA).unlink(), ".metadata is missing"),
+])
+def test_a_save_missing_a_file_its_metadata_names_is_not_committed(root: Path, damage, reason: str) -> None:
+    """A second job's start removes every step-N.tmp: what is left of a save must not
+    become a checkpoint, and retention must not make room for it (keep_last=1)."""
+    make(root, 10)
+    store.write_atomic(root / store.LATEST, store.step_name(10) + "\n")
+    tmp = make(root, 20, commit=False)
+    damage(tmp)
+    with pytest.raises(store.Incomplete, match=reason):
+        store.commit(tmp, 20, {}, keep_last=1, least=SHARDS)
+    assert [c.step for c in store.committed(root)] == [10]
+    assert not (root / store.step_name(20)).exists() and not (tmp / store.MANIFEST).exists()
+    assert (root / store.LATEST).read_text() == store.step_name(10) + "\n"
+
+
+def test_the_manifest_lists_the_files_dcp_wrote_and_their_sizes(root: Path) -> None:
+    tmp = make(root, 20, commit=False, files={".metadata": 10, "__0_0.distcp": 130, "__1_0.distcp": 100,
+                                             "stray": 5})
+    final, manifest, _ = store.commit(tmp, 20, {}, keep_last=1, least=SHARDS)
+    assert manifest["files"] == {".metadata": 10, "__0_0.distcp": 130, "__1_0.distcp": 100}
+    assert manifest["bytes"] == 240 and store.inspect(final).committed
+    (final / "__1_0.distcp").unlink()  # gone after the commit: never loaded, never counted
+    assert store.inspect(final).problem == "missing files: __1_0.distcp"
+
+
+def test_retention_keeps_the_newest_loadable_checkpoint(root: Path) -> None:
+    make(root, 10)
+    (make(root, 20) / "__0_0.distcp").unlink()  # committed, then a file went missing
+    assert store.retire(root, keep_last=1) == []
+    assert [c.step for c in store.committed(root)] == [10]
+
+
+def test_a_checkpoint_the_file_system_cannot_read_is_not_skipped(root: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """ESTALE on NFS says nothing about the checkpoint: skipping it would get it renamed
+    .corrupt once the older one loads."""
+    make(root, 10)
+    make(root, 20)
+    real = Path.read_text
+
+    def stale(self: Path, *args, **kwargs) -> str:
+        if self.parent.name == store.step_name(20):
+            raise OSError(116, "Stale file handle")
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(Path, "read_text", stale)
+    with pytest.raises(store.Unreadable, match="step-00000020 is unreadable.*Stale file handle"):
+        store.select(root, "auto")
+    assert store.inspect(root / store.step_name(20)).unreadable
+    assert store.retire(root, keep_last=1) == []  # an unreadable one does not count, nor go
+
+
+def test_retired_checkpoints_are_deleted_before_the_process_leaves(root: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank leaves by os._exit, which kills the deleting thread: it waits for it first."""
+    import shutil
+
+    real = shutil.rmtree
+
+    def slow(path, *args, **kwargs) -> None:
+        time.sleep(0.5)
+        real(path, *args, **kwargs)
+    monkeypatch.setattr(shutil, "rmtree", slow)
+    for s in (10, 20, 30):
+        make(root, s)
+    store.retire(root, keep_last=1)
+    assert store.wait_retired(0.05) == [root / (store.step_name(s) + store.DELETING) for s in (10, 20)]
+    assert store.wait_retired(5) == []
+    assert [p.name for p in root.iterdir()] == [store.step_name(30)]
+
+
 def test_incomplete_directories_are_cleaned(root: Path) -> None:
     make(root, 10)
     make(root, 20, commit=False)
@@ -147,6 +225,20 @@ def test_cli_ckpt_list(root: Path) -> None:
     lines = result.output.splitlines()
     assert "committed" in lines[1] and "0.0MB" in lines[1] and "[2, 2]" in lines[1]
     assert "invalid" in lines[2] and "incomplete" in lines[2]
+
+
+def test_cli_ckpt_list_shows_what_deletions_and_quarantines_left(root: Path) -> None:
+    """A deletion cut short (the rank's exit) leaves step-N.deleting.tmp: it takes room
+    and must not be invisible."""
+    make(root, 10)
+    (root / "step-00000010").rename(root / ("step-00000010" + store.DELETING))
+    make(root, 20, files={".metadata": 10, "__0_0.distcp": 2_000_000})
+    (root / "step-00000020").rename(root / ("step-00000020" + store.CORRUPT))
+    make(root, 30)
+    lines = CliRunner().invoke(main, ["ckpt", "list", str(root.parent)]).output.splitlines()
+    assert "deleting" in lines[1] and "step-00000010.deleting.tmp" in lines[1] and "next start" in lines[1]
+    assert "corrupt" in lines[2] and "2.0MB" in lines[2] and "quarantined" in lines[2]
+    assert "committed" in lines[3] and len(lines) == 4
 
 
 @pytest.mark.parametrize("command", [["resume"], ["ckpt", "list"], ["ckpt", "export", "--out", "m.pt"],

@@ -149,7 +149,9 @@ def test_submit_warns_when_the_lead_time_is_shorter_than_the_last_save(
 
     ckpt = tmp_path / store.CHECKPOINTS / store.step_name(10)
     ckpt.mkdir(parents=True)
-    (ckpt / store.MANIFEST).write_text(json.dumps({"step": 10, "files": {}, "save_seconds": 200.0}))
+    (ckpt / store.METADATA).write_bytes(b"x")
+    (ckpt / store.MANIFEST).write_text(json.dumps({"step": 10, "files": {store.METADATA: 1},
+                                                   "save_seconds": 200.0}))
     _warn_lead_time(tmp_path, request(signal_lead_s=120))
     assert "--signal-lead 120s is short: the last checkpoint of this run took 200s" in capsys.readouterr().err
     _warn_lead_time(tmp_path, request(signal_lead_s=600))

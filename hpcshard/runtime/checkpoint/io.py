@@ -1,6 +1,7 @@
 """How DCP writes for hpcshard: a private step-N.tmp made inside DCP's own first step,
-a stager that starts its copy only once `async_save` has returned, fast torch.save, and
-one line for a failure that DCP reports for every rank."""
+a stager that starts its copy only once `async_save` has returned, fast torch.save, what
+DCP's `.metadata` says was written (what a commit checks), and one line for a failure
+that DCP reports for every rank."""
 
 from __future__ import annotations
 
@@ -8,9 +9,11 @@ from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.utils.serialization import config as serialization
+
+from hpcshard.rundir import store
 
 
 def one_line(err: BaseException) -> str:
@@ -21,6 +24,24 @@ def one_line(err: BaseException) -> str:
         first = first[0]
     text = str(first).strip().splitlines()
     return f"{type(first).__name__}: {text[0] if text else ''}"
+
+
+def written_by_dcp(path: Path) -> dict[str, int]:
+    """What DCP's `.metadata` in `path` says was written: each file it names, with the
+    fewest bytes that file must hold (the end of its last item), for `store.commit` to
+    check. {} when there is no `.metadata` (the commit then refuses, naming it)."""
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except FileNotFoundError:
+        return {}
+    except OSError:
+        raise  # the file system's trouble: the save fails as any write would
+    except Exception as err:  # a pickle cut short or damaged
+        raise store.Incomplete(f"{store.METADATA} cannot be read ({one_line(err)}) in {path}") from None
+    least: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        least[info.relative_path] = max(least.get(info.relative_path, 0), info.offset + info.length)
+    return least
 
 
 def fast_writes() -> None:

@@ -2,10 +2,15 @@
 falls back.
 
 Save: rank 0 clears a stale `step-N.tmp`; every rank writes its shards into it with
-`dcp.save` (replicated HSDP shards are written once, by one replica); rank 0 then writes
-the manifest, renames the directory into place, fsyncs, moves `latest` and retires old
+`dcp.save` (replicated HSDP shards are written once, by one replica); rank 0 then checks
+every file DCP's `.metadata` names against the bytes DCP wrote into it, writes the
+manifest, renames the directory into place, fsyncs, moves `latest` and retires old
 checkpoints. Nothing is ever saved into an existing directory: a crash mid-save into a
 complete checkpoint can leave new data under old metadata that loads silently.
+
+Load: rank 0 picks; every rank loads; the ranks agree on the outcome (`failures`): loaded,
+try again (transient), skip to the previous checkpoint (its content), or fail the rank (a
+fault: the launchers restart the ranks, the checkpoint is left as it is).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +31,22 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpcshard.config import TrainConfig
+from hpcshard.errors import UserError
 from hpcshard.rundir import store
 from hpcshard.rundir.spec import trusted_gid
-from hpcshard.runtime.checkpoint.io import HandOffStager, PrivateWriter, fast_writes, one_line
+from hpcshard.runtime.checkpoint.failures import (
+    LOAD_RETRY_DELAYS_S,
+    LoadFault,
+    MetadataReader,
+    load_agreed,
+)
+from hpcshard.runtime.checkpoint.io import (
+    HandOffStager,
+    PrivateWriter,
+    fast_writes,
+    one_line,
+    written_by_dcp,
+)
 from hpcshard.runtime.checkpoint.state import (
     LOAD_OPTIONS,
     SAVE_OPTIONS,
@@ -212,20 +231,26 @@ class Checkpointer:
         return text
 
     def _commit(self, step: int, tmp: Path, start: float, reason: str) -> bool:
-        """Rank 0 makes the checkpoint visible; every rank learns whether that worked."""
-        ok = torch.ones(1, device=self.env.device)
+        """Rank 0 makes the checkpoint visible; every rank learns whether that worked, and
+        how long the save took (every rank plans a time-limit stop with the same number)."""
+        seconds = time.perf_counter() - start
+        ok = torch.tensor([1.0, seconds], dtype=torch.float64, device=self.env.device)
         if self.env.is_main:
             try:
-                self._publish(step, tmp, time.perf_counter() - start, reason)
-            except OSError as err:
-                log.error("checkpoint at step %d could not be committed (%s); earlier "
-                          "checkpoints are intact", step, err)
+                self._publish(step, tmp, seconds, reason)
+            except (OSError, store.Incomplete) as err:
+                # A file missing here was removed after DCP wrote it: by a second job's
+                # start on this run directory (it cleans every step-N.tmp), or by hand.
+                log.error("checkpoint at step %d NOT committed (%s); earlier checkpoints are "
+                          "intact%s", step, err, "; is a second job using this run directory?"
+                          if isinstance(err, store.Incomplete) else "")
                 shutil.rmtree(tmp, ignore_errors=True)
-                ok.zero_()
+                ok[0] = 0
         dist.broadcast(ok, src=0)
-        if ok.item():
+        if ok[0].item():
             self.last_saved = step
-        return bool(ok.item())
+            self.save_seconds.append(float(ok[1].item()))
+        return bool(ok[0].item())
 
     def _publish(self, step: int, tmp: Path, seconds: float, reason: str) -> None:
         env = self.env
@@ -233,8 +258,8 @@ class Checkpointer:
             "world": env.world, "nodes": env.nodes, "per_node": env.per_node,
             **(self.parts.layout or {}), "config_hash": config_hash(self.cfg),
             "config": asdict(self.cfg), "torch": torch.__version__, "reason": reason,
-            "save_seconds": round(seconds, 3)}, self.cfg.keep_last, self.cfg.keep_every)
-        self.save_seconds.append(seconds)
+            "save_seconds": round(seconds, 3)}, self.cfg.keep_last, self.cfg.keep_every,
+            least=written_by_dcp(tmp))
         self.last_bytes = manifest["bytes"]
         log.info("checkpoint step %d committed (%s, %.1f MB in %.2fs)%s", step, reason,
                  manifest["bytes"] / 1e6, seconds,
@@ -247,39 +272,32 @@ class Checkpointer:
 
         Rank 0 reads the directory and tells every rank what to load: on a shared
         filesystem another host's listing can lag behind (NFS attribute caching), and
-        ranks that loaded different steps would train a mix. On auto, a checkpoint that
-        fails to load is skipped for the previous one; damaged ones are renamed aside only
-        once an older one has loaded, and if none loads the job stops with the reason
-        (a changed model, say) instead of silently training from scratch.
+        ranks that loaded different steps would train a mix. On auto, a checkpoint whose
+        content does not load is skipped for the previous one; damaged ones are renamed
+        aside only once an older one has loaded, and if none loads the job stops with the
+        reason (a changed model, say) instead of silently training from scratch. A
+        transient error is tried again; one that persists, or a fault, fails the rank
+        (`LoadFault`) and leaves every checkpoint as it is.
         """
         skipped: list[tuple[str, str]] = []
         failed: list[tuple[store.Checkpoint, str]] = []
         while True:
-            path, passed, error = self._decide(how, frozenset(c.path for c, _ in failed))
-            if error:
-                raise ValueError(error)
+            chosen, passed = self._decide(how, frozenset(c.path for c, _ in failed))
             skipped += passed
-            if path is None:
+            if chosen is None:
                 if failed:
                     ckpt, why = failed[0]
-                    raise ValueError(f"no checkpoint in {self.root} could be loaded; the newest, "
-                                     f"{ckpt.path.name}, failed with: {why}{self._config_note(ckpt)}")
+                    raise UserError(f"no checkpoint in {self.root} could be loaded; the newest, "
+                                    f"{ckpt.path.name}, failed with: {why}{self._config_note(ckpt)}")
                 self._log_skipped(skipped)
                 if how == "never":
                     self._supersede(-1)
                 return None
-            chosen = store.inspect(Path(path))
-            store.check_safe(chosen, trusted_gid(self.root.parent))
-            try:
-                self._load(chosen)
-            except BaseException as err:
-                if isinstance(err, KeyboardInterrupt):
-                    raise
-                why = one_line(err)
-                log.debug("load failure", exc_info=err)
+            why = load_agreed(chosen.path, partial(self._load, chosen), self.env)
+            if why:
                 if how != "auto":
-                    raise ValueError(f"checkpoint {chosen.path} failed to load: {why}"
-                                     f"{self._config_note(chosen)}") from None
+                    raise UserError(f"checkpoint {chosen.path} failed to load: {why}"
+                                    f"{self._config_note(chosen)}")
                 failed.append((chosen, why))
                 skipped.append((chosen.path.name, f"failed to load ({why})"))
                 continue
@@ -297,21 +315,41 @@ class Checkpointer:
                           world_changed=world != self.env.world, manifest=chosen.manifest)
 
     def _decide(self, how: str, exclude: frozenset[Path],
-                ) -> tuple[str | None, list[tuple[str, str]], str]:
-        """Rank 0 cleans up interrupted saves and picks; every rank gets the same answer."""
+                ) -> tuple[store.Checkpoint | None, list[tuple[str, str]]]:
+        """Rank 0 cleans up interrupted saves, picks and checks; every rank gets the same
+        answer, or the same error: a `UserError` (a step that is not there, a checkpoint
+        others can write) or a `LoadFault` (the directory could not be read)."""
         answer: list[Any] = [None]
         if self.env.is_main:
+            answer = [self._pick(how, exclude)]
+        dist.broadcast_object_list(answer, src=0)
+        chosen, passed, error, fault = answer[0]
+        if error:
+            raise (LoadFault if fault else UserError)(error)
+        return chosen, list(passed)
+
+    def _pick(self, how: str, exclude: frozenset[Path]) -> tuple[Any, ...]:
+        """Rank 0's part of `_decide`, which must never raise on rank 0 alone (the others
+        would wait in the broadcast): (chosen, skipped, error, fault). An unreadable
+        directory (ESTALE, EIO) is looked at again after each of LOAD_RETRY_DELAYS_S."""
+        delays = iter(LOAD_RETRY_DELAYS_S)
+        while True:
             try:
                 for stale in store.clean_incomplete(self.root):
                     log.warning("removed incomplete checkpoint %s (a save was interrupted)", stale)
                 chosen, passed = store.select(self.root, how, exclude)
-                answer = [(str(chosen.path) if chosen else None,
-                           [(c.path.name, c.problem) for c in passed], "")]
-            except ValueError as err:
-                answer = [(None, [], str(err))]
-        dist.broadcast_object_list(answer, src=0)
-        path, passed, error = answer[0]
-        return path, list(passed), error
+                if chosen is not None:
+                    store.check_safe(chosen, trusted_gid(self.root.parent))
+                return chosen, [(c.path.name, c.problem) for c in passed], "", False
+            except ValueError as err:  # hpcshard's own checks (UserError; check_safe's)
+                return None, [], str(err), False
+            except OSError as err:
+                delay = next(delays, None)
+                if delay is None:
+                    return None, [], f"the checkpoints in {self.root} could not be read: {err}", True
+                log.warning("the checkpoints in %s could not be read (%s); looking again in "
+                            "%.0f s", self.root, err, delay)
+                time.sleep(delay)
 
     def _log_skipped(self, skipped: list[tuple[str, str]]) -> None:
         if self.env.is_main:
@@ -323,12 +361,12 @@ class Checkpointer:
         changed = sorted(k for k, v in asdict(self.cfg).items() if k in saved and saved[k] != v)
         return f" (config differs from the checkpoint's in: {', '.join(changed)})" if changed else ""
 
-    def _load(self, ckpt: store.Checkpoint) -> None:
+    def _load(self, ckpt: store.Checkpoint, reader: MetadataReader) -> None:
         state = self._state(0, fresh=True)
         saved_world = int(ckpt.manifest.get("world", self.env.world))
         if self.env.rank >= saved_world:  # no RNG was saved for this rank
             state.pop(f"rng.rank{self.env.rank}")
-        dcp.load(state, checkpoint_id=str(ckpt.path))
+        dcp.load(state, storage_reader=reader)
         self._apply(state, saved_world)
 
     def _supersede(self, step: int) -> None:
@@ -348,5 +386,6 @@ class Checkpointer:
         if self.env.is_main:
             for path in paths:
                 if path.parent == self.root and path.is_dir() and not path.name.endswith(store.TMP_SUFFIX):
-                    os.replace(path, path.with_name(path.name + ".corrupt"))
+                    os.replace(path, path.with_name(path.name + store.CORRUPT))
         dist.barrier()
+

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from hpcshard.rundir import store
 from hpcshard.rundir.spec import trusted_gid
+from hpcshard.runtime.checkpoint.io import written_by_dcp
 from hpcshard.runtime.checkpoint.state import rng_state, set_rng_state
 
 
@@ -44,10 +45,12 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module,
                     extra: dict[str, Any] | None = None, keep_last: int = 2) -> Path:
     """Save `step` under ROOT/step-N, on every rank together (collective).
 
-    The shards go into step-N.tmp; once every rank has written, rank 0 adds a manifest
-    (with `extra`: JSON values such as the epoch or the data position, rank 0's copy),
-    renames it into place, fsyncs and keeps the newest `keep_last`. A crash mid-save
-    leaves a .tmp that `load_checkpoint` never reads. Returns the committed directory.
+    The shards go into step-N.tmp; once every rank has written, rank 0 checks every file
+    DCP's `.metadata` names, adds a manifest (with `extra`: JSON values such as the epoch
+    or the data position, rank 0's copy), renames it into place, fsyncs and keeps the
+    newest `keep_last`. A crash mid-save leaves a .tmp that `load_checkpoint` never reads.
+    Returns the committed directory; raises RuntimeError on every rank when the commit
+    failed (a file missing or short, the file system's error), older checkpoints intact.
     """
     root = Path(root)
     tmp = root / (store.step_name(step) + store.TMP_SUFFIX)
@@ -64,13 +67,25 @@ def save_checkpoint(root: str | Path, step: int, model: torch.nn.Module,
         return final
     start = time.perf_counter()
     dcp.save(_local_state(model, optimizer), checkpoint_id=str(tmp))
+    failed = [""]
     if main:
-        store.commit(tmp, step, {"world": dist.get_world_size() if dist.is_initialized() else 1,
-                                 "extra": json.loads(json.dumps(extra or {})),
-                                 "torch": torch.__version__,
-                                 "save_seconds": round(time.perf_counter() - start, 3)}, keep_last)
+        try:
+            store.commit(tmp, step, {"world": dist.get_world_size() if dist.is_initialized() else 1,
+                                     "extra": json.loads(json.dumps(extra or {})),
+                                     "torch": torch.__version__,
+                                     "save_seconds": round(time.perf_counter() - start, 3)},
+                         keep_last, least=written_by_dcp(tmp))
+        except (OSError, store.Incomplete) as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            failed = [f"checkpoint at step {step} NOT committed ({err}); earlier checkpoints "
+                      "are intact"]
     if dist.is_initialized():
-        dist.barrier()  # nobody trains on (or exits) before the checkpoint is committed
+        # Nobody trains on (or exits) before the checkpoint is committed, and every rank
+        # learns whether it was (an error raised on rank 0 alone would leave the others
+        # waiting in the next collective).
+        dist.broadcast_object_list(failed, src=0)
+    if failed[0]:
+        raise RuntimeError(failed[0])
     return final
 
 
