@@ -96,9 +96,11 @@ def take_run(run_dir: Path, what: str) -> lease.Owner:
     from hpcshard.slurm import cluster
 
     try:
-        return lease.take(run_dir, lease.Owner.of_process(what), cluster.job_alive)
+        claim = lease.take(run_dir, lease.Owner.of_process(what), cluster.job_alive)
     except lease.Busy as err:
         fail(err)
+    lease.keep(run_dir, claim)  # renewed while this command holds it (hosts that cannot see it)
+    return claim
 
 
 @click.command("render")
@@ -239,7 +241,7 @@ def _submit_slurm(spec: RunSpec, run_dir: Path, req: SbatchRequest, resume: str,
 
     _warn_lead_time(run_dir, req)
     spec.slurm = {**asdict(req), "run_dir": str(req.run_dir)}
-    spec.write(run_dir)  # (this command owns the run: nobody else writes it meanwhile)
+    _write_owned(spec, run_dir, claim)
     try:
         job_id = submit(req, run_dir.resolve(), node_main, str(run_dir.resolve()), spec.gpus,
                               next_attempt(run_dir), spec.max_requeues, resume,
@@ -311,8 +313,8 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | Non
     claim = take_run(run_dir, "hpcshard resume")
     try:
         req, spec = _resumed(run_dir, nodes, gpus, spares, min_nodes, resume, sets)
-    except BaseException:
-        lease.release(run_dir, claim)
+    except BaseException:  # the run is given back to whoever had it (a killed CLI's launchers)
+        lease.release(run_dir, claim, restore=True)
         raise
     if req is not None:
         _submit_slurm(spec, run_dir, req, resume, False, claim)
@@ -359,9 +361,18 @@ def _resumed(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | N
     return req, spec
 
 
+def _write_owned(spec: RunSpec, run_dir: Path, claim: lease.Owner) -> None:
+    """Write the spec this command built, as the run's owner: nobody else writes it while
+    this command owns the run; one that lost the run meanwhile writes nothing."""
+    if not lease.owns(run_dir, claim.token):
+        fail(ValueError(f"{run_dir} was taken over while this command prepared it ({lease.path(run_dir)}); "
+                        "nothing was written or submitted"))
+    spec.write(run_dir)
+
+
 def _launch(spec: RunSpec, run_dir: Path, resume: str, claim: lease.Owner) -> NoReturn:
     """The local backend: run it here, as the owner of the run, until it ends."""
-    spec.write(run_dir)  # (this command owns the run: nobody else writes it meanwhile)
+    _write_owned(spec, run_dir, claim)
     click.echo(f"run {spec.name}: {spec.nodes} node(s){_spares(spec)} x {spec.gpus} rank(s), {_what(spec)}")
     click.echo(f"run directory: {run_dir}")
     from hpcshard.launch.local import run_local

@@ -152,7 +152,12 @@ def _submit_array(record: Sweep, root: Path, specs: list[RunSpec], req: Any) -> 
     record.write(root)
     for i, job_id in enumerate(ids):
         RunSpec.add_job(record.task_dir(root, i), job_id)
-        lease.hand_over(record.task_dir(root, i), claims[i], lease.Owner.of_job(job_id))
+        if lease.hand_over(record.task_dir(root, i), claims[i], lease.Owner.of_job(job_id)) is None:
+            from hpcshard.slurm import cluster
+
+            cluster.scancel(job_id)  # another command took the task's directory meanwhile
+            click.echo(f"warning: {record.task_dir(root, i)} was taken over while the array was "
+                       f"submitted: task {job_id} cancelled", err=True)
     click.echo(f"submitted job array {record.array} ({req.array}): task i runs configuration i")
     for i, config in enumerate(record.configs):
         click.echo(f"  {record.array}_{i}  {label(config)}  -> {record.task_dir(root, i)}")

@@ -44,9 +44,34 @@ def is_storage_error(err: BaseException) -> bool:
     return isinstance(err, OSError) and err.errno in STORAGE_ERRNOS
 
 
-def storage_problem(run_dir: Path, need: int = 0) -> str:
-    """"" when the run directory takes a write (a real one: permission bits say nothing on
-    a read-only mount or for root) and has `need` bytes free; else why not."""
+PROBE_TRIES = 3
+"""Tries of the run directory's write probe: a file server's blip (ESTALE, EIO) passes."""
+
+
+def storage_problem(run_dir: Path, need: int = 0, tries: int = PROBE_TRIES) -> tuple[str, str]:
+    """Does the run directory take a write (a real one: permission bits say nothing on a
+    read-only mount or for root) and have `need` bytes free? (storage, node): what is wrong
+    with the run's storage (full, over quota, read-only: the run's trouble), and what is
+    wrong with this node's view of it (an error that persists through `tries`, such as a
+    stale mount: the node's); "" where nothing is."""
+    for attempt in range(tries):
+        err = _probe(run_dir)
+        if err is None:
+            break
+        if is_storage_error(err):
+            return storage_error(err, run_dir), ""
+        if attempt + 1 == tries:
+            return "", f"{storage_error(err, run_dir)} from this node ({tries} tries)"
+        time.sleep(1.0)
+    free = shutil.disk_usage(run_dir).free
+    if free < need:
+        return (f"the run directory {run_dir} has {free / 1e9:.2f} GB free, less than the next "
+                f"checkpoint needs (about {need / 1e9:.2f} GB)"), ""
+    return "", ""
+
+
+def _probe(run_dir: Path) -> OSError | None:
+    """Write, fsync and remove a small file in the run directory: the error, if any."""
     probe = side_name(run_dir / LAUNCH / ".probe")
     try:
         probe.parent.mkdir(exist_ok=True)
@@ -55,15 +80,11 @@ def storage_problem(run_dir: Path, need: int = 0) -> str:
             f.flush()
             os.fsync(f.fileno())
     except OSError as err:
-        return storage_error(err, run_dir)
+        return err
     finally:
         with contextlib.suppress(OSError):
             probe.unlink()
-    free = shutil.disk_usage(run_dir).free
-    if free < need:
-        return (f"the run directory {run_dir} has {free / 1e9:.2f} GB free, less than the next "
-                f"checkpoint needs (about {need / 1e9:.2f} GB)")
-    return ""
+    return None
 
 
 def next_checkpoint_bytes(run_dir: Path) -> int:
@@ -102,8 +123,8 @@ def check(run_dir: Path, *, leader: bool, ranks: int, command: str,
     enough); memory is free, the GPUs answer (where nvidia-smi is), and the profile's
     `health_check` command exits 0. `waiting`: called while a command runs (the launcher
     beats: a check may take a minute, and a silent launcher is a lost one)."""
-    storage = storage_problem(run_dir, next_checkpoint_bytes(run_dir) if leader else 0)
-    node = memory_short() or gpus_short(ranks, waiting)
+    storage, mount = storage_problem(run_dir, next_checkpoint_bytes(run_dir) if leader else 0)
+    node = mount or memory_short() or gpus_short(ranks, waiting)
     if not node and command:
         node = run_check(["bash", "-c", command], "the profile's health_check", run_dir, waiting)
     return Health(node=node, storage=storage)

@@ -47,21 +47,40 @@ def run_local(run_dir: Path, nodes: int, per_node: int, *, spares: int = 0, resu
     """
     attempt = ledger.next_attempt(run_dir)
     requeues = 0
-    while True:
-        code = _attempt(run_dir, nodes, per_node, attempt, resume, requeues, spares, owner)
-        if code != REQUEUE_EXIT or requeues >= max_requeues:
-            return code
-        requeues += 1
-        if on_attempt:
-            on_attempt(attempt + 1, requeues)
-        attempt, resume = attempt + 1, "auto"
+    procs: list[subprocess.Popen[bytes]] = []
+    ended: list[int] = []
+
+    def forward(signum: int, _frame: object) -> None:
+        ended.append(signum)
+        for p in procs:
+            p.send_signal(signum)
+
+    # A TERM to the CLI (a job scheduler's kill, `kill PID`, `hpcshard cancel` between two
+    # attempts, when no launcher runs) ends the ranks too, not only this process: the
+    # launchers pass it to torchrun, which tears its workers down; no attempt starts after.
+    previous = signal.signal(signal.SIGTERM, forward)
+    try:
+        while True:
+            procs.clear()
+            code = _attempt(run_dir, nodes, per_node, attempt, resume, requeues, spares, owner, procs,
+                            forward)
+            if code != REQUEUE_EXIT or requeues >= max_requeues:
+                return code
+            if ended:
+                return 128 + ended[0]
+            requeues += 1
+            if on_attempt:
+                on_attempt(attempt + 1, requeues)
+            attempt, resume = attempt + 1, "auto"
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
-def _attempt(run_dir: Path, nodes: int, per_node: int, attempt: int, resume: str,
-             restarts: int = 0, spares: int = 0, owner: str = "") -> int:
+def _attempt(run_dir: Path, nodes: int, per_node: int, attempt: int, resume: str, restarts: int,
+             spares: int, owner: str, procs: list[subprocess.Popen[bytes]],
+             forward: Callable[[int, object], None]) -> int:
     port, run_id = free_port(), uuid.uuid4().hex[:12]
     cores = os.cpu_count() or 1
-    procs = []
     for rank in range(nodes + spares):
         node = NodeEnv(node_rank=rank, nnodes=nodes + spares, per_node=per_node, rdzv_host="127.0.0.1",
                        rdzv_port=port, run_id=run_id)
@@ -71,20 +90,11 @@ def _attempt(run_dir: Path, nodes: int, per_node: int, attempt: int, resume: str
         env.setdefault("OMP_NUM_THREADS", str(max(1, cores // (nodes * per_node))))
         procs.append(subprocess.Popen([sys.executable, "-m", "hpcshard.launch.node", str(run_dir)],
                                       env=env))
-    def forward(signum: int, _frame: object) -> None:
-        for p in procs:
-            p.send_signal(signum)
-
-    # A TERM to the CLI (a job scheduler's kill, `kill PID`) ends the ranks too, not only
-    # this process: the launchers pass it to torchrun, which tears its workers down.
-    previous = signal.signal(signal.SIGTERM, forward)
     try:
         return _wait_all(procs, run_dir, attempt)
     except KeyboardInterrupt:
         forward(signal.SIGINT, None)
         return _wait_all(procs, run_dir, attempt)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _wait_all(procs: list[subprocess.Popen[bytes]], run_dir: Path, attempt: int) -> int:

@@ -96,12 +96,18 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
 
     warm = warm_start(module, own)
     # Every cycle's warm agent forks from one zygote: a restart imports nothing again.
-    zygote = Zygote(env) if warm and spec is not None else None
+    zygotes = [Zygote(env)] if warm and spec is not None else []
 
     def start(where: NodeEnv, extra: dict[str, str]) -> Agent:
         argv = torchrun_argv(where, run_dir, module, warm)
-        if zygote is not None:  # (it ignores the notice in the agent, as below)
-            return zygote.start(argv[3:], {**env, **extra})
+        if zygotes:  # (it ignores the notice in the agent, as below)
+            if zygotes[-1].proc.poll() is not None:  # it died (the OOM killer, a stray kill)
+                print(f"hpcshard: node {node.node_rank}: the zygote exited "
+                      f"({zygotes[-1].proc.returncode}); starting a new one", file=sys.stderr, flush=True)
+                zygotes[-1].close()
+                zygotes.append(Zygote(env))
+                zygotes[-1].waiting = zygotes[0].waiting
+            return zygotes[-1].start(argv[3:], {**env, **extra})
         # Slurm's --signal goes to every process of the step, torchrun included, and an
         # unhandled SIGUSR2 kills it mid-save. Ignored dispositions survive exec: torchrun
         # ignores the notice, and each rank's entry point installs its own handler first.
@@ -113,8 +119,8 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
     sup = (Supervisor(node, run_dir, spec, ranks, start, grace=grace if own else None)
            if spec is not None and module == "hpcshard.entry" else None)
     proc: list[Agent] = []
-    if zygote is not None and sup is not None:
-        zygote.waiting = sup.beat
+    if zygotes and sup is not None:
+        zygotes[0].waiting = sup.beat
 
     def current() -> Agent | None:
         return sup.proc if sup is not None else (proc[0] if proc else None)
@@ -146,8 +152,8 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
             code = proc[0].wait()
     finally:
         pids.unlink(missing_ok=True)
-        if zygote is not None:
-            zygote.close()
+        if zygotes:
+            zygotes[-1].close()
         # No ranks left to tell. A Python handler would be reset to "terminate" while the
         # interpreter shuts down, and a late notice would then kill this task (-12).
         signal.signal(stop_signal, signal.SIG_IGN)
@@ -193,8 +199,9 @@ def _script_outcome(run_dir: Path, first: bool, attempt: int, code: int, *, noti
         else:
             ledger.append(run_dir, {"event": "end", "attempt": attempt, "reason": "error",
                                     "error": f"exit {code}"})
-            for line in script.failures(run_dir, attempt):
-                print(f"hpcshard: {line}", file=sys.stderr, flush=True)
+    if first and code:  # (the supervisor may have closed the attempt: a bug, a give-up)
+        for line in script.failures(run_dir, attempt):
+            print(f"hpcshard: {line}", file=sys.stderr, flush=True)
     return code
 
 

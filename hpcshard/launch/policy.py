@@ -9,7 +9,9 @@ The rules, first match wins:
    stop (nothing restarts with ranks that may still run).
 2. The run's storage is full, over quota or read-only: stop, blame no node (restarting or
    requeueing would fail the same way; a drained node would not come back).
-3. A stop notice came as well: back through the queue, not restarted here.
+3. A stop notice came as well, or a node's launcher already ended on one: back through the
+   queue, not restarted here. A node whose launcher ended otherwise (its ranks finished)
+   leaves nothing to restart with: stop (it used to be waited for, 150 s, then stopped).
 4. Bad nodes (lost, failed a health check, straggling): spares take their places; without
    enough, the run goes on with fewer nodes down to `min_nodes`, else back through the
    queue without them (the local backend has no other node: stop).
@@ -61,6 +63,9 @@ class Facts:
     """Launchers silent for LOST_S in this cycle (dead, frozen, cut off)."""
     unreported: tuple[int, ...] = ()
     """Launchers that neither said their ranks are down nor went silent, by the deadline."""
+    ended: dict[int, int] = field(default_factory=dict)
+    """Launchers that ended (their last heartbeat says so, with their exit code) instead of
+    taking part: their ranks finished or stopped on a notice while another node failed."""
     bad: dict[int, str] = field(default_factory=dict)
     """Every node declared bad in this attempt, and why (lost ones among them)."""
     noticed: bool = False
@@ -128,6 +133,14 @@ def decide(f: Facts) -> Decision:
         return replace(stop, code=STORAGE_EXIT, end="storage", reason=f"{f.storage}; no node is "
                        "blamed: free space (or fix the mount), then hpcshard resume")
     requeue = replace(stop, action=Action.REQUEUE, code=REQUEUE_EXIT)
+    ended = {n: code for n, code in f.ended.items() if n in f.active}
+    if ended and REQUEUE_EXIT in ended.values():
+        return replace(requeue, end="stop", reason=f"node(s) {sorted(ended)} stopped on a notice "
+                       "while another failed: requeued, not restarted here")
+    if ended:
+        return replace(stop, end="gave_up", reason=f"node(s) {sorted(ended)} ended (exit "
+                       f"{', '.join(map(str, sorted(set(ended.values()))))}) while another failed: "
+                       "nothing to restart with; hpcshard resume continues from the newest checkpoint")
     if f.noticed:
         return replace(requeue, end="stop", reason="a stop notice came as well: requeued, not restarted here")
     nodes = _without_bad(f)

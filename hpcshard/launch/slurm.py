@@ -50,8 +50,8 @@ def _resubmit(run_dir: Path, job_id: str, *args: str) -> str:
     new = cluster.sbatch(*args, *([f"--exclude={','.join(bad)}"] if bad else []),
                          str(folder / f"{job_id}_submission.sh"))
     # Under its own id, what submitit wrote for the first job: the pickle it unpickles, and
-    # the script the next continuation is submitted from. (It cannot start before this job
-    # ends: its dependency.)
+    # the script the next continuation is submitted from. (It cannot start before they are
+    # there: it waits for this job to end (its dependency), or it was submitted held.)
     for suffix in ("_submitted.pkl", "_submission.sh"):
         shutil.copy(folder / f"{job_id}{suffix}", folder / f"{new}{suffix}")
     return new
@@ -62,7 +62,9 @@ def chain(run_dir: Path, job_id: str, attempt: int, owner: lease.Owner, after: b
     script and submitit pickle under a new job id, and hand it the run (`owner`: this
     job's lease). Returns the new id. `after=False`: at once, on other nodes (this job is
     an orphan, cancelled next: see `_orphaned`)."""
-    new = _resubmit(run_dir, job_id, *([f"--dependency=afterany:{job_id}"] if after else []))
+    # At once: held until what it starts from is written (its pickle, its attempt number,
+    # the run's lease), or it could start before and find none of it.
+    new = _resubmit(run_dir, job_id, f"--dependency=afterany:{job_id}" if after else "--hold")
     chained = attempt_file(run_dir, new)
     chained.parent.mkdir(exist_ok=True)
     write_atomic(chained, f"{attempt}\n")
@@ -71,6 +73,9 @@ def chain(run_dir: Path, job_id: str, attempt: int, owner: lease.Owner, after: b
         with contextlib.suppress(ValueError):
             cluster.scancel(new)
         raise ValueError(f"the run was taken over by {_owner_name(run_dir)}: continuation {new} cancelled")
+    refused = "" if after else cluster.release(new)
+    if refused:
+        raise ValueError(f"continuation {new} stays held ({refused}); `scontrol release {new}` starts it")
     return new
 
 
@@ -174,7 +179,11 @@ def own_run(run: Path, ref: str) -> lease.Owner | None:
     me = lease.Owner.of_job(ref)
     deadline = time.monotonic() + lease.SUBMIT_WAIT_S
     while True:
-        current = lease.read(run)
+        try:
+            current = lease.read(run)
+        except (lease.Busy, OSError) as err:  # unreadable: nobody may take it
+            print(f"hpcshard: job {ref} exits: {err}", file=sys.stderr, flush=True)
+            return None
         if current is not None and current.name == me.name:
             return current
         submitting = (current is not None and current.kind == "process" and current.process is not None

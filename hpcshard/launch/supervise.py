@@ -28,6 +28,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -51,6 +52,8 @@ POLL_S = 0.2
 """How often a launcher looks at its board and for a declared fault."""
 DOWN_TIMEOUT_S = 120.0
 """How long the decider waits for every node to report its ranks dead before it gives up."""
+DOWN_TRIES = 3
+"""Tries of a launcher's down record that its storage refused for no lack of room."""
 COMMS_ERRORS = ("DistBackendError", "DistNetworkError", "DistError", "DistStoreError")
 """Exceptions a rank raises because a peer died: a consequence, never the culprit."""
 COMMS_MESSAGES = ("gloo/transport", "Connection reset", "Connection closed", "Broken pipe", "NCCL")
@@ -106,7 +109,13 @@ class Roster:
 
 class Fenced(Exception):
     """This launcher must leave the run at once and say nothing: it was stopped (its node
-    frozen) and its peers went on without it, or the run was taken over."""
+    frozen) and its peers went on without it."""
+
+
+class TakenOver(Fenced):
+    """The run was taken over (its lease names another owner): every launcher of this job
+    leaves it. The one that finds out says so in its last heartbeat ("fenced"), which its
+    peers read as their own order to leave: else they would take its node for lost."""
 
 
 @dataclass
@@ -182,27 +191,47 @@ class Supervisor:
         self.seq += 1
         record = {**self.where, "pid": os.getpid(), "seq": self.seq,
                   **({"done": done} if done is not None else {})}
-        if not self._try("its heartbeat", launchers.beat, self.run_dir, self.ranks.attempt, self.me, record):
+        if not self._try("its heartbeat", launchers.beat, self.run_dir, self.ranks.attempt, self.me, record,
+                         beating=False):
             self.peers.cannot_beat()  # a full disk must not end supervision, nor lose every peer
             return
         self.peers.beat_landed()
         if done is None:
             self._renew()
 
-    def _try(self, what: str, write: Callable[..., Any], *args: Any) -> bool:
+    def _try(self, what: str, write: Callable[..., Any], *args: Any, beating: bool = True) -> bool:
         """Write something to the run directory; False (said once, not raised) when it was
-        refused: the fault path must go on (kill the ranks, decide) whatever the disk does."""
-        try:
-            write(*args)
-        except OSError as err:
-            why = health.storage_error(err, self.run_dir)
-            if why != self.storage:
-                print(f"hpcshard: node {self.me}: {what} could not be written: {why}", file=sys.stderr,
-                      flush=True)
-            self.storage = why if health.is_storage_error(err) else self.storage
-            return False
-        self.storage = ""
-        return True
+        refused: the fault path must go on (kill the ranks, decide) whatever the disk does.
+        `beating`: this launcher beats while the write runs (a lock left by a holder on
+        another host is broken only after files.LOCK_STALE_S; Slurm's drain may take its
+        whole timeout), or its peers would take it for lost."""
+        failed: list[BaseException] = []
+
+        def call() -> None:
+            try:
+                write(*args)
+            except BaseException as err:
+                failed.append(err)
+
+        if beating:
+            writing = threading.Thread(target=call, name="hpcshard-write", daemon=True)
+            writing.start()
+            while writing.is_alive():
+                self.beat()
+                writing.join(POLL_S)
+        else:
+            call()
+        if not failed:
+            self.storage = ""
+            return True
+        if not isinstance(failed[0], OSError):
+            raise failed[0]
+        why = health.storage_error(failed[0], self.run_dir)
+        if why != self.storage:
+            print(f"hpcshard: node {self.me}: {what} could not be written: {why}", file=sys.stderr,
+                  flush=True)
+        self.storage = why if health.is_storage_error(failed[0]) else self.storage
+        return False
 
     def _stood_still(self, seconds: float) -> None:
         """This launcher did not run for `seconds` (its node was frozen, stopped, starved):
@@ -239,14 +268,26 @@ class Supervisor:
         except OSError:  # a full or hung disk: the ranks' own check before a commit stands
             return
         if not kept:
-            now = lease.read(self.run_dir)
-            raise Fenced(f"the run was taken over by {now.what or now.name if now else 'nobody'}")
+            try:
+                now = lease.read(self.run_dir)
+                who = now.what or now.name if now else "nobody"
+            except (lease.Busy, OSError) as err:
+                who = f"an owner it cannot read ({err})"
+            raise TakenOver(f"the run was taken over by {who}")
+
+    def _check_fenced(self, beats: dict[int, dict[str, Any]]) -> None:
+        """A peer that found the run taken over left it and said so: this one leaves too."""
+        for n in self.roster.members:
+            if n != self.me and beats.get(n, {}).get("fenced"):
+                raise TakenOver(f"node {n} found the run taken over: {beats[n]['fenced']}")
 
     def lost(self, nodes: list[int] | tuple[int, ...]) -> list[int]:
         """Which of these nodes are lost: their heartbeat stood still for LOST_S (or never
         heard of, UNHEARD_S after this launcher began). One that said it ended is not."""
         self.beat()  # (a launcher stopped since its last beat must not judge before it knows)
-        return self.peers.lost(nodes, launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes))
+        beats = launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
+        self._check_fenced(beats)
+        return self.peers.lost(nodes, beats)
 
     # -- one cycle -------------------------------------------------------------------
     def run(self) -> int:
@@ -258,6 +299,10 @@ class Supervisor:
             self.fenced = True
             kill_below(os.getpid())  # agents, ranks, zygote, a health check
             print(f"hpcshard: node {self.me} leaves the run: {why}", file=sys.stderr, flush=True)
+            if isinstance(why, TakenOver):  # (its peers leave too, and take it for nothing worse)
+                self._try("its last heartbeat", launchers.beat, self.run_dir, self.ranks.attempt, self.me,
+                          {**self.where, "pid": os.getpid(), "seq": self.seq + 1, "done": 0,
+                           "fenced": str(why)}, beating=False)
             return 0  # (not a failure: a non-zero exit would take the others' job down)
         except BaseException:
             # A bug here must not leave ranks training unsupervised, nor peers waiting for a
@@ -360,11 +405,26 @@ class Supervisor:
                       resume=self.ranks.resume if cycle == 0 else "auto")
         self.told.clear()
         self.ending_sent = False
-        self.proc = self.start(node, env.to_environ())
+        self.proc = None  # (a TERM while the agent starts is for the new one: `_tell`)
+        try:
+            self.proc = self.start(node, env.to_environ())
+        except (OSError, RuntimeError) as err:  # no agent (a dead zygote, no memory to fork)
+            board.close(remove=True)
+            return self._no_agent(cycle, err)
         try:
             return self._watch(self.proc, board, cycle)
         finally:
             board.close(remove=True)
+
+    def _no_agent(self, cycle: int, err: BaseException) -> Watch:
+        """The cycle's agent could not be started: a fault of this node's like any other
+        (the others stop, the decider restarts within the budget; the next start makes a
+        new zygote if the old one died)."""
+        info = {**self.where, "noticed": self.noticed is not None,
+                "cause": f"node {self.me} could not start its agent ({err})"}
+        self._try("its fault declaration", launchers.declare_fault, self.run_dir, self.ranks.attempt,
+                  cycle, info)
+        return Watch(code=1, fault=launchers.fault(self.run_dir, self.ranks.attempt, cycle) or info)
 
     def _tell(self, proc: Agent, slots: list[Any]) -> None:
         """Signals that came before there was anyone to hear them reach the ranks now. A
@@ -520,9 +580,15 @@ class Supervisor:
         launchers below this one are all lost, this one's own. Storage that refuses this
         launcher's down record decides by itself: the run stops for it, whoever decides."""
         attempt = self.ranks.attempt
-        said = self._try("its down record", launchers.mark_down, self.run_dir, attempt, cycle, self.me, {
-            "host": self.where["host"], "dead": watch.dead, "reached": watch.reached,
-            "ranks": watch.ranks, **({"storage": self.storage} if self.storage else {})})
+        down = {"host": self.where["host"], "dead": watch.dead, "reached": watch.reached,
+                "ranks": watch.ranks, **({"storage": self.storage} if self.storage else {})}
+        said = False
+        for _ in range(DOWN_TRIES):  # (a file server's blip, ESTALE or EIO, is tried again)
+            said = self._try("its down record", launchers.mark_down, self.run_dir, attempt, cycle, self.me,
+                             down)
+            if said or self.storage:
+                break
+            time.sleep(1.0)
         if not said and self.storage:
             return self._conclude(cycle, watch, policy.decide(Facts(
                 cycle=cycle, active=self.roster.active, storage=self.storage, committed=self._committed())))
@@ -556,7 +622,12 @@ class Supervisor:
         while True:
             self.beat()
             down = launchers.nodes_down(self.run_dir, attempt, cycle, self.node.nnodes)
-            missing = sorted(set(members) - set(down))
+            beats = launchers.beats(self.run_dir, attempt, self.node.nnodes)
+            # A launcher that ended (its ranks finished, or stopped on a notice) says so in
+            # its last heartbeat: it will not say it is down, and is not waited for.
+            ended = {n: int(beats[n]["done"]) for n in members
+                     if n not in down and "done" in beats.get(n, {})}
+            missing = sorted(set(members) - set(down) - set(ended))
             lost = self.lost(missing)
             if set(lost) == set(missing) or time.monotonic() > deadline:
                 break
@@ -565,20 +636,22 @@ class Supervisor:
         storage = self.storage or next((d["storage"] for d in downs if d.get("storage")), "") or (
             (watch.fault or {}).get("storage", ""))
         bad: dict[int, str] = {}
+        noticed = self.noticed is not None or bool((watch.fault or {}).get("noticed"))
         if not storage:  # nothing went wrong with the disk: blame the nodes that earned it
             beats = launchers.beats(self.run_dir, attempt, self.node.nnodes)
             for n in lost:
                 bad[n] = f"lost: its launcher was silent for {LOST_S:.0f} s"
                 self._bad(cycle, n, beats.get(n, {}), bad[n])
-            for n, where, why in exclusion.slow_nodes(self.run_dir, attempt, cycle, downs):
+            # (after a notice the job goes back through the queue: stragglers are not judged)
+            for n, where, why in [] if noticed else exclusion.slow_nodes(self.run_dir, attempt, cycle, downs):
                 bad[n] = why
                 self._bad(cycle, n, where, why)
             bad = {**exclusion.bad(self.run_dir, attempt), **bad}  # (ours, if a record did not land)
         committed = self._committed()
         facts = Facts(cycle=cycle, active=self.roster.active, spares=self.roster.spares,
                       min_nodes=self.spec.min_nodes, local=self.spec.backend == "local", lost=tuple(lost),
-                      unreported=tuple(n for n in missing if n not in lost), bad=bad,
-                      noticed=self.noticed is not None or bool((watch.fault or {}).get("noticed")),
+                      unreported=tuple(n for n in missing if n not in lost), ended=ended, bad=bad,
+                      noticed=noticed,
                       bug=self._same_bug(cycle), stalled=self._stalled(cycle, committed),
                       committed=committed, storage=storage, max_restarts=self.spec.max_restarts,
                       no_progress_restarts=self.spec.no_progress_restarts)

@@ -41,13 +41,17 @@ class Zygote:
         os.close(orders_r)
         os.close(replies_w)
         self._buffer = b""
+        self.closed = False
         self.waiting: Callable[[], None] = lambda: None
         """Called every half second while an order waits (the first one waits for the
         zygote's imports, seconds on a loaded host): the launcher's heartbeat."""
 
     def start(self, argv: list[str], env: dict[str, str]) -> Forked:
         """Fork an agent running `launch.warm` with `argv` and exactly `env`."""
-        os.write(self._orders, (json.dumps({"argv": argv, "env": env}) + "\n").encode())
+        try:
+            os.write(self._orders, (json.dumps({"argv": argv, "env": env}) + "\n").encode())
+        except BrokenPipeError:  # it died: the launcher starts another (`launch.node`)
+            raise RuntimeError(f"hpcshard's zygote is gone (exit {self.proc.poll()})") from None
         while (reply := self.reply(0.5)) is None and self.proc.poll() is None:
             self.waiting()
         if reply is None or "pid" not in reply:
@@ -69,6 +73,9 @@ class Zygote:
 
     def close(self) -> None:
         """No more orders: the zygote exits (it does on its own if the launcher dies)."""
+        if self.closed:
+            return
+        self.closed = True
         with contextlib.suppress(OSError):
             os.close(self._orders)
         try:

@@ -4,14 +4,17 @@ NFS (stdlib)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import secrets
 import socket
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+
+from hpcshard.rundir import proc
 
 TMP_SUFFIX = ".tmp"
 """Names ending in it are never read as the real thing (files and checkpoint dirs)."""
@@ -87,20 +90,29 @@ def create_exclusive(path: Path, text: str) -> bool:
 LOCK_STALE_S = 30.0
 """A lock whose holder's token stayed the same this long (on the waiter's own monotonic
 clock) is taken for one left by a crashed holder and broken: a holder keeps it for
-milliseconds (a read-modify-write of a small file)."""
+milliseconds (a read-modify-write of a small file). A holder on this host that is gone
+(its pid and start time) is broken at once."""
+
+
+class LockLost(OSError):
+    """The lock was broken while its holder still worked under it (it stood still for
+    LOCK_STALE_S: a frozen node, a stalled file server): what it read may be stale, and it
+    must not write."""
 
 
 @contextlib.contextmanager
-def locked(path: Path, timeout: float = 120.0, poll: float = 0.05) -> Iterator[None]:
+def locked(path: Path, timeout: float = 120.0, poll: float = 0.05) -> Iterator[Callable[[], None]]:
     """Hold PATH.lock while the block runs: a read-modify-write of `path` by several
     processes or hosts. A link() lock, as NFS recommends (an O_EXCL create is not atomic
-    on NFSv2, and flock() is not kept by every NFS server): the holder's token is linked
-    to the lock's name; the link count of its own file says whether it got it. A lock
-    left by a crashed holder is broken once its token stood still for LOCK_STALE_S,
-    measured on this process's monotonic clock (no two hosts' clocks compared).
-    TimeoutError after `timeout` seconds."""
+    on NFSv2, and flock() is not kept by every NFS server): the holder's token (its process
+    identity and a nonce) is linked to the lock's name; the link count of its own file says
+    whether it got it. A lock left by a holder that is gone is broken: at once when it was
+    of this host (`rundir.proc`), else once its token stood still for LOCK_STALE_S on this
+    process's monotonic clock (no two hosts' clocks compared). The block gets a check to
+    call right before it writes: LockLost when the lock was broken meanwhile (this holder
+    stood still that long). TimeoutError after `timeout` seconds."""
     lock = path.with_name(path.name + ".lock")
-    token = f"{socket.gethostname()} {os.getpid()} {secrets.token_hex(8)}\n"
+    token = json.dumps({**(proc.identity(os.getpid()) or {}), "nonce": secrets.token_hex(8)}) + "\n"
     mine = side_name(lock)
     mine.write_text(token)
     deadline = time.monotonic() + timeout
@@ -114,14 +126,19 @@ def locked(path: Path, timeout: float = 120.0, poll: float = 0.05) -> Iterator[N
             holder = _read(lock)
             if holder != seen:
                 seen, since = holder, time.monotonic()
-            elif holder and time.monotonic() - since > LOCK_STALE_S:
+            if holder and (_gone(holder) or time.monotonic() - since > LOCK_STALE_S):
                 _break(lock, holder)
+                continue
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{lock} is held by {seen.strip() or 'someone'} for over "
-                                   f"{timeout:.0f} s")
+                raise TimeoutError(f"{lock} is held by {_who(seen)} for over {timeout:.0f} s")
             time.sleep(poll)
+
+        def held() -> None:
+            if _read(lock) != token:
+                raise LockLost(f"{lock} was broken while this process held it (it stood still "
+                               f"for over {LOCK_STALE_S:.0f} s): nothing written")
         try:
-            yield
+            yield held
         finally:
             if _read(lock) == token:
                 with contextlib.suppress(FileNotFoundError):
@@ -138,18 +155,43 @@ def _read(path: Path) -> str:
         return ""
 
 
-def _break(lock: Path, holder: str) -> None:
-    """Remove a stale lock, unless another waiter broke it and took it meanwhile: it is
-    renamed away first and put back if it turns out to be a fresh holder's."""
-    grave = side_name(lock)
+def _holder(text: str) -> dict[str, Any]:
     try:
-        os.rename(lock, grave)
+        found = json.loads(text)
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _gone(holder: str) -> bool:
+    """Is the lock's holder a process of this host that no longer runs?"""
+    record = _holder(holder)
+    return bool(record) and proc.here(record) and not proc.same(record)
+
+
+def _who(holder: str) -> str:
+    record = _holder(holder)
+    return f"process {record.get('pid')} on {record.get('host')}" if record else "someone"
+
+
+def _break(lock: Path, holder: str) -> None:
+    """Remove a stale lock, once, whoever else breaks it at the same time: its inode is first
+    linked to a name of its own that only one breaker can create (the stale holder's);
+    if that inode turns out to be a fresh holder's (another breaker was faster and the lock
+    was taken again), nothing is removed."""
+    grave = lock.with_name(f"{lock.name}.broken.{hashlib.sha1(holder.encode()).hexdigest()[:16]}")
+    try:
+        os.link(lock, grave)
+    except OSError:
+        return  # gone already, or another breaker is on it
+    try:
+        if _read(grave) == holder and os.stat(lock).st_ino == os.stat(grave).st_ino:
+            lock.unlink()
     except FileNotFoundError:
-        return
-    if _read(grave) != holder:  # a fresh holder's: give it back
-        with contextlib.suppress(OSError):
-            os.link(grave, lock)
-    grave.unlink()
+        pass
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            grave.unlink()
 
 
 def append_line(path: Path, line: str) -> None:

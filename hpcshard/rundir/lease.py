@@ -5,9 +5,14 @@ interrupted saves and append to the ledger. Two jobs on one run (a `resume` whil
 still runs, a guard that takes over from a job that is not dead, a thawed node) would
 train two timelines into one checkpoint store. The lease says who owns the run:
 
-    {"kind": "job", "job": "4242", "epoch": 3, "beat": 17}          a Slurm job (or ARRAY_TASK)
-    {"kind": "process", "process": {...}, "epoch": 4, "beat": 2}    a local run's CLI, or a
-                                                                    command that is submitting
+    {"kind": "job", "job": "4242", "epoch": 3}          a Slurm job (or ARRAY_TASK)
+    {"kind": "process", "process": {...}, "epoch": 4}   a local run's CLI, or a command that
+                                                        is submitting
+
+and RUN_DIR/owner.beat, which a live owner rewrites every RENEW_S (its token and a fresh
+nonce). The beat has a file of its own so that renewing never rewrites owner.json: a
+renewal that stalled (a frozen node, a file server's failover) cannot write back an owner
+that was replaced meanwhile.
 
 Each change of owner raises the epoch; an owner is `name@epoch` (its token), so a job that
 was taken over and comes back (a requeue of a job a guard replaced, a node thawed) no longer
@@ -28,16 +33,19 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hpcshard.rundir import proc
+from hpcshard.rundir import launchers, proc
 from hpcshard.rundir.files import locked, write_atomic
 
 LEASE = "owner.json"
+BEAT = "owner.beat"
 RENEW_S = 5.0
 """How often a live owner renews its lease (one small file written by one process)."""
 WATCH_S = 4 * RENEW_S
@@ -87,7 +95,6 @@ class Owner:
     job: str = ""
     process: Process | None = None
     epoch: int = 0
-    beat: int = 0
     what: str = ""
     """What the owner is doing, for the one-line refusals ("hpcshard resume", "local run")."""
     extra: dict[str, Any] = field(default_factory=dict)
@@ -126,15 +133,45 @@ def path(run_dir: Path) -> Path:
     return run_dir / LEASE
 
 
+def beat_path(run_dir: Path) -> Path:
+    return run_dir / BEAT
+
+
+def beat(run_dir: Path) -> str:
+    """The lease's last beat as written (token and nonce); "" when there is none."""
+    try:
+        return beat_path(run_dir).read_text()
+    except FileNotFoundError:
+        return ""
+
+
+READ_TRIES = 3
+"""Reads of the lease that a file server's transient error (ESTALE, EIO) may take."""
+
+
 def read(run_dir: Path) -> Owner | None:
     """The current owner, None when the run has none (never had, or released). Opened
-    afresh: another host's rename is seen at once."""
+    afresh: another host's rename is seen at once. A lease that does not parse is nobody's
+    to take: Unreadable (never None, or anyone could take a run that is in use)."""
+    for attempt in range(READ_TRIES):
+        try:
+            text = path(run_dir).read_text()
+            break
+        except FileNotFoundError:
+            return None
+        except OSError:
+            if attempt + 1 == READ_TRIES:
+                raise
+            time.sleep(0.2 * (attempt + 1))
     try:
-        return Owner.from_dict(json.loads(path(run_dir).read_text()))
-    except FileNotFoundError:
-        return None
-    except (ValueError, TypeError, KeyError):
-        return None  # a file of an older layout or torn by hand: nobody's
+        return Owner.from_dict(json.loads(text))
+    except (ValueError, TypeError, KeyError) as err:
+        raise Unreadable(f"{path(run_dir)} cannot be read ({type(err).__name__}: {err}); if no job or "
+                         "command uses the run, remove it") from None
+
+
+class Unreadable(Busy):
+    """owner.json is there but does not parse (another version, a hand edit)."""
 
 
 def owns(run_dir: Path, token: str) -> bool:
@@ -142,7 +179,10 @@ def owns(run_dir: Path, token: str) -> bool:
     (a process that was never given one: a test, an older launcher) always does."""
     if not token:
         return True
-    current = read(run_dir)
+    try:
+        current = read(run_dir)
+    except Busy:
+        return False
     return current is not None and current.token == token
 
 
@@ -153,9 +193,11 @@ to Slurm), None (Slurm did not answer)."""
 
 def busy(run_dir: Path, owner: Owner | None, job_alive: JobAlive, watch_s: float = WATCH_S) -> str:
     """Why `owner` (of `run_dir`) may still be live; "" when it surely is not. A job: what
-    Slurm says, and no answer is never "over". A process on this host: the kernel's answer
-    (pid and start time). A process on another host: whether its beat moves within
-    `watch_s` (this waits up to that long, reading the lease afresh each second)."""
+    Slurm says, and no answer is never "over". A process of this host: the kernel's answer
+    (pid and start time), and the run's launchers' (a local run whose command was killed
+    trains on while they run). A process of another host: whether its lease's beat moves
+    within `watch_s` (this waits up to that long, reading the lease afresh each second). A
+    lease that changed meanwhile is judged again by the caller (`take`)."""
     if owner is None:
         return ""
     if owner.kind == "job":
@@ -167,71 +209,111 @@ def busy(run_dir: Path, owner: Owner | None, job_alive: JobAlive, watch_s: float
     assert owner.process is not None
     who = f"{owner.what or 'a command'} ({owner.process})"
     here = owner.process.alive()
-    if here is not None:
-        return f"{who} still owns it" if here else ""
-    deadline = time.monotonic() + watch_s
+    if here:
+        return f"{who} still owns it"
+    if here is False:  # (the local backend's launchers run on its command's host)
+        pids = launchers.launchers(run_dir)
+        return f"{who} is gone, but its launchers (pids {pids}) still run" if pids else ""
+    deadline, first = time.monotonic() + watch_s, beat(run_dir)
     while time.monotonic() < deadline:
         time.sleep(min(1.0, watch_s))
         now = read(run_dir)
         if now is None or now.token != owner.token:
-            return "" if now is None else f"{now.what or now.name} took it meanwhile"
-        if now.beat != owner.beat:
-            return f"{who} still owns it (it renews the lease)"
+            return CHANGED
+        last = beat(run_dir)
+        if last != first and last.startswith(owner.token + " "):
+            return f"{who} still owns it (it renews the lease: its launchers still run?)"
     return ""
 
 
+CHANGED = "the lease changed while it was judged"
+
+
 def take(run_dir: Path, me: Owner, job_alive: JobAlive, watch_s: float = WATCH_S) -> Owner:
-    """Make `me` the owner (epoch + 1) and return it as written; when `me` owns the run
-    already (another launcher of the same job took it first), the lease as it is. Refused
-    (Busy, with the reason) while the current owner may be live (`busy`). The owner is
-    judged outside the lock (asking Slurm, or watching a beat, takes seconds) and taken
-    under it only if it is still the one judged."""
+    """Make `me` the owner (epoch + 1) and return it as written (`extra["previous"]`: the
+    owner it took the run from, for `release(restore=True)`); when `me` owns the run already
+    (another launcher of the same job took it first), the lease as it is. Refused (Busy,
+    with the reason) while the current owner may be live (`busy`). The owner is judged
+    outside the lock (asking Slurm, or watching a beat, takes seconds) and taken under it
+    only if it is still the one judged."""
     while True:
         current = read(run_dir)
         if current is not None and current.name == me.name:
             return current
         why = busy(run_dir, current, job_alive, watch_s)
+        if why == CHANGED:
+            continue
         if why:
             raise Busy(f"{run_dir} is in use: {why}")
-        with locked(path(run_dir)):
-            if _state(read(run_dir)) != _state(current):
+        with locked(path(run_dir)) as held:
+            if _token(read(run_dir)) != _token(current):
                 continue  # it changed while judged: judge the new one
-            new = replace(me, epoch=(current.epoch if current else 0) + 1, beat=0)
+            new = replace(me, epoch=(current.epoch if current else 0) + 1,
+                          extra={**me.extra, **({"previous": asdict(current)} if current else {})})
+            held()
             write_atomic(path(run_dir), new.to_json())
             return new
 
 
-def _state(owner: Owner | None) -> tuple[str, int] | None:
-    return None if owner is None else (owner.token, owner.beat)
+def _token(owner: Owner | None) -> str | None:
+    return None if owner is None else owner.token
 
 
 def renew(run_dir: Path, token: str) -> bool:
-    """A live owner's beat (every RENEW_S): the lease's beat moves on. False when the owner
-    with this token no longer owns the run (taken over: it must stop writing to the run)."""
-    with locked(path(run_dir)):
-        current = read(run_dir)
-        if current is None or current.token != token:
-            return False
-        write_atomic(path(run_dir), replace(current, beat=current.beat + 1).to_json())
-        return True
+    """A live owner's beat (every RENEW_S): owner.beat gets its token and a fresh nonce.
+    False, and nothing written, when the owner with this token no longer owns the run
+    (taken over: it must stop writing to the run). No lock: a beat written just after a
+    take-over carries the old token, which nobody counts."""
+    if not token or not owns(run_dir, token):
+        return False
+    write_atomic(beat_path(run_dir), f"{token} {secrets.token_hex(8)}\n")
+    return True
+
+
+def keep(run_dir: Path, me: Owner) -> threading.Thread:
+    """Renew `me`'s lease every RENEW_S in a thread of this process until it no longer
+    owns the run (handed over, released, taken): a command that holds a run for seconds or
+    minutes (a preflight, a local run) stays visibly alive to hosts that cannot look its
+    pid up."""
+
+    def renewing() -> None:
+        while True:
+            time.sleep(RENEW_S)
+            try:
+                if not renew(run_dir, me.token):
+                    return
+            except OSError:
+                continue  # a full or slow disk: try again at the next beat
+
+    thread = threading.Thread(target=renewing, name="hpcshard-lease", daemon=True)
+    thread.start()
+    return thread
 
 
 def hand_over(run_dir: Path, me: Owner, to: Owner) -> Owner | None:
     """`me` gives the run to `to` (a continuation job it submitted, the job a command
     submitted): `to` at the next epoch, or None when `me` did not own it any more."""
-    with locked(path(run_dir)):
+    with locked(path(run_dir)) as held:
         current = read(run_dir)
         if current is not None and current.token != me.token:
             return None
-        new = replace(to, epoch=(current.epoch if current else 0) + 1, beat=0)
+        new = replace(to, epoch=(current.epoch if current else 0) + 1)
+        held()
         write_atomic(path(run_dir), new.to_json())
         return new
 
 
-def release(run_dir: Path, me: Owner) -> None:
-    """`me` is done with the run (a local run that ended): nobody owns it now. Nothing
-    happens when somebody else owns it."""
-    with contextlib.suppress(OSError), locked(path(run_dir)):
+def release(run_dir: Path, me: Owner, restore: bool = False) -> None:
+    """`me` is done with the run (a local run that ended): nobody owns it now; `restore`:
+    it gives the run back to the owner it took it from (a command that took a run and then
+    found it could not go on). Nothing happens when somebody else owns it."""
+    with contextlib.suppress(OSError), locked(path(run_dir)) as held:
         current = read(run_dir)
-        if current is not None and current.token == me.token:
+        if current is None or current.token != me.token:
+            return
+        held()
+        previous = current.extra.get("previous")
+        if restore and previous:
+            write_atomic(path(run_dir), Owner.from_dict(previous).to_json())
+        else:
             path(run_dir).unlink()

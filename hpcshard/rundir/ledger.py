@@ -20,7 +20,8 @@ def append(run_dir: Path, record: dict[str, Any]) -> None:
     its own client last saw, and one record overwrites the other); the lock's holder opens
     the file afresh, which revalidates its size (close-to-open)."""
     path = run_dir / LEDGER
-    with locked(path):
+    with locked(path) as held:
+        held()
         append_line(path, json.dumps({"time": time.time(), **record}) + "\n")
 
 

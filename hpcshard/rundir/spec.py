@@ -90,9 +90,10 @@ class RunSpec:
         changes. Never write back a spec read seconds ago: what others wrote meanwhile
         would be lost (a guard's take-over, erased by a `resume` that read the spec before
         its preflight)."""
-        with locked(run_dir / SPEC):
+        with locked(run_dir / SPEC) as held:
             spec = cls.read(run_dir)
             change(spec)
+            held()
             spec.write(run_dir)
         return spec
 

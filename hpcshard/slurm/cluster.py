@@ -357,6 +357,12 @@ def requeue(job_id: str, exclude: list[str] | tuple[str, ...] = (), nodes: int |
     return Requeue(_requeued(hold) and released.ok, "; ".join(f"scontrol {s}" for s in said))
 
 
+def release(job_id: str) -> str:
+    """Release a held job (submitted with --hold); "" when it was, else what went wrong."""
+    reply = _scontrol(["release", job_id], time.monotonic() + HELD_BUDGET_S)
+    return "" if reply.ok else f"scontrol release: {_tried(reply)}"
+
+
 def drain(node: str, reason: str, state: str = "DRAIN") -> str:
     """Tell Slurm a node is bad: DRAIN with a reason (no new job lands on it; an admin reads
     why in `sinfo -R`), or DOWN for one that is gone (what Slurm does itself after
