@@ -121,6 +121,8 @@ class End(Event):
     """What failed: the exception, a script's exit code, the user error's line."""
     user_error: bool | Unset = UNSET
     """True: bad input only the ranks could check (exit 2, never restarted)."""
+    storage: str | Unset = UNSET
+    """Reason storage: what the run's storage refused (what is full, over quota or read-only)."""
 
     def __post_init__(self) -> None:
         end_reason(self.reason)  # a str-typed caller must not slip an unknown reason past mypy

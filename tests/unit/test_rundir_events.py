@@ -114,6 +114,10 @@ CASES: list[tuple[float, events.Event, dict[str, Any]]] = [
                         saved_step=5),  # launch.supervise
      {"event": "end", "attempt": 1, "cycle": 0, "reason": "storage", "how": "the run directory is full",
       "saved_step": 5}),
+    (1024.6, events.End(attempt=1, cycle=0, reason="storage", step=7, saved_step=5, how="stopped at step 7",
+                        storage="/r is full"),  # runtime.main (a save the storage refused)
+     {"event": "end", "attempt": 1, "cycle": 0, "reason": "storage", "step": 7, "saved_step": 5,
+      "how": "stopped at step 7", "storage": "/r is full"}),
     (1025, events.Chain(attempt=1, job="77", next="78", at_once=True),
      {"event": "chain", "attempt": 1, "job": "77", "next": "78", "at_once": True}),
     (1025.5, events.Cancel(attempt=1, job="77", reason="its batch node n1 was lost: it cannot end by itself"),
