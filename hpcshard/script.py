@@ -32,7 +32,7 @@ import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
-from hpcshard.rundir import flight, launchers, ledger, progress
+from hpcshard.rundir import events, flight, launchers, ledger, progress
 from hpcshard.rundir.rankenv import (
     ENV_DOC,
     REQUEUE_EXIT,
@@ -150,11 +150,10 @@ def run(run_dir: Path, script: dict[str, Any], early: list[int]) -> int:
     faulthandler.register(STACKS_SIGNAL, file=log, all_threads=True, chain=False)
     flight.arm(run_dir, attempt, env.cycle)  # before the script makes its process group
     if rank == 0:
-        ledger.append(run_dir, {"event": "start", "attempt": attempt, "cycle": env.cycle, "script": True,
-                                "world": int(os.environ.get("WORLD_SIZE", "1")),
-                                "nodes": int(os.environ.get("WORLD_SIZE", "1"))
-                                // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
-                                "host": os.uname().nodename})
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        ledger.append(run_dir, events.Start(attempt=attempt, cycle=env.cycle, script=True, world=world,
+                                            nodes=world // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                            host=os.uname().nodename))
     if script.get("cwd") and Path(script["cwd"]).is_dir():
         os.chdir(script["cwd"])
     for signum in early:  # a notice that came while the interpreter started
@@ -172,18 +171,17 @@ def run(run_dir: Path, script: dict[str, Any], early: list[int]) -> int:
         # Stopped on request (its own checkpoint saved): the launcher requeues. Exit 0, or
         # torchrun would report a failure and tear the other ranks down mid-save.
         if rank == 0:
-            ledger.append(run_dir, {"event": "end", "attempt": attempt, "reason": "stop",
-                                    "how": "the script exited with hpcshard.preemption.REQUEUE",
-                                    **last_save(run_dir)})
+            ledger.append(run_dir, events.End.of_script(
+                attempt=attempt, reason="stop", how="the script exited with hpcshard.preemption.REQUEUE",
+                save=last_save(run_dir)))
         return 0
     if code and not launchers.over(run_dir, attempt, env.cycle):  # (else: stale, see `over`)
         # What the launcher needs to tell a bug (the same error at the same step again)
         # from a fault: the exception, or the exit code, and the step last reported.
-        ledger.append(run_dir, {"event": "rank_failed", "attempt": attempt, "cycle": env.cycle,
-                                "rank": rank, "host": socket.gethostname(), "code": code,
-                                "step": progress.LAST["step"], "error": f"exit {code}",
-                                "message": "", **failure, "log": str(log_path),
-                                "after_notice": bool(RECEIVED)})
+        ledger.append(run_dir, events.RankFailed(
+            attempt=attempt, cycle=env.cycle, rank=rank, host=socket.gethostname(), code=code,
+            step=progress.LAST["step"], error=failure.get("error", f"exit {code}"),
+            message=failure.get("message", ""), log=str(log_path), after_notice=bool(RECEIVED)))
     return code
 
 

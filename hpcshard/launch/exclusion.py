@@ -9,22 +9,24 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from hpcshard.rundir import ledger
+from hpcshard.rundir import events, ledger
 
 
 def declare_bad(run_dir: Path, attempt: int, cycle: int, node: int, where: dict[str, Any],
                 reason: str, drain: bool) -> None:
     """Record node `node` (of this attempt's launchers; `where`: its host and Slurm node)
     as bad for the run, and drain it in Slurm when asked to."""
-    told: dict[str, Any] = {}
+    drained: bool | events.Unset = events.UNSET  # (not asked)
+    drain_error: str | events.Unset = events.UNSET
     if where.get("slurm_node") and drain:
         from hpcshard.slurm import cluster
 
         refused = cluster.drain(where["slurm_node"], f"hpcshard {run_dir.name}: {reason}")
-        told = {"drained": not refused, **({"drain_error": refused} if refused else {})}
-    ledger.append(run_dir, {
-        "event": "bad_node", "attempt": attempt, "cycle": cycle, "node": node,
-        **{k: where[k] for k in ("host", "slurm_node") if k in where}, "reason": reason, **told})
+        drained, drain_error = not refused, refused or events.UNSET
+    ledger.append(run_dir, events.BadNode(
+        attempt=attempt, cycle=cycle, node=node, host=where.get("host", events.UNSET),
+        slurm_node=where.get("slurm_node", events.UNSET), reason=reason, drained=drained,
+        drain_error=drain_error))
 
 
 def bad(run_dir: Path, attempt: int) -> dict[int, str]:

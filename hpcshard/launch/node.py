@@ -18,7 +18,7 @@ from hpcshard import script
 from hpcshard.launch.procs import Agent, children, send
 from hpcshard.launch.supervise import Supervisor
 from hpcshard.launch.zygote import Zygote
-from hpcshard.rundir import ledger
+from hpcshard.rundir import events, ledger
 from hpcshard.rundir.launchers import write_pid_file
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
@@ -181,24 +181,23 @@ def _script_outcome(run_dir: Path, first: bool, attempt: int, code: int, *, noti
         return REQUEUE_EXIT
     if code == REQUEUE_EXIT:  # the supervisor's: faults spent this allocation's restarts
         if first and end is None:
-            ledger.append(run_dir, {"event": "end", "attempt": attempt, "reason": "fault",
-                                    "how": "the restart budget is spent: requeued", **last_save(run_dir)})
+            ledger.append(run_dir, events.End.of_script(attempt=attempt, reason="fault", how="the restart "
+                                                        "budget is spent: requeued", save=last_save(run_dir)))
         return code
     if noticed:
         if first and end is None:
             how = (f"killed {grace:g}s after the notice (the grace period)" if killed
                    else f"exited {code} after the notice")
-            ledger.append(run_dir, {"event": "end", "attempt": attempt, "reason": "stop",
-                                    "how": how, **last_save(run_dir)})
+            ledger.append(run_dir, events.End.of_script(attempt=attempt, reason="stop", how=how,
+                                                        save=last_save(run_dir)))
         return REQUEUE_EXIT
     if first and end is None:
         if code == 0:
             saved = last_save(run_dir)
-            ledger.append(run_dir, {"event": "end", "attempt": attempt, "reason": "done",
-                                    "saved_step": saved["saved_step"], "saved": saved["saved"]})
+            ledger.append(run_dir, events.End(attempt=attempt, reason="done", saved_step=saved["saved_step"],
+                                              saved=saved["saved"]))
         else:
-            ledger.append(run_dir, {"event": "end", "attempt": attempt, "reason": "error",
-                                    "error": f"exit {code}"})
+            ledger.append(run_dir, events.End(attempt=attempt, reason="error", error=f"exit {code}"))
     if first and code:  # (the supervisor may have closed the attempt: a bug, a give-up)
         for line in script.failures(run_dir, attempt):
             print(f"hpcshard: {line}", file=sys.stderr, flush=True)

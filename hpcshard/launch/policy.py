@@ -30,8 +30,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
-from typing import Any
+from typing import Any, Literal
 
+from hpcshard.rundir.events import EndReason
 from hpcshard.rundir.rankenv import BUG_EXIT, REQUEUE_EXIT, STORAGE_EXIT
 
 
@@ -91,7 +92,7 @@ class Decision:
     code: int = 0
     """The launchers' exit code when they do not restart."""
     reason: str
-    end: str = ""
+    end: EndReason | Literal[""] = ""
     """How the attempt ends in the ledger ("" for a restart): stop (requeued after a notice),
     fault (requeued after faults), bug, gave_up, storage, unreported."""
     active: tuple[int, ...] = ()

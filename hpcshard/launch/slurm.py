@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from hpcshard.launch.node import NodeEnv, run_node
-from hpcshard.rundir import launchers, lease, ledger
+from hpcshard.rundir import events, launchers, lease, ledger
 from hpcshard.rundir.files import write_atomic
 from hpcshard.rundir.launchers import attempt_file
 from hpcshard.rundir.rankenv import NOTICE, REQUEUE_EXIT, RankEnv
@@ -151,12 +151,12 @@ def _take_over(run: Path, slurm: SlurmEnv, guarded: str, first_attempt: int, max
     if why:
         print(f"hpcshard: guard {slurm.job_id} not needed: {why}", file=sys.stderr, flush=True)
         if "cap of" in why:
-            ledger.append(run, {"event": "gave_up", "attempt": attempt, "reason": f"guard job "
-                                f"{slurm.job_id} did not take the run over: {why}"})
+            ledger.append(run, events.GaveUp(attempt=attempt, reason=f"guard job {slurm.job_id} did not "
+                                             f"take the run over: {why}"))
         write_atomic(declined, why + "\n")
         return False
-    ledger.append(run, {"event": "guard", "attempt": attempt, "job": guarded, "next": slurm.job_id,
-                        "state": state or "unknown"})
+    ledger.append(run, events.Guard(attempt=attempt, job=guarded, next=slurm.job_id,
+                                    state=state or "unknown"))
     RunSpec.add_job(run, slurm.job_id)
     write_atomic(mine, f"{attempt + 1}\n")
     print(f"hpcshard: job {guarded} ended {state or 'without a word'} while training: "
@@ -266,8 +266,8 @@ def _end_orphan(run: Path, slurm: SlurmEnv, attempt: int, batch: str) -> None:
     before its lost nodes are marked DOWN (`_down_lost`: Slurm then KILLs every process of
     the step, this launcher and whatever it started). The cancel's TERM is ignored from
     here on."""
-    ledger.append(run, {"event": "cancel", "attempt": attempt, "job": slurm.ref,
-                        "reason": f"its batch node {batch} was lost: it cannot end by itself"})
+    ledger.append(run, events.Cancel(attempt=attempt, job=slurm.ref,
+                                     reason=f"its batch node {batch} was lost: it cannot end by itself"))
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     with contextlib.suppress(ValueError):
         cluster.scancel(slurm.ref)
@@ -289,11 +289,10 @@ def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:
     # Recorded first and in one call: marking a node of this job DOWN kills this very
     # launcher (the whole step), so nothing after it runs (one call per node downed one).
     for node in lost:
-        ledger.append(run, {"event": "node_down", "attempt": attempt, "slurm_node": node})
+        ledger.append(run, events.NodeDown(attempt=attempt, slurm_node=node))
     refused = cluster.drain(",".join(lost), f"hpcshard {run.name}: lost: silent", "DOWN")
     if refused:
-        ledger.append(run, {"event": "node_down", "attempt": attempt, "slurm_node": ",".join(lost),
-                            "error": refused})
+        ledger.append(run, events.NodeDown(attempt=attempt, slurm_node=",".join(lost), error=refused))
 
 
 def _fewer_nodes(run: Path, slurm: SlurmEnv, attempt: int, bad: list[str]) -> int | None:
@@ -309,10 +308,10 @@ def _fewer_nodes(run: Path, slurm: SlurmEnv, attempt: int, bad: list[str]) -> in
     fewest = min(spec.nodes, spec.min_nodes or spec.nodes)
     if usable >= fewest:
         return usable
-    ledger.append(run, {"event": "gave_up", "attempt": attempt,
-                        "reason": f"the run's bad nodes ({','.join(bad)}) leave partition {partition} "
-                        f"{usable} usable node(s); it needs {fewest}: continue elsewhere with "
-                        f"`hpcshard resume {run} --nodes N`"})
+    ledger.append(run, events.GaveUp(
+        attempt=attempt, reason=f"the run's bad nodes ({','.join(bad)}) leave partition {partition} "
+        f"{usable} usable node(s); it needs {fewest}: continue elsewhere with "
+        f"`hpcshard resume {run} --nodes N`"))
     return 0
 
 
@@ -321,7 +320,7 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
     done = _continuations(ledger.read(run), first_attempt)
     if policy == "none" or done >= max_requeues:
         why = "the requeue policy is none" if policy == "none" else f"the cap of {max_requeues} is reached"
-        ledger.append(run, {"event": "gave_up", "attempt": attempt, "reason": why})
+        ledger.append(run, events.GaveUp(attempt=attempt, reason=why))
         print(f"hpcshard: not continued: {why}; continue with `hpcshard resume {run}`",
               file=sys.stderr, flush=True)
         return
@@ -329,10 +328,10 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
         try:
             new = chain(run, slurm.job_id, attempt + 1, owner, after=after)
         except (OSError, ValueError) as err:
-            ledger.append(run, {"event": "gave_up", "attempt": attempt, "reason": f"chain failed: {err}"})
+            ledger.append(run, events.GaveUp(attempt=attempt, reason=f"chain failed: {err}"))
             return
-        ledger.append(run, {"event": "chain", "attempt": attempt, "job": slurm.job_id, "next": new,
-                            **({} if after else {"at_once": True})})
+        ledger.append(run, events.Chain(attempt=attempt, job=slurm.job_id, next=new,
+                                        at_once=events.UNSET if after else True))
         _drop_guards(run, slurm.job_id)
         print(f"hpcshard: continuation job {new} submitted "
               + (f"(afterany:{slurm.job_id})" if after else "(at once: this job is cancelled)"),
@@ -340,8 +339,7 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
         return
     by = cluster.requeued_by_other(slurm.ref, slurm.restart_count)
     if by:  # e.g. Lightning's own SIGUSR1 handler runs `scontrol requeue`: never twice
-        ledger.append(run, {"event": "requeue", "attempt": attempt, "job": slurm.ref,
-                            "by": "the job itself", "state": by})
+        ledger.append(run, events.Requeue(attempt=attempt, job=slurm.ref, by="the job itself", state=by))
         print(f"hpcshard: job {slurm.ref} was already requeued ({by}); not requeued again",
               file=sys.stderr, flush=True)
         return
@@ -352,11 +350,10 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
     asked = cluster.requeue(slurm.ref, exclude=bad, nodes=fewer)  # retried through a controller's blip
     if not asked.queued:
         why = f"requeue failed: {asked.error}; continue with `hpcshard resume {run}`"
-        ledger.append(run, {"event": "gave_up", "attempt": attempt, "reason": why})
+        ledger.append(run, events.GaveUp(attempt=attempt, reason=why))
         print(f"hpcshard: not continued: {why}", file=sys.stderr, flush=True)
         return
-    ledger.append(run, {"event": "requeue", "attempt": attempt, "job": slurm.ref,
-                        "error": asked.error or None, **({"excluded": bad} if bad else {}),
-                        **({"nodes": fewer} if fewer else {})})
+    ledger.append(run, events.Requeue(attempt=attempt, job=slurm.ref, error=asked.error or None,
+                                      excluded=bad or events.UNSET, nodes=fewer or events.UNSET))
     print(f"hpcshard: requeued job {slurm.ref}" + (f" ({asked.error})" if asked.error else ""),
           file=sys.stderr, flush=True)

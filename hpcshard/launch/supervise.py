@@ -40,7 +40,7 @@ from hpcshard.launch.liveness import BEAT_S, LOST_S, UNHEARD_S, Peers
 from hpcshard.launch.policy import Decision, Facts
 from hpcshard.launch.procs import Agent, alive, children, descendants, kill_below, kill_tree, send
 from hpcshard.launch.watchdog import Limits, Watchdog, process_state
-from hpcshard.rundir import flight, launchers, lease, ledger, store
+from hpcshard.rundir import events, flight, launchers, lease, ledger, store
 from hpcshard.rundir.progress import Board, board_path
 from hpcshard.rundir.rankenv import STORAGE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
@@ -72,6 +72,22 @@ def _who(culprit: dict[str, Any] | None) -> str:
     if culprit.get("error"):
         text += f": {culprit['error']}: {culprit.get('message', '')} (traceback in {culprit.get('log')})"
     return text
+
+
+def _fault(attempt: int, cycle: int, declared: dict[str, Any], culprit: dict[str, Any] | None,
+           reached: int, decided: Decision, collectives: list[dict[str, Any]]) -> events.Fault:
+    """The fault's ledger record: the declaration (`declared`: what its launcher saw), the
+    culprit, the cost and the decision, its fields flat."""
+    return events.Fault(
+        attempt=attempt, cycle=cycle, cause=declared.get("cause", "unknown"), declared=declared.get("time"),
+        culprit=culprit, reached=reached, action=decided.action.value, code=decided.code,
+        reason=decided.reason, end=decided.end, active=list(decided.active), spares=list(decided.spares),
+        bad=list(decided.bad), replaced=dict(decided.replaced), lost=list(decided.lost),
+        committed=decided.committed, host=decided.host, port=decided.port, restart=decided.restart,
+        lost_steps=max(0, reached - decided.committed),
+        # how long the culprit had been silent when a hang was declared; a crash is seen
+        # within one look
+        detect_s=declared.get("silent_s", POLL_S), collectives=collectives)
 
 
 def free_port() -> int:
@@ -538,11 +554,10 @@ class Supervisor:
         """The leader, once per cycle: the step limit its watchdog learned, in the ledger."""
         if self.me == self.roster.leader:
             limits = dog.limits
-            self._try("the watchdog's limit", ledger.append, self.run_dir, {
-                "event": "watchdog", "attempt": self.ranks.attempt, "cycle": cycle,
-                "step_limit": round(dog.step_limit() or 0, 3), "median_step": round(dog.median(), 4),
-                "factor": limits.factor, "floor_s": limits.floor_s, "phase_s": limits.phase_s,
-                "join_s": limits.join_s})
+            self._try("the watchdog's limit", ledger.append, self.run_dir, events.Watchdog(
+                attempt=self.ranks.attempt, cycle=cycle, step_limit=round(dog.step_limit() or 0, 3),
+                median_step=round(dog.median(), 4), factor=limits.factor, floor_s=limits.floor_s,
+                phase_s=limits.phase_s, join_s=limits.join_s))
         return True
 
     def _recovered(self, cycle: int, decided: Decision, slots: list[Any]) -> bool:
@@ -553,9 +568,9 @@ class Supervisor:
         if self.me != self.roster.leader or not any(s.phase == "step" and s.step > resumed for s in slots):
             return False
         fault = launchers.fault(self.run_dir, self.ranks.attempt, cycle - 1) or {}
-        self._try("the recovery's time", ledger.append, self.run_dir, {
-            "event": "recovered", "attempt": self.ranks.attempt, "cycle": cycle, "step": resumed + 1,
-            "seconds": round(time.time() - fault.get("time", time.time()), 2)})
+        self._try("the recovery's time", ledger.append, self.run_dir, events.Recovered(
+            attempt=self.ranks.attempt, cycle=cycle, step=resumed + 1,
+            seconds=round(time.time() - fault.get("time", time.time()), 2)))
         return True
 
     def _grace(self, proc: Agent) -> None:
@@ -715,21 +730,15 @@ class Supervisor:
         culprit = self._failed_first(cycle) or (dead[0] if dead else gone[0] if gone else
                                                 root[0] if len(root) == 1 else hung)
         reached = max([watch.reached, *(d.get("reached", 0) for d in downs)])
-        self._try("the fault's record", ledger.append, self.run_dir, {
-            "event": "fault", "attempt": self.ranks.attempt, "cycle": cycle,
-            "cause": fault.get("cause", "unknown"), "declared": fault.get("time"),
-            "culprit": culprit, "reached": reached, **decided.to_dict(),
-            "lost_steps": max(0, reached - decided.committed),
-            # how long the culprit had been silent when a hang was declared; a crash is
-            # seen within one look
-            "detect_s": fault.get("silent_s", POLL_S), "collectives": collectives})
+        self._try("the fault's record", ledger.append, self.run_dir, _fault(
+            self.ranks.attempt, cycle, fault, culprit, reached, decided, collectives))
         waits = flight.summary(collectives)
         print(f"hpcshard: fault: {fault.get('cause', 'unknown')}; {_who(culprit)}; "
               f"{waits + '; ' if waits else ''}{decided.reason}", file=sys.stderr, flush=True)
         if decided.end:  # the attempt ends here: how, for status and for a guard job
-            self._try("the attempt's end", ledger.append, self.run_dir, {
-                "event": "end", "attempt": self.ranks.attempt, "cycle": cycle, "reason": decided.end,
-                "how": decided.reason, "saved_step": decided.committed})
+            self._try("the attempt's end", ledger.append, self.run_dir, events.End(
+                attempt=self.ranks.attempt, cycle=cycle, reason=decided.end, how=decided.reason,
+                saved_step=decided.committed))
 
     def _failures(self, cycle: int) -> list[dict[str, Any]]:
         return [r for r in ledger.read(self.run_dir) if r.get("event") == "rank_failed"

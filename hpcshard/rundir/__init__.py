@@ -3,7 +3,8 @@ place (stdlib only: it runs on login nodes, in launchers and in every rank).
 
     RUN_DIR/
         spec.json        the request (`spec`: RunSpec, its only reader and writer)
-        attempts.jsonl   one start and one end record per attempt (`ledger`)
+        attempts.jsonl   one start and one end record per attempt, and the events between
+                         (`ledger`; each kind a typed record of `events`)
         metrics.jsonl    rank 0's step records and events (`metrics`)
         checkpoints/     committed DCP checkpoints (`store`)
         launch/          the live launchers' pid files (`launchers`)

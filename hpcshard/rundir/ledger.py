@@ -1,6 +1,8 @@
 """The attempts ledger: RUN_DIR/attempts.jsonl, one `start` and one `end` record per
-attempt (a start without an end is an attempt that was killed). Stdlib only: the launcher
-reads it to decide on a requeue, and the CLI to show what happened."""
+attempt (a start without an end is an attempt that was killed), and the run's other events
+between them. Every record is a typed event of `rundir.events`; `append` takes nothing
+else. Stdlib only: the launcher reads it to decide on a requeue, and the CLI to show what
+happened."""
 
 from __future__ import annotations
 
@@ -9,20 +11,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hpcshard.rundir import events
 from hpcshard.rundir.files import append_line, locked, read_lines
 
 LEDGER = "attempts.jsonl"
 
 
-def append(run_dir: Path, record: dict[str, Any]) -> None:
-    """Append one record. Launchers and ranks of several hosts append: under the ledger's
-    lock, as O_APPEND writes of two NFS clients are not atomic (each appends at the end
-    its own client last saw, and one record overwrites the other); the lock's holder opens
-    the file afresh, which revalidates its size (close-to-open)."""
+def append(run_dir: Path, event: events.Event) -> None:
+    """Append one event, with the time it is written. A bare dict is refused: each kind of
+    record has one shape, its class's. Launchers and ranks of several hosts append: under
+    the ledger's lock, as O_APPEND writes of two NFS clients are not atomic (each appends at
+    the end its own client last saw, and one record overwrites the other); the lock's
+    holder opens the file afresh, which revalidates its size (close-to-open)."""
+    fields = events.record(event)  # (TypeError for anything but an event: see there)
     path = run_dir / LEDGER
     with locked(path) as held:
         held()
-        append_line(path, json.dumps({"time": time.time(), **record}) + "\n")
+        append_line(path, json.dumps({"time": time.time(), **fields}) + "\n")
 
 
 def read(run_dir: Path) -> list[dict[str, Any]]:

@@ -19,20 +19,21 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import torch.distributed as dist
 
 from hpcshard.config import TrainConfig, build_config
 from hpcshard.errors import UserError
-from hpcshard.rundir import flight, launchers, ledger, store
+from hpcshard.rundir import events, flight, launchers, ledger, store
 from hpcshard.rundir.progress import Board
 from hpcshard.rundir.rankenv import STACKS_SIGNAL, STRAGGLER_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.rundir.status import LOG_START
 from hpcshard.runtime import links
+from hpcshard.runtime.checkpoint import Loaded
 from hpcshard.runtime.device import DistEnv, init_distributed
 from hpcshard.runtime.job import load_job
+from hpcshard.runtime.pretrained import Stored
 from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.train import Trainer
 from hpcshard.slurm.env import current_run
@@ -103,20 +104,12 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
         stop = StopRequest(f"{cfg.stop_signals},{ranks.notice}").install(early or [])
         trainer = Trainer(job, cfg, env, run_dir)
         trainer.report = report
-        _rollbacks(run_dir, trainer, attempt, ranks.cycle, env.is_main)
+        _rollbacks(run_dir, trainer, env.is_main)
         startup["built"] = time.time()
         loaded = trainer.restore(resume)
         trainer.startup = {**startup, "loaded": time.time()}
         if env.is_main:
-            ledger.append(run_dir, {"event": "start", "attempt": attempt, "cycle": ranks.cycle,
-                                    "world": env.world,
-                                    "nodes": env.nodes, "host": socket.gethostname(),
-                                    **_slurm_run(),
-                                    "resumed_step": loaded.step if loaded else None,
-                                    "resumed_from": loaded.path if loaded else None,
-                                    "skipped": loaded.skipped if loaded else [],
-                                    **({"init_from": str(trainer.pretrained.path)}
-                                       if trainer.pretrained else {})})
+            ledger.append(run_dir, _started(ranks, env, loaded, trainer.pretrained))
         if ranks.cycle == 0 and env.nodes > 1 and cfg.health_link_mb and _slow_link(run_dir, env, cfg,
                                                                                       attempt):
             return STRAGGLER_EXIT
@@ -125,7 +118,8 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
         log.debug("user error", exc_info=True)
         if env.is_main:
             print(f"error: {err}", file=sys.stderr)
-            _end(run_dir, attempt, reason="error", cycle=ranks.cycle, user_error=True, error=str(err))
+            _end(run_dir, events.End(attempt=attempt, reason="error", cycle=ranks.cycle, user_error=True,
+                                     error=str(err)))
         return USER_ERROR
     except BaseException as err:
         _failed(run_dir, ranks, env, trainer.step if trainer else None, err)
@@ -140,8 +134,8 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
     if summary.reason == "straggler":  # not an end: the launchers replace the node
         return STRAGGLER_EXIT
     if env.is_main:
-        _end(run_dir, attempt, reason=summary.reason, cycle=ranks.cycle, step=summary.step,
-             saved_step=summary.saved_step)
+        _end(run_dir, events.End(attempt=attempt, reason=events.end_reason(summary.reason),
+                                 cycle=ranks.cycle, step=summary.step, saved_step=summary.saved_step))
     if summary.reason == "nonfinite":
         if env.is_main:
             spent = (f" after {trainer.rollbacks} rollback(s), the most nan_rollbacks allows"
@@ -172,11 +166,17 @@ def _wait_retired(trainer: Trainer | None) -> None:
                     "start removes them)", ", ".join(p.name for p in left))
 
 
-def _slurm_run() -> dict[str, Any]:
-    """Which run of which Slurm job this start is (status matches it with accounting; a
-    sweep's task is ARRAY_TASK, as accounting and the spec name it)."""
-    run = current_run()
-    return {"slurm_job": run[0], "slurm_run": run[1]} if run else {}
+def _started(ranks: RankEnv, env: DistEnv, loaded: Loaded | None, pretrained: Stored | None) -> events.Start:
+    """The attempt's (or cycle's) start, once what it resumes from is loaded."""
+    # Which run of which Slurm job: status matches it with accounting (a sweep's task is
+    # JOB_TASK, as accounting and the spec name it).
+    slurm = current_run()
+    return events.Start(
+        attempt=ranks.attempt, cycle=ranks.cycle, world=env.world, nodes=env.nodes, host=socket.gethostname(),
+        slurm_job=slurm[0] if slurm else events.UNSET, slurm_run=slurm[1] if slurm else events.UNSET,
+        resumed_step=loaded.step if loaded else None, resumed_from=loaded.path if loaded else None,
+        skipped=[list(s) for s in loaded.skipped] if loaded else [],
+        init_from=str(pretrained.path) if pretrained else events.UNSET)
 
 
 def _slow_link(run_dir: Path, env: DistEnv, cfg: TrainConfig, attempt: int) -> bool:
@@ -186,11 +186,10 @@ def _slow_link(run_dir: Path, env: DistEnv, cfg: TrainConfig, attempt: int) -> b
     slowest = min(found, key=lambda link: link.gbps)
     bad = links.culprit(found, cfg.health_link_gbps, env.nodes) if cfg.health_link_gbps else None
     if env.is_main:
-        ledger.append(run_dir, {"event": "links", "attempt": attempt, "cycle": 0,
-                                "mb": cfg.health_link_mb, "floor_gbps": cfg.health_link_gbps,
-                                "slowest": {"from": slowest.source, "to": slowest.target,
-                                            "gbps": round(slowest.gbps, 3)},
-                                "links": [[x.source, x.target, round(x.gbps, 3)] for x in found]})
+        ledger.append(run_dir, events.Links(
+            attempt=attempt, cycle=0, mb=cfg.health_link_mb, floor_gbps=cfg.health_link_gbps,
+            slowest={"from": slowest.source, "to": slowest.target, "gbps": round(slowest.gbps, 3)},
+            links=[[x.source, x.target, round(x.gbps, 3)] for x in found]))
         slow = [x for x in found if x.gbps < cfg.health_link_gbps]
         if slow:
             log.warning("%d link(s) between nodes under health_link_gbps=%g GB/s (slowest: node %d "
@@ -198,24 +197,24 @@ def _slow_link(run_dir: Path, env: DistEnv, cfg: TrainConfig, attempt: int) -> b
                         slowest.target, slowest.gbps, f"; every link of node {bad} is: declared "
                         "bad" if bad is not None else "; no single node has only slow links")
         if bad is not None:
-            ledger.append(run_dir, {"event": "straggler", "attempt": attempt, "cycle": 0, "kind": "link",
-                                    "step": 0, "rank": bad * env.per_node, "host": "",
-                                    "ratio": round(cfg.health_link_gbps / max(slowest.gbps, 1e-9), 2),
-                                    "gbps": round(slowest.gbps, 3), "floor_gbps": cfg.health_link_gbps,
-                                    "policy": "bad_node"})
+            ledger.append(run_dir, events.Straggler(
+                attempt=attempt, cycle=0, kind="link", step=0, rank=bad * env.per_node, host="",
+                ratio=round(cfg.health_link_gbps / max(slowest.gbps, 1e-9), 2),
+                gbps=round(slowest.gbps, 3), floor_gbps=cfg.health_link_gbps, policy="bad_node"))
     return bad is not None
 
 
-def _rollbacks(run_dir: Path, trainer: Trainer, attempt: int, cycle: int, main: bool) -> None:
+def _rollbacks(run_dir: Path, trainer: Trainer, main: bool) -> None:
     """The run's rollbacks so far (the ledger's, across restarts and requeues): their
-    batches stay skipped and they count against nan_rollbacks; new ones are recorded."""
+    batches stay skipped and they count against nan_rollbacks; new ones are recorded (rank
+    0's: every rank sees the same)."""
     before = [r for r in ledger.read(run_dir) if r["event"] == "rollback"]
     trainer.batches.skip.update((int(e), int(o)) for r in before for e, o in r["skipped"])
     trainer.rollbacks = len(before)
 
-    def record(event: str, fields: dict[str, object]) -> None:
+    def record(event: events.Event) -> None:
         if main:
-            ledger.append(run_dir, {"event": event, "attempt": attempt, "cycle": cycle, **fields})
+            ledger.append(run_dir, event)
     trainer.record = record
 
 
@@ -251,19 +250,19 @@ def _failed(run_dir: Path, ranks: RankEnv, env: DistEnv, step: int | None, err: 
     with contextlib.suppress(OSError):
         if launchers.over(run_dir, ranks.attempt, ranks.cycle):
             return
-        ledger.append(run_dir, {"event": "rank_failed", "attempt": ranks.attempt,
-                                "cycle": ranks.cycle, "rank": env.rank, "host": socket.gethostname(),
-                                "step": step, "error": type(err).__name__,
-                                "message": str(err).strip().splitlines()[0][:300] if str(err).strip() else "",
-                                "log": str(run_dir / "logs" / f"rank-{env.rank}.log")})
+        ledger.append(run_dir, events.RankFailed(
+            attempt=ranks.attempt, cycle=ranks.cycle, rank=env.rank, host=socket.gethostname(),
+            step=step, error=type(err).__name__,
+            message=str(err).strip().splitlines()[0][:300] if str(err).strip() else "",
+            log=str(run_dir / "logs" / f"rank-{env.rank}.log")))
     if env.is_main:
-        _end(run_dir, ranks.attempt, reason="error", cycle=ranks.cycle,
-             error=f"{type(err).__name__}: {err}")
+        _end(run_dir, events.End(attempt=ranks.attempt, reason="error", cycle=ranks.cycle,
+                                 error=f"{type(err).__name__}: {err}"))
 
 
-def _end(run_dir: Path, attempt: int, **fields: object) -> None:
+def _end(run_dir: Path, end: events.End) -> None:
     with contextlib.suppress(OSError):  # an unwritable run dir must not hide the real error
-        ledger.append(run_dir, {"event": "end", "attempt": attempt, **fields})
+        ledger.append(run_dir, end)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from hpcshard.config import TrainConfig
 from hpcshard.errors import UserError
-from hpcshard.rundir import store
+from hpcshard.rundir import events, store
 from hpcshard.rundir.rankenv import RankEnv
 from hpcshard.runtime.adapters import apply_freeze, apply_lora, frozen, with_adapters
 from hpcshard.runtime.blocks import on_meta
@@ -160,7 +160,7 @@ class Trainer:
         self.paused = {"save_s": 0.0, "eval_s": 0.0}
         """Seconds of saves and evaluations since the last metrics record (the next one
         carries them: the time between records, less these, is training)."""
-        self.record: Callable[[str, dict[str, object]], None] = lambda event, fields: None
+        self.record: Callable[[events.Event], None] = lambda event: None
         """Told of each rollback and straggler (the runtime writes them into the ledger)."""
         self.stragglers = Stragglers(cfg.straggler_margin, cfg.straggler_patience)
         self.hosts: list[str] = []
@@ -374,15 +374,17 @@ class Trainer:
             return ""
         found = self.stragglers.look(gather(probe(env.device), env.device))
         for rank, ratio in found:
-            fields: dict[str, object] = {"step": self.step, "rank": rank, "host": self.hosts[rank],
-                                         "ratio": round(ratio, 2), "policy": cfg.straggler_policy}
+            slow = events.Straggler(attempt=self.limits.attempt, cycle=self.limits.cycle, step=self.step,
+                                    rank=rank, host=self.hosts[rank], ratio=round(ratio, 2),
+                                    policy=cfg.straggler_policy)
             if env.is_main:
                 log.warning("straggler: rank %d on %s computes %.1fx slower than the median of "
                             "the others (%d looks in a row)%s", rank, self.hosts[rank], ratio,
                             cfg.straggler_patience, "; its node is declared bad" if
                             cfg.straggler_policy == "bad_node" else "")
-                metrics.event("straggler", **fields)
-            self.record("straggler", fields)
+                metrics.event("straggler", step=slow.step, rank=rank, host=slow.host, ratio=slow.ratio,
+                              policy=slow.policy)
+            self.record(slow)
         if not found or cfg.straggler_policy != "bad_node" or self.ckpt is None:
             return ""
         self.report("save", self.step)
@@ -419,8 +421,9 @@ class Trainer:
         if loaded is None:  # nothing committed yet: no state to go back to
             return False
         self.rollbacks += 1
-        self.record("rollback", {"step": bad, "to": loaded.step, "skipped": [list(p) for p in skipped],
-                          "rollback": self.rollbacks, "of": cfg.nan_rollbacks})
+        self.record(events.Rollback(attempt=self.limits.attempt, cycle=self.limits.cycle, step=bad,
+                                    to=loaded.step, skipped=[list(p) for p in skipped],
+                                    rollback=self.rollbacks, of=cfg.nan_rollbacks))
         log.warning("non-finite loss or gradient norm at step %d: rolled back to step %d and "
                     "skipping %d global batch(es) (rollback %d of %d)", bad, loaded.step,
                     len(skipped), self.rollbacks, cfg.nan_rollbacks)

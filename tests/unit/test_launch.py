@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from hpcshard.launch.node import NodeEnv, torchrun_argv
+from hpcshard.rundir import events
 
 
 def test_node_env_round_trips_through_the_environment() -> None:
@@ -153,21 +154,22 @@ def test_a_peer_is_not_lost_while_this_launchers_own_heartbeats_cannot_be_writte
 
 @pytest.mark.parametrize("state,records,jobs,owner,takes", [
     ("FAILED", [], ["7"], "7", True),  # its batch node failed: nothing closed the attempt
-    ("NODE_FAIL", [{"event": "start", "attempt": 2}], ["7"], "7", True),
+    ("NODE_FAIL", [events.Start(attempt=2, cycle=0, world=2, nodes=2, host="n1")], ["7"], "7", True),
     ("FAILED", [], ["7"], None, True),  # a run of an older hpcshard: no lease
     ("CANCELLED", [], ["7"], "7", False),  # somebody cancelled it
     ("COMPLETED", [], ["7"], "7", False),
-    ("FAILED", [{"event": "end", "attempt": 0, "reason": "error"}], ["7"], "7", False),  # a real failure
-    ("FAILED", [{"event": "chain", "attempt": 0}], ["7"], "7", False),  # continued already
+    ("FAILED", [events.End(attempt=0, reason="error")], ["7"], "7", False),  # a real failure
+    ("FAILED", [events.Chain(attempt=0, job="7", next="8")], ["7"], "7", False),  # continued already
     ("FAILED", [], ["7", "8"], None, False),  # a newer job has the run
     ("FAILED", [], ["7"], "8", False),  # another job owns the run (a resume)
     # defect 1: take-overs count against max_requeues (2 here), or a run that dies the same
     # way every time takes itself over forever
-    ("FAILED", [{"event": "requeue", "attempt": 0}, {"event": "guard", "attempt": 1},
-                {"event": "start", "attempt": 2}], ["7"], "7", False),
+    ("FAILED", [events.Requeue(attempt=0, job="7"),
+                events.Guard(attempt=1, job="7", next="8", state="FAILED"),
+                events.Start(attempt=2, cycle=0, world=2, nodes=2, host="n1")], ["7"], "7", False),
 ])
 def test_a_guard_takes_the_run_over_only_from_a_job_that_failed_without_a_word(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, state: str, records: list[dict[str, object]],
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, state: str, records: list[events.Event],
         jobs: list[str], owner: str | None, takes: bool) -> None:
     from hpcshard.launch import slurm
     from hpcshard.rundir import lease, ledger
@@ -189,7 +191,7 @@ def test_a_guard_takes_the_run_over_only_from_a_job_that_failed_without_a_word(
     if takes:
         now = lease.read(tmp_path)
         assert now is not None and now.job == "9"  # the guard owns the run now
-        attempt = max([0, *(int(str(r["attempt"])) for r in records)])
+        attempt = max([0, *(r.attempt for r in records)])
         assert attempt_file(tmp_path, "9").read_text() == f"{attempt + 1}\n"
         assert RunSpec.read(tmp_path).jobs == [*jobs, "9"]
         (guard,) = [r for r in ledger.read(tmp_path) if r["event"] == "guard"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcshard.rundir import files, ledger
+from hpcshard.rundir import events, files, ledger
 from hpcshard.rundir.spec import RunSpec
 
 pytestmark = pytest.mark.unit
@@ -83,7 +83,7 @@ def test_a_held_lock_makes_others_wait_and_times_out_with_its_holder_named(tmp_p
 
 def _append(run: str, who: int) -> None:
     for i in range(100):
-        ledger.append(Path(run), {"event": "x", "attempt": 0, "who": who, "i": i})
+        ledger.append(Path(run), events.GaveUp(attempt=who, reason=f"record {i}"))
 
 
 def test_ledger_appends_of_many_writers_are_all_kept_whole(tmp_path: Path) -> None:
@@ -94,4 +94,5 @@ def test_ledger_appends_of_many_writers_are_all_kept_whole(tmp_path: Path) -> No
     for p in procs:
         p.join(120)
     lines = (tmp_path / ledger.LEDGER).read_text().splitlines()
-    assert len(lines) == 400 and all(json.loads(line)["event"] == "x" for line in lines)
+    kept = {(r["attempt"], r["reason"]) for r in map(json.loads, lines)}
+    assert len(lines) == 400 and kept == {(who, f"record {i}") for who in range(4) for i in range(100)}

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from hpcshard import script
-from hpcshard.rundir import ledger
+from hpcshard.rundir import events, ledger
 from tests.conftest import ROOT
 from tests.unit.test_cli_submit import assert_one_line_error, invoke
 
@@ -102,9 +102,12 @@ def test_last_save_reads_the_step_from_common_checkpoint_names(tmp_path: Path) -
 def test_failures_name_the_first_failing_rank_and_its_last_lines(tmp_path: Path) -> None:
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "rank-3.log").write_text("".join(f"line {i}\n" for i in range(30)))
+    def failed(attempt: int, rank: int) -> events.RankFailed:
+        return events.RankFailed(attempt=attempt, cycle=0, rank=rank, host="n1", code=1, step=None,
+                                 error="exit 1", message="", log=f"logs/rank-{rank}.log")
     for rank in (3, 0, 1):
-        ledger.append(tmp_path, {"event": "rank_failed", "attempt": 0, "rank": rank, "code": 1})
-    ledger.append(tmp_path, {"event": "rank_failed", "attempt": 1, "rank": 2, "code": 1})
+        ledger.append(tmp_path, failed(0, rank))
+    ledger.append(tmp_path, failed(1, 2))
     out = script.failures(tmp_path, 0, lines=3)
     assert out[0].startswith("rank 3 failed first (exit 1)")
     assert out[1:4] == ["  line 27", "  line 28", "  line 29"]
