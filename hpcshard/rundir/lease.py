@@ -191,7 +191,7 @@ JobAlive = Callable[[str], "bool | None"]
 to Slurm), None (Slurm did not answer)."""
 
 
-def busy(run_dir: Path, owner: Owner | None, job_alive: JobAlive, watch_s: float = WATCH_S) -> str:
+def busy(run_dir: Path, owner: Owner | None, job_alive: JobAlive, watch_s: float | None = None) -> str:
     """Why `owner` (of `run_dir`) may still be live; "" when it surely is not. A job: what
     Slurm says, and no answer is never "over". A process of this host: the kernel's answer
     (pid and start time), and the run's launchers' (a local run whose command was killed
@@ -214,6 +214,7 @@ def busy(run_dir: Path, owner: Owner | None, job_alive: JobAlive, watch_s: float
     if here is False:  # (the local backend's launchers run on its command's host)
         pids = launchers.launchers(run_dir)
         return f"{who} is gone, but its launchers (pids {pids}) still run" if pids else ""
+    watch_s = WATCH_S if watch_s is None else watch_s
     deadline, first = time.monotonic() + watch_s, beat(run_dir)
     while time.monotonic() < deadline:
         time.sleep(min(1.0, watch_s))
@@ -229,7 +230,7 @@ def busy(run_dir: Path, owner: Owner | None, job_alive: JobAlive, watch_s: float
 CHANGED = "the lease changed while it was judged"
 
 
-def take(run_dir: Path, me: Owner, job_alive: JobAlive, watch_s: float = WATCH_S) -> Owner:
+def take(run_dir: Path, me: Owner, job_alive: JobAlive, watch_s: float | None = None) -> Owner:
     """Make `me` the owner (epoch + 1) and return it as written (`extra["previous"]`: the
     owner it took the run from, for `release(restore=True)`); when `me` owns the run already
     (another launcher of the same job took it first), the lease as it is. Refused (Busy,

@@ -1,0 +1,266 @@
+"""Races a review of the run-directory lease and the supervisor's refactor found (issue 26),
+each reproduced before it was mended: two launchers of one job taking one lease, a command
+whose lease nobody renewed, a lock left by a dead holder, a slow holder and two breakers, a
+local run whose command was killed, a leader that found its run taken over, a TERM while a
+restart's agent starts, a transient error of the health probe, a script's bug stop."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpcshard.launch import health
+from hpcshard.launch import node as lnode
+from hpcshard.launch import slurm as lslurm
+from hpcshard.launch.liveness import LOST_S
+from hpcshard.launch.supervise import Supervisor, TakenOver
+from hpcshard.rundir import events, files, launchers, lease, ledger, proc
+from hpcshard.rundir.rankenv import BUG_EXIT, RankEnv
+from hpcshard.rundir.spec import RunSpec
+
+pytestmark = pytest.mark.unit
+
+
+def make_spec(run_dir: Path, nodes: int = 1) -> RunSpec:
+    spec = RunSpec(job="jobs/charlm.py", sets={}, nodes=nodes, gpus=1, backend="local", name="t")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    spec.write(run_dir)
+    return spec
+
+
+def make_supervisor(run_dir: Path, owner: str, node_rank: int = 0, nnodes: int = 1) -> Supervisor:
+    spec = make_spec(run_dir, nodes=nnodes)
+    node = lnode.NodeEnv(node_rank=node_rank, nnodes=nnodes, per_node=1, rdzv_host="127.0.0.1",
+                         rdzv_port=29999, run_id="races")
+
+    def start(*_: Any) -> Any:
+        raise AssertionError("no agent is started here")
+
+    return Supervisor(node, run_dir, spec, RankEnv(attempt=0, owner=owner), start)
+
+
+def gone_process() -> lease.Process:
+    """The identity of a process of this host that has exited (a command killed -9)."""
+    p = subprocess.Popen(["sleep", "30"])
+    found = proc.identity(p.pid)
+    p.kill()
+    p.wait()
+    assert found is not None
+    return lease.Process(**found)
+
+
+@pytest.fixture
+def short_watch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lease, "WATCH_S", 1.0)
+    monkeypatch.setattr(lease, "SUBMIT_WAIT_S", 0.0)
+
+
+def test_every_launcher_of_one_job_gets_the_run_from_a_command_that_died(
+        tmp_path: Path, short_watch: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The command that submitted job 77 died on the login node after sbatch, before it
+    named the job the owner: the first launcher takes the run, the next one must find its
+    own job there (it exited, and the rendezvous waited for it)."""
+    cli = lease.Process(host="login1", pid=4242, start=1, boot="other-boot")
+    lease.path(tmp_path).write_text(lease.Owner(kind="process", process=cli, epoch=1, what="hpcshard submit")
+                                    .to_json())
+    monkeypatch.setattr(lslurm.cluster, "job_alive", lambda job: True)
+    got: dict[int, lease.Owner | None] = {}
+    threads = [threading.Thread(target=lambda n=n: got.__setitem__(n, lslurm.own_run(tmp_path, "77")))
+               for n in range(2)]
+    threads[0].start()
+    time.sleep(0.5)  # srun starts the tasks of one job a moment apart
+    threads[1].start()
+    for t in threads:
+        t.join(10)
+    assert got[0] is not None and got[1] is not None and got[0].token == got[1].token
+
+
+def test_a_commands_lease_stays_its_own_seen_from_a_host_that_cannot_look_it_up(tmp_path: Path) -> None:
+    """A `resume` in its preflight, seen from a compute node: only its beat can tell it is
+    alive, so the command renews it while it holds the run."""
+    from hpcshard.cli.submit import take_run
+
+    claim = take_run(tmp_path, "hpcshard resume")
+    seen = lease.read(tmp_path)
+    assert seen is not None and seen.process is not None
+    lease.path(tmp_path).write_text(replace(seen, process=replace(seen.process, boot="the-login-node"))
+                                    .to_json())
+    with pytest.raises(lease.Busy, match="renews the lease"):
+        lease.take(tmp_path, lease.Owner.of_job("20"), lambda j: False, watch_s=lease.RENEW_S * 2 + 1)
+    assert lease.read(tmp_path).token == claim.token  # type: ignore[union-attr]  # it keeps the run
+
+
+HOLD = """
+import sys, time
+from pathlib import Path
+from hpcshard.rundir.files import locked
+with locked(Path(sys.argv[1])):
+    print("held", flush=True)
+    time.sleep(60)
+"""
+
+
+def die_holding(path: Path) -> None:
+    """A process killed inside `files.locked` (a rank SIGKILLed while it appends)."""
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True)
+    assert p.stdout is not None and p.stdout.readline().strip() == "held"
+    p.kill()
+    p.wait()
+    assert path.with_name(path.name + ".lock").exists()
+
+
+def test_a_lock_whose_holder_of_this_host_died_is_broken_at_once(tmp_path: Path) -> None:
+    """It was waited for LOCK_STALE_S (30 s): the fault path's ledger appends with it, and
+    a launcher silent for LOST_S is taken for lost by its peers."""
+    die_holding(tmp_path / ledger.LEDGER)
+    began = time.monotonic()
+    ledger.append(tmp_path, events.GaveUp(attempt=0, reason="x"))
+    assert time.monotonic() - began < LOST_S / 2
+
+
+def test_a_slow_holder_whose_lock_was_broken_writes_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    """A holder that stood still past LOCK_STALE_S (a frozen node, a stalled file server) is
+    told before it writes: it would write back what it read, undoing what others did."""
+    monkeypatch.setattr(files, "LOCK_STALE_S", 0.3)
+    target = tmp_path / "spec.json"
+    with pytest.raises(files.LockLost), files.locked(target) as held:
+        with files.locked(target, timeout=5):  # another waiter breaks it meanwhile
+            pass
+        held()
+
+
+def test_a_stale_lock_broken_by_two_waiters_at_once_has_one_holder_after(tmp_path: Path) -> None:
+    target = tmp_path / "owner.json"
+    lock = target.with_name(target.name + ".lock")
+    dead = tmp_path / ".holder"
+    dead.write_text('{"pid": 4242, "host": "n9"}\n')
+    lock.hardlink_to(dead)
+    holder = dead.read_text()
+    files._break(lock, holder)  # waiter A breaks it...
+    with files.locked(target, timeout=2):  # ...and takes it
+        files._break(lock, holder)  # waiter B, on its earlier read of the dead holder
+        assert lock.exists() and lock.read_text() != holder  # A's lock is still A's
+        with pytest.raises(TimeoutError), files.locked(target, timeout=0.3):
+            pass  # a third waiter does not get it
+
+
+def test_a_local_run_whose_command_was_killed_is_not_taken_while_its_launchers_run(tmp_path: Path) -> None:
+    """A refused `resume` used to take the lease and then release it: the launchers' next
+    renewal failed, and the live run was killed."""
+    lease.path(tmp_path).write_text(lease.Owner(kind="process", process=gone_process(), epoch=1,
+                                                what="a local run").to_json())
+    launcher = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from hpcshard.rundir import launchers; "
+        f"launchers.write_pid_file(Path({str(tmp_path)!r}), 0); print('up', flush=True); time.sleep(60)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert launcher.stdout is not None and launcher.stdout.readline().strip() == "up"
+        with pytest.raises(lease.Busy, match="its launchers .* still run"):
+            lease.take(tmp_path, lease.Owner.of_process("hpcshard resume"), lambda j: None)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    taken = lease.take(tmp_path, lease.Owner.of_process("hpcshard resume"), lambda j: None)
+    lease.release(tmp_path, taken, restore=True)  # (a resume that then gave up)
+    assert lease.read(tmp_path).what == "a local run"  # type: ignore[union-attr]
+
+
+def test_a_leader_that_finds_the_run_taken_over_says_so_and_its_peers_leave_without_blame(
+        tmp_path: Path) -> None:
+    """It left without a last heartbeat: its peers took it for lost 8 s later and drained
+    its node."""
+    mine = lease.take(tmp_path, lease.Owner.of_job("5"), lambda j: False)
+    (tmp_path / launchers.LAUNCH).mkdir()
+    leader = make_supervisor(tmp_path, owner=mine.token, nnodes=2)
+    leader.renewed = -1e9
+    lease.take(tmp_path, lease.Owner.of_job("6"), lambda j: False)  # a guard or a resume took the run
+    assert leader.run() == 0 and leader.fenced
+    said = launchers.beats(tmp_path, 0, 2)[0]
+    assert "done" in said and "fenced" in said
+    peer = make_supervisor(tmp_path, owner=mine.token, node_rank=1, nnodes=2)
+    with pytest.raises(TakenOver, match="node 0 found the run taken over"):
+        peer.lost([0])
+
+
+def test_a_cancel_while_a_restarts_agent_starts_reaches_the_new_agent(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """`forward` gave the TERM to the previous cycle's agent, long reaped, and the new one
+    trained on to the end."""
+    make_spec(tmp_path)
+    monkeypatch.setenv("HPCSHARD_WARM_START", "0")
+    agents: list[subprocess.Popen[bytes]] = []
+
+    class Restarting(Supervisor):
+        def run(self) -> int:
+            old = subprocess.Popen(["true"])
+            old.wait()
+            self.proc = old  # cycle 0's agent, ended (a fault, then a restart decision)
+
+            def start(node: Any, env: Any) -> Any:  # the TERM comes while the new agent starts
+                os.kill(os.getpid(), signal.SIGTERM)
+                agents.append(subprocess.Popen(["sleep", "4"]))
+                return agents[-1]
+
+            self.start = start  # type: ignore[method-assign]
+            return self.cycle(replace(self.node, run_id="races-c1"), 1).code
+
+    monkeypatch.setattr(lnode, "Supervisor", Restarting)
+    term = signal.getsignal(signal.SIGTERM)
+    try:
+        node = lnode.NodeEnv(node_rank=0, nnodes=1, per_node=1, rdzv_host="127.0.0.1", rdzv_port=29998,
+                             run_id="races")
+        lnode.run_node(node, tmp_path)
+    finally:
+        signal.signal(signal.SIGTERM, term)
+    assert agents and agents[0].returncode == -signal.SIGTERM
+
+
+def test_a_transient_error_of_the_health_probe_is_not_the_runs_storage(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Any error of the probe stopped the run for its storage (a person's job to fix);
+    one ESTALE passes, and one that persists is this node's mount, not the run's storage."""
+    real, calls = os.fsync, []
+
+    def flaky(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", flaky)
+    monkeypatch.setattr(health.time, "sleep", lambda s: None)
+    assert health.check(tmp_path, leader=False, ranks=1, command="", waiting=lambda: None) == health.Health()
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
+    found = health.check(tmp_path, leader=False, ranks=1, command="", waiting=lambda: None)
+    assert not found.storage and "from this node (3 tries)" in found.node
+    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    found = health.check(tmp_path, leader=False, ranks=1, command="", waiting=lambda: None)
+    assert found.storage == f"the run directory {tmp_path} is full" and not found.node
+
+
+def test_a_scripts_bug_stop_still_names_the_rank_that_failed_first(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """The supervisor now closes the attempt itself (a bug); the script's failure summary
+    was printed only when nothing had."""
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank-1.log").write_text("Traceback ...\nKeyError: 'tokens'\n")
+    for cycle in (0, 1):
+        ledger.append(tmp_path, events.RankFailed(attempt=0, cycle=cycle, rank=1, host="n2", code=1, step=7,
+                                                  error="exit 1", message="",
+                                                  log=str(tmp_path / "logs" / "rank-1.log")))
+    ledger.append(tmp_path, events.End(attempt=0, cycle=1, reason="bug", how="the same error", saved_step=0))
+    capsys.readouterr()
+    code = lnode._script_outcome(tmp_path, True, 0, BUG_EXIT, noticed=False, killed=False, grace=60)
+    assert code == BUG_EXIT
+    assert "rank 1 failed first" in capsys.readouterr().err
