@@ -4,6 +4,7 @@ stdlib; Slurm through `hpcshard.slurm`, matplotlib only inside `plot`)."""
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from dataclasses import asdict
 from pathlib import Path
@@ -149,9 +150,30 @@ def cancel(target: str) -> None:
         click.echo(f"cancelled Slurm job {spec.jobs[-1]} ({run_dir})")
         return
     sent = signal_launchers(run_dir, signal.SIGTERM)
+    if not sent and _signal_owner(run_dir, signal.SIGTERM):
+        # Between two attempts (a requeue on the local backend) no launcher runs: the command
+        # that owns the run starts no other one once it has this.
+        click.echo(f"cancelled {run_dir} between two attempts (its command will start no other)")
+        return
     if not sent:
         fail(ValueError(f"no running launcher in {run_dir}; nothing to cancel"))
     click.echo(f"cancelled {sent} node launcher(s) of {run_dir}")
+
+
+def _signal_owner(run_dir: Path, sig: int) -> bool:
+    """Signal the local process that owns the run (`rundir.lease`), if it runs on this host."""
+    from hpcshard.rundir import lease
+
+    try:
+        owner = lease.read(run_dir)
+    except (lease.Busy, OSError):
+        return False
+    if owner is None or owner.process is None or not owner.process.alive():
+        return False
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(owner.process.pid, sig)
+        return True
+    return False
 
 
 @click.command("ls")

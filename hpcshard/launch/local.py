@@ -61,13 +61,13 @@ def run_local(run_dir: Path, nodes: int, per_node: int, *, spares: int = 0, resu
     previous = signal.signal(signal.SIGTERM, forward)
     try:
         while True:
+            if ended:  # (a cancel between two attempts: no launcher to hear it)
+                return 128 + ended[0]
             procs.clear()
             code = _attempt(run_dir, nodes, per_node, attempt, resume, requeues, spares, owner, procs,
                             forward)
             if code != REQUEUE_EXIT or requeues >= max_requeues:
                 return code
-            if ended:
-                return 128 + ended[0]
             requeues += 1
             if on_attempt:
                 on_attempt(attempt + 1, requeues)

@@ -264,3 +264,25 @@ def test_a_scripts_bug_stop_still_names_the_rank_that_failed_first(tmp_path: Pat
     code = lnode._script_outcome(tmp_path, True, 0, BUG_EXIT, noticed=False, killed=False, grace=60)
     assert code == BUG_EXIT
     assert "rank 1 failed first" in capsys.readouterr().err
+
+
+def test_a_cancel_between_two_attempts_of_a_local_run_reaches_its_owning_command(tmp_path: Path) -> None:
+    """Between a requeue's two attempts no launcher runs: `cancel` found nothing to cancel,
+    and the next attempt started."""
+    from click.testing import CliRunner
+
+    from hpcshard.cli import main
+
+    make_spec(tmp_path)
+    owner = subprocess.Popen([sys.executable, "-c", (
+        "import time; from pathlib import Path; from hpcshard.rundir import lease; "
+        f"lease.take(Path({str(tmp_path)!r}), lease.Owner.of_process('hpcshard submit'), None); "
+        "print('up', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None and owner.stdout.readline().strip() == "up"
+        result = CliRunner().invoke(main, ["cancel", str(tmp_path)])
+        assert result.exit_code == 0 and "between two attempts" in result.output, result.output
+        assert owner.wait(10) == -signal.SIGTERM
+    finally:
+        owner.kill()
+        owner.wait()
