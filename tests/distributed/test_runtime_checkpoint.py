@@ -144,7 +144,12 @@ def test_a_time_limit_notice_trains_on_until_the_deadline_less_the_save(tmp_path
     assert end is not None and end["reason"] == "stop" and end["saved_step"] == end["step"]
     assert end["step"] > noticed_step + 5  # it trained on after the notice...
     assert deadline - 40 < end["time"] < deadline  # ...and was done before the deadline
-    assert "time-limit notice: training on until" in (run / "logs" / "rank-0.log").read_text()
+    log = (run / "logs" / "rank-0.log").read_text()
+    assert "time-limit notice: training on until" in log
+    # No periodic save once the notice came (each would make the stop's own save later).
+    periodic = [int(line.split("checkpoint step ")[1].split()[0]) for line in log.splitlines()
+                if "committed (periodic" in line]
+    assert not [step for step in periodic if step > noticed_step + 10], periodic
 
 
 def test_export_loads_into_a_plain_model_with_the_same_eval_loss(uninterrupted: Path,
