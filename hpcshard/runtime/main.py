@@ -33,6 +33,7 @@ from hpcshard.rundir.status import LOG_START
 from hpcshard.runtime import links
 from hpcshard.runtime.device import DistEnv, init_distributed
 from hpcshard.runtime.job import load_job
+from hpcshard.runtime.logfile import LogFile
 from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.train import Trainer
 from hpcshard.slurm.env import current_run
@@ -42,11 +43,12 @@ log = logging.getLogger("hpcshard")
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
-    """Every rank logs fully to RUN_DIR/logs/rank-N.log; only rank 0 talks on the console."""
+    """Every rank logs fully to RUN_DIR/logs/rank-N.log (while its storage takes writes:
+    `LogFile`); only rank 0 talks on the console."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%H:%M:%S")
-    to_file = logging.FileHandler(logs / f"rank-{rank}.log")
+    to_file = LogFile(logs / f"rank-{rank}.log", say=rank == 0)
     to_file.setFormatter(fmt)
     to_file.setLevel(logging.DEBUG)
     console = logging.StreamHandler(sys.stdout)
