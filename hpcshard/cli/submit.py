@@ -99,6 +99,9 @@ def take_run(run_dir: Path, what: str) -> lease.Owner:
         return lease.take(run_dir, lease.Owner.of_process(what), cluster.job_alive)
     except lease.Busy as err:
         fail(err)
+    except OSError as err:  # taking the lease is the command's first write into the run
+        fail(ValueError(f"run directory {run_dir} is not writable ({err.strerror}); its lease "
+                        "could not be taken: fix its permissions or mount"))
 
 
 @click.command("render")
