@@ -86,7 +86,9 @@ class Summary:
     reason: str
     """done: all steps trained; stop: stopped on request at a step boundary; nonfinite: a
     nan/inf loss or gradient norm stopped it, with no save after it; straggler: saved and
-    stopped for the launchers to replace a straggling node (straggler_policy=bad_node)."""
+    stopped for the launchers to replace a straggling node (straggler_policy=bad_node);
+    storage: a save failed for the run's storage (full, over quota, read-only), and either
+    on_storage_full=stop or it was the save a stop, a straggler or the end needed."""
     saved_step: int
     """The newest committed checkpoint's step (-1: none)."""
     unigram_entropy: float
@@ -186,7 +188,8 @@ class Trainer:
                                    "tp": cfg.tp, "frozen": len(self.frozen),
                                    **({"frozen_from": self.init_from.fingerprint}
                                       if self.init_from and self.frozen else {})})
-        self.ckpt = Checkpointer(parts, env, cfg, run_dir) if run_dir is not None else None
+        self.ckpt = (Checkpointer(parts, env, cfg, run_dir, owner=self.limits.owner)
+                     if run_dir is not None else None)
         # Dropout and any other in-step randomness: per rank, seeded, restorable.
         seed_rank(cfg.seed, env.rank)
 
@@ -347,6 +350,8 @@ class Trainer:
             start = time.perf_counter()
             ckpt.save(self.step, "stop" if stop_now else "periodic")
             self.paused["save_s"] += time.perf_counter() - start
+        if ckpt is not None and ckpt.full and self.cfg.on_storage_full == "stop":
+            return "storage"  # (a stop's own save that failed so: `run` ends it as "storage")
         return "stop" if stop_now and not last else ""
 
     def _stop_due(self, stop: StopRequest | None) -> bool:
@@ -502,6 +507,8 @@ class Trainer:
                 self.ckpt.save(self.step, "end")
             self.ckpt.wait()
             saved = self.ckpt.last_saved
+            if self.ckpt.full and reason != "nonfinite":  # (the save a stop or the end needed)
+                reason = "storage"
         summary = Summary(step=self.step, loss=loss, eval_loss=eval_loss, reason=reason,
                           saved_step=saved, unigram_entropy=baseline)
         metrics.event("end", **vars(summary))

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 from hpcshard.launch.procs import ranks_below
 from hpcshard.rundir import ledger, store
 from hpcshard.rundir.launchers import launchers
-from hpcshard.rundir.rankenv import REQUEUE_EXIT
+from hpcshard.rundir.rankenv import REQUEUE_EXIT, STORAGE_EXIT
 from tests.conftest import (
     ROOT,
     STEPS,
@@ -285,18 +285,42 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_no_space_left_fails_the_save_cleanly(small_disk: Path) -> None:
+def test_a_full_disk_stops_the_run_at_the_save_it_refused(small_disk: Path) -> None:
+    """Step 2's checkpoint (11 MB) fits, step 4's beside it does not: the run stops there
+    (before: it trained on unprotected to the end, and every log call printed a "Logging
+    error" traceback), says what is full and how big the next checkpoint is, blames no
+    node, and is neither restarted nor requeued."""
     run = small_disk / "run"
     proc = hpcshard("submit", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
-                    *sets(steps=4, ckpt_every=2, keep_last=1))
-    assert proc.returncode == 1, proc.stdout[-3000:]
-    log = (run / "logs" / "rank-0.log").read_text()
-    assert "checkpoint at step 4 FAILED: no space left on the device holding" in log
-    assert "training state and earlier checkpoints are intact" in log
-    assert "Traceback" not in log.split("FAILED", 1)[1].split("\n")[0]  # one line
-    assert sorted(committed(run)) == [2]
+                    *sets(steps=8, ckpt_every=2, keep_last=1))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == STORAGE_EXIT, out[-3000:]
+    assert "Logging error" not in out
+    said = [line for line in out.splitlines() if "stopped at step 4 for the run's storage" in line]
+    assert said and f"no space left on the device holding {run / store.CHECKPOINTS}" in said[0]
+    assert "the next checkpoint needs about 11." in said[0] and "step 2, is intact" in said[0]
+    end = ledger.end_of(run, 0)
+    assert end is not None and (end["reason"], end["step"], end["saved_step"]) == ("storage", 4, 2)
+    events = [r["event"] for r in ledger.read(run)]
+    assert "bad_node" not in events and "fault" not in events and events.count("start") == 1
+    assert max(r["step"] for r in step_records(run)) == 4
     assert [p.name for p in (run / store.CHECKPOINTS).iterdir() if p.is_dir()] == [store.step_name(2)]
-    assert load(committed(run)[2])["progress"]["step"] == 2  # still loads
+    assert load(committed(run)[2])["progress"]["step"] == 2  # intact, and it loads
+
+
+def test_on_storage_full_train_trains_on_unprotected_to_the_end(small_disk: Path) -> None:
+    run = small_disk / "run"
+    proc = hpcshard("submit", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
+                    *sets(steps=8, ckpt_every=2, keep_last=1, on_storage_full="train"))
+    out = proc.stdout + proc.stderr
+    assert "Logging error" not in out
+    assert out.count("training on without it (on_storage_full=train)") == 2  # steps 4 and 6
+    assert max(r["step"] for r in step_records(run)) == 8
+    # Its last save failed too: the end is the storage's, and says so.
+    assert proc.returncode == STORAGE_EXIT, out[-3000:]
+    end = ledger.end_of(run, 0)
+    assert end is not None and (end["reason"], end["step"], end["saved_step"]) == ("storage", 8, 2)
+    assert sorted(committed(run)) == [2]
 
 
 def test_read_only_run_dir_refuses_to_start(tmp_path: Path, small_disk: Path) -> None:
