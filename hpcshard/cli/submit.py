@@ -377,13 +377,26 @@ def _launch(spec: RunSpec, run_dir: Path, resume: str, claim: lease.Owner) -> No
         code = run_local(run_dir.resolve(), spec.nodes, spec.gpus, spares=spec.spares, resume=resume,
                          max_requeues=spec.max_requeues, on_attempt=requeued, owner=claim.token)
     finally:
+        taken = _taken_from(run_dir, claim)
         lease.release(run_dir, claim)
+    if taken:  # its ranks stopped without committing more: the run is the new owner's
+        click.echo(f"left the run: {taken} owns it now; nothing more was committed or cleaned")
+        sys.exit(code)
     last = ledger.end_of(run_dir, next_attempt(run_dir) - 1) or {}
     _report(run_dir, code, last)
     if code != 0 and last.get("user_error"):
         # the ranks found bad input only they could check (a changed init_from, say)
         fail(ValueError(last.get("error", "bad input")))
     sys.exit(code)
+
+
+def _taken_from(run_dir: Path, claim: lease.Owner) -> str:
+    """Who took the run over from this command while it ran ("" if nobody did)."""
+    with contextlib.suppress(OSError):
+        if not lease.owns(run_dir, claim.token):
+            now = lease.read(run_dir)
+            return (now.what or now.name) if now is not None else "nobody"
+    return ""
 
 
 def check_spares(spec: RunSpec) -> None:

@@ -415,3 +415,29 @@ def test_checkpoints_retired_by_the_last_save_are_gone_when_the_run_ends(tmp_pat
                     env={"PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in (run / store.CHECKPOINTS).iterdir() if p.is_dir()) == [store.step_name(4)]
+
+
+def test_a_job_whose_run_was_taken_over_leaves_without_committing(tmp_path: Path) -> None:
+    """Another job takes the run (its lease, owner.json) while this one trains: this one
+    commits nothing more, writes no end record, is not restarted, and exits 0. Either its
+    rank 0 finds it before a commit (the line below) or its launcher at a lease renewal."""
+    run = tmp_path / "taken"
+    proc = hpcshard_bg("submit", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
+                       *sets(steps=400, ckpt_every=1, keep_last=400))
+    wait_for(lambda: 3 in committed(run), 180, "a few commits")
+    owner = json.loads((run / "owner.json").read_text())
+    taken = {**owner, "kind": "job", "job": "999", "process": None, "epoch": owner["epoch"] + 1,
+             "what": "Slurm job 999"}
+    (run / "owner.json.new").write_text(json.dumps(taken))
+    changed = time.time()
+    os.replace(run / "owner.json.new", run / "owner.json")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "left the run: Slurm job 999 owns it now" in out
+    assert (f"this job no longer owns {run} (now: Slurm job 999); it stops without committing" in out
+            or "leaves the run: the run was taken over by Slurm job 999" in out), out[-3000:]
+    assert ledger.end_of(run, 0) is None
+    after = [s for s, path in committed(run).items()
+             if json.loads((path / store.MANIFEST).read_text())["time"] > changed]
+    assert len(after) <= 1, after  # (one whose owner check came just before the change)
+    assert json.loads((run / "owner.json").read_text())["job"] == "999"
