@@ -181,7 +181,8 @@ def main() -> list[Metric]:
                  "--max-requeues", "100", "--max-restarts", "100",
                  "--set", f"steps={steps}", "--set", "log_every=1", "--set", "eval_every=0",
                  "--set", "ckpt_every=16", "--set", "async_save=true", "--set", "keep_last=2",
-                 "--set", "straggler_every=0", env=e)
+                 # (disk_full frees the disk once the save failed: the run trains on past it)
+                 "--set", "straggler_every=0", "--set", "on_storage_full=train", env=e)
         created = json.loads((run_dir / "spec.json").read_text())["created"]
         wait(lambda: soak.where(), 600, "training")
         print(f"  soak: seed {SEED}, a fault every {INTERVAL:.0f} s on average, {FAULTS} faults, "

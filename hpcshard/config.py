@@ -22,6 +22,7 @@ SHARDING_MODES = ("auto", "hybrid", "full", "grad-op", "none")
 PRECISIONS = ("fp32", "bf16", "fp16")
 NAN_POLICIES = ("stop", "rollback")
 STRAGGLER_POLICIES = ("warn", "bad_node")
+STORAGE_POLICIES = ("stop", "train")
 
 C = typing.TypeVar("C", bound="TrainConfig")
 
@@ -150,6 +151,11 @@ class TrainConfig:
     """Also keep every checkpoint whose step is a multiple of this; 0: off."""
     async_save: bool = False
     """Write checkpoints in a background thread; training blocks only for the staging copy."""
+    on_storage_full: str = "stop"
+    """A save that fails because the run's storage is full, over its quota or read-only:
+    stop (the run ends at that step, exit 74, the newest checkpoint intact; free space,
+    then resume) | train (train on unprotected, trying each later save again). A stop,
+    straggler or final save that fails so ends the run either way."""
     stop_signals: str = NOTICE
     """Signals that request a stop at the next step boundary (comma-separated names).
     Not USR1 by default: NCCL may use it."""
@@ -200,6 +206,7 @@ class TrainConfig:
                             "or a group size N > 1 that divides the shard group")
         _choice("nan_policy", self.nan_policy, NAN_POLICIES)
         _choice("straggler_policy", self.straggler_policy, STRAGGLER_POLICIES)
+        _choice("on_storage_full", self.on_storage_full, STORAGE_POLICIES)
         if self.wandb_mode:
             _choice("wandb_mode", self.wandb_mode, ("online", "offline"))
         for package, setting in (("tensorboard", self.tensorboard and "tensorboard=true"),

@@ -34,7 +34,7 @@ from hpcshard.config import parse_sets
 from hpcshard.rundir import lease, ledger, store
 from hpcshard.rundir.ledger import bad_slurm_nodes, next_attempt
 from hpcshard.rundir.metrics import METRICS, last_record
-from hpcshard.rundir.rankenv import REQUEUE_EXIT
+from hpcshard.rundir.rankenv import REQUEUE_EXIT, STORAGE_EXIT
 from hpcshard.rundir.spec import (
     RunSpec,
     check_resume,
@@ -99,6 +99,9 @@ def take_run(run_dir: Path, what: str) -> lease.Owner:
         claim = lease.take(run_dir, lease.Owner.of_process(what), cluster.job_alive)
     except lease.Busy as err:
         fail(err)
+    except OSError as err:  # taking the lease is the command's first write into the run
+        fail(ValueError(f"run directory {run_dir} is not writable ({err.strerror}); its lease "
+                        "could not be taken: fix its permissions or mount"))
     lease.keep(run_dir, claim)  # renewed while this command holds it (hosts that cannot see it)
     return claim
 
@@ -385,13 +388,26 @@ def _launch(spec: RunSpec, run_dir: Path, resume: str, claim: lease.Owner) -> No
         code = run_local(run_dir.resolve(), spec.nodes, spec.gpus, spares=spec.spares, resume=resume,
                          max_requeues=spec.max_requeues, on_attempt=requeued, owner=claim.token)
     finally:
+        taken = _taken_from(run_dir, claim)
         lease.release(run_dir, claim)
-    _report(run_dir, code)
+    if taken:  # its ranks stopped without committing more: the run is the new owner's
+        click.echo(f"left the run: {taken} owns it now; nothing more was committed or cleaned")
+        sys.exit(code)
     last = ledger.end_of(run_dir, next_attempt(run_dir) - 1) or {}
+    _report(run_dir, code, last)
     if code != 0 and last.get("user_error"):
         # the ranks found bad input only they could check (a changed init_from, say)
         fail(ValueError(last.get("error", "bad input")))
     sys.exit(code)
+
+
+def _taken_from(run_dir: Path, claim: lease.Owner) -> str:
+    """Who took the run over from this command while it ran ("" if nobody did)."""
+    with contextlib.suppress(OSError):
+        if not lease.owns(run_dir, claim.token):
+            now = lease.read(run_dir)
+            return (now.what or now.name) if now is not None else "nobody"
+    return ""
 
 
 def check_spares(spec: RunSpec) -> None:
@@ -415,7 +431,8 @@ def _what(spec: RunSpec) -> str:
             f"{res['params'] / 1e6:.2f}M params")
 
 
-def _report(run_dir: Path, code: int) -> None:
+def _report(run_dir: Path, code: int, end: dict[str, Any]) -> None:
+    """What the run came to (`end`: its last attempt's end record, {} if none landed)."""
     train, test = last_record(run_dir, "loss"), last_record(run_dir, "eval_loss")
     if train:
         line = f"step {train['step']}: loss {train['loss']:.4f}"
@@ -425,9 +442,13 @@ def _report(run_dir: Path, code: int) -> None:
     if code == REQUEUE_EXIT:
         click.echo(f"stopped with a committed checkpoint; continue with: hpcshard resume {run_dir}")
         return
+    if code == STORAGE_EXIT:  # what is full and what to do (the end record may not have landed)
+        click.echo(end.get("how") or f"stopped: the run directory {run_dir} refused its writes "
+                   "(full, over quota or read-only); free space, then hpcshard resume")
     metrics = run_dir / METRICS  # a script writes none
-    click.echo(f"{'finished' if code == 0 else f'failed (exit {code})'}: "
-               + (f"metrics in {metrics}, " if metrics.exists() else "") + f"logs in {run_dir / 'logs'}")
+    outcome = "finished" if code == 0 else f"{'stopped' if code == STORAGE_EXIT else 'failed'} (exit {code})"
+    click.echo(f"{outcome}: " + (f"metrics in {metrics}, " if metrics.exists() else "")
+               + f"logs in {run_dir / 'logs'}")
 
 
 def preflight(spec: RunSpec) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from hpcshard.launch.supervise import Supervisor
 from hpcshard.launch.zygote import Zygote
 from hpcshard.rundir import events, ledger
 from hpcshard.rundir.launchers import write_pid_file
-from hpcshard.rundir.rankenv import REQUEUE_EXIT, RankEnv
+from hpcshard.rundir.rankenv import REQUEUE_EXIT, STORAGE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.rundir.store import last_save
 
@@ -165,6 +165,8 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
     end = ledger.end_of(run_dir, ranks.attempt)
     if end is not None and end.get("reason") == "stop":
         return REQUEUE_EXIT
+    if end is not None and end.get("reason") == "storage":  # (the agent says 1 for any rank's exit)
+        return STORAGE_EXIT
     return code
 
 

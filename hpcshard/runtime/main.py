@@ -4,7 +4,11 @@ RUN_DIR/spec.json (written by `hpcshard submit`) names the job and its --set val
 A user error (a bad value the preflight could not see: hpcshard's own `UserError`) exits
 2 with one line, and is not restarted; its traceback goes to the rank's log file. Any
 other exception (a torch or json ValueError included) is a rank failure, which the
-launchers may restart.
+launchers may restart. A save that the run's storage refused (full, over quota,
+read-only) ends the run with STORAGE_EXIT and an `end` record whose reason is "storage"
+(not restarted, not requeued: every attempt would fail the same way); a job that no
+longer owns its run directory (`rundir.lease`) exits 0 and writes nothing more: the run
+is someone else's now.
 """
 
 from __future__ import annotations
@@ -26,16 +30,18 @@ from hpcshard.config import TrainConfig, build_config
 from hpcshard.errors import UserError
 from hpcshard.rundir import events, flight, launchers, ledger, store
 from hpcshard.rundir.progress import Board
-from hpcshard.rundir.rankenv import STACKS_SIGNAL, STRAGGLER_EXIT, RankEnv
+from hpcshard.rundir.rankenv import STACKS_SIGNAL, STORAGE_EXIT, STRAGGLER_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.rundir.status import LOG_START
 from hpcshard.runtime import links
 from hpcshard.runtime.checkpoint import Loaded
+from hpcshard.runtime.checkpoint.guard import Disowned
 from hpcshard.runtime.device import DistEnv, init_distributed
 from hpcshard.runtime.job import load_job
+from hpcshard.runtime.logfile import LogFile
 from hpcshard.runtime.pretrained import Stored
 from hpcshard.runtime.stop import StopRequest
-from hpcshard.runtime.train import Trainer
+from hpcshard.runtime.train import Summary, Trainer
 from hpcshard.slurm.env import current_run
 
 USER_ERROR = 2
@@ -43,11 +49,12 @@ log = logging.getLogger("hpcshard")
 
 
 def setup_logging(run_dir: Path, rank: int) -> None:
-    """Every rank logs fully to RUN_DIR/logs/rank-N.log; only rank 0 talks on the console."""
+    """Every rank logs fully to RUN_DIR/logs/rank-N.log (while its storage takes writes:
+    `LogFile`); only rank 0 talks on the console."""
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%H:%M:%S")
-    to_file = logging.FileHandler(logs / f"rank-{rank}.log")
+    to_file = LogFile(logs / f"rank-{rank}.log", say=rank == 0)
     to_file.setFormatter(fmt)
     to_file.setLevel(logging.DEBUG)
     console = logging.StreamHandler(sys.stdout)
@@ -109,11 +116,18 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
         loaded = trainer.restore(resume)
         trainer.startup = {**startup, "loaded": time.time()}
         if env.is_main:
-            ledger.append(run_dir, _started(ranks, env, loaded, trainer.pretrained))
+            _record(run_dir, _started(ranks, env, loaded, trainer.pretrained))
         if ranks.cycle == 0 and env.nodes > 1 and cfg.health_link_mb and _slow_link(run_dir, env, cfg,
                                                                                       attempt):
             return STRAGGLER_EXIT
         summary = trainer.run(stop)
+        if summary.reason == "storage":
+            _storage_stop(run_dir, ranks, env, summary, trainer)
+    except Disowned as err:  # every rank together; nothing more is written to the run
+        if env.is_main:
+            print(f"hpcshard: {err}", file=sys.stderr, flush=True)
+        summary = Summary(step=trainer.step if trainer else 0, loss=float("nan"), eval_loss=None,
+                          reason="disowned", saved_step=-1, unigram_entropy=0.0)
     except UserError as err:
         log.debug("user error", exc_info=True)
         if env.is_main:
@@ -133,6 +147,10 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
     _wait_retired(trainer)
     if summary.reason == "straggler":  # not an end: the launchers replace the node
         return STRAGGLER_EXIT
+    if summary.reason == "storage":
+        return STORAGE_EXIT
+    if summary.reason == "disowned":  # (the launcher leaves quietly: no restart, no requeue)
+        return 0
     if env.is_main:
         _end(run_dir, events.End(attempt=attempt, reason=events.end_reason(summary.reason),
                                  cycle=ranks.cycle, step=summary.step, saved_step=summary.saved_step))
@@ -150,6 +168,26 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
             "the final checkpoint (step %d) could not be saved; see the errors above", summary.step)
         return 1
     return 0
+
+
+def _storage_stop(run_dir: Path, ranks: RankEnv, env: DistEnv, summary: Summary, trainer: Trainer) -> None:
+    """The run stops for its storage: rank 0 says what is full and how big the next
+    checkpoint is (one line) and tries the `end` record (on a full disk it may not land:
+    the line is on the console either way). Every rank waits for that before it leaves:
+    torchrun tears the others down as soon as one rank exits non-zero."""
+    if env.is_main:
+        full = trainer.ckpt.full if trainer.ckpt is not None else "the run's storage refused the save"
+        newest = (f"the newest checkpoint, step {summary.saved_step}, is intact"
+                  if summary.saved_step >= 0 else "no checkpoint was saved")
+        line = (f"stopped at step {summary.step} for the run's storage: {full}; {newest}; free "
+                f"space (or fix the mount), then hpcshard resume {run_dir}"
+                + ("" if trainer.cfg.on_storage_full == "train"
+                   else " (--set on_storage_full=train trains on without checkpoints instead)"))
+        print(f"error: {line}", file=sys.stderr, flush=True)
+        log.debug("%s", line)  # (the log file too, when it takes writes: `hpcshard logs`)
+        _end(run_dir, events.End(attempt=ranks.attempt, reason="storage", cycle=ranks.cycle,
+                                 step=summary.step, saved_step=summary.saved_step, how=line, storage=full))
+    dist.barrier()
 
 
 def _wait_retired(trainer: Trainer | None) -> None:
@@ -214,8 +252,18 @@ def _rollbacks(run_dir: Path, trainer: Trainer, main: bool) -> None:
 
     def record(event: events.Event) -> None:
         if main:
-            ledger.append(run_dir, event)
+            _record(run_dir, event)
     trainer.record = record
+
+
+def _record(run_dir: Path, record: events.Event) -> None:
+    """A ledger record of the run's progress (start, rollback, straggler): tried, never
+    fatal. A full disk must not fail the rank over its bookkeeping (the save that
+    follows finds the storage's trouble and stops the run with one line)."""
+    try:
+        ledger.append(run_dir, record)
+    except OSError as err:
+        log.warning("the ledger's %s record could not be written (%s)", record.KIND, err)
 
 
 def reporter(ranks: RankEnv) -> Callable[[str, int], None]:

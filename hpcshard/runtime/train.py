@@ -86,7 +86,9 @@ class Summary:
     reason: str
     """done: all steps trained; stop: stopped on request at a step boundary; nonfinite: a
     nan/inf loss or gradient norm stopped it, with no save after it; straggler: saved and
-    stopped for the launchers to replace a straggling node (straggler_policy=bad_node)."""
+    stopped for the launchers to replace a straggling node (straggler_policy=bad_node);
+    storage: a save failed for the run's storage (full, over quota, read-only), and either
+    on_storage_full=stop or it was the save a stop, a straggler or the end needed."""
     saved_step: int
     """The newest committed checkpoint's step (-1: none)."""
     unigram_entropy: float
@@ -101,17 +103,23 @@ steps): the ranks must be done before Slurm kills them."""
 
 
 def stop_time(noticed: float, deadline: float | None, lead: int | None, saves: list[float],
-              steps: list[float]) -> float:
+              steps: list[float], before: float | None = None) -> float:
     """When a notice that came at `noticed` should stop training. A preemption (or any
     notice far from the deadline, or without a measured save) stops at once: the job is
     killed a grace period later. The time limit's notice comes `lead` seconds before a
     deadline Slurm keeps: training goes on until the deadline less twice the slowest of
     the last saves, two steps and STOP_MARGIN_S, which loses no step and wastes less of
-    the allocation than stopping at the notice."""
+    the allocation than stopping at the notice.
+
+    `before`: the stop time planned at an earlier step boundary. Planned again at every
+    boundary, it only ever moves earlier: a save after the notice that ran slower than
+    those before it (a busier file system) brings the stop forward, or the stop's own
+    save would cross the deadline (Slurm's TIMEOUT, which is never requeued)."""
     if deadline is None or lead is None or not saves or deadline - noticed > lead + NOTICE_SLACK_S:
-        return noticed
+        return noticed if before is None else min(before, noticed)
     step = sorted(steps)[len(steps) // 2] if steps else 0.0
-    return max(noticed, deadline - (2 * max(saves[-3:]) + 2 * step + STOP_MARGIN_S))
+    at = max(noticed, deadline - (2 * max(saves[-3:]) + 2 * step + STOP_MARGIN_S))
+    return at if before is None else min(before, at)
 
 
 class Trainer:
@@ -171,6 +179,8 @@ class Trainer:
         self.stop_at: float | None = None
         """When a stop notice takes effect: at once, or for a time-limit notice the deadline
         less what saving needs (`stop_time`)."""
+        self.planned_with = 0
+        """How many of this process's saves `stop_at` was planned with."""
         self.limits = RankEnv.from_environ()
         parts = TrainParts(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                            batches=self.batches, scaler=self.scaler,
@@ -178,7 +188,8 @@ class Trainer:
                                    "tp": cfg.tp, "frozen": len(self.frozen),
                                    **({"frozen_from": self.init_from.fingerprint}
                                       if self.init_from and self.frozen else {})})
-        self.ckpt = Checkpointer(parts, env, cfg, run_dir) if run_dir is not None else None
+        self.ckpt = (Checkpointer(parts, env, cfg, run_dir, owner=self.limits.owner)
+                     if run_dir is not None else None)
         # Dropout and any other in-step randomness: per rank, seeded, restorable.
         seed_rank(cfg.seed, env.rank)
 
@@ -318,10 +329,13 @@ class Trainer:
     def _boundary(self, stop: StopRequest | None, bad: torch.Tensor) -> str:
         """After a step: agree, in one all-reduce, on a non-finite loss or gradient norm on
         any rank, a stop request, a periodic save and an async commit. Returns why the loop
-        ends here ("nonfinite", "stop") or ""."""
+        ends here ("nonfinite", "stop", "storage") or "". No periodic save once a stop was
+        asked for: the stop's own save comes soon (a time limit's, near the deadline, must
+        not be made later by one more save)."""
         ckpt, last = self.ckpt, self.step >= self.cfg.steps
         writing = ckpt is not None and ckpt.pending is not None and not ckpt.pending[0].done()
-        due = ckpt is not None and not last and ckpt.due(self.step)
+        stopping = stop is not None and stop.requested
+        due = ckpt is not None and not last and not stopping and ckpt.due(self.step)
         local = torch.tensor([float(self._stop_due(stop)), float(due), float(writing)],
                              device=self.env.device)
         flags = torch.cat([local, bad.float().reshape(1)])
@@ -336,6 +350,8 @@ class Trainer:
             start = time.perf_counter()
             ckpt.save(self.step, "stop" if stop_now else "periodic")
             self.paused["save_s"] += time.perf_counter() - start
+        if ckpt is not None and ckpt.full and self.cfg.on_storage_full == "stop":
+            return "storage"  # (a stop's own save that failed so: `run` ends it as "storage")
         return "stop" if stop_now and not last else ""
 
     def _stop_due(self, stop: StopRequest | None) -> bool:
@@ -343,15 +359,19 @@ class Trainer:
         training at this step? Each rank works out the same time from the same deadline."""
         if stop is None or not stop.requested:
             return False
-        if self.stop_at is None:
-            saves = self._save_seconds()
-            self.stop_at = stop_time(stop.at, self.limits.deadline, self.limits.lead, saves,
-                                     list(self.step_times))
-            if self.stop_at > stop.at and self.env.is_main:
-                log.info("time-limit notice: training on until %s, %.0f s before the deadline "
-                         "(the save takes about %.1f s)", time.strftime("%H:%M:%S",
-                         time.localtime(self.stop_at)), (self.limits.deadline or 0) - self.stop_at,
-                         max(saves[-3:], default=0.0))
+        known = len(self.ckpt.save_seconds) if self.ckpt is not None else 0
+        if self.stop_at is not None and known == self.planned_with:
+            return time.time() >= self.stop_at
+        # Planned at the first boundary after the notice, and again after each save that
+        # committed since (an async one in flight at the notice): never later, only earlier.
+        saves, before, self.planned_with = self._save_seconds(), self.stop_at, known
+        self.stop_at = stop_time(stop.at, self.limits.deadline, self.limits.lead, saves,
+                                 list(self.step_times), before=before)
+        if self.stop_at > stop.at and self.stop_at != before and self.env.is_main:
+            log.info("time-limit notice: training on until %s, %.0f s before the deadline "
+                     "(the save takes about %.1f s)", time.strftime("%H:%M:%S",
+                     time.localtime(self.stop_at)), (self.limits.deadline or 0) - self.stop_at,
+                     max(saves[-3:], default=0.0))
         return time.time() >= self.stop_at
 
     def _stragglers(self, metrics: Metrics) -> str:
@@ -490,6 +510,8 @@ class Trainer:
                 self.ckpt.save(self.step, "end")
             self.ckpt.wait()
             saved = self.ckpt.last_saved
+            if self.ckpt.full and reason != "nonfinite":  # (the save a stop or the end needed)
+                reason = "storage"
         summary = Summary(step=self.step, loss=loss, eval_loss=eval_loss, reason=reason,
                           saved_step=saved, unigram_entropy=baseline)
         metrics.event("end", **vars(summary))

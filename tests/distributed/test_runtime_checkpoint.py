@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from
 from hpcshard.launch.procs import ranks_below
 from hpcshard.rundir import ledger, store
 from hpcshard.rundir.launchers import launchers
-from hpcshard.rundir.rankenv import REQUEUE_EXIT
+from hpcshard.rundir.rankenv import REQUEUE_EXIT, STORAGE_EXIT
 from tests.conftest import (
     ROOT,
     STEPS,
@@ -144,7 +144,12 @@ def test_a_time_limit_notice_trains_on_until_the_deadline_less_the_save(tmp_path
     assert end is not None and end["reason"] == "stop" and end["saved_step"] == end["step"]
     assert end["step"] > noticed_step + 5  # it trained on after the notice...
     assert deadline - 40 < end["time"] < deadline  # ...and was done before the deadline
-    assert "time-limit notice: training on until" in (run / "logs" / "rank-0.log").read_text()
+    log = (run / "logs" / "rank-0.log").read_text()
+    assert "time-limit notice: training on until" in log
+    # No periodic save once the notice came (each would make the stop's own save later).
+    periodic = [int(line.split("checkpoint step ")[1].split()[0]) for line in log.splitlines()
+                if "committed (periodic" in line]
+    assert not [step for step in periodic if step > noticed_step + 10], periodic
 
 
 def test_export_loads_into_a_plain_model_with_the_same_eval_loss(uninterrupted: Path,
@@ -280,18 +285,42 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
     subprocess.run(["umount", "-l", str(mnt)], check=False)
 
 
-def test_no_space_left_fails_the_save_cleanly(small_disk: Path) -> None:
+def test_a_full_disk_stops_the_run_at_the_save_it_refused(small_disk: Path) -> None:
+    """Step 2's checkpoint (11 MB) fits, step 4's beside it does not: the run stops there
+    (before: it trained on unprotected to the end, and every log call printed a "Logging
+    error" traceback), says what is full and how big the next checkpoint is, blames no
+    node, and is neither restarted nor requeued."""
     run = small_disk / "run"
     proc = hpcshard("submit", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
-                    *sets(steps=4, ckpt_every=2, keep_last=1))
-    assert proc.returncode == 1, proc.stdout[-3000:]
-    log = (run / "logs" / "rank-0.log").read_text()
-    assert "checkpoint at step 4 FAILED: no space left on the device holding" in log
-    assert "training state and earlier checkpoints are intact" in log
-    assert "Traceback" not in log.split("FAILED", 1)[1].split("\n")[0]  # one line
-    assert sorted(committed(run)) == [2]
+                    *sets(steps=8, ckpt_every=2, keep_last=1))
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == STORAGE_EXIT, out[-3000:]
+    assert "Logging error" not in out
+    said = [line for line in out.splitlines() if "stopped at step 4 for the run's storage" in line]
+    assert said and f"no space left on the device holding {run / store.CHECKPOINTS}" in said[0]
+    assert "the next checkpoint needs about 11." in said[0] and "step 2, is intact" in said[0]
+    end = ledger.end_of(run, 0)
+    assert end is not None and (end["reason"], end["step"], end["saved_step"]) == ("storage", 4, 2)
+    events = [r["event"] for r in ledger.read(run)]
+    assert "bad_node" not in events and "fault" not in events and events.count("start") == 1
+    assert max(r["step"] for r in step_records(run)) == 4
     assert [p.name for p in (run / store.CHECKPOINTS).iterdir() if p.is_dir()] == [store.step_name(2)]
-    assert load(committed(run)[2])["progress"]["step"] == 2  # still loads
+    assert load(committed(run)[2])["progress"]["step"] == 2  # intact, and it loads
+
+
+def test_on_storage_full_train_trains_on_unprotected_to_the_end(small_disk: Path) -> None:
+    run = small_disk / "run"
+    proc = hpcshard("submit", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
+                    *sets(steps=8, ckpt_every=2, keep_last=1, on_storage_full="train"))
+    out = proc.stdout + proc.stderr
+    assert "Logging error" not in out
+    assert out.count("training on without it (on_storage_full=train)") == 2  # steps 4 and 6
+    assert max(r["step"] for r in step_records(run)) == 8
+    # Its last save failed too: the end is the storage's, and says so.
+    assert proc.returncode == STORAGE_EXIT, out[-3000:]
+    end = ledger.end_of(run, 0)
+    assert end is not None and (end["reason"], end["step"], end["saved_step"]) == ("storage", 8, 2)
+    assert sorted(committed(run)) == [2]
 
 
 def test_read_only_run_dir_refuses_to_start(tmp_path: Path, small_disk: Path) -> None:
@@ -386,3 +415,29 @@ def test_checkpoints_retired_by_the_last_save_are_gone_when_the_run_ends(tmp_pat
                     env={"PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(p.name for p in (run / store.CHECKPOINTS).iterdir() if p.is_dir()) == [store.step_name(4)]
+
+
+def test_a_job_whose_run_was_taken_over_leaves_without_committing(tmp_path: Path) -> None:
+    """Another job takes the run (its lease, owner.json) while this one trains: this one
+    commits nothing more, writes no end record, is not restarted, and exits 0. Either its
+    rank 0 finds it before a commit (the line below) or its launcher at a lease renewal."""
+    run = tmp_path / "taken"
+    proc = hpcshard_bg("submit", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
+                       *sets(steps=400, ckpt_every=1, keep_last=400))
+    wait_for(lambda: 3 in committed(run), 180, "a few commits")
+    owner = json.loads((run / "owner.json").read_text())
+    taken = {**owner, "kind": "job", "job": "999", "process": None, "epoch": owner["epoch"] + 1,
+             "what": "Slurm job 999"}
+    (run / "owner.json.new").write_text(json.dumps(taken))
+    changed = time.time()
+    os.replace(run / "owner.json.new", run / "owner.json")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-3000:]
+    assert "left the run: Slurm job 999 owns it now" in out
+    assert (f"this job no longer owns {run} (now: Slurm job 999); it stops without committing" in out
+            or "leaves the run: the run was taken over by Slurm job 999" in out), out[-3000:]
+    assert ledger.end_of(run, 0) is None
+    after = [s for s, path in committed(run).items()
+             if json.loads((path / store.MANIFEST).read_text())["time"] > changed]
+    assert len(after) <= 1, after  # (one whose owner check came just before the change)
+    assert json.loads((run / "owner.json").read_text())["job"] == "999"

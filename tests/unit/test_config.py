@@ -31,6 +31,7 @@ def test_values_take_the_declared_types() -> None:
     ({"sharding": "zero3"}, ["sharding='zero3'", "hybrid", "grad-op"]),
     ({"precision": "fp8"}, ["precision='fp8'", "bf16", "fp16", "fp32"]),
     ({"ac": "sometimes"}, ["ac='sometimes'", "full", "K"]),
+    ({"on_storage_full": "wait"}, ["on_storage_full='wait'", "choose one of: stop, train"]),
     ({"steps": "0"}, ["steps=0", "> 0"]),
     ({"lr": "-1"}, ["lr=-1.0", "> 0"]),
     ({"lr": "nan"}, ["lr='nan'", "finite"]),

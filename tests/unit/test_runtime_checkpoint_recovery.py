@@ -47,7 +47,7 @@ class Position:
         self.at = state["at"]
 
 
-def checkpointer(run: Path, hidden: int = 8, **cfg: Any) -> Checkpointer:
+def checkpointer(run: Path, hidden: int = 8, owner: str = "", **cfg: Any) -> Checkpointer:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, hidden), nn.Linear(hidden, 2))
     fully_shard(model)
@@ -55,7 +55,7 @@ def checkpointer(run: Path, hidden: int = 8, **cfg: Any) -> Checkpointer:
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1.0)
     env = DistEnv(rank=0, world=1, local_rank=0, per_node=1, device=torch.device("cpu"), backend="gloo")
     return Checkpointer(TrainParts(model=model, optimizer=optim, scheduler=sched, batches=Position()),
-                        env, TrainConfig(**cfg), run)
+                        env, TrainConfig(**cfg), run, owner=owner)
 
 
 def saved(ckpt: Checkpointer, *steps: int) -> None:

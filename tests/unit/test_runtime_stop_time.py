@@ -31,3 +31,17 @@ def test_slurm_sending_the_notice_early_is_still_the_time_limit() -> None:
 def test_every_other_notice_stops_at_once(deadline: float | None, lead: int | None,
                                           saves: list[float]) -> None:
     assert stop_time(NOW, deadline=deadline, lead=lead, saves=saves, steps=[0.5]) == NOW
+
+
+def test_a_slower_save_after_the_notice_brings_the_stop_forward_and_nothing_moves_it_later() -> None:
+    """Planned at the first boundary after the notice from 1 s saves, the stop left room for
+    2 s of saving; a save after the notice that took 10 s must count, or the stop's own save
+    crosses the deadline (TIMEOUT, never requeued)."""
+    deadline, steps = NOW + 120, [0.5]
+    first = stop_time(NOW, deadline=deadline, lead=120, saves=[1.0], steps=steps)
+    slower = stop_time(NOW, deadline=deadline, lead=120, saves=[1.0, 10.0], steps=steps, before=first)
+    assert slower == pytest.approx(deadline - (2 * 10.0 + 2 * 0.5 + STOP_MARGIN_S))
+    assert slower < first
+    # Faster saves or steps later on never push a planned stop towards the deadline.
+    assert stop_time(NOW, deadline=deadline, lead=120, saves=[1.0, 10.0, 0.1, 0.1, 0.1], steps=[0.01],
+                     before=slower) == slower

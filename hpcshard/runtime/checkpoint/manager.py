@@ -11,6 +11,10 @@ complete checkpoint can leave new data under old metadata that loads silently.
 Load: rank 0 picks; every rank loads; the ranks agree on the outcome (`failures`): loaded,
 try again (transient), skip to the previous checkpoint (its content), or fail the rank (a
 fault: the launchers restart the ranks, the checkpoint is left as it is).
+
+Rank 0 commits, cleans interrupted saves, quarantines and moves checkpoints aside only
+while this job owns the run (`guard.disowned`); every rank learns what rank 0 found
+(committed, failed, failed for the storage, disowned), so all take the same next step.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
@@ -40,6 +45,7 @@ from hpcshard.runtime.checkpoint.failures import (
     MetadataReader,
     load_agreed,
 )
+from hpcshard.runtime.checkpoint.guard import Disowned, disowned, storage_trouble
 from hpcshard.runtime.checkpoint.io import (
     HandOffStager,
     PrivateWriter,
@@ -59,6 +65,11 @@ from hpcshard.runtime.checkpoint.state import (
 from hpcshard.runtime.device import DistEnv
 
 log = logging.getLogger("hpcshard")
+
+COMMITTED, FAILED, FULL, DISOWNED = 1, 0, 2, 3
+"""What rank 0 tells every rank of a save: committed; failed (the next save tries again);
+failed for the run's storage (full, over quota, read-only); not committed because this
+job no longer owns the run (every rank raises `Disowned`)."""
 
 
 @dataclass
@@ -91,8 +102,11 @@ class TrainParts:
 class Checkpointer:
     """Saves and loads one run's full state under RUN_DIR/checkpoints."""
 
-    def __init__(self, parts: TrainParts, env: DistEnv, cfg: TrainConfig, run_dir: Path) -> None:
+    def __init__(self, parts: TrainParts, env: DistEnv, cfg: TrainConfig, run_dir: Path,
+                 owner: str = "") -> None:
         self.parts, self.env, self.cfg = parts, env, cfg
+        self.run_dir, self.owner = run_dir, owner
+        """`owner`: this job's lease token (RankEnv.owner; "": no lease, it always owns)."""
         self.root = run_dir / store.CHECKPOINTS
         # Async saves run their collectives on a gloo group of their own, so they never
         # interleave with training's collectives on the default group.
@@ -112,6 +126,9 @@ class Checkpointer:
         self.save_seconds: list[float] = []
         self.last_bytes = 0
         self.train_state: TrainState | None = None  # built at the first save
+        self.full = ""
+        """Set when the last save failed for the run's storage (on rank 0: what is wrong,
+        one line); "" once a save commits."""
 
     # -- what is saved --------------------------------------------------------------
 
@@ -181,8 +198,8 @@ class Checkpointer:
                 self.stager.drop(err)
             if isinstance(err, KeyboardInterrupt):
                 raise
-            return self._failed(step, tmp, err)
-        return self._commit(step, tmp, start, reason)
+            return self._agree(step, tmp, start, reason, err)
+        return self._agree(step, tmp, start, reason)
 
     def staged(self) -> None:
         """Return once an async save has its own copy of the state (call before the
@@ -203,54 +220,97 @@ class Checkpointer:
         except BaseException as err:
             if isinstance(err, KeyboardInterrupt):
                 raise
-            return self._failed(step, tmp, err)
-        return self._commit(step, tmp, start, reason)
+            return self._agree(step, tmp, start, reason, err)
+        return self._agree(step, tmp, start, reason)
 
-    def _failed(self, step: int, tmp: Path, err: BaseException) -> bool:
-        if self.env.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        # Every rank sees the same failure; on a thousand ranks one line is enough.
-        (log.error if self.env.is_main else log.debug)(
-            "checkpoint at step %d FAILED: %s; training state and earlier checkpoints are "
-            "intact", step, self._describe(err, step))
-        log.debug("checkpoint failure", exc_info=err)
-        return False
-
-    def _describe(self, err: BaseException, step: int) -> str:
-        """One line for a failed save. DCP wraps every rank's traceback into one exception,
-        and torch.save reports a full disk as "unexpected pos N vs M", so the free space is
-        checked against the size of the last checkpoint."""
-        text = one_line(err)
-        need = self.last_bytes or sum(t.numel() * t.element_size() for t in
-                                      tensors(self._state(step))) * self.env.world
-        existing = next(p for p in (self.root, *self.root.parents) if p.exists())
-        free = shutil.disk_usage(existing).free
-        if free < need:
-            return (f"no space left on the device holding {self.root} ({free / 1e6:.1f} MB free, "
-                    f"a checkpoint needs about {need / 1e6:.1f} MB) [{text}]")
-        return text
-
-    def _commit(self, step: int, tmp: Path, start: float, reason: str) -> bool:
-        """Rank 0 makes the checkpoint visible; every rank learns whether that worked, and
-        how long the save took (every rank plans a time-limit stop with the same number)."""
+    def _agree(self, step: int, tmp: Path, start: float, reason: str,
+               err: BaseException | None = None) -> bool:
+        """Rank 0 commits the save (`err`: every rank's write failed with it) or finds why
+        not; every rank learns the outcome (COMMITTED...), and how long the save took
+        (every rank plans a time-limit stop with the same number). One broadcast of the
+        same shape on both paths: a rank whose write failed while rank 0's did not still
+        meets it, and rank 0's word stands (its commit then finds the file missing)."""
         seconds = time.perf_counter() - start
-        ok = torch.tensor([1.0, seconds], dtype=torch.float64, device=self.env.device)
+        told = torch.tensor([FAILED, seconds], dtype=torch.float64, device=self.env.device)
+        why = ""  # (rank 0's line for FULL and DISOWNED)
         if self.env.is_main:
+            outcome, why = self._settle(step, tmp, seconds, reason, err)
+            told[0] = outcome
+        elif err is not None:
+            log.debug("checkpoint failure", exc_info=err)
+        dist.broadcast(told, src=0)
+        outcome = int(told[0].item())
+        if outcome == DISOWNED:
+            raise Disowned(why or "this job no longer owns the run; it stops without committing")
+        if outcome == COMMITTED:
+            self.last_saved = step
+            self.save_seconds.append(float(told[1].item()))
+        self.full = (why or "the run's storage takes no checkpoint") if outcome == FULL else ""
+        return outcome == COMMITTED
+
+    def _settle(self, step: int, tmp: Path, seconds: float, reason: str,
+                err: BaseException | None) -> tuple[int, str]:
+        """Rank 0's part of `_agree` (the outcome, and the line of a FULL or DISOWNED), which
+        must never raise on rank 0 alone (the others would wait in the broadcast). Nothing
+        is committed or removed unless this job still owns the run: a `step-N.tmp` of a job
+        that was taken over is left for the new owner's next start to clean (it may be the
+        new owner's own save of that step)."""
+        try:
+            gone = disowned(self.run_dir, self.owner, "committing")
+        except OSError as failed:  # the lease could not be read: nothing is committed now
+            log.error("checkpoint at step %d NOT committed: whether this job still owns %s could "
+                      "not be read (%s); earlier checkpoints are intact", step, self.run_dir, failed)
+            return FAILED, ""
+        if gone:
+            return DISOWNED, gone
+        if err is None:
             try:
                 self._publish(step, tmp, seconds, reason)
-            except (OSError, store.Incomplete) as err:
+                return COMMITTED, ""
+            except (OSError, store.Incomplete) as failed:
                 # A file missing here was removed after DCP wrote it: by a second job's
                 # start on this run directory (it cleans every step-N.tmp), or by hand.
+                err = failed
                 log.error("checkpoint at step %d NOT committed (%s); earlier checkpoints are "
-                          "intact%s", step, err, "; is a second job using this run directory?"
-                          if isinstance(err, store.Incomplete) else "")
-                shutil.rmtree(tmp, ignore_errors=True)
-                ok[0] = 0
-        dist.broadcast(ok, src=0)
-        if ok[0].item():
-            self.last_saved = step
-            self.save_seconds.append(float(ok[1].item()))
-        return bool(ok[0].item())
+                          "intact%s", step, failed, "; is a second job using this run directory?"
+                          if isinstance(failed, store.Incomplete) else "")
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.debug("checkpoint failure", exc_info=err)
+        return self._classify(step, err, reason)
+
+    def _classify(self, step: int, err: BaseException, reason: str) -> tuple[int, str]:
+        """FULL and what is wrong when the storage took no save (with the failed one
+        removed: what it lacks for the next), else FAILED; one line either way (DCP wraps
+        every rank's traceback into one exception). Where the run stops for it (stop mode;
+        a stop's or the end's save) its own last line says it on the console."""
+        full = storage_trouble(err, self.root, self._next_bytes(step))
+        if not full:
+            log.error("checkpoint at step %d FAILED: %s; training state and earlier checkpoints "
+                      "are intact", step, one_line(err))
+            return FAILED, ""
+        training_on = self.cfg.on_storage_full == "train" and reason == "periodic"
+        (log.warning if training_on else log.debug)(
+            "checkpoint at step %d FAILED: %s [%s]; training state and earlier checkpoints are "
+            "intact%s", step, full, one_line(err),
+            "; training on without it (on_storage_full=train)" if training_on else "")
+        return FULL, full
+
+    def _next_bytes(self, step: int) -> int:
+        """About how big the next checkpoint is: this run's last one, else the newest on
+        disk, else the state's tensors on every rank (replicas counted: at most that)."""
+        if self.last_bytes:
+            return self.last_bytes
+        try:
+            newest = store.committed(self.root)
+        except OSError:
+            newest = []
+        if newest and newest[-1].bytes:
+            return newest[-1].bytes
+        # What this rank holds, without building the state dict (no collective: rank 0
+        # alone asks), on every rank.
+        held = {"model": dict(enumerate(self.parts.model.parameters())),
+                "optim": dict(enumerate(self.parts.optimizer.state.values()))}
+        return sum(t.numel() * t.element_size() for t in tensors(held)) * self.env.world
 
     def _publish(self, step: int, tmp: Path, seconds: float, reason: str) -> None:
         env = self.env
@@ -318,35 +378,41 @@ class Checkpointer:
                 ) -> tuple[store.Checkpoint | None, list[tuple[str, str]]]:
         """Rank 0 cleans up interrupted saves, picks and checks; every rank gets the same
         answer, or the same error: a `UserError` (a step that is not there, a checkpoint
-        others can write) or a `LoadFault` (the directory could not be read)."""
+        others can write), a `LoadFault` (the directory could not be read) or `Disowned`."""
         answer: list[Any] = [None]
         if self.env.is_main:
             answer = [self._pick(how, exclude)]
         dist.broadcast_object_list(answer, src=0)
-        chosen, passed, error, fault = answer[0]
+        chosen, passed, error, kind = answer[0]
         if error:
-            raise (LoadFault if fault else UserError)(error)
+            raise {"fault": LoadFault, "disowned": Disowned}.get(kind, UserError)(error)
         return chosen, list(passed)
 
     def _pick(self, how: str, exclude: frozenset[Path]) -> tuple[Any, ...]:
         """Rank 0's part of `_decide`, which must never raise on rank 0 alone (the others
-        would wait in the broadcast): (chosen, skipped, error, fault). An unreadable
-        directory (ESTALE, EIO) is looked at again after each of LOAD_RETRY_DELAYS_S."""
+        would wait in the broadcast): (chosen, skipped, error, kind of error: "" for a
+        user error, fault, disowned). Interrupted saves are cleaned only while this job
+        owns the run (a `step-N.tmp` may be the new owner's save in progress). An
+        unreadable directory (ESTALE, EIO) is looked at again after each of
+        LOAD_RETRY_DELAYS_S."""
         delays = iter(LOAD_RETRY_DELAYS_S)
         while True:
             try:
+                gone = disowned(self.run_dir, self.owner, "cleaning or loading anything")
+                if gone:
+                    return None, [], gone, "disowned"
                 for stale in store.clean_incomplete(self.root):
                     log.warning("removed incomplete checkpoint %s (a save was interrupted)", stale)
                 chosen, passed = store.select(self.root, how, exclude)
                 if chosen is not None:
                     store.check_safe(chosen, trusted_gid(self.root.parent))
-                return chosen, [(c.path.name, c.problem) for c in passed], "", False
+                return chosen, [(c.path.name, c.problem) for c in passed], "", ""
             except ValueError as err:  # hpcshard's own checks (UserError; check_safe's)
-                return None, [], str(err), False
+                return None, [], str(err), ""
             except OSError as err:
                 delay = next(delays, None)
                 if delay is None:
-                    return None, [], f"the checkpoints in {self.root} could not be read: {err}", True
+                    return None, [], f"the checkpoints in {self.root} could not be read: {err}", "fault"
                 log.warning("the checkpoints in %s could not be read (%s); looking again in "
                             "%.0f s", self.root, err, delay)
                 time.sleep(delay)
@@ -370,22 +436,40 @@ class Checkpointer:
         self._apply(state, saved_world)
 
     def _supersede(self, step: int) -> None:
-        dist.barrier()
-        if self.env.is_main:
+        def move() -> None:
             moved = store.supersede(self.root, step)
             if moved:
                 log.warning("resuming step %d starts a new timeline: moved the newer "
                             "checkpoints %s aside into %s/superseded-*", step, ", ".join(moved),
                             self.root)
-        dist.barrier()
+        self._on_main(move, "moving checkpoints aside")
 
     def _quarantine(self, paths: list[Path]) -> None:
         """Damaged checkpoints are renamed `.corrupt` (kept for inspection), so that no
         later attempt trips on them and no new save collides with their names."""
-        dist.barrier()
-        if self.env.is_main:
+        def rename() -> None:
             for path in paths:
                 if path.parent == self.root and path.is_dir() and not path.name.endswith(store.TMP_SUFFIX):
                     os.replace(path, path.with_name(path.name + store.CORRUPT))
+        self._on_main(rename, "renaming damaged checkpoints aside")
+
+    def _on_main(self, act: Callable[[], None], doing: str) -> None:
+        """Once every rank is done reading: rank 0 does `act` (it moves checkpoints) if this
+        job still owns the run; every rank learns how that went and raises the same error,
+        `Disowned`, or `LoadFault` where the file system refused (rank 0 alone raising would
+        leave the others waiting in a collective)."""
         dist.barrier()
+        answer: list[Any] = [("", "")]
+        if self.env.is_main:
+            try:
+                gone = disowned(self.run_dir, self.owner, doing)
+                if not gone:
+                    act()
+                answer = [("disowned", gone) if gone else ("", "")]
+            except OSError as err:
+                answer = [("fault", f"{doing} in {self.root} failed: {err}")]
+        dist.broadcast_object_list(answer, src=0)
+        kind, why = answer[0]
+        if kind:
+            raise (Disowned if kind == "disowned" else LoadFault)(why)
 
