@@ -5,6 +5,7 @@ tests carry its layer's marker (unit, dist, slurm), so `pytest -m dist` runs one
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -152,3 +153,16 @@ def fake_srun(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.Monk
     srun.write_text("#!/bin/sh\necho 'fake srun: a unit test ran srun' >&2\nexit 99\n")
     srun.chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ.get('PATH', '')}")
+
+
+@contextlib.contextmanager
+def tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A file system of its own at `where`, `size` big (a disk that fills up, a mount that
+    goes read-only): root only, as in CI."""
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)]).returncode:
+        pytest.fail("cannot mount a tmpfs (full-disk tests need root)")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)

@@ -8,7 +8,6 @@ import contextlib
 import os
 import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from functools import partial
@@ -20,7 +19,7 @@ from hpcshard.launch.procs import children, ranks_below
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import launchers
 from hpcshard.rundir.rankenv import STORAGE_EXIT
-from tests.conftest import STEPS, hpcshard, hpcshard_bg, sets, step_records, wait_for
+from tests.conftest import STEPS, hpcshard, hpcshard_bg, sets, step_records, tmpfs, wait_for
 from tests.distributed.test_runtime_checkpoint import (
     assert_bitwise_equal,
     committed,
@@ -93,12 +92,8 @@ def test_a_cancel_before_the_agent_exists_ends_the_run_at_once(tmp_path: Path) -
 @pytest.fixture
 def disk(tmp_path: Path) -> Iterator[Path]:
     """48 MiB: room for the run and two of its 11 MB checkpoints, until it is filled."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(mnt)]).returncode:
-        pytest.fail("cannot mount a tmpfs (the full-disk test needs root)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with tmpfs(tmp_path / "disk", "48m") as mnt:
+        yield mnt
 
 
 def fill(mnt: Path) -> Path:

@@ -34,6 +34,7 @@ from tests.conftest import (
     quiet_env,
     sets,
     step_records,
+    tmpfs,
     wait_for,
 )
 from tests.distributed.test_runtime_planner import assert_planned
@@ -277,12 +278,8 @@ def test_rank_killed_mid_save_resumes_from_the_previous_commit(tmp_path: Path) -
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 16 MiB filesystem: room for one 11 MB checkpoint, not for a second beside it."""
-    mnt = tmp_path / "disk"
-    mnt.mkdir()
-    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mnt)]).returncode:
-        pytest.fail("cannot mount a tmpfs (the ENOSPC test needs root)")
-    yield mnt
-    subprocess.run(["umount", "-l", str(mnt)], check=False)
+    with tmpfs(tmp_path / "disk", "16m") as mnt:
+        yield mnt
 
 
 def test_a_full_disk_stops_the_run_at_the_save_it_refused(small_disk: Path) -> None:
