@@ -13,6 +13,7 @@ from bench import (
     faults,
     nodes,
     overhead,
+    owner,
     pretrained,
     requeue,
     resume,
@@ -23,7 +24,7 @@ from bench.common import RESULTS, show
 
 BENCHES = {"overhead": overhead, "checkpoint": checkpoint, "resume": resume, "requeue": requeue,
            "cli": cli_latency, "scaling": scaling, "faults": faults,
-           "nodes": nodes, "chaos": chaos, "tp": tp, "pretrained": pretrained}
+           "nodes": nodes, "chaos": chaos, "tp": tp, "pretrained": pretrained, "owner": owner}
 
 
 def main(names: list[str]) -> int:

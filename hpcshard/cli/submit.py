@@ -405,7 +405,10 @@ def _taken_from(run_dir: Path, claim: lease.Owner) -> str:
     """Who took the run over from this command while it ran ("" if nobody did)."""
     with contextlib.suppress(OSError):
         if not lease.owns(run_dir, claim.token):
-            now = lease.read(run_dir)
+            try:
+                now = lease.read(run_dir)
+            except lease.Busy as err:
+                return f"an owner it cannot read ({err})"
             return (now.what or now.name) if now is not None else "nobody"
     return ""
 

@@ -133,7 +133,11 @@ def _take_over(run: Path, slurm: SlurmEnv, guarded: str, first_attempt: int, max
     state = (cluster.show_job(guarded, timeout=30) or {}).get("JobState", "")
     led = ledger.read(run)
     attempt = max((int(r["attempt"]) for r in led), default=0)
-    closed = [r["event"] for r in led if r.get("attempt") == attempt
+    # Only what came after the attempt's newest start closes it: a rank's `end` (error) of a
+    # cycle that the launchers then restarted in place is history, not the attempt's end.
+    starts = [i for i, r in enumerate(led) if r["event"] == "start" and r.get("attempt") == attempt]
+    since = led[starts[-1]:] if starts else led
+    closed = [r["event"] for r in since if r.get("attempt") == attempt
               and r["event"] in ("end", "requeue", "chain", "gave_up", "guard")]
     owner = lease.read(run)
     why = (f"job {guarded} no longer owns the run ({_owner_name(run)} does)"

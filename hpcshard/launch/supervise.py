@@ -58,6 +58,9 @@ COMMS_ERRORS = ("DistBackendError", "DistNetworkError", "DistError", "DistStoreE
 """Exceptions a rank raises because a peer died: a consequence, never the culprit."""
 COMMS_MESSAGES = ("gloo/transport", "Connection reset", "Connection closed", "Broken pipe", "NCCL")
 """...and what gloo's and NCCL's RuntimeErrors say when that happens."""
+NOT_THE_JOBS = (*COMMS_ERRORS, "LoadFault", "Disowned", "LockLost")
+"""Exceptions of hpcshard's own that say the storage or the run failed the rank, never the
+job's code: one that persists is bounded by the no-progress rule, not called a bug."""
 
 
 def _who(culprit: dict[str, Any] | None) -> str:
@@ -746,7 +749,7 @@ class Supervisor:
 
     def _failed_first(self, cycle: int) -> dict[str, Any] | None:
         """The first rank whose own code raised (not a peer's death seen as a comms error)."""
-        own = [r for r in self._failures(cycle) if r.get("error") not in COMMS_ERRORS
+        own = [r for r in self._failures(cycle) if r.get("error") not in NOT_THE_JOBS
                and not any(m in r.get("message", "") for m in COMMS_MESSAGES)]
         return own[0] if own else None
 

@@ -66,14 +66,18 @@ def setup_logging(run_dir: Path, rank: int) -> None:
 
 
 def check_writable(run_dir: Path) -> None:
-    """Refuse to start, before any training, where checkpoints could not be written."""
+    """Refuse to start, before any training, where the user may not write checkpoints
+    (permissions: theirs to fix, a UserError). Any other refusal is not the user's: a file
+    server's blip (ESTALE, EIO) is a fault the launchers restart the ranks for, and a full
+    or read-only file system is the run's storage trouble, which the launchers find and
+    stop the run for (their own writes fail too), never a user error that ends the run."""
     probe = run_dir / f".write-probe-{os.getpid()}"
     try:
         probe.write_text("")
         probe.unlink()
-    except OSError as err:
+    except PermissionError as err:
         raise UserError(f"run directory {run_dir} is not writable ({err.strerror}); "
-                        "checkpoints could not be saved: fix its permissions or mount") from None
+                        "checkpoints could not be saved: fix its permissions") from None
 
 
 def main(argv: list[str] | None = None, early: list[int] | None = None,

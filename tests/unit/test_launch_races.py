@@ -19,12 +19,13 @@ from typing import Any
 
 import pytest
 
-from hpcshard.launch import health
+from hpcshard.launch import health, policy
 from hpcshard.launch import node as lnode
 from hpcshard.launch import slurm as lslurm
 from hpcshard.launch.liveness import LOST_S
 from hpcshard.launch.supervise import Supervisor, TakenOver
 from hpcshard.rundir import events, files, launchers, lease, ledger, proc
+from hpcshard.rundir.launchers import LAUNCH, attempt_file
 from hpcshard.rundir.rankenv import BUG_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
 
@@ -286,3 +287,52 @@ def test_a_cancel_between_two_attempts_of_a_local_run_reaches_its_owning_command
     finally:
         owner.kill()
         owner.wait()
+
+
+def load_fault(cycle: int) -> events.RankFailed:
+    # What runtime.main._failed records for a LoadFault raised by Checkpointer.resume: the
+    # trainer is built, not yet trained (step 0), in every cycle.
+    return events.RankFailed(
+        attempt=0, cycle=cycle, rank=0, host="n1", step=0, error="LoadFault",
+        message="checkpoint /r/checkpoints/step-00000040 could not be read (transient: OSError: "
+                "[Errno 5] Input/output error); it is left as it is, for the restarted ranks to read again",
+        log="/r/logs/rank-0.log")
+
+
+def test_a_load_fault_that_persists_over_one_restart_is_not_a_bug(tmp_path: Path) -> None:
+    """LoadFault says 'the launchers restart the ranks, which read the same checkpoint again'.
+    The supervisor takes it for the job's own exception: the second one (same type, step 0)
+    is a 'bug' (BUG_EXIT, end 'bug', never restarted nor requeued) after ~70 s of NFS/Lustre
+    trouble or a GPU whose memory is still held, within max_restarts=3 and before
+    no_progress_restarts=2 would have had its say."""
+    sup = make_supervisor(tmp_path, owner="")
+    for cycle in (0, 1):
+        ledger.append(tmp_path, load_fault(cycle))
+    assert sup._same_bug(1) == ""
+    decided = policy.decide(policy.Facts(cycle=1, active=(0,), bug=sup._same_bug(1), stalled=1,
+                                         committed=40, max_restarts=3, no_progress_restarts=2))
+    assert decided.end != "bug"
+
+
+def test_a_guard_takes_over_an_attempt_whose_fault_was_restarted_in_place(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cycle 0: a rank raised; rank 0's _failed wrote end(reason=error, cycle 0); the
+    supervisor restarted the ranks in place (cycle 1 trains). Then the batch node fails:
+    job 7 FAILED. Its attempt was never closed by a decision, yet the guard reads the cycle-0
+    end record as 'attempt 0 ended (end)' and declines: the run is left for a manual resume."""
+    from hpcshard.launch import slurm
+
+    RunSpec(job="jobs/charlm.py", sets={}, nodes=2, gpus=1, backend="slurm", name="x", spares=1,
+            jobs=["7"]).write(tmp_path)
+    (tmp_path / LAUNCH).mkdir()
+    lease.take(tmp_path, lease.Owner.of_job("7"), lambda job: None)
+    for r in [events.Start(attempt=0, cycle=0, world=2, nodes=2, host="n1"),
+              events.End(attempt=0, reason="error", cycle=0,
+                         error="RuntimeError: CUDA error: an illegal memory access"),
+              events.Start(attempt=0, cycle=1, world=2, nodes=2, host="n1")]:
+        ledger.append(tmp_path, r)
+    monkeypatch.setattr(slurm.cluster, "show_job", lambda job, timeout=0: {"JobState": "NODE_FAIL"})
+    monkeypatch.setattr(slurm.cluster, "job_alive", lambda job, timeout=0: False)
+    env = slurm.SlurmEnv(job_id="9", ref="9", nodes=["n1", "n2"], node_id=0, restart_count=0, gpus_on_node=1)
+    assert slurm._take_over(tmp_path, env, "7", 0, 2)
+    assert attempt_file(tmp_path, "9").read_text() == "1\n"

@@ -41,7 +41,7 @@ def storage_trouble(err: BaseException, root: Path, need: int) -> str:
     not as ENOSPC but as torch.save's "unexpected pos N vs M", so the room left (with the
     failed save removed) is compared with `need` too."""
     found = [c.errno for c in causes(err) if isinstance(c, OSError) and c.errno in STORAGE_ERRNOS]
-    existing = next(p for p in (root, *root.parents) if p.exists())
+    existing = next(p for p in (root, *root.parents) if os.path.exists(p))  # (no raise: ESTALE)
     try:
         fs = os.statvfs(existing)
     except OSError:
@@ -63,6 +63,9 @@ def disowned(run_dir: Path, token: str, doing: str) -> str:
     take-over is a rename, which NFS shows at once); OSError when it cannot be read."""
     if lease.owns(run_dir, token):
         return ""
-    now = lease.read(run_dir)
-    who = (now.what or now.name) if now is not None else "nobody"
+    try:
+        now = lease.read(run_dir)
+        who = (now.what or now.name) if now is not None else "nobody"
+    except lease.Busy as err:  # a lease that does not parse is nobody's to act on either
+        who = f"an owner it cannot read: {err}"
     return f"this job no longer owns {run_dir} (now: {who}); it stops without {doing}"

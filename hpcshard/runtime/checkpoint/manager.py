@@ -276,7 +276,12 @@ class Checkpointer:
                           if isinstance(failed, store.Incomplete) else "")
         shutil.rmtree(tmp, ignore_errors=True)
         log.debug("checkpoint failure", exc_info=err)
-        return self._classify(step, err, reason)
+        try:
+            return self._classify(step, err, reason)
+        except Exception as judging:  # (never on rank 0 alone: the others wait in `_agree`)
+            log.error("checkpoint at step %d FAILED: %s (and judging why failed: %s); training "
+                      "state and earlier checkpoints are intact", step, one_line(err), judging)
+            return FAILED, ""
 
     def _classify(self, step: int, err: BaseException, reason: str) -> tuple[int, str]:
         """FULL and what is wrong when the storage took no save (with the failed one
