@@ -75,7 +75,8 @@ def test_a_script_failing_on_every_rank_stops_after_one_retry_as_a_bug(tmp_path:
     # that can come before the other rank got as far as raising.)
     failed = {r["cycle"] for r in records if r["event"] == "rank_failed" and r["error"] == "RuntimeError"}
     assert failed == {0, 1}
-    assert [r["reason"] for r in records if r["event"] == "end"] == ["error"]
+    # The launchers' decision closes the attempt as a bug (a guard job never takes it over).
+    assert [r["reason"] for r in records if r["event"] == "end"] == ["bug"]
     assert {r["attempt"] for r in records} == {0}  # never requeued
 
 
