@@ -14,6 +14,7 @@ import sys
 import time
 from types import FrameType
 
+from hpcshard.rundir import console
 from hpcshard.rundir.rankenv import RankEnv
 
 START = time.time()
@@ -34,6 +35,7 @@ def notice() -> signal.Signals:
 
 def main() -> int:
     signal.signal(notice(), _early)
+    console.harden()  # (under Slurm the rank's console is a file in the run directory)
     from pathlib import Path
 
     from hpcshard.rundir.spec import RunSpec
@@ -71,6 +73,7 @@ def rank(run_dir: str) -> None:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(notice(), _early)
+    console.harden()
     sys.argv = [__file__, run_dir]
     from hpcshard.runtime.main import main as run
 

@@ -18,7 +18,7 @@ from hpcshard import script
 from hpcshard.launch.procs import Agent, children, send
 from hpcshard.launch.supervise import Supervisor
 from hpcshard.launch.zygote import Zygote
-from hpcshard.rundir import events, ledger
+from hpcshard.rundir import console, events, ledger
 from hpcshard.rundir.launchers import write_pid_file
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, STORAGE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
@@ -87,6 +87,7 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
     boundary; a script gets its own signal (`script_signal`) and, if it is still running
     after the grace period (`script_grace`), its ranks are killed.
     """
+    console.harden()  # (under Slurm its console is a file in the run directory, which may fill)
     # (doctor's smoke test runs a module without a spec)
     spec = RunSpec.read(run_dir) if (run_dir / "spec.json").exists() else None
     own = spec.script if spec else {}

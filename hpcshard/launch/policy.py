@@ -10,8 +10,10 @@ The rules, first match wins:
 2. The run's storage is full, over quota or read-only: stop, blame no node (restarting or
    requeueing would fail the same way; a drained node would not come back).
 3. A stop notice came as well, or a node's launcher already ended on one: back through the
-   queue, not restarted here. A node whose launcher ended otherwise (its ranks finished)
-   leaves nothing to restart with: stop (it used to be waited for, 150 s, then stopped).
+   queue, not restarted here. A node whose launcher ended because its ranks finished
+   leaves nothing to restart with: stop. One whose launcher failed (its ranks with it)
+   is out of this attempt like a lost node, without being called bad. (Ended launchers
+   used to be waited for, 150 s, and the run stopped.)
 4. Bad nodes (lost, failed a health check, straggling): spares take their places; without
    enough, the run goes on with fewer nodes down to `min_nodes`, else back through the
    queue without them (the local backend has no other node: stop).
@@ -135,13 +137,17 @@ def decide(f: Facts) -> Decision:
                        "blamed: free space (or fix the mount), then hpcshard resume")
     requeue = replace(stop, action=Action.REQUEUE, code=REQUEUE_EXIT)
     ended = {n: code for n, code in f.ended.items() if n in f.active}
-    if ended and REQUEUE_EXIT in ended.values():
+    if REQUEUE_EXIT in ended.values():
         return replace(requeue, end="stop", reason=f"node(s) {sorted(ended)} stopped on a notice "
                        "while another failed: requeued, not restarted here")
-    if ended:
-        return replace(stop, end="gave_up", reason=f"node(s) {sorted(ended)} ended (exit "
-                       f"{', '.join(map(str, sorted(set(ended.values()))))}) while another failed: "
-                       "nothing to restart with; hpcshard resume continues from the newest checkpoint")
+    finished = sorted(n for n, code in ended.items() if code == 0)
+    if finished:
+        return replace(stop, end="gave_up", reason=f"node(s) {finished} finished while another "
+                       "failed: nothing to restart with; hpcshard resume continues from the newest "
+                       "checkpoint")
+    # A launcher that ended otherwise failed itself (its ranks went with it): its node has
+    # no launcher for this attempt, like a lost one, but nothing says the node is bad.
+    f = replace(f, bad={**f.bad, **{n: f"its launcher ended (exit {code})" for n, code in ended.items()}})
     if f.noticed:
         return replace(requeue, end="stop", reason="a stop notice came as well: requeued, not restarted here")
     nodes = _without_bad(f)

@@ -625,11 +625,14 @@ class Supervisor:
             time.sleep(POLL_S)
 
     def decider(self) -> int:
-        """Who decides after a fault: the lowest launcher of the job not lost (not bad)."""
+        """Who decides after a fault: the lowest launcher of the job not lost (not bad), and
+        still there: one whose last heartbeat says it ended decides nothing (in the chaos
+        soak the survivors waited for an ended one until they gave up, 150 s)."""
         members = sorted(n for n in self.roster.members if n not in self.seen_bad)
         below = [n for n in members if n < self.me]
-        lost = set(self.lost(below))
-        return next(n for n in [*below, self.me] if n not in lost)
+        beats = launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
+        gone = set(self.lost(below)) | {n for n in below if "done" in beats.get(n, {})}
+        return next(n for n in [*below, self.me] if n not in gone)
 
     def decide(self, cycle: int, watch: Watch) -> Decision:
         """Once every node is down (or lost): gather the facts, ask the policy, record the

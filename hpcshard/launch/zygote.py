@@ -26,6 +26,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from hpcshard.rundir import console
 from hpcshard.rundir.rankenv import RankEnv
 
 
@@ -158,6 +159,7 @@ def _serve(orders: int, replies: int) -> None:
 
 
 if __name__ == "__main__":
+    console.harden()  # (its console, and its agents' and ranks', may be a file on a full disk)
     # The launcher's TERM and INT are for the agent, not for this process: it ends when the
     # launcher closes its orders (or dies).
     signal.signal(signal.SIGINT, signal.SIG_IGN)

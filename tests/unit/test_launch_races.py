@@ -336,3 +336,19 @@ def test_a_guard_takes_over_an_attempt_whose_fault_was_restarted_in_place(
     env = slurm.SlurmEnv(job_id="9", ref="9", nodes=["n1", "n2"], node_id=0, restart_count=0, gpus_on_node=1)
     assert slurm._take_over(tmp_path, env, "7", 0, 2)
     assert attempt_file(tmp_path, "9").read_text() == "1\n"
+
+
+def test_a_console_on_a_full_disk_never_fails_a_launcher_or_a_rank(tmp_path: Path) -> None:
+    """Under Slurm a launcher's stderr is a file in the run directory: in the chaos soak a
+    launcher died of printing that its heartbeat could not be written (ENOSPC from
+    `print`), before its last heartbeat, and its peers waited for it until they gave up."""
+    with open("/dev/full", "w") as full:
+        said = subprocess.run([sys.executable, "-c", (
+            "import sys; from hpcshard.rundir import console; console.harden(); "
+            "print('x' * 100000, file=sys.stderr, flush=True); print('y', flush=True); sys.exit(7)")],
+            stderr=full, stdout=subprocess.PIPE, text=True, timeout=60)
+        unhardened = subprocess.run(
+            [sys.executable, "-c", "import sys; print('x', file=sys.stderr, flush=True)"], stderr=full,
+            timeout=60)
+    assert said.returncode == 7 and said.stdout == "y\n"
+    assert unhardened.returncode != 0  # (what it guards against)
