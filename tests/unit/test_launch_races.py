@@ -352,3 +352,15 @@ def test_a_console_on_a_full_disk_never_fails_a_launcher_or_a_rank(tmp_path: Pat
             timeout=60)
     assert said.returncode == 7 and said.stdout == "y\n"
     assert unhardened.returncode != 0  # (what it guards against)
+
+
+def test_a_launcher_that_ended_never_decides(tmp_path: Path) -> None:
+    """In the chaos soak node 0's launcher ended (its last heartbeat said so) while node 1
+    declared a fault: node 1 and the spare waited for node 0 to decide until they gave up
+    (150 s), and the run stopped."""
+    (tmp_path / launchers.LAUNCH).mkdir(parents=True)
+    sup = make_supervisor(tmp_path, owner="", node_rank=1, nnodes=2)
+    launchers.beat(tmp_path, 0, 0, {"node": 0, "pid": 1, "seq": 7})
+    assert sup.decider() == 0  # alive and well: it decides
+    launchers.beat(tmp_path, 0, 0, {"node": 0, "pid": 1, "seq": 8, "done": 1})
+    assert sup.decider() == 1
