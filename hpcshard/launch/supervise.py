@@ -303,10 +303,14 @@ class Supervisor:
     def lost(self, nodes: list[int] | tuple[int, ...]) -> list[int]:
         """Which of these nodes are lost: their heartbeat stood still for LOST_S (or never
         heard of, UNHEARD_S after this launcher began). One that said it ended is not."""
+        return self._look(nodes)[0]
+
+    def _look(self, nodes: list[int] | tuple[int, ...]) -> tuple[list[int], dict[int, dict[str, Any]]]:
+        """The lost ones of `nodes`, and every heartbeat as read (one read of them)."""
         self.beat()  # (a launcher stopped since its last beat must not judge before it knows)
         beats = launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
         self._check_fenced(beats)
-        return self.peers.lost(nodes, beats)
+        return self.peers.lost(nodes, beats), beats
 
     # -- one cycle -------------------------------------------------------------------
     def run(self) -> int:
@@ -630,8 +634,8 @@ class Supervisor:
         soak the survivors waited for an ended one until they gave up, 150 s)."""
         members = sorted(n for n in self.roster.members if n not in self.seen_bad)
         below = [n for n in members if n < self.me]
-        beats = launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
-        gone = set(self.lost(below)) | {n for n in below if "done" in beats.get(n, {})}
+        lost, beats = self._look(below)
+        gone = {*lost, *(n for n in below if "done" in beats.get(n, {}))}
         return next(n for n in [*below, self.me] if n not in gone)
 
     def decide(self, cycle: int, watch: Watch) -> Decision:
@@ -643,13 +647,12 @@ class Supervisor:
         while True:
             self.beat()
             down = launchers.nodes_down(self.run_dir, attempt, cycle, self.node.nnodes)
-            beats = launchers.beats(self.run_dir, attempt, self.node.nnodes)
+            candidates = sorted(set(members) - set(down))
+            lost, beats = self._look(candidates)
             # A launcher that ended (its ranks finished, or stopped on a notice) says so in
             # its last heartbeat: it will not say it is down, and is not waited for.
-            ended = {n: int(beats[n]["done"]) for n in members
-                     if n not in down and "done" in beats.get(n, {})}
-            missing = sorted(set(members) - set(down) - set(ended))
-            lost = self.lost(missing)
+            ended = {n: int(beats[n]["done"]) for n in candidates if "done" in beats.get(n, {})}
+            missing = [n for n in candidates if n not in ended]
             if set(lost) == set(missing) or time.monotonic() > deadline:
                 break
             time.sleep(POLL_S)

@@ -273,20 +273,13 @@ def test_a_cancel_between_two_attempts_of_a_local_run_reaches_its_owning_command
     from click.testing import CliRunner
 
     from hpcshard.cli import main
+    from tests.unit.test_rundir_lease import held
 
     make_spec(tmp_path)
-    owner = subprocess.Popen([sys.executable, "-c", (
-        "import time; from pathlib import Path; from hpcshard.rundir import lease; "
-        f"lease.take(Path({str(tmp_path)!r}), lease.Owner.of_process('hpcshard submit'), None); "
-        "print('up', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
-    try:
-        assert owner.stdout is not None and owner.stdout.readline().strip() == "up"
+    with held(tmp_path, "hpcshard submit") as owner:
         result = CliRunner().invoke(main, ["cancel", str(tmp_path)])
         assert result.exit_code == 0 and "between two attempts" in result.output, result.output
         assert owner.wait(10) == -signal.SIGTERM
-    finally:
-        owner.kill()
-        owner.wait()
 
 
 def load_fault(cycle: int) -> events.RankFailed:

@@ -3,11 +3,13 @@ that finds it owned says."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -131,20 +133,28 @@ def test_resume_of_a_slurm_run_never_takes_no_answer_for_over(tmp_path: Path, mo
     assert lease.read(run).job == "41"  # type: ignore[union-attr]
 
 
+@contextlib.contextmanager
+def held(run_dir: Path, what: str) -> Iterator[subprocess.Popen[str]]:
+    """Another process of this host owns the run (`what` it does), for as long as the block
+    runs."""
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import time; from pathlib import Path; from hpcshard.rundir import lease; "
+        f"lease.take(Path({str(run_dir)!r}), lease.Owner.of_process({what!r}), None); "
+        "print('ok', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "ok"
+        yield holder
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_second_resume_of_a_local_run_is_refused_while_the_first_owns_it(tmp_path: Path) -> None:
     """The first command owns the run from before its preflight to the run's end; the
     second is one line, exit 2, and writes nothing."""
     RunSpec(job="x.py", sets={}, nodes=1, gpus=1, backend="local", name="x").write(tmp_path)
-    holder = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time; from pathlib import Path; from hpcshard.rundir import lease; "
-        f"lease.take(Path({str(tmp_path)!r}), lease.Owner.of_process('hpcshard resume'), None); "
-        "print('ok', flush=True); time.sleep(60)")], stdout=subprocess.PIPE, text=True)
-    try:
-        assert holder.stdout is not None and holder.stdout.readline().strip() == "ok"
+    with held(tmp_path, "hpcshard resume"):
         before = (tmp_path / "spec.json").read_text()
         result = CliRunner().invoke(main, ["resume", str(tmp_path), "--nodes", "2"])
         assert result.exit_code == 2 and "hpcshard resume (process" in result.output
         assert (tmp_path / "spec.json").read_text() == before
-    finally:
-        holder.kill()
-        holder.wait()
