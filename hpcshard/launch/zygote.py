@@ -138,14 +138,18 @@ def _serve(orders: int, replies: int) -> None:
             if pid == 0:  # the agent
                 code = 1
                 try:
-                    os.close(replies)
-                    pipe.close()
-                    os.environ.clear()
-                    os.environ.update(order["env"])
                     # As the launcher starts torchrun: the notice ignored (each rank takes it).
                     signal.signal(stop_signal, signal.SIG_IGN)
                     signal.signal(signal.SIGTERM, signal.SIG_DFL)
                     signal.signal(signal.SIGINT, signal.default_int_handler)
+                    # The agent says its pid itself, once it takes TERM: the launcher may send
+                    # one at once (a cancel that came while it started), and a TERM before
+                    # this point would meet the zygote's "ignore" (measured: the run trained on).
+                    os.write(replies, (json.dumps({"pid": os.getpid()}) + "\n").encode())
+                    os.close(replies)
+                    pipe.close()
+                    os.environ.clear()
+                    os.environ.update(order["env"])
                     code = warm.main(order["argv"])
                 except SystemExit as exit_:
                     code = exit_.code if isinstance(exit_.code, int) else 1
@@ -153,7 +157,6 @@ def _serve(orders: int, replies: int) -> None:
                     sys.stdout.flush()
                     sys.stderr.flush()
                     os._exit(code)
-            os.write(replies, (json.dumps({"pid": pid}) + "\n").encode())
             _, status = os.waitpid(pid, 0)
             os.write(replies, (json.dumps({"code": os.waitstatus_to_exitcode(status)}) + "\n").encode())
 
