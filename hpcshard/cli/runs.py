@@ -4,7 +4,6 @@ stdlib; Slurm through `hpcshard.slurm`, matplotlib only inside `plot`)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import signal
 from dataclasses import asdict
 from pathlib import Path
@@ -162,18 +161,15 @@ def cancel(target: str) -> None:
 
 def _signal_owner(run_dir: Path, sig: int) -> bool:
     """Signal the local process that owns the run (`rundir.lease`), if it runs on this host."""
-    from hpcshard.rundir import lease
+    from dataclasses import asdict
+
+    from hpcshard.rundir import lease, proc
 
     try:
         owner = lease.read(run_dir)
     except (lease.Busy, OSError):
         return False
-    if owner is None or owner.process is None or not owner.process.alive():
-        return False
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.kill(owner.process.pid, sig)
-        return True
-    return False
+    return owner is not None and owner.process is not None and proc.signal(asdict(owner.process), sig)
 
 
 @click.command("ls")

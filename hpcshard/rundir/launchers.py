@@ -22,10 +22,8 @@ shared storage, and a node whose launcher writes nothing is a node that is gone.
 from __future__ import annotations
 
 import contextlib
-import errno
 import json
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -94,43 +92,10 @@ def launchers(run_dir: Path) -> list[int]:
     return [pid for pid in found if pid is not None]
 
 
-def _pidfd(pid: int) -> int | None:
-    """A handle on process `pid` that a later process with its pid cannot take over (Linux
-    5.3+); None where there is none (then the pid itself is signalled)."""
-    try:
-        return os.pidfd_open(pid)
-    except AttributeError:
-        return None
-    except OSError as err:
-        if err.errno in (errno.ENOSYS, errno.EINVAL, errno.EPERM):
-            return None
-        raise
-
-
 def _signal_identified(path: Path, sig: int) -> bool:
-    """Send `sig` to the launcher `path` names, if it is still that process. With a pidfd
-    the check and the signal are about one process: opened first, then the start time
-    checked, so a pid reused in between fails the check instead of getting the signal."""
+    """Send `sig` to the launcher `path` names, if it is still that process."""
     record = _identity(path)
-    if record is None or not proc.here(record):
-        return False
-    try:
-        fd = _pidfd(int(record["pid"]))
-    except (ProcessLookupError, ValueError, TypeError, KeyError):
-        return False
-    try:
-        if not proc.same(record):
-            return False
-        if fd is None:
-            os.kill(int(record["pid"]), sig)
-        else:
-            signal.pidfd_send_signal(fd, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
-    finally:
-        if fd is not None:
-            os.close(fd)
+    return record is not None and proc.signal(record, sig)
 
 
 def signal_launchers(run_dir: Path, sig: int) -> int:

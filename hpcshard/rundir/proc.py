@@ -13,7 +13,9 @@ Stdlib: the launchers, the CLI and the ranks share this module.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
+import signal as _signal
 import socket
 import time
 from pathlib import Path
@@ -95,3 +97,42 @@ def same(record: dict[str, Any]) -> bool:
     pid = record.get("pid")
     return (here(record) and isinstance(pid, int) and pid > 0
             and start_ticks(pid) == record.get("start"))
+
+
+def _pidfd(pid: int) -> int | None:
+    """A handle on process `pid` that a later process with its pid cannot take over (Linux
+    5.3+); None where there is none (then the pid itself is signalled)."""
+    try:
+        return os.pidfd_open(pid)
+    except AttributeError:
+        return None
+    except OSError as err:
+        if err.errno in (errno.ENOSYS, errno.EINVAL, errno.EPERM):
+            return None
+        raise
+
+
+def signal(record: dict[str, Any], sig: int) -> bool:
+    """Send `sig` to the process `record` (an `identity`) names, if it is still that
+    process; True when it was sent. With a pidfd the check and the signal are about one
+    process: opened first, then the start time checked, so a pid reused in between fails
+    the check instead of getting the signal."""
+    if not here(record):
+        return False
+    try:
+        fd = _pidfd(int(record["pid"]))
+    except (ProcessLookupError, ValueError, TypeError, KeyError):
+        return False
+    try:
+        if not same(record):
+            return False
+        if fd is None:
+            os.kill(int(record["pid"]), sig)
+        else:
+            _signal.pidfd_send_signal(fd, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+    finally:
+        if fd is not None:
+            os.close(fd)
