@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import IO
 
 from hpcshard.rundir import store
-from hpcshard.rundir.files import side_name
+from hpcshard.rundir.files import STORAGE_ERRNOS, side_name
 from hpcshard.rundir.launchers import LAUNCH
 
 CHECK_TIMEOUT_S = 120.0
@@ -30,13 +30,13 @@ MIN_FREE_MEMORY = 0.05
 leaked process from an earlier job, a full tmpfs)."""
 ROOM_FACTOR = 1.1
 """Room asked for the next checkpoint: the newest one's size, and a margin."""
-STORAGE_ERRNOS = {errno.ENOSPC: "is full", errno.EDQUOT: "is over its quota", errno.EROFS: "is read-only"}
-"""The errors that mean the run's storage cannot take its writes (not a node's fault)."""
+STORAGE_WORDS = {errno.ENOSPC: "is full", errno.EDQUOT: "is over its quota", errno.EROFS: "is read-only"}
+"""What each of files.STORAGE_ERRNOS says of the run directory."""
 
 
 def storage_error(err: OSError, run_dir: Path) -> str:
     """One line for a write the run directory refused: what is wrong with the storage."""
-    what = STORAGE_ERRNOS.get(err.errno or 0, f"takes no write ({err.strerror or err})")
+    what = STORAGE_WORDS.get(err.errno or 0, f"takes no write ({err.strerror or err})")
     return f"the run directory {run_dir} {what}"
 
 

@@ -4,6 +4,7 @@ NFS (stdlib)."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -18,6 +19,10 @@ from hpcshard.rundir import proc
 
 TMP_SUFFIX = ".tmp"
 """Names ending in it are never read as the real thing (files and checkpoint dirs)."""
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+"""The errors that mean the run's storage takes no writes (full, over quota, read-only): the
+run's trouble, never a node's, and no retry helps (the launchers' health check and the
+ranks' failed saves judge by these)."""
 
 
 def fsync_dir(path: Path) -> None:

@@ -19,13 +19,13 @@ import os
 from pathlib import Path
 
 from hpcshard.rundir import lease
+from hpcshard.rundir.files import STORAGE_ERRNOS
 from hpcshard.runtime.checkpoint.failures import causes
 
-STORAGE_ERRNOS = {errno.ENOSPC: "no space left on the device holding {}",
-                  errno.EDQUOT: "{} is over its disk quota",
-                  errno.EROFS: "the device holding {} is read-only"}
-"""The errors that mean the run's storage takes no checkpoint (launch.health's, worded for
-a save)."""
+STORAGE_WORDS = {errno.ENOSPC: "no space left on the device holding {}",
+                 errno.EDQUOT: "{} is over its disk quota",
+                 errno.EROFS: "the device holding {} is read-only"}
+"""What each of files.STORAGE_ERRNOS says of a save."""
 
 
 class Disowned(Exception):
@@ -45,7 +45,7 @@ def storage_trouble(err: BaseException, root: Path, need: int) -> str:
     try:
         fs = os.statvfs(existing)
     except OSError:
-        return STORAGE_ERRNOS[found[0]].format(root) if found else ""
+        return STORAGE_WORDS[found[0]].format(root) if found else ""
     free = fs.f_bavail * fs.f_frsize
     if not found and fs.f_flag & os.ST_RDONLY:
         found = [errno.EROFS]
@@ -53,7 +53,7 @@ def storage_trouble(err: BaseException, root: Path, need: int) -> str:
         found = [errno.ENOSPC]
     if not found:
         return ""
-    return (f"{STORAGE_ERRNOS[found[0]].format(root)} ({free / 1e6:.1f} MB free, the next "
+    return (f"{STORAGE_WORDS[found[0]].format(root)} ({free / 1e6:.1f} MB free, the next "
             f"checkpoint needs about {need / 1e6:.1f} MB)")
 
 
