@@ -38,7 +38,7 @@ class Peers:
         now = time.monotonic() if now is None else now
         for node, beat in beats.items():
             mark = (beat.get("pid"), beat.get("seq"), beat.get("done"))
-            if node not in self.seen or self.seen[node][0] != mark:
+            if node not in self.seen or _moved(self.seen[node][0], mark):
                 self.seen[node] = (mark, now)
 
     def lost(self, nodes: list[int] | tuple[int, ...], beats: dict[int, dict[str, Any]],
@@ -66,3 +66,15 @@ class Peers:
         so its peers' silence counts from now."""
         if self.heard_since != math.inf:
             self.heard_since = time.monotonic() if now is None else now
+
+
+def _moved(before: tuple[Any, Any, Any], now: tuple[Any, Any, Any]) -> bool:
+    """A heartbeat moved: another launcher (pid), a later sequence number, or its end. An
+    older one read later is not movement (a launcher's first heartbeat file, read after its
+    peers fell back to the files from the store: `launch.coord`)."""
+    if now[0] != before[0] or now[2] != before[2]:
+        return True
+    try:
+        return int(now[1]) > int(before[1])
+    except (TypeError, ValueError):
+        return now[1] != before[1]

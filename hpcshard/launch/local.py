@@ -79,11 +79,11 @@ def run_local(run_dir: Path, nodes: int, per_node: int, *, spares: int = 0, resu
 def _attempt(run_dir: Path, nodes: int, per_node: int, attempt: int, resume: str, restarts: int,
              spares: int, owner: str, procs: list[subprocess.Popen[bytes]],
              forward: Callable[[int, object], None]) -> int:
-    port, run_id = free_port(), uuid.uuid4().hex[:12]
+    port, coord_port, run_id = free_port(), free_port(), uuid.uuid4().hex[:12]
     cores = os.cpu_count() or 1
     for rank in range(nodes + spares):
         node = NodeEnv(node_rank=rank, nnodes=nodes + spares, per_node=per_node, rdzv_host="127.0.0.1",
-                       rdzv_port=port, run_id=run_id)
+                       rdzv_port=port, run_id=run_id, coord_port=coord_port)
         ranks = RankEnv(attempt=attempt, resume=resume, restart_count=restarts, owner=owner)
         env = {**os.environ, **node.to_environ(), **ranks.to_environ()}
         # All emulated nodes share this host's cores.

@@ -35,6 +35,9 @@ class NodeEnv:
     rdzv_host: str
     rdzv_port: int
     run_id: str
+    coord_port: int = 0
+    """Where node 0's launcher serves the launchers' store (`launch.coord`); 0: none, the
+    launchers coordinate through the run directory's files."""
 
     @classmethod
     def from_environ(cls, environ: dict[str, str] | None = None) -> NodeEnv:
@@ -42,12 +45,14 @@ class NodeEnv:
         env = os.environ if environ is None else environ
         return cls(node_rank=int(env["HPCSHARD_NODE_RANK"]), nnodes=int(env["HPCSHARD_NNODES"]),
                    per_node=int(env["HPCSHARD_PER_NODE"]), rdzv_host=env["HPCSHARD_RDZV_HOST"],
-                   rdzv_port=int(env["HPCSHARD_RDZV_PORT"]), run_id=env["HPCSHARD_RUN_ID"])
+                   rdzv_port=int(env["HPCSHARD_RDZV_PORT"]), run_id=env["HPCSHARD_RUN_ID"],
+                   coord_port=int(env.get("HPCSHARD_COORD_PORT") or 0))
 
     def to_environ(self) -> dict[str, str]:
         return {"HPCSHARD_NODE_RANK": str(self.node_rank), "HPCSHARD_NNODES": str(self.nnodes),
                 "HPCSHARD_PER_NODE": str(self.per_node), "HPCSHARD_RDZV_HOST": self.rdzv_host,
-                "HPCSHARD_RDZV_PORT": str(self.rdzv_port), "HPCSHARD_RUN_ID": self.run_id}
+                "HPCSHARD_RDZV_PORT": str(self.rdzv_port), "HPCSHARD_RUN_ID": self.run_id,
+                "HPCSHARD_COORD_PORT": str(self.coord_port)}
 
 
 def torchrun_argv(node: NodeEnv, run_dir: Path, module: str = "hpcshard.entry",

@@ -22,7 +22,7 @@ from hpcshard.rundir.spec import RunSpec
 from hpcshard.slurm import cluster
 from hpcshard.slurm.env import SlurmEnv, expand_nodelist
 
-__all__ = ["SlurmEnv", "expand_nodelist", "node_env", "node_main", "rdzv_port"]
+__all__ = ["SlurmEnv", "expand_nodelist", "coord_port", "node_env", "node_main", "rdzv_port"]
 
 
 def rdzv_port(job_id: str, restart: int) -> int:
@@ -35,11 +35,18 @@ def rdzv_port(job_id: str, restart: int) -> int:
     return 20000 + (digits * 7 + restart * 3) % 10000
 
 
+def coord_port(job_id: str, restart: int) -> int:
+    """Where node 0's launcher serves the launchers' store (`launch.coord`): derived like
+    the rendezvous port, half the range away from it."""
+    return 20000 + (rdzv_port(job_id, restart) - 20000 + 5000) % 10000
+
+
 def node_env(slurm: SlurmEnv, per_node: int) -> NodeEnv:
     """This node's place in the job: the rendezvous on the allocation's first node."""
     return NodeEnv(node_rank=slurm.node_id, nnodes=len(slurm.nodes), per_node=per_node,
                    rdzv_host=slurm.nodes[0], rdzv_port=rdzv_port(slurm.job_id, slurm.restart_count),
-                   run_id=f"{slurm.job_id}-{slurm.restart_count}")
+                   run_id=f"{slurm.job_id}-{slurm.restart_count}",
+                   coord_port=coord_port(slurm.job_id, slurm.restart_count))
 
 
 def _resubmit(run_dir: Path, job_id: str, *args: str) -> str:

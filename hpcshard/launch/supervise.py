@@ -24,6 +24,7 @@ and the run stops for its storage, with no node blamed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -35,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hpcshard.launch import exclusion, health, policy
+from hpcshard.launch import coord, exclusion, health, policy
 from hpcshard.launch.liveness import BEAT_S, LOST_S, UNHEARD_S, Peers
 from hpcshard.launch.policy import Decision, Facts
 from hpcshard.launch.procs import Agent, alive, children, descendants, kill_below, kill_tree, send
@@ -54,6 +55,8 @@ DOWN_TIMEOUT_S = 120.0
 """How long the decider waits for every node to report its ranks dead before it gives up."""
 DOWN_TRIES = 3
 """Tries of a launcher's down record that its storage refused for no lack of room."""
+LINGER_S = 2 * LOST_S
+"""How long node 0's store outlives its launcher's end for the others to end too."""
 COMMS_ERRORS = ("DistBackendError", "DistNetworkError", "DistError", "DistStoreError")
 """Exceptions a rank raises because a peer died: a consequence, never the culprit."""
 COMMS_MESSAGES = ("gloo/transport", "Connection reset", "Connection closed", "Broken pipe", "NCCL")
@@ -192,6 +195,9 @@ class Supervisor:
         self.renewed = time.monotonic()
         self.storage = ""
         """Why the run directory refused this launcher's last write ("" once one lands)."""
+        self.chan = coord.Channel(run_dir, self.me)
+        """How it speaks with the other launchers: node 0's store once `_run` opened it,
+        the run directory's files before and without it (`launch.coord`)."""
 
     @property
     def me(self) -> int:
@@ -210,7 +216,7 @@ class Supervisor:
         self.seq += 1
         record = {**self.where, "pid": os.getpid(), "seq": self.seq,
                   **({"done": done} if done is not None else {})}
-        if not self._try("its heartbeat", launchers.beat, self.run_dir, self.ranks.attempt, self.me, record,
+        if not self._try("its heartbeat", self.chan.beat, self.ranks.attempt, self.me, record,
                          beating=False):
             self.peers.cannot_beat()  # a full disk must not end supervision, nor lose every peer
             return
@@ -262,7 +268,8 @@ class Supervisor:
         attempt, cycle = self.ranks.attempt, self.at_cycle
         # Decided facts only: a peer's suspicion (a fault naming it lost) is not one, and a
         # launcher that comes back before the decision is kept (it says it is down).
-        found = launchers.decision(self.run_dir, attempt, cycle)
+        self.chan.woke()
+        found = self.chan.decision(attempt, cycle)
         decided = Decision.from_dict(found) if found else None
         dropped = decided is not None and decided.restart and self.me not in (
             *decided.active, *decided.spares)
@@ -271,7 +278,20 @@ class Supervisor:
             raise Fenced(f"declared lost while it stood still for {seconds:.0f} s")
         if ledger.moved_on(self.run_dir, attempt, cycle):
             raise Fenced(f"the run started again without it while it stood still for {seconds:.0f} s")
+        if self._store_left(seconds):
+            raise Fenced(f"its peers left its store while it stood still for {seconds:.0f} s")
         self.peers.woke()
+
+    def _store_left(self, seconds: float) -> bool:
+        """Node 0, thawed: did its peers give its store up meanwhile (they took node 0 for
+        lost and went on through the files: their connections are closed)? The others'
+        closing reaches it at once, queued while it stood still; a moment for its store's
+        thread, frozen with it, to read them."""
+        server = self.chan.server
+        if server is None or seconds <= LOST_S:
+            return False
+        time.sleep(2 * POLL_S)
+        return bool(server.left() & (set(self.roster.members) - self.seen_bad))
 
     def _renew(self) -> None:
         """The cycle's leader renews the run's lease every RENEW_S (`rundir.lease`); one
@@ -296,6 +316,8 @@ class Supervisor:
 
     def _check_fenced(self, beats: dict[int, dict[str, Any]]) -> None:
         """A peer that found the run taken over left it and said so: this one leaves too."""
+        if why := self.chan.fenced(self.ranks.attempt):
+            raise TakenOver(f"a peer found the run taken over: {why}")
         for n in self.roster.members:
             if n != self.me and beats.get(n, {}).get("fenced"):
                 raise TakenOver(f"node {n} found the run taken over: {beats[n]['fenced']}")
@@ -308,7 +330,7 @@ class Supervisor:
     def _look(self, nodes: list[int] | tuple[int, ...]) -> tuple[list[int], dict[int, dict[str, Any]]]:
         """The lost ones of `nodes`, and every heartbeat as read (one read of them)."""
         self.beat()  # (a launcher stopped since its last beat must not judge before it knows)
-        beats = launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
+        beats = self.chan.beats(self.ranks.attempt, self.node.nnodes, nodes)
         self._check_fenced(beats)
         return self.peers.lost(nodes, beats), beats
 
@@ -323,25 +345,49 @@ class Supervisor:
             kill_below(os.getpid())  # agents, ranks, zygote, a health check
             print(f"hpcshard: node {self.me} leaves the run: {why}", file=sys.stderr, flush=True)
             if isinstance(why, TakenOver):  # (its peers leave too, and take it for nothing worse)
-                self._try("its last heartbeat", launchers.beat, self.run_dir, self.ranks.attempt, self.me,
-                          {**self.where, "pid": os.getpid(), "seq": self.seq + 1, "done": 0,
-                           "fenced": str(why)}, beating=False)
+                with contextlib.suppress(OSError):
+                    self.chan.fence(self.ranks.attempt, str(why))
+                last = {**self.where, "pid": os.getpid(), "seq": self.seq + 1, "done": 0, "fenced": str(why)}
+                for say, *where in ((self.chan.beat,), (launchers.beat, self.run_dir)):
+                    self._try("its last heartbeat", say, *where, self.ranks.attempt, self.me, last,
+                              beating=False)
+            self._close()
             return 0  # (not a failure: a non-zero exit would take the others' job down)
         except BaseException:
             # A bug here must not leave ranks training unsupervised, nor peers waiting for a
             # node whose launcher is gone: kill them, and say this launcher is done.
             kill_below(os.getpid())
             self._done(1)
+            self._close()
             raise
         self._done(code)
+        self._close()
         return code
 
     def _done(self, code: int) -> None:
-        """The last heartbeat: this launcher ends with `code` (peers do not wait for it)."""
+        """The last heartbeat: this launcher ends with `code` (peers do not wait for it). In
+        the files too (one write an attempt): should node 0's store be lost after this
+        launcher ended, the others learn from them that it did."""
         self.leaving = True  # (no judging anyone on the way out)
         self.beat(done=code)
+        if self.chan.store is not None:
+            self._try("its last heartbeat", launchers.beat, self.run_dir, self.ranks.attempt, self.me,
+                      {**self.where, "pid": os.getpid(), "seq": self.seq, "done": code}, beating=False)
+
+    def _close(self) -> None:
+        """Leave the store. Node 0 serves it until the others have left too (each closes
+        its connection as it ends; one lost never will), at most LINGER_S."""
+        server = self.chan.server
+        if server is not None:
+            deadline = time.monotonic() + LINGER_S
+            while set(server.conns) - {self.me} - self.seen_bad and time.monotonic() < deadline:
+                time.sleep(POLL_S)
+        self.chan.close()
 
     def _run(self) -> int:
+        if coord.mode() == "store" and self.node.coord_port:
+            self.chan.open(str(self.node.rdzv_host), int(self.node.coord_port), self.spec.coord_key,
+                           self.ranks.attempt, serve=self.me == 0)
         self.beat()
         cycle, unhealthy = 0, False
         node = replace(self.node, nnodes=len(self.roster.active))
@@ -350,16 +396,16 @@ class Supervisor:
         if found.storage:  # the run's trouble: nobody trains, no node is blamed
             print(f"hpcshard: node {self.me}: {found.storage}", file=sys.stderr, flush=True)
             cause = {"cause": found.storage, "storage": found.storage, **self.where}
-            self._try("its fault declaration", launchers.declare_fault, self.run_dir, self.ranks.attempt, 0,
+            self._try("its fault declaration", self.chan.declare_fault, self.ranks.attempt, 0,
                       cause)
             self.storage = found.storage
-            return self.recover(0, Watch(code=STORAGE_EXIT, fault=launchers.fault(
-                self.run_dir, self.ranks.attempt, 0) or cause)).code
+            return self.recover(0, Watch(code=STORAGE_EXIT, fault=self.chan.fault(
+                self.ranks.attempt, 0) or cause)).code
         if found.node:  # this node must not train: the decider replaces it or stops
             unhealthy = True
             self._bad(0, self.me, self.where, f"health check: {found.node}")
             if self.me in self.roster.active:  # (a spare that fails is simply never used)
-                self._try("its fault declaration", launchers.declare_fault, self.run_dir, self.ranks.attempt,
+                self._try("its fault declaration", self.chan.declare_fault, self.ranks.attempt,
                           0, {"cause": f"node {self.me} failed its health check: {found.node}", **self.where})
             name = self.where.get("slurm_node", self.where["host"])
             print(f"hpcshard: node {self.me} ({name}) failed its health check: {found.node}",
@@ -388,10 +434,10 @@ class Supervisor:
         lost node's place) or every launcher with ranks has ended (it ends as they did)."""
         while True:
             self.beat()
-            fault = launchers.fault(self.run_dir, self.ranks.attempt, cycle)
+            fault = self.chan.fault(self.ranks.attempt, cycle)
             if fault is not None:
                 return Watch(code=1, fault=fault)
-            beats = launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
+            beats = self.chan.beats(self.ranks.attempt, self.node.nnodes, self.roster.active)
             ended = [n for n in self.roster.active if "done" in beats.get(n, {})]
             if ended and set(ended) | set(self.lost(self.roster.active)) >= set(self.roster.active):
                 return Watch(code=int(beats[ended[0]]["done"]))
@@ -413,11 +459,11 @@ class Supervisor:
         lost = self.lost(watched)
         for n in (n for n in lost if n in roster.spares and n not in self.seen_bad):
             self.seen_bad.add(n)
-            self._bad(cycle, n, launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
-                      .get(n, {}), f"lost: its launcher was silent for {LOST_S:.0f} s (a spare)")
+            where = self.chan.beats(self.ranks.attempt, self.node.nnodes, [n]).get(n, {})
+            self._bad(cycle, n, where, f"lost: its launcher was silent for {LOST_S:.0f} s (a spare)")
         gone = [n for n in lost if n in roster.active]
         if gone:
-            self._try("its fault declaration", launchers.declare_fault, self.run_dir, self.ranks.attempt,
+            self._try("its fault declaration", self.chan.declare_fault, self.ranks.attempt,
                       cycle, {**self.where, "noticed": self.noticed is not None, "lost": gone,
                               "cause": f"node(s) {gone} lost: silent for {LOST_S:.0f} s"})
 
@@ -445,9 +491,9 @@ class Supervisor:
         new zygote if the old one died)."""
         info = {**self.where, "noticed": self.noticed is not None,
                 "cause": f"node {self.me} could not start its agent ({err})"}
-        self._try("its fault declaration", launchers.declare_fault, self.run_dir, self.ranks.attempt,
+        self._try("its fault declaration", self.chan.declare_fault, self.ranks.attempt,
                   cycle, info)
-        return Watch(code=1, fault=launchers.fault(self.run_dir, self.ranks.attempt, cycle) or info)
+        return Watch(code=1, fault=self.chan.fault(self.ranks.attempt, cycle) or info)
 
     def _tell(self, proc: Agent, slots: list[Any]) -> None:
         """Signals that came before there was anyone to hear them reach the ranks now. A
@@ -470,7 +516,7 @@ class Supervisor:
         dog = Watchdog(Limits.from_config(self.spec.resolved.get("config", {})), poll_s=POLL_S)
         hang: dict[str, Any] | None = None
         learned = False
-        found = launchers.decision(self.run_dir, attempt, cycle - 1) if cycle else None
+        found = self.chan.decision(attempt, cycle - 1) if cycle else None
         before = Decision.from_dict(found) if found else None
         while True:
             self.beat()
@@ -488,7 +534,7 @@ class Supervisor:
                 self._grace(proc)
                 # (another node may have declared a fault before its notice came: take part)
                 if code is not None or (self.spec.script and self.ending is None and not self.killed
-                                        and launchers.fault(self.run_dir, attempt, cycle)):
+                                        and self.chan.fault(attempt, cycle)):
                     break
                 time.sleep(POLL_S)
                 continue
@@ -498,10 +544,10 @@ class Supervisor:
                 hang = dog.look(slots)
                 if not learned and dog.step_limit() is not None:
                     learned = self._learned(dog, cycle)
-            if code is not None or dead or hang or launchers.fault(self.run_dir, attempt, cycle):
+            if code is not None or dead or hang or self.chan.fault(attempt, cycle):
                 break
             time.sleep(POLL_S)
-        fault = launchers.fault(self.run_dir, attempt, cycle)
+        fault = self.chan.fault(attempt, cycle)
         if code and self.spec.script and fault is None and not dead:
             ended = board.read()
             if len(ended) == board.slots and all(s.phase == "done" for s in ended):
@@ -523,7 +569,7 @@ class Supervisor:
         # then sends the job back through the queue instead of restarting it here.
         info = self._cause(code, dead, hang, cycle)
         if fault is None:  # (tried: a full disk must not keep this launcher from its ranks)
-            self._try("its fault declaration", launchers.declare_fault, self.run_dir, attempt, cycle, info)
+            self._try("its fault declaration", self.chan.declare_fault, attempt, cycle, info)
         now = board.read()
         where = [{"rank": s.rank, "pid": s.pid, "step": s.step, "phase": s.phase, **self.where,
                   "state": process_state(s.pid) or "gone"} for s in now]
@@ -535,7 +581,7 @@ class Supervisor:
             kill_tree(proc, stacks=live, also=live)
         elif live:  # the agent died and left its ranks behind: they must not train on
             kill_tree(proc, also=live)
-        declared = launchers.fault(self.run_dir, attempt, cycle) or fault or info
+        declared = self.chan.fault(attempt, cycle) or fault or info
         return Watch(code=proc.returncode or 1, fault=declared, dead=dead + stopped, reached=reached,
                      ranks=where)
 
@@ -574,7 +620,7 @@ class Supervisor:
         resumed = decided.committed
         if self.me != self.roster.leader or not any(s.phase == "step" and s.step > resumed for s in slots):
             return False
-        fault = launchers.fault(self.run_dir, self.ranks.attempt, cycle - 1) or {}
+        fault = self.chan.fault(self.ranks.attempt, cycle - 1) or {}
         self._try("the recovery's time", ledger.append, self.run_dir, events.Recovered(
             attempt=self.ranks.attempt, cycle=cycle, step=resumed + 1,
             seconds=round(time.time() - fault.get("time", time.time()), 2)))
@@ -606,7 +652,7 @@ class Supervisor:
                 "ranks": watch.ranks, **({"storage": self.storage} if self.storage else {})}
         said = False
         for _ in range(DOWN_TRIES):  # (a file server's blip, ESTALE or EIO, is tried again)
-            said = self._try("its down record", launchers.mark_down, self.run_dir, attempt, cycle, self.me,
+            said = self._try("its down record", self.chan.mark_down, attempt, cycle, self.me,
                              down)
             if said or self.storage:
                 break
@@ -617,7 +663,7 @@ class Supervisor:
         deadline = time.monotonic() + DOWN_TIMEOUT_S + 30
         while True:
             self.beat()  # (first: one frozen here past the deadline is fenced, not failed)
-            found = launchers.decision(self.run_dir, attempt, cycle)
+            found = self.chan.decision(attempt, cycle)
             if found is not None:
                 return Decision.from_dict(found)
             if self.decider() == self.me:
@@ -646,7 +692,7 @@ class Supervisor:
         deadline = time.monotonic() + DOWN_TIMEOUT_S
         while True:
             self.beat()
-            down = launchers.nodes_down(self.run_dir, attempt, cycle, self.node.nnodes)
+            down = self.chan.nodes_down(attempt, cycle, self.node.nnodes)
             candidates = sorted(set(members) - set(down))
             lost, beats = self._look(candidates)
             # A launcher that ended (its ranks finished, or stopped on a notice) says so in
@@ -656,13 +702,13 @@ class Supervisor:
             if set(lost) == set(missing) or time.monotonic() > deadline:
                 break
             time.sleep(POLL_S)
-        downs = launchers.downs(self.run_dir, attempt, cycle, self.node.nnodes)
+        downs = self.chan.downs(attempt, cycle, self.node.nnodes)
         storage = self.storage or next((d["storage"] for d in downs if d.get("storage")), "") or (
             (watch.fault or {}).get("storage", ""))
         bad: dict[int, str] = {}
         noticed = self.noticed is not None or bool((watch.fault or {}).get("noticed"))
         if not storage:  # nothing went wrong with the disk: blame the nodes that earned it
-            beats = launchers.beats(self.run_dir, attempt, self.node.nnodes)
+            beats = self.chan.beats(attempt, self.node.nnodes, lost)
             for n in lost:
                 bad[n] = f"lost: its launcher was silent for {LOST_S:.0f} s"
                 self._bad(cycle, n, beats.get(n, {}), bad[n])
@@ -690,7 +736,7 @@ class Supervisor:
         """Share the decision (the first decider's stands), record it, say it in one line."""
         if share:
             try:
-                decided = Decision.from_dict(launchers.decide(self.run_dir, self.ranks.attempt, cycle,
+                decided = Decision.from_dict(self.chan.decide(self.ranks.attempt, cycle,
                                                               decided.to_dict()))
             except OSError as err:  # the others learn it from their own storage trouble
                 print(f"hpcshard: the decision could not be shared ({err.strerror})", file=sys.stderr)
@@ -732,7 +778,7 @@ class Supervisor:
         named = ("rank", "pid", "step", "phase", "node", "host", "state")
         hung: dict[str, Any] | None = ({k: fault[k] for k in named if k in fault}
                                        if "rank" in fault and "state" in fault else None)
-        beats = launchers.beats(self.run_dir, self.ranks.attempt, self.node.nnodes)
+        beats = self.chan.beats(self.ranks.attempt, self.node.nnodes, decided.lost)
         gone = [{"node": n, "state": "lost", **{k: v for k, v in beats.get(n, {}).items()
                                                  if k in ("host", "slurm_node")}}
                 for n in decided.lost if n in self.roster.active]
@@ -770,7 +816,7 @@ class Supervisor:
         """Restarts in a row so far after which the committed step did not move."""
         stalled = 0
         for c in range(cycle - 1, -1, -1):
-            before = launchers.decision(self.run_dir, self.ranks.attempt, c) or {}
+            before = self.chan.decision(self.ranks.attempt, c) or {}
             if before.get("committed") != committed:
                 break
             stalled += 1

@@ -15,8 +15,11 @@
                      launcher that ends says so in it ("done": its exit code)
     continue-A       claimed by the launcher that sends attempt A back through the queue
 
-The launchers of a job see each other only through these files: the run directory is
-shared storage, and a node whose launcher writes nothing is a node that is gone.
+The launchers of a job coordinate through node 0's store (`launch.coord`); the fault,
+down, next and alive files are the same protocol through the run directory, used when the
+store cannot be had or was lost with node 0 (and with HPCSHARD_COORD=files). Every
+launcher writes its alive file once at its start and once at its end, so that a peer
+falling back to the files finds the name there.
 """
 
 from __future__ import annotations
@@ -171,10 +174,15 @@ def decision(run_dir: Path, attempt: int, cycle: int) -> dict[str, Any] | None:
 
 
 def over(run_dir: Path, attempt: int, cycle: int) -> bool:
-    """Is this cycle over: decided after a fault, or the run started again since? A rank
-    of it that fails now was stopped meanwhile (a frozen node, thawed): what it would
-    record (a failure, its end) is stale, and the decision was made without it."""
-    return decision(run_dir, attempt, cycle) is not None or ledger.moved_on(run_dir, attempt, cycle)
+    """Is this cycle over: decided after a fault (the decider's fault record in the ledger;
+    the decision itself may live only in node 0's store, `launch.coord`), or the run
+    started again since? A rank of it that fails now was stopped meanwhile (a frozen
+    node, thawed): what it would record (a failure, its end) is stale, and the decision
+    was made without it."""
+    if decision(run_dir, attempt, cycle) is not None:
+        return True
+    return any(r["event"] == "fault" and r.get("attempt") == attempt and r.get("cycle", 0) == cycle
+               for r in ledger.read(run_dir)) or ledger.moved_on(run_dir, attempt, cycle)
 
 
 def beat(run_dir: Path, attempt: int, node: int, record: dict[str, Any]) -> None:

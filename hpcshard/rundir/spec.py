@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import tempfile
 import time
 from collections.abc import Callable
@@ -75,13 +76,18 @@ class RunSpec:
     resolved: dict[str, Any] = field(default_factory=dict)
     """What the preflight found: the full config, sharding, block, parameters."""
     created: float = field(default_factory=time.time)
+    coord_key: str = field(default_factory=lambda: secrets.token_hex(16))
+    """What a job's launchers show node 0's store (`launch.coord`) to be let in: the run
+    directory is the user's own (0700), so another user on the cluster cannot speak for
+    its launchers. Empty in a spec written before the store: every launcher reads the
+    same empty key."""
 
     def write(self, run_dir: Path) -> None:
         write_atomic(run_dir / SPEC, json.dumps(asdict(self), indent=2) + "\n")
 
     @classmethod
     def read(cls, run_dir: Path) -> RunSpec:
-        return cls(**json.loads((run_dir / SPEC).read_text()))
+        return cls(**{"coord_key": "", **json.loads((run_dir / SPEC).read_text())})
 
     @classmethod
     def update(cls, run_dir: Path, change: Callable[[RunSpec], None]) -> RunSpec:

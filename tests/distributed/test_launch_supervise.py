@@ -66,6 +66,10 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_bitwise_equal(unin
     (back,) = [r for r in ledger.read(run) if r["event"] == "recovered"]
     assert back["cycle"] == 1 and back["step"] == fault["committed"] + 1 and 0 < back["seconds"] < 60
     assert fault["detect_s"] <= 0.2  # a crash is seen within one look
+    # The launchers coordinated through node 0's store: no fault, down or decision file, and
+    # each heartbeat file written only at the launcher's start and end (`launch.coord`).
+    assert not [p.name for p in (run / "launch").iterdir() if p.name.startswith(("fault-", "down-", "next-"))]
+    assert {p.name for p in (run / "launch").glob("alive-*")} == {"alive-0-0.json", "alive-0-1.json"}
     status = hpcshard("status", str(run)).stdout
     assert "0.1" in status and "faults (1):" in status and f"rank {fault['culprit']['rank']}" in status
     assert f"training again {back['seconds']:.1f} s after" in status
@@ -134,6 +138,35 @@ def test_a_frozen_node_is_lost_in_seconds_and_the_run_requeues_and_ends_bitwise_
     for step, path in committed(run).items():
         assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
     assert "bad nodes (1)" in hpcshard("status", str(run)).stdout
+
+
+def test_a_frozen_node_0_takes_its_store_with_it_and_the_others_carry_on_through_the_files(
+        uninterrupted: Path, tmp_path: Path) -> None:
+    """Every process of node 0 stopped: the launchers' store (served by its launcher) stops
+    answering with it. Node 1 gives the store up after LOST_S of silence, declares node 0
+    lost through the run directory's files, decides (it is the lowest launcher left) and
+    the job goes back through the queue; the run ends as if nothing had happened."""
+    run = tmp_path / "frozen0"
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
+                       str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100))
+    wait_for(partial(trained_to, run, 7), 180, "step 7, past the warm-up and a commit")
+    node0 = launchers(run)[0]
+    frozen = [node0, *descendants(node0)]
+    for pid in frozen:
+        os.kill(pid, signal.SIGSTOP)
+    frozen_at = time.time()
+    out, _ = proc.communicate(timeout=400)
+    assert proc.returncode == 0, out[-4000:]
+    assert "node 1: the store on 127.0.0.1" in out and "went silent" in out
+    (fault,) = faults(run)
+    assert fault["lost"] == [0] and fault["code"] == REQUEUE_EXIT and "lost" in fault["reason"]
+    assert fault["time"] - frozen_at < 30
+    (bad,) = [r for r in ledger.read(run) if r["event"] == "bad_node"]
+    assert bad["node"] == 0 and "silent" in bad["reason"]
+    assert [r["attempt"] for r in ledger.read(run) if r["event"] == "start"] == [0, 1]
+    reference = committed(uninterrupted)
+    for step, path in committed(run).items():
+        assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
 
 
 def test_a_stopped_rank_is_a_hang_found_in_seconds_and_the_run_ends_bitwise_equal(

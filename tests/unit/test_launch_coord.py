@@ -1,0 +1,182 @@
+"""The launchers' store (`launch.coord`): one answer per contested key, pushes to every
+launcher, a store that goes silent given up for the files, and a stranger kept out. In
+one process: the server's loop and each client's reader are threads, over loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hpcshard.launch import coord
+from hpcshard.launch.liveness import Peers
+from hpcshard.rundir import launchers
+
+KEY = "k" * 32
+
+
+@pytest.fixture
+def server() -> Iterator[coord.Server]:
+    found = coord.Server(KEY, 0, "127.0.0.1").start()
+    yield found
+    found.close()
+
+
+def channel(tmp_path: Path, server: coord.Server, node: int) -> coord.Channel:
+    chan = coord.Channel(tmp_path, node)
+    assert chan.open("127.0.0.1", server.port, KEY, attempt=0, serve=False)
+    return chan
+
+
+def until(check: object, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():  # type: ignore[operator]
+        assert time.monotonic() < deadline, "not within the timeout"
+        time.sleep(0.01)
+
+
+def test_the_first_declaration_and_decision_stand_and_reach_every_launcher(tmp_path: Path,
+                                                                         server: coord.Server) -> None:
+    a, b, c = (channel(tmp_path, server, n) for n in range(3))
+    assert a.declare_fault(0, 0, {"cause": "rank 3 died", "node": 0})
+    assert not b.declare_fault(0, 0, {"cause": "exit 1", "node": 1})
+    until(lambda: c.fault(0, 0) is not None)  # pushed: c asked nothing
+    assert c.fault(0, 0)["cause"] == "rank 3 died" == b.fault(0, 0)["cause"]  # type: ignore[index]
+    assert c.fault(0, 1) is None and c.fault(1, 0) is None
+    assert b.decide(0, 0, {"restart": True, "port": 1})["port"] == 1
+    assert a.decide(0, 0, {"restart": False})["port"] == 1  # the first decider's stands
+    until(lambda: c.decision(0, 0) is not None)
+    assert c.decision(0, 0) == {"restart": True, "port": 1}
+    # Nothing of it went through the run directory.
+    assert not list((tmp_path / launchers.LAUNCH).glob("fault-*")) and not list(
+        (tmp_path / launchers.LAUNCH).glob("next-*"))
+    for chan in (a, b, c):
+        chan.close()
+
+
+def test_a_launcher_connecting_late_gets_what_was_pushed_before(tmp_path: Path, server: coord.Server) -> None:
+    a = channel(tmp_path, server, 0)
+    a.declare_fault(2, 1, {"cause": "x"})
+    a.fence(2, "taken over by job 9")
+    late = channel(tmp_path, server, 1)
+    assert late.fault(2, 1) == a.fault(2, 1) and late.fenced(2) == "taken over by job 9"
+
+
+def test_downs_and_heartbeats_go_to_those_who_ask(tmp_path: Path, server: coord.Server) -> None:
+    a, b = channel(tmp_path, server, 0), channel(tmp_path, server, 1)
+    b.mark_down(0, 3, 1, {"dead": [{"rank": 2}], "reached": 7})
+    a.mark_down(0, 3, 0, {"dead": [], "reached": 7})
+    assert a.nodes_down(0, 3, 2) == [0, 1] and a.downs(0, 3, 2)[1]["dead"] == [{"rank": 2}]
+    b.beat(0, 1, {"pid": 5, "seq": 1})
+    # A node first asked for is fetched at once, then watched: each heartbeat brings it.
+    until(lambda: a.beats(0, 2, [1]).get(1, {}).get("seq") == 1)
+    b.beat(0, 1, {"pid": 5, "seq": 2})
+    time.sleep(0.1)
+    a.beat(0, 0, {"pid": 4, "seq": 1})
+    until(lambda: a.beats(0, 2, [1])[1]["seq"] == 2)
+    assert 0 not in a.beats(0, 2)  # (its own is never among them)
+
+
+def test_a_store_that_stops_answering_is_given_up_for_the_files(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store whose host froze: the connection stays up and nothing comes back. After
+    LOST_S of silence the launcher takes node 0 for lost and carries on through the files."""
+    monkeypatch.setattr(coord, "LOST_S", 0.5)
+    frozen = socket.create_server(("127.0.0.1", 0))
+    port = frozen.getsockname()[1]
+
+    def hello_then_freeze() -> None:
+        conn, _ = frozen.accept()
+        conn.recv(4096)
+        conn.sendall(json.dumps({"id": 0, "instance": "i", "pushed": {}}).encode() + b"\n")
+        time.sleep(5)  # (reads nothing more, answers nothing)
+        conn.close()
+
+    threading.Thread(target=hello_then_freeze, daemon=True).start()
+    chan = coord.Channel(tmp_path, 1)
+    assert chan.open("127.0.0.1", port, KEY, attempt=0, serve=False)
+    chan.beat(0, 1, {"pid": 1, "seq": 1})
+    assert chan.store is not None  # (not yet: silence is timed)
+    began = time.monotonic()
+    assert chan.declare_fault(0, 0, {"cause": "node 0 lost"})  # waits, gives up, then the files
+    assert 0.4 < time.monotonic() - began < 3
+    assert chan.store is None and "did not answer" in chan.lost_why
+    assert launchers.fault(tmp_path, 0, 0)["cause"] == "node 0 lost"  # type: ignore[index]
+    chan.beat(0, 1, {"pid": 1, "seq": 2})
+    assert launchers.beats(tmp_path, 0, 2)[1]["seq"] == 2
+    frozen.close()
+
+
+def test_a_store_whose_launcher_died_is_given_up_at_once(tmp_path: Path) -> None:
+    server = coord.Server(KEY, 0, "127.0.0.1").start()
+    chan = channel(tmp_path, server, 1)
+    server.close()  # (its process gone: the kernel closes its connections)
+    until(lambda: chan.store is None, 2)
+    assert chan.decision(0, 0) is None and chan.lost_why
+
+
+def test_a_launcher_that_stood_still_does_not_blame_the_store(tmp_path: Path, server: coord.Server,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Requests that waited while this launcher itself was stopped are not the store's
+    silence: `woke` times them from now (the supervisor calls it after a stall)."""
+    monkeypatch.setattr(coord, "LOST_S", 0.3)
+    chan = channel(tmp_path, server, 1)
+    client = chan.client
+    assert client is not None
+    client.heard = time.monotonic() - 10  # as after a stall: nothing read for 10 s...
+    client.pending[999] = (time.monotonic() - 10, threading.Event(), [], None)  # ...one sent before it
+    assert client.silent()
+    chan.woke()
+    assert not client.silent()
+    del client.pending[999]
+
+
+def test_a_stranger_or_another_jobs_launcher_is_refused(tmp_path: Path, server: coord.Server) -> None:
+    chan = coord.Channel(tmp_path, 0)
+    began = time.monotonic()
+    assert not coord.Client("127.0.0.1", server.port, "wrong", 0).connect(time.monotonic() + 0.5)
+    assert time.monotonic() - began < 3
+    assert not server.conns
+    chan.close()
+
+
+def test_a_port_taken_leaves_the_job_on_the_files(tmp_path: Path, server: coord.Server,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(coord, "UNHEARD_S", 0.5)
+    chan = coord.Channel(tmp_path, 0)
+    assert not chan.open("127.0.0.1", server.port + 0, "other key", attempt=0, serve=False)
+    assert chan.store is None and "no store answered" in chan.lost_why
+    taken = coord.Channel(tmp_path, 0)
+    assert not taken.open("127.0.0.1", server.port, KEY, attempt=0, serve=True)  # (bind fails)
+    assert "could not serve" in taken.lost_why
+    # Either way each launcher's heartbeat file is there from its start.
+    assert launchers.beats(tmp_path, 0, 1)[0]["seq"] == 0
+
+
+def test_peers_that_left_the_store_are_known_to_its_host(tmp_path: Path, server: coord.Server) -> None:
+    a, b = channel(tmp_path, server, 0), channel(tmp_path, server, 1)
+    b.close()
+    until(lambda: server.left() == {1})
+    a.close()
+
+
+def test_an_older_heartbeat_read_later_is_not_a_sign_of_life() -> None:
+    """After a fallback to the files a node's first heartbeat file (seq 0) is read after its
+    store heartbeats (seq 57): not movement, or a frozen node 0 would seem alive LOST_S more."""
+    peers = Peers(began=0.0, heard_since=0.0)
+    peers.observe({0: {"pid": 7, "seq": 57}}, now=1.0)
+    assert peers.lost([0], {0: {"pid": 7, "seq": 0}}, now=10.0) == [0]
+    assert peers.lost([0], {0: {"pid": 7, "seq": 58}}, now=11.0) == []
+
+
+def test_hpcshard_coord_names_its_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HPCSHARD_COORD", "file")
+    with pytest.raises(ValueError, match="HPCSHARD_COORD='file' is not one of store, files"):
+        coord.mode()
+    monkeypatch.setenv("HPCSHARD_COORD", "files")
+    assert coord.mode() == "files"
