@@ -322,15 +322,17 @@ class Channel:
         self.watched: set[int] = set()
 
     # -- the store's life ------------------------------------------------------------
-    def open(self, host: str, port: int, key: str, attempt: int, serve: bool) -> bool:
+    def open(self, host: str, port: int, key: str, attempt: int, serve: bool,
+             where: dict[str, Any] | None = None) -> bool:
         """Connect to the job's store at host:port (node 0, `serve`, starts it first).
         Until it is connected, and if it cannot be within UNHEARD_S, the files serve.
         Each launcher first writes its heartbeat file once: should the store be lost, its
         peers find that name already there (a name first looked up after it was created
-        on another host is not hidden by NFS's negative lookup cache)."""
+        on another host is not hidden by NFS's negative lookup cache). `where`: the node,
+        as its heartbeats say it (host, Slurm node)."""
         with contextlib.suppress(OSError):
             (self.run_dir / launchers.LAUNCH).mkdir(exist_ok=True)
-            launchers.beat(self.run_dir, attempt, self.node, {"pid": os.getpid(), "seq": 0})
+            launchers.beat(self.run_dir, attempt, self.node, {**(where or {}), "pid": os.getpid(), "seq": 0})
         if serve:
             try:
                 self.server = Server(key, port).start()

@@ -387,7 +387,7 @@ class Supervisor:
     def _run(self) -> int:
         if coord.mode() == "store" and self.node.coord_port:
             self.chan.open(str(self.node.rdzv_host), int(self.node.coord_port), self.spec.coord_key,
-                           self.ranks.attempt, serve=self.me == 0)
+                           self.ranks.attempt, serve=self.me == 0, where=self.where)
         self.beat()
         cycle, unhealthy = 0, False
         node = replace(self.node, nnodes=len(self.roster.active))
