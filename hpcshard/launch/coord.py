@@ -84,12 +84,14 @@ class Server:
     scan by prefix, and pushes of WATCHED keys to every connected launcher. Runs on an
     asyncio loop in a daemon thread of node 0's launcher."""
 
-    def __init__(self, key: str, port: int, host: str = "") -> None:
-        self.key, self.host, self.port = key, host, port
+    def __init__(self, key: str, port: int, host: str = "", attempt: int = 0) -> None:
+        self.key, self.host, self.port, self.attempt = key, host, port, attempt
         self.data: dict[str, Any] = {}
         self.conns: dict[int, tuple[asyncio.StreamWriter, tuple[str, ...]]] = {}
         self.gone: set[int] = set()
-        """Nodes whose connection closed (they left this store: `left`)."""
+        """Nodes whose connection closed before they said they ended (`left`)."""
+        self.ended: set[int] = set()
+        """Nodes whose heartbeat said they ended ("done")."""
         self.instance = uuid.uuid4().hex
         self.requests = 0
         self.loop = asyncio.new_event_loop()
@@ -122,23 +124,23 @@ class Server:
         self.thread = None
 
     def left(self) -> set[int]:
-        """The nodes that connected and then closed their connection: they took this
-        store's host for lost (or ended)."""
+        """The nodes that connected and then closed their connection without saying they
+        ended: they took this store's host for lost."""
         return set(self.gone)
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         node: int | None = None
         try:
             hello = json.loads(await asyncio.wait_for(reader.readline(), 10))
-            if hello.get("op") != "hello" or not hmac.compare_digest(str(hello.get("key", "")), self.key):
-                return  # (a stranger, or another job's launcher on a reused port)
+            if (hello.get("op") != "hello" or not hmac.compare_digest(str(hello.get("key", "")), self.key)
+                    or hello.get("attempt") != self.attempt or int(hello["node"]) in self.conns):
+                # (a stranger; another job's launcher, or an older attempt's thawed one, on
+                # a port reused; a second launcher saying it is a node already here: the
+                # first one keeps its place)
+                return
             node = int(hello["node"])
             watch = tuple(str(w) for w in hello.get("watch", WATCHED))
-            old = self.conns.get(node)
             self.conns[node] = (writer, watch)
-            self.gone.discard(node)
-            if old is not None:
-                old[0].close()
             pushed = {k: v for k, v in self.data.items() if k.startswith(watch)}
             self._write(writer, {"id": hello.get("id"), "instance": self.instance, "pushed": pushed})
             while line := await reader.readline():
@@ -151,7 +153,8 @@ class Server:
         finally:
             if node is not None and self.conns.get(node, (None,))[0] is writer:
                 del self.conns[node]
-                self.gone.add(node)
+                if node not in self.ended:
+                    self.gone.add(node)
             writer.close()
 
     @staticmethod
@@ -168,6 +171,8 @@ class Server:
             return {"won": won, "value": self.data[key]}
         if op == "exchange":  # set some keys, get others: a heartbeat and the ones watched
             for key, value in dict(request.get("set", {})).items():
+                if key.startswith("alive/") and isinstance(value, dict) and "done" in value:
+                    self.ended.add(int(key.rsplit("/")[-1]))
                 self._set(str(key), value)
             return {"values": {k: self.data.get(k) for k in request.get("get", [])}}
         if op == "scan":
@@ -191,8 +196,8 @@ class Client:
     and the pushes it keeps (`pushed`). `silent()` says the store went quiet: a request
     has waited LOST_S with nothing heard from the store since it was sent."""
 
-    def __init__(self, host: str, port: int, key: str, node: int) -> None:
-        self.host, self.port, self.key, self.node = host, port, key, node
+    def __init__(self, host: str, port: int, key: str, node: int, attempt: int = 0) -> None:
+        self.host, self.port, self.key, self.node, self.attempt = host, port, key, node, attempt
         self.sock: socket.socket | None = None
         self.lock = threading.Lock()
         self.ids = itertools.count(1)
@@ -211,7 +216,7 @@ class Client:
                 sock = socket.create_connection((self.host, self.port), timeout=CONNECT_TRY_S)
                 sock.settimeout(CONNECT_TRY_S)
                 sock.sendall(json.dumps({"op": "hello", "id": 0, "node": self.node, "key": self.key,
-                                         "watch": list(WATCHED)}).encode() + b"\n")
+                                         "attempt": self.attempt, "watch": list(WATCHED)}).encode() + b"\n")
                 reply = json.loads(sock.makefile("rb").readline(LINE_LIMIT) or b"null")
                 if not isinstance(reply, dict) or "instance" not in reply:
                     raise ConnectionError("the store refused this launcher (another job's port, or its key)")
@@ -335,11 +340,11 @@ class Channel:
             launchers.beat(self.run_dir, attempt, self.node, {**(where or {}), "pid": os.getpid(), "seq": 0})
         if serve:
             try:
-                self.server = Server(key, port).start()
+                self.server = Server(key, port, attempt=attempt).start()
             except OSError as err:
                 self._give_up(f"node 0 could not serve the store on port {port} ({err.strerror})")
                 return False
-        client = Client(host, port, key, self.node)
+        client = Client(host, port, key, self.node, attempt)
         if not client.connect(time.monotonic() + UNHEARD_S):
             self._give_up(f"no store answered on {host}:{port} within {UNHEARD_S:g} s")
             return False

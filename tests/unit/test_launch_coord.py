@@ -136,13 +136,16 @@ def test_a_launcher_that_stood_still_does_not_blame_the_store(tmp_path: Path, se
     del client.pending[999]
 
 
-def test_a_stranger_or_another_jobs_launcher_is_refused(tmp_path: Path, server: coord.Server) -> None:
-    chan = coord.Channel(tmp_path, 0)
+def test_a_stranger_an_older_attempt_or_a_second_node_0_is_refused(tmp_path: Path,
+                                                                   server: coord.Server) -> None:
     began = time.monotonic()
     assert not coord.Client("127.0.0.1", server.port, "wrong", 0).connect(time.monotonic() + 0.5)
     assert time.monotonic() - began < 3
+    assert not coord.Client("127.0.0.1", server.port, KEY, 0, attempt=1).connect(time.monotonic() + 0.3)
     assert not server.conns
-    chan.close()
+    first = channel(tmp_path, server, 0)
+    assert not coord.Client("127.0.0.1", server.port, KEY, 0).connect(time.monotonic() + 0.3)
+    assert first.store is not None and list(server.conns) == [0]  # (the first keeps its place)
 
 
 def test_a_port_taken_leaves_the_job_on_the_files(tmp_path: Path, server: coord.Server,
@@ -159,9 +162,15 @@ def test_a_port_taken_leaves_the_job_on_the_files(tmp_path: Path, server: coord.
 
 
 def test_peers_that_left_the_store_are_known_to_its_host(tmp_path: Path, server: coord.Server) -> None:
-    a, b = channel(tmp_path, server, 0), channel(tmp_path, server, 1)
+    """A peer that gives the store up closes its connection; one that ended said so first
+    (its last heartbeat): only the first kind left it (`Supervisor._store_left`)."""
+    a, b, c = (channel(tmp_path, server, n) for n in range(3))
+    c.beat(0, 2, {"pid": 3, "seq": 9, "done": 0})
+    until(lambda: 2 in server.ended)
     b.close()
-    until(lambda: server.left() == {1})
+    c.close()
+    until(lambda: not {1, 2} & set(server.conns))
+    assert server.left() == {1}
     a.close()
 
 
@@ -180,3 +189,35 @@ def test_hpcshard_coord_names_its_values(monkeypatch: pytest.MonkeyPatch) -> Non
         coord.mode()
     monkeypatch.setenv("HPCSHARD_COORD", "files")
     assert coord.mode() == "files"
+
+
+def test_node_0_thawed_after_its_peers_left_its_store_leaves_the_run(tmp_path: Path) -> None:
+    """Node 0 froze past LOST_S; its peers gave its store up (closed their connections),
+    declared it lost through the files and went on. Thawed, it must not train on nor speak
+    for the run: it finds them gone from its store and is fenced. A stall its peers sat
+    out (still connected) is not."""
+    from hpcshard.launch.supervise import Fenced
+    from tests.unit.test_launch_races import make_supervisor
+
+    sup = make_supervisor(tmp_path / "run", owner="", nnodes=2)
+    sup.chan.server = coord.Server(KEY, 0, "127.0.0.1").start()
+    peer = channel(tmp_path / "run", sup.chan.server, 1)
+    sup._stood_still(3 * coord.LOST_S)  # (its peer still there: it carries on)
+    peer.close()
+    until(lambda: sup.chan.server is not None and sup.chan.server.left() == {1})
+    with pytest.raises(Fenced, match="its peers left its store"):
+        sup._stood_still(3 * coord.LOST_S)
+    sup.chan.close()
+
+
+def test_a_peer_that_found_the_run_taken_over_takes_every_launcher_out(tmp_path: Path,
+                                                                      server: coord.Server) -> None:
+    from hpcshard.launch.supervise import TakenOver
+    from tests.unit.test_launch_races import make_supervisor
+
+    sup = make_supervisor(tmp_path / "run", owner="", nnodes=2)
+    sup.chan = channel(tmp_path / "run", server, 0)
+    channel(tmp_path / "run", server, 1).fence(0, "taken over by job 7")
+    until(lambda: sup.chan.fenced(0) != "")
+    with pytest.raises(TakenOver, match="job 7"):
+        sup.lost([1])
