@@ -195,6 +195,8 @@ class Supervisor:
         self.renewed = time.monotonic()
         self.storage = ""
         """Why the run directory refused this launcher's last write ("" once one lands)."""
+        self.fault_seen: float | None = None
+        """When (monotonic) this launcher saw the last fault (declared it, or was told)."""
         self.chan = coord.Channel(run_dir, self.me)
         """How it speaks with the other launchers: node 0's store once `_run` opened it,
         the run directory's files before and without it (`launch.coord`)."""
@@ -436,6 +438,7 @@ class Supervisor:
             self.beat()
             fault = self.chan.fault(self.ranks.attempt, cycle)
             if fault is not None:
+                self.fault_seen = time.monotonic()
                 return Watch(code=1, fault=fault)
             beats = self.chan.beats(self.ranks.attempt, self.node.nnodes, self.roster.active)
             ended = [n for n in self.roster.active if "done" in beats.get(n, {})]
@@ -489,6 +492,7 @@ class Supervisor:
         """The cycle's agent could not be started: a fault of this node's like any other
         (the others stop, the decider restarts within the budget; the next start makes a
         new zygote if the old one died)."""
+        self.fault_seen = time.monotonic()
         info = {**self.where, "noticed": self.noticed is not None,
                 "cause": f"node {self.me} could not start its agent ({err})"}
         self._try("its fault declaration", self.chan.declare_fault, self.ranks.attempt,
@@ -547,6 +551,7 @@ class Supervisor:
             if code is not None or dead or hang or self.chan.fault(attempt, cycle):
                 break
             time.sleep(POLL_S)
+        self.fault_seen = time.monotonic()
         fault = self.chan.fault(attempt, cycle)
         if code and self.spec.script and fault is None and not dead:
             ended = board.read()
@@ -615,15 +620,18 @@ class Supervisor:
 
     def _recovered(self, cycle: int, decided: Decision, slots: list[Any]) -> bool:
         """The leader, after a restart: once a rank trains past the step it resumed from, the
-        ledger says how long the fault cost (declared -> training again; the declaration's
-        time is its writer's clock: a measure for people, nothing is decided on it)."""
+        ledger says how long the fault cost: from the moment this launcher saw the fault
+        to training again, on its own monotonic clock (no two hosts' clocks compared: a
+        skew of seconds would be in the figure). Through the store a fault reaches every
+        launcher within milliseconds of its declaration; through the files (node 0 lost),
+        as late as the file system shows it, which this figure leaves out."""
         resumed = decided.committed
         if self.me != self.roster.leader or not any(s.phase == "step" and s.step > resumed for s in slots):
             return False
-        fault = self.chan.fault(self.ranks.attempt, cycle - 1) or {}
+        seen = self.fault_seen if self.fault_seen is not None else time.monotonic()
         self._try("the recovery's time", ledger.append, self.run_dir, events.Recovered(
             attempt=self.ranks.attempt, cycle=cycle, step=resumed + 1,
-            seconds=round(time.time() - fault.get("time", time.time()), 2)))
+            seconds=round(time.monotonic() - seen, 2)))
         return True
 
     def _grace(self, proc: Agent) -> None:
