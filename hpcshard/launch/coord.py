@@ -84,6 +84,14 @@ class Server:
     scan by prefix, and pushes of WATCHED keys to every connected launcher. Runs on an
     asyncio loop in a daemon thread of node 0's launcher."""
 
+    running: dict[int, Server] = {}
+    """The stores this process serves, by port (`serving`)."""
+
+    @classmethod
+    def serving(cls, port: int) -> Server | None:
+        """The store this process serves on `port`, if it does."""
+        return cls.running.get(port)
+
     def __init__(self, key: str, port: int, host: str = "", attempt: int = 0) -> None:
         self.key, self.host, self.port, self.attempt = key, host, port, attempt
         self.data: dict[str, Any] = {}
@@ -105,11 +113,13 @@ class Server:
         self.port = int(self.server.sockets[0].getsockname()[1])
         self.thread = threading.Thread(target=self.loop.run_forever, name="hpcshard-coord", daemon=True)
         self.thread.start()
+        Server.running[self.port] = self
         return self
 
     def close(self) -> None:
         if self.thread is None:
             return
+        Server.running.pop(self.port, None)
 
         async def stop() -> None:
             assert self.server is not None
@@ -317,8 +327,10 @@ class Channel:
     lost (for the rest of the attempt). The same calls as `rundir.launchers`, the run
     directory given once."""
 
-    def __init__(self, run_dir: Path, node: int) -> None:
-        self.run_dir, self.node = run_dir, node
+    def __init__(self, run_dir: Path, node: int, first_cycle: int = 0) -> None:
+        self.run_dir, self.node, self.first_cycle = run_dir, node, first_cycle
+        """`first_cycle`: the first cycle this store saw (one served anew after node 0's
+        was lost); the faults and decisions of those before are in the files."""
         self.client: Client | None = None
         self.server: Server | None = None
         self.lost_why = ""
@@ -401,7 +413,7 @@ class Channel:
 
     def fault(self, attempt: int, cycle: int) -> dict[str, Any] | None:
         store = self.store
-        if store is None:
+        if store is None or cycle < self.first_cycle:
             return launchers.fault(self.run_dir, attempt, cycle)
         found = store.pushed.get(_key("fault", attempt, cycle))
         return dict(found) if found is not None else None
@@ -430,7 +442,7 @@ class Channel:
 
     def decision(self, attempt: int, cycle: int) -> dict[str, Any] | None:
         store = self.store
-        if store is None:
+        if store is None or cycle < self.first_cycle:
             return launchers.decision(self.run_dir, attempt, cycle)
         found = store.pushed.get(_key("next", attempt, cycle))
         return dict(found) if found is not None else None

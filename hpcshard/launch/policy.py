@@ -109,6 +109,9 @@ class Decision:
     host: str = ""
     """A restart: where the next rendezvous is (the decider fills it in)."""
     port: int = 0
+    coord_port: int = 0
+    """A restart decided through the files (node 0's store was lost): where on `host` the
+    decider now serves a store for the cycles after (`launch.coord`); 0: no new one."""
 
     @property
     def restart(self) -> bool:

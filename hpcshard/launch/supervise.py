@@ -426,6 +426,7 @@ class Supervisor:
             if not decided.restart or self.ending is not None:
                 return decided.code
             cycle += 1
+            self._join(decided, cycle)
             self.roster = Roster(decided.active, decided.spares)
             node = replace(self.node, nnodes=len(self.roster.active), rdzv_host=decided.host,
                            rdzv_port=decided.port, run_id=f"{self.node.run_id}-c{cycle}")
@@ -735,9 +736,40 @@ class Supervisor:
                       no_progress_restarts=self.spec.no_progress_restarts)
         self.seen_bad |= set(facts.bad)
         decided = policy.decide(facts)
+        serving: coord.Server | None = None
         if decided.restart:
             decided = replace(decided, port=free_port(), host=self._host())
-        return self._conclude(cycle, watch, decided, downs)
+            serving = self._serve_anew()
+            if serving is not None:
+                decided = replace(decided, coord_port=serving.port)
+        decided = self._conclude(cycle, watch, decided, downs)
+        if serving is not None and (decided.coord_port != serving.port or decided.host != self._host()):
+            serving.close()  # (another decider's decision stands, with its own store)
+        return decided
+
+    def _serve_anew(self) -> coord.Server | None:
+        """A restart decided through the files (node 0's store was lost): this decider
+        serves a new store for the cycles after, so that only this one recovery waited on
+        the file system. None: the store is in use, was never wanted, or cannot be served."""
+        if not self.chan.lost_why or coord.mode() != "store":
+            return None
+        try:
+            return coord.Server(self.spec.coord_key, 0, attempt=self.ranks.attempt).start()
+        except OSError:
+            return None
+
+    def _join(self, decided: Decision, cycle: int) -> None:
+        """After a restart that names a new store (`_serve_anew`), before cycle `cycle`:
+        every launcher leaves the files for it (its decider, which serves it, too)."""
+        if not decided.coord_port or self.chan.store is not None:
+            return
+        old, self.chan = self.chan, coord.Channel(self.run_dir, self.me, first_cycle=cycle)
+        old.close()
+        self.chan.server = coord.Server.serving(decided.coord_port) if decided.host == self._host() else None
+        if self.chan.open(decided.host, decided.coord_port, self.spec.coord_key, self.ranks.attempt,
+                          serve=False, where=self.where):
+            print(f"hpcshard: node {self.me}: the launchers coordinate through the store on "
+                  f"{decided.host}:{decided.coord_port} from cycle {cycle}", file=sys.stderr, flush=True)
 
     def _conclude(self, cycle: int, watch: Watch, decided: Decision,
                   downs: list[dict[str, Any]] | None = None, share: bool = True) -> Decision:
