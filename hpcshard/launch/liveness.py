@@ -34,7 +34,7 @@ class Peers:
     seen: dict[int, tuple[Any, float]] = field(default_factory=dict)
 
     def observe(self, beats: dict[int, dict[str, Any]], now: float | None = None) -> None:
-        """Take note of the heartbeats just read (`launchers.beats`)."""
+        """Take note of the heartbeats just read (`coord.Channel.beats`)."""
         now = time.monotonic() if now is None else now
         for node, beat in beats.items():
             mark = (beat.get("pid"), beat.get("seq"), beat.get("done"))

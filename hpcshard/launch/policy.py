@@ -88,7 +88,8 @@ class Facts:
 
 @dataclass(frozen=True, kw_only=True)
 class Decision:
-    """What every launcher of the job does next (written once, as next-A-C.json)."""
+    """What every launcher of the job does next (written once: in node 0's store, or as
+    next-A-C.json when the launchers coordinate through the files)."""
 
     action: Action
     code: int = 0
