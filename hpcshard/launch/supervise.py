@@ -153,6 +153,8 @@ class Watch:
     ranks: list[dict[str, Any]] = field(default_factory=list)
     """Where each rank of this node was when the fault came (a flight record names a
     rank; this says where it ran)."""
+    flight: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """This node's ranks' flight records (`flight.brief`), for the decider."""
 
 
 class Supervisor:
@@ -589,7 +591,8 @@ class Supervisor:
             kill_tree(proc, also=live)
         declared = self.chan.fault(attempt, cycle) or fault or info
         return Watch(code=proc.returncode or 1, fault=declared, dead=dead + stopped, reached=reached,
-                     ranks=where)
+                     ranks=where, flight=flight.read_ranks(self.run_dir, attempt, cycle,
+                                                           [s.rank for s in now]))
 
     def _cause(self, code: int | None, dead: list[dict[str, Any]], hang: dict[str, Any] | None,
                cycle: int) -> dict[str, Any]:
@@ -658,7 +661,8 @@ class Supervisor:
         launcher's down record decides by itself: the run stops for it, whoever decides."""
         attempt = self.ranks.attempt
         down = {"host": self.where["host"], "dead": watch.dead, "reached": watch.reached,
-                "ranks": watch.ranks, **({"storage": self.storage} if self.storage else {})}
+                "ranks": watch.ranks, "flight": watch.flight,
+                **({"storage": self.storage} if self.storage else {})}
         said = False
         for _ in range(DOWN_TRIES):  # (a file server's blip, ESTALE or EIO, is tried again)
             said = self._try("its down record", self.chan.mark_down, attempt, cycle, self.me,
@@ -808,7 +812,11 @@ class Supervisor:
         ends the attempt, its end record; one line on the console."""
         dead = [d for down in downs for d in down.get("dead", [])]
         fault = watch.fault or {}
-        collectives = flight.missing(flight.read(self.run_dir, self.ranks.attempt, cycle))
+        # (each node's records came with its down record: another host's new files may
+        # stay hidden here for NFS's lookup cache)
+        records = {**flight.read(self.run_dir, self.ranks.attempt, cycle),
+                   **{int(r): f for down in downs for r, f in down.get("flight", {}).items()}}
+        collectives = flight.missing(records)
         # The culprit, surest first: a rank whose own code raised (it is dead too, as are
         # ranks torchrun tore down after it); one killed or stopped; a node lost; the rank where the
         # flight records' chain of waits begins (a livelock: busy while its peers wait,

@@ -94,6 +94,30 @@ def read(run_dir: Path, attempt: int, cycle: int) -> dict[int, dict[str, Any]]:
     return found
 
 
+def read_ranks(run_dir: Path, attempt: int, cycle: int, ranks: list[int]) -> dict[int, dict[str, Any]]:
+    """The records of these ranks (a launcher's own: written on its host, so read fresh
+    there), each cut to what `missing` needs (`brief`): the launcher sends them to the
+    decider in its down record, which on NFS may not see another host's new files for
+    the directory's lookup cache (30-60 s)."""
+    found: dict[int, dict[str, Any]] = {}
+    where = folder(run_dir, attempt, cycle)
+    for rank in ranks:
+        with contextlib.suppress(ValueError, OSError, KeyError):
+            found[rank] = brief(json.loads((where / f"rank-{rank}.json").read_text()))
+    return found
+
+
+def brief(record: dict[str, Any]) -> dict[str, Any]:
+    """A record with, of its entries (up to 2000), only each group's newest collective
+    enqueued (what `missing` names): a few hundred bytes a rank, not hundreds of KB."""
+    newest = {name: str(status.get("last_enqueued_collective"))
+              for name, status in record.get("pg_status", {}).items()}
+    entries = [e for e in record.get("entries", [])
+               if newest.get(str(e.get("process_group", [""])[0])) == str(e.get("collective_seq_id"))]
+    return {"rank": record["rank"], "pg_config": record.get("pg_config", {}),
+            "pg_status": record.get("pg_status", {}), "entries": entries}
+
+
 def missing(records: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
     """Per group with a collective in flight: the newest collective a member entered
     (sequence number, op, sizes), the members inside it, and the members that never

@@ -221,3 +221,30 @@ def test_a_peer_that_found_the_run_taken_over_takes_every_launcher_out(tmp_path:
     until(lambda: sup.chan.fenced(0) != "")
     with pytest.raises(TakenOver, match="job 7"):
         sup.lost([1])
+
+
+def test_flight_records_travel_in_the_down_record_cut_to_what_names_the_missing_rank(tmp_path: Path) -> None:
+    """On NFS the decider may not see another host's new flight files for 30-60 s: each
+    launcher reads its own ranks' (written on its host) and sends them, cut to each group's
+    newest collective, in its down record. What `missing` finds is the same."""
+    from hpcshard.rundir import flight
+
+    def record(rank: int, enqueued: int, completed: int) -> dict[str, object]:
+        entries = [{"process_group": ["0", ""], "collective_seq_id": s, "profiling_name": f"gloo:op{s}",
+                    "input_sizes": [[s]]} for s in range(1, enqueued + 1)]
+        return {"rank": rank, "entries": entries,
+                "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": [0, 1, 2]}},
+                "pg_status": {"0": {"last_enqueued_collective": enqueued,
+                                    "last_completed_collective": completed}}}
+
+    full = {0: record(0, 110, 109), 1: record(1, 109, 109), 2: record(2, 110, 109)}
+    where = flight.folder(tmp_path, 0, 0)
+    where.mkdir(parents=True)
+    for rank, rec in full.items():
+        (where / f"rank-{rank}.json").write_text(json.dumps(rec))
+    mine = flight.read_ranks(tmp_path, 0, 0, [0, 1, 2, 3])  # (rank 3: no record, stopped)
+    assert sorted(mine) == [0, 1, 2] and all(len(r["entries"]) == 1 for r in mine.values())
+    assert len(json.dumps(mine)) < len(json.dumps(full)) / 20
+    sent = json.loads(json.dumps({str(r): rec for r, rec in mine.items()}))  # (as the store carries it)
+    assert flight.missing({int(r): rec for r, rec in sent.items()}) == flight.missing(full)
+    assert flight.missing(full)[0]["missing"] == [1] and flight.missing(full)[0]["op"] == "gloo:op110"
