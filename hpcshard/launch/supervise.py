@@ -197,6 +197,8 @@ class Supervisor:
         self.renewed = time.monotonic()
         self.storage = ""
         """Why the run directory refused this launcher's last write ("" once one lands)."""
+        self.newest = 0
+        """The newest committed step the last decision named (`RankEnv.newest`)."""
         self.fault_seen: float | None = None
         """When (monotonic) this launcher saw the last fault (declared it, or was told)."""
         self.chan = coord.Channel(run_dir, self.me)
@@ -428,6 +430,7 @@ class Supervisor:
             if not decided.restart or self.ending is not None:
                 return decided.code
             cycle += 1
+            self.newest = decided.committed  # (rank 0 looks it up by name if it must)
             self._join(decided, cycle)
             self.roster = Roster(decided.active, decided.spares)
             node = replace(self.node, nnodes=len(self.roster.active), rdzv_host=decided.host,
@@ -477,7 +480,7 @@ class Supervisor:
         path = board_path(node.run_id, node.node_rank)
         board = Board.create(path, node.per_node)
         env = replace(self.ranks, cycle=cycle, board=str(path),
-                      resume=self.ranks.resume if cycle == 0 else "auto")
+                      resume=self.ranks.resume if cycle == 0 else "auto", newest=self.newest)
         self.told.clear()
         self.ending_sent = False
         self.proc = None  # (a TERM while the agent starts is for the new one: `_tell`)
@@ -661,7 +664,7 @@ class Supervisor:
         launcher's down record decides by itself: the run stops for it, whoever decides."""
         attempt = self.ranks.attempt
         down = {"host": self.where["host"], "dead": watch.dead, "reached": watch.reached,
-                "ranks": watch.ranks, "flight": watch.flight,
+                "ranks": watch.ranks, "flight": watch.flight, "committed": self._seen_committed(),
                 **({"storage": self.storage} if self.storage else {})}
         said = False
         for _ in range(DOWN_TRIES):  # (a file server's blip, ESTALE or EIO, is tried again)
@@ -730,7 +733,9 @@ class Supervisor:
                 bad[n] = why
                 self._bad(cycle, n, where, why)
             bad = {**exclusion.bad(self.run_dir, attempt), **bad}  # (ours, if a record did not land)
-        committed = self._committed()
+        # The newest commit any node sees: the one whose rank 0 made it does at once, another
+        # host's listing may not for NFS's directory cache (30-60 s).
+        committed = max([self._committed(), *(int(d.get("committed") or 0) for d in downs)])
         facts = Facts(cycle=cycle, active=self.roster.active, spares=self.roster.spares,
                       min_nodes=self.spec.min_nodes, local=self.spec.backend == "local", lost=tuple(lost),
                       unreported=tuple(n for n in missing if n not in lost), ended=ended, bad=bad,
@@ -799,6 +804,14 @@ class Supervisor:
         self.seen_bad.add(node)
         self._try("a bad node's record", exclusion.declare_bad, self.run_dir, self.ranks.attempt, cycle,
                   node, where, reason, self.spec.bad_nodes == "drain")
+
+    def _seen_committed(self) -> int:
+        """`_committed`, or 0 when the run directory cannot be read (a down record is sent
+        whatever the disk does)."""
+        try:
+            return self._committed()
+        except (OSError, ValueError):
+            return 0
 
     def _committed(self) -> int:
         """The newest step a restart resumes from: hpcshard's committed checkpoints, or a

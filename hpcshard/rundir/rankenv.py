@@ -95,6 +95,11 @@ class RankEnv:
     """HPCSHARD_OWNER: the lease token of the job or process that owns the run
     (`rundir.lease`): rank 0 checks it still does before it commits or cleans anything;
     empty: no lease (a run directory of an older hpcshard)."""
+    newest: int = 0
+    """HPCSHARD_NEWEST_STEP: a restart's newest committed step as the launchers know it
+    (the node that committed it sees it): rank 0 looks it up by name should its own
+    listing of the checkpoints not show it yet (an NFS client's directory cache: 30-60 s
+    after another host made it); 0: none known."""
 
     def __post_init__(self) -> None:  # USR2, usr2, SIGUSR2: one spelling from here on
         object.__setattr__(self, "notice", signal_name(self.notice))
@@ -110,13 +115,14 @@ class RankEnv:
                    deadline=float(deadline) if deadline else None,
                    lead=int(env["HPCSHARD_NOTICE_LEAD"]) if env.get("HPCSHARD_NOTICE_LEAD") else None,
                    cycle=int(env.get("HPCSHARD_CYCLE", "0")), board=env.get("HPCSHARD_BOARD", ""),
-                   owner=env.get("HPCSHARD_OWNER", ""))
+                   owner=env.get("HPCSHARD_OWNER", ""), newest=int(env.get("HPCSHARD_NEWEST_STEP") or 0))
 
     def to_environ(self) -> dict[str, str]:
         env = {"HPCSHARD_ATTEMPT": str(self.attempt), "HPCSHARD_RESUME": self.resume,
                "HPCSHARD_RESTART_COUNT": str(self.restart_count),
                "HPCSHARD_STOP_SIGNAL": self.notice, "HPCSHARD_CYCLE": str(self.cycle),
-               "HPCSHARD_BOARD": self.board, "HPCSHARD_OWNER": self.owner}
+               "HPCSHARD_BOARD": self.board, "HPCSHARD_OWNER": self.owner,
+               "HPCSHARD_NEWEST_STEP": str(self.newest)}
         if self.deadline is not None:
             env["HPCSHARD_DEADLINE"] = str(int(self.deadline))
         if self.lead is not None:

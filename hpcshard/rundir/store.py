@@ -228,6 +228,19 @@ def scan(root: Path) -> list[Checkpoint]:
     return sorted(entries, key=lambda c: (c.step, c.path.name))
 
 
+def with_newest(entries: list[Checkpoint], root: Path, newest: int) -> list[Checkpoint]:
+    """`entries` (a listing), and the checkpoint of step `newest` when the listing lacks it:
+    a directory another NFS client created can be missing from this one's listing for its
+    attribute cache (acdirmin-acdirmax, 30-60 s), while a lookup of its exact name, never
+    looked up here before, goes to the server."""
+    if newest <= 0 or any(c.step == newest for c in entries):
+        return entries
+    path = root / step_name(newest)
+    if not path.is_dir():
+        return entries
+    return sorted([*entries, inspect(path)], key=lambda c: (c.step, c.path.name))
+
+
 def committed(root: Path) -> list[Checkpoint]:
     return [c for c in scan(root) if c.committed]
 
@@ -241,12 +254,14 @@ def check_safe(ckpt: Checkpoint, trusted_gid: int | None = None) -> None:
             raise UserError(f"refusing checkpoint {ckpt.path}: {reason}")
 
 
-def select(root: Path, resume: str, exclude: frozenset[Path] = frozenset(),
+def select(root: Path, resume: str, exclude: frozenset[Path] = frozenset(), newest: int = 0,
            ) -> tuple[Checkpoint | None, list[Checkpoint]]:
     """The checkpoint `resume` asks for, and the ones skipped on the way (newest first).
 
     auto: the newest valid committed checkpoint (None when there is none);
-    never: None; STEP: that committed step; PATH: that checkpoint directory.
+    never: None; STEP: that committed step; PATH: that checkpoint directory. `newest`: a
+    step known committed (by the host that made it), looked up by name when this host's
+    listing does not show it (`with_newest`).
     `Unreadable` when the file system fails to answer about one it would take or skip:
     a checkpoint is never skipped (and later quarantined) for an ESTALE.
     """
@@ -269,7 +284,7 @@ def select(root: Path, resume: str, exclude: frozenset[Path] = frozenset(),
                             "give a step-N directory with a manifest, a step number, auto or never")
         return ckpt, []
     skipped: list[Checkpoint] = []
-    for ckpt in reversed(scan(root)):
+    for ckpt in reversed(with_newest(scan(root), root, newest)):
         if ckpt.path in exclude:
             continue
         if readable(ckpt).committed:

@@ -188,7 +188,8 @@ class Trainer:
                                    "tp": cfg.tp, "frozen": len(self.frozen),
                                    **({"frozen_from": self.init_from.fingerprint}
                                       if self.init_from and self.frozen else {})})
-        self.ckpt = (Checkpointer(parts, env, cfg, run_dir, owner=self.limits.owner)
+        self.ckpt = (Checkpointer(parts, env, cfg, run_dir, owner=self.limits.owner,
+                                  newest=self.limits.newest)
                      if run_dir is not None else None)
         # Dropout and any other in-step randomness: per rank, seeded, restorable.
         seed_rank(cfg.seed, env.rank)

@@ -434,3 +434,26 @@ def test_a_run_group_the_user_is_not_in_or_another_users_directory_is_refused(
     with pytest.raises(ValueError, match="belongs to uid .*not to you"):
         check_run_dir(tmp_path)  # (empty: otherwise acceptable)
     assert not (tmp_path / "run").exists()
+
+
+def test_auto_takes_the_newest_step_the_launchers_know_though_this_hosts_listing_lacks_it(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On NFS a checkpoint another host committed can be missing from this host's listing
+    for the directory's cache (30-60 s); a restart's rank 0 on another node would resume
+    from an older one and train its steps again. The launchers pass the newest committed
+    step they know (`RankEnv.newest`); rank 0 looks it up by its name."""
+    for s in (10, 20):
+        make(root, s)
+    make(root, 30)
+    listing = store.scan
+
+    def cached(where: Path) -> list[store.Checkpoint]:  # (this host's stale listing)
+        return [c for c in listing(where) if c.step != 30]
+
+    monkeypatch.setattr(store, "scan", cached)
+    assert store.select(root, "auto")[0].step == 20  # type: ignore[union-attr]
+    assert store.select(root, "auto", newest=30)[0].step == 30  # type: ignore[union-attr]
+    assert store.select(root, "auto", newest=50)[0].step == 20  # type: ignore[union-attr]  (none by that name)
+    (root / store.step_name(30) / store.MANIFEST).unlink()  # damaged: the previous, as ever
+    chosen, skipped = store.select(root, "auto", newest=30)
+    assert chosen is not None and chosen.step == 20 and [c.step for c in skipped] == [30]

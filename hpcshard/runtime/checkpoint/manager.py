@@ -103,10 +103,11 @@ class Checkpointer:
     """Saves and loads one run's full state under RUN_DIR/checkpoints."""
 
     def __init__(self, parts: TrainParts, env: DistEnv, cfg: TrainConfig, run_dir: Path,
-                 owner: str = "") -> None:
+                 owner: str = "", newest: int = 0) -> None:
         self.parts, self.env, self.cfg = parts, env, cfg
-        self.run_dir, self.owner = run_dir, owner
-        """`owner`: this job's lease token (RankEnv.owner; "": no lease, it always owns)."""
+        self.run_dir, self.owner, self.newest = run_dir, owner, newest
+        """`owner`: this job's lease token (RankEnv.owner; "": no lease, it always owns);
+        `newest`: a restart's newest committed step as the launchers know it (RankEnv)."""
         self.root = run_dir / store.CHECKPOINTS
         # Async saves run their collectives on a gloo group of their own, so they never
         # interleave with training's collectives on the default group.
@@ -408,7 +409,7 @@ class Checkpointer:
                     return None, [], gone, "disowned"
                 for stale in store.clean_incomplete(self.root):
                     log.warning("removed incomplete checkpoint %s (a save was interrupted)", stale)
-                chosen, passed = store.select(self.root, how, exclude)
+                chosen, passed = store.select(self.root, how, exclude, newest=self.newest)
                 if chosen is not None:
                     store.check_safe(chosen, trusted_gid(self.root.parent))
                 return chosen, [(c.path.name, c.problem) for c in passed], "", ""
