@@ -113,7 +113,9 @@ def markdown(command: str, label: str, strace_s: float, results: list[dict[str, 
              "Spawn floor: N fake ranks started at once with no launcher (first start -> the last one's "
              "first step): what this one host adds to `every node training` that a cluster, each node on "
              "its own cores, would not. CPU busy and load are the whole machine's over the fault (its "
-             "kernel is shared with other work); the launchers' own CPU is in the next table.", "",
+             "kernel is shared with other work); the launchers' own CPU is in the next table. Every "
+             "latency here includes waiting for one of this host's cores: a loaded host inflates them "
+             "(read them beside the CPU columns).", "",
              *_faults_table(rows), "",
              f"Steady training: operations on the run directory per node per second (strace, {strace_s:g} s "
              "on the leader and two others; `bench/opcount.py` says what counts), the launchers' CPU, and "
