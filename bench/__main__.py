@@ -10,6 +10,7 @@ from bench import (
     chaos,
     checkpoint,
     cli_latency,
+    control,
     faults,
     nodes,
     overhead,
@@ -24,7 +25,8 @@ from bench.common import RESULTS, show
 
 BENCHES = {"overhead": overhead, "checkpoint": checkpoint, "resume": resume, "requeue": requeue,
            "cli": cli_latency, "scaling": scaling, "faults": faults,
-           "nodes": nodes, "chaos": chaos, "tp": tp, "pretrained": pretrained, "owner": owner}
+           "nodes": nodes, "chaos": chaos, "tp": tp, "pretrained": pretrained, "owner": owner,
+           "control": control}
 
 
 def main(names: list[str]) -> int:
