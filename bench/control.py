@@ -112,7 +112,7 @@ class Cluster:
                 # (a crash is measured: a rank starved of a core for 5 s must not pass for a hang)
                 resolved={"config": {"watchdog_floor_s": 60.0}}).write(self.run_dir)
         self.owner = lease.take(self.run_dir, lease.Owner.of_process("bench control"), lambda job: False)
-        port, run_id = free_port(), f"ctl{uuid.uuid4().hex[:8]}"
+        port, coord_port, run_id = free_port(), free_port(), f"ctl{uuid.uuid4().hex[:8]}"
         base = env(HPCSHARD_WARM_START="0", BENCH_CONTROL_STAMPS=str(self.stamps),
                    BENCH_CONTROL_RATE=str(RATE), BENCH_CONTROL_STEADY=str(STEADY),
                    BENCH_CONTROL_STEPS=str(int(RATE * 3600)),
@@ -121,7 +121,7 @@ class Cluster:
             base["HPCSHARD_COORD"] = self.opts.coord
         for rank in range(self.n):
             node = NodeEnv(node_rank=rank, nnodes=self.n, per_node=1, rdzv_host="127.0.0.1", rdzv_port=port,
-                           run_id=run_id)
+                           run_id=run_id, coord_port=coord_port)
             ranks = RankEnv(attempt=0, owner=self.owner.token)
             with (self.logs / f"node-{rank}.log").open("wb") as log:
                 self.procs.append(subprocess.Popen(

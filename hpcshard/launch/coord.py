@@ -42,6 +42,7 @@ import contextlib
 import hmac
 import itertools
 import json
+import math
 import os
 import socket
 import sys
@@ -61,6 +62,10 @@ LINE_LIMIT = 64 << 20
 """The longest message (every heartbeat of 10,000 nodes is about 2 MB)."""
 WATCHED = ("fault/", "next/", "fenced/")
 """What the store pushes to every launcher the moment it is set."""
+WATCH_KEEP_S = 3.0
+"""A node's heartbeat is brought back with this launcher's own while it was asked for
+within this long (the leader asks for every node's each second; the others for the
+leader's)."""
 MODES = ("store", "files")
 """HPCSHARD_COORD: the store served by node 0's launcher (default), or the run directory's
 files only (the protocol before the store; kept for comparison and as a way out)."""
@@ -337,6 +342,9 @@ class Channel:
         """Why the store was given up (empty while it is used, or never was)."""
         self.beats_seen: dict[int, dict[str, Any]] = {}
         self.watched: set[int] = set()
+        """The nodes whose heartbeats each of this launcher's heartbeats brings back."""
+        self.asked: dict[int, float] = {}
+        """When (monotonic) each node's heartbeat was last asked for."""
 
     # -- the store's life ------------------------------------------------------------
     def open(self, host: str, port: int, key: str, attempt: int, serve: bool,
@@ -484,9 +492,13 @@ class Channel:
         wanted = set(range(nodes) if of is None else of) - {self.node}
         if self.store is None:
             return launchers.beats(self.run_dir, attempt, nodes)
-        new = wanted - self.watched
+        now = time.monotonic()
+        new = {n for n in wanted if now - self.asked.get(n, -math.inf) > WATCH_KEEP_S}
+        self.asked.update({n: now for n in wanted})
+        # (watched: asked for lately; a launcher that looked at every node below it to
+        # find the decider must not fetch them all every second from then on)
+        self.watched = {n for n, at in self.asked.items() if now - at <= WATCH_KEEP_S}
         if new:
-            self.watched |= new
             found = self._call("exchange", get=[_key("alive", attempt, n) for n in sorted(new)])
             if found is None:
                 return launchers.beats(self.run_dir, attempt, nodes)

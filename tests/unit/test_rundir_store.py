@@ -453,7 +453,7 @@ def test_auto_takes_the_newest_step_the_launchers_know_though_this_hosts_listing
     monkeypatch.setattr(store, "scan", cached)
     assert store.select(root, "auto")[0].step == 20  # type: ignore[union-attr]
     assert store.select(root, "auto", newest=30)[0].step == 30  # type: ignore[union-attr]
-    assert store.select(root, "auto", newest=50)[0].step == 20  # type: ignore[union-attr]  (none by that name)
+    assert store.select(root, "auto", newest=50)[0].step == 20  # type: ignore[union-attr]
     (root / store.step_name(30) / store.MANIFEST).unlink()  # damaged: the previous, as ever
     chosen, skipped = store.select(root, "auto", newest=30)
     assert chosen is not None and chosen.step == 20 and [c.step for c in skipped] == [30]
