@@ -44,6 +44,7 @@ import itertools
 import json
 import math
 import os
+import select
 import socket
 import sys
 import threading
@@ -310,8 +311,17 @@ class Client:
         was sent (a store slow to answer is heard sooner or later; one on a node that froze
         or died is not)."""
         now = time.monotonic() if now is None else now
-        return self.closed or any(now - sent > LOST_S and self.heard < sent
-                                  for sent, _, _, _ in list(self.pending.values()))
+        if self.closed:
+            return True
+        waited = [sent for sent, _, _, _ in list(self.pending.values())]
+        if not any(now - sent > LOST_S and self.heard < sent for sent in waited):
+            return False
+        # An answer may have come while this process was starved of the CPU, unread yet.
+        try:
+            waiting, _, _ = select.select([self.sock], [], [], 0) if self.sock is not None else ([], 0, 0)
+        except (OSError, ValueError):
+            return True
+        return not waiting
 
     def woke(self) -> None:
         """This launcher stood still: what it sent waited with it (not the store's fault)."""
@@ -332,14 +342,17 @@ class Channel:
     lost (for the rest of the attempt). The same calls as `rundir.launchers`, the run
     directory given once."""
 
-    def __init__(self, run_dir: Path, node: int, first_cycle: int = 0) -> None:
-        self.run_dir, self.node, self.first_cycle = run_dir, node, first_cycle
+    def __init__(self, run_dir: Path, node: int, first_cycle: int = 0, host_node: int = 0) -> None:
+        self.run_dir, self.node, self.first_cycle, self.host_node = run_dir, node, first_cycle, host_node
         """`first_cycle`: the first cycle this store saw (one served anew after node 0's
         was lost); the faults and decisions of those before are in the files."""
         self.client: Client | None = None
         self.server: Server | None = None
         self.lost_why = ""
         """Why the store was given up (empty while it is used, or never was)."""
+        self.fell_back = False
+        """The store was used, then given up: the others move to the files too, or it is
+        this launcher that was cut off (`Supervisor._isolated`)."""
         self.beats_seen: dict[int, dict[str, Any]] = {}
         self.watched: set[int] = set()
         """The nodes whose heartbeats each of this launcher's heartbeats brings back."""
@@ -373,9 +386,11 @@ class Channel:
 
     @property
     def store(self) -> Client | None:
-        """The store while it is used; None once it went silent (then the files serve)."""
+        """The store while it is used; None once it went silent (then the files serve).
+        The launcher that serves it never gives its own up for silence (a starved process
+        is slow to answer itself, and it is not cut off from itself)."""
         client = self.client
-        if client is not None and client.silent():
+        if client is not None and client.silent() and (self.server is None or client.closed):
             self._give_up(f"the store on {client.host}:{client.port} (node 0's launcher) went silent")
         return self.client
 
@@ -383,6 +398,7 @@ class Channel:
         if self.client is not None:
             self.client.close()
             self.client = None
+            self.fell_back = True
         if not self.lost_why:
             self.lost_why = why
             print(f"hpcshard: node {self.node}: {why}; the launchers coordinate through the run "

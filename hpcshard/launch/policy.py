@@ -113,6 +113,8 @@ class Decision:
     coord_port: int = 0
     """A restart decided through the files (node 0's store was lost): where on `host` the
     decider now serves a store for the cycles after (`launch.coord`); 0: no new one."""
+    coord_node: int = 0
+    """...and the decider's node (whose loss is the store's)."""
 
     @property
     def restart(self) -> bool:

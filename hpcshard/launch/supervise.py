@@ -201,6 +201,8 @@ class Supervisor:
         """The newest committed step the last decision named (`RankEnv.newest`)."""
         self.fault_seen: float | None = None
         """When (monotonic) this launcher saw the last fault (declared it, or was told)."""
+        self.fell_back = False
+        """It has given its peers their grace after a fallback to the files (`_isolated`)."""
         self.chan = coord.Channel(run_dir, self.me)
         """How it speaks with the other launchers: node 0's store once `_run` opened it,
         the run directory's files before and without it (`launch.coord`)."""
@@ -336,9 +338,32 @@ class Supervisor:
     def _look(self, nodes: list[int] | tuple[int, ...]) -> tuple[list[int], dict[int, dict[str, Any]]]:
         """The lost ones of `nodes`, and every heartbeat as read (one read of them)."""
         self.beat()  # (a launcher stopped since its last beat must not judge before it knows)
+        if self.chan.fell_back:
+            self._isolated()
         beats = self.chan.beats(self.ranks.attempt, self.node.nnodes, nodes)
         self._check_fenced(beats)
         return self.peers.lost(nodes, beats), beats
+
+    def _isolated(self) -> None:
+        """This launcher gave node 0's store up. Either node 0 is lost, and every launcher
+        gives it up within a second or two and shows up in the files; or this one was cut
+        off (or starved) alone while the others stay with the store and will take it for
+        lost. Each peer gets LOST_S from the fallback to show up; when, after that, most
+        of them have not, it is this launcher that is gone: it leaves the run and blames
+        nobody (measured before this: one launcher starved of the CPU at 128 emulated
+        nodes fell back alone and declared 118 healthy nodes lost)."""
+        others = [n for n in self.roster.members
+                  if n not in (self.me, self.chan.host_node) and n not in self.seen_bad]
+        if not self.fell_back:
+            self.fell_back = True
+            self.peers.grace(others)
+        if not others:
+            return
+        beats = self.chan.beats(self.ranks.attempt, self.node.nnodes, others)
+        gone = [n for n in self.peers.lost(others, beats) if "done" not in beats.get(n, {})]
+        if 2 * len(gone) > len(others):
+            raise Fenced(f"it gave node {self.chan.host_node}'s store up, and {len(gone)} of its "
+                         f"{len(others)} other peers did not: it is the one cut off")
 
     # -- one cycle -------------------------------------------------------------------
     def run(self) -> int:
@@ -754,7 +779,7 @@ class Supervisor:
             decided = replace(decided, port=free_port(), host=self._host())
             serving = self._serve_anew()
             if serving is not None:
-                decided = replace(decided, coord_port=serving.port)
+                decided = replace(decided, coord_port=serving.port, coord_node=self.me)
         decided = self._conclude(cycle, watch, decided, downs)
         if serving is not None and (decided.coord_port != serving.port or decided.host != self._host()):
             serving.close()  # (another decider's decision stands, with its own store)
@@ -776,7 +801,9 @@ class Supervisor:
         every launcher leaves the files for it (its decider, which serves it, too)."""
         if not decided.coord_port or self.chan.store is not None:
             return
-        old, self.chan = self.chan, coord.Channel(self.run_dir, self.me, first_cycle=cycle)
+        old = self.chan
+        self.chan = coord.Channel(self.run_dir, self.me, first_cycle=cycle, host_node=decided.coord_node)
+        self.fell_back = False
         old.close()
         self.chan.server = coord.Server.serving(decided.coord_port) if decided.host == self._host() else None
         if self.chan.open(decided.host, decided.coord_port, self.spec.coord_key, self.ranks.attempt,

@@ -248,3 +248,58 @@ def test_flight_records_travel_in_the_down_record_cut_to_what_names_the_missing_
     sent = json.loads(json.dumps({str(r): rec for r, rec in mine.items()}))  # (as the store carries it)
     assert flight.missing({int(r): rec for r, rec in sent.items()}) == flight.missing(full)
     assert flight.missing(full)[0]["missing"] == [1] and flight.missing(full)[0]["op"] == "gloo:op110"
+
+
+def test_a_launcher_that_fell_back_alone_leaves_instead_of_blaming_the_others(tmp_path: Path) -> None:
+    """It gave node 0's store up; each peer gets LOST_S from then to show up in the files.
+    When most have not (they stayed with the store: it was this one that was cut off or
+    starved), it leaves the run and declares nobody lost. Measured before: at 128 emulated
+    nodes one starved launcher fell back alone and declared 118 healthy nodes lost."""
+    from hpcshard.launch.supervise import Fenced
+    from tests.unit.test_launch_races import make_supervisor
+
+    run = tmp_path / "run"
+    sup = make_supervisor(run, owner="", node_rank=2, nnodes=5)
+    (run / launchers.LAUNCH).mkdir(exist_ok=True)
+    for n in range(5):  # (what the store showed last, and the start-up files)
+        launchers.beat(run, 0, n, {"pid": 100 + n, "seq": 0})
+    sup.peers.observe({n: {"pid": 100 + n, "seq": 40} for n in range(5)})
+    sup.chan.fell_back, sup.chan.host_node = True, 0
+    sup._isolated()  # (the fallback: a grace for the others, not for node 0)
+
+    def later(seconds: float) -> None:
+        sup.peers.seen = {n: (mark, at - seconds) for n, (mark, at) in sup.peers.seen.items()}
+        sup.peers.heard_since -= seconds
+        sup.peers.began -= seconds
+
+    later(coord.LOST_S + 1)
+    launchers.beat(run, 0, 1, {"pid": 101, "seq": 41})  # node 1 fell back too
+    launchers.beat(run, 0, 3, {"pid": 103, "seq": 41})  # and node 3
+    sup._isolated()  # 1 of 3 (node 4) did not: node 0 is lost, not this launcher
+    assert sup.lost([0]) == [0]
+    later(coord.LOST_S + 1)
+    launchers.beat(run, 0, 1, {"pid": 101, "seq": 42})  # only node 1 moves on
+    with pytest.raises(Fenced, match="2 of its 3 other peers did not: it is the one cut off"):
+        sup._isolated()
+    assert not ledger_has_bad(run)
+
+
+def ledger_has_bad(run: Path) -> bool:
+    from hpcshard.rundir import ledger
+
+    return bool(ledger.bad_nodes(run))
+
+
+def test_the_launcher_serving_the_store_never_gives_its_own_up(tmp_path: Path, server: coord.Server,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 0 starved of the CPU answers itself late; it is not cut off from itself."""
+    monkeypatch.setattr(coord, "LOST_S", 0.2)
+    chan = channel(tmp_path, server, 0)
+    chan.server = server
+    client = chan.client
+    assert client is not None
+    client.pending[999] = (time.monotonic() - 10, threading.Event(), [], None)
+    client.heard = time.monotonic() - 10
+    assert client.silent() and chan.store is client
+    chan.server = None
+    assert chan.store is None and chan.fell_back
