@@ -299,7 +299,7 @@ def test_the_launcher_serving_the_store_never_gives_its_own_up(tmp_path: Path, s
     client = chan.client
     assert client is not None
     client.pending[999] = (time.monotonic() - 10, threading.Event(), [], None)
-    client.heard = time.monotonic() - 10
+    client.heard = time.monotonic() - 20
     assert client.silent() and chan.store is client
     chan.server = None
     assert chan.store is None and chan.fell_back
