@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -91,7 +92,11 @@ def test_a_file_one_nfs_node_creates_stays_invisible_to_another_for_its_negative
     flags.mkdir()
     script = tmp_path / "nfs_step.py"
     script.write_text(NFS_STEP)
-    got = step(cluster, [creator, reader], script, str(shared), str(flags), creator)
+    try:
+        got = step(cluster, [creator, reader], script, str(shared), str(flags), creator)
+        after = (shared / "f").read_text()  # this host's view: it never looked, so fresh
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)  # the backing directory outlives the cluster
     made, read = got[creator], got[reader]
     assert made["sees_its_own"] and read["missing_at_first"], got
     hidden = float(read["seen"]) - float(made["created"])
@@ -100,7 +105,7 @@ def test_a_file_one_nfs_node_creates_stays_invisible_to_another_for_its_negative
     assert read["first"] == "first"
     assert read["second"] == "second, longer", "a file replaced by a rename was read stale"
     assert float(read["second_at"]) - float(made["replaced"]) < 1, got
-    assert (shared / "f").read_text() == "second, longer"  # this host's view: never looked, fresh
+    assert after == "second, longer"
 
 
 @pytest.mark.nfs_partition
