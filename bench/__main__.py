@@ -11,6 +11,7 @@ from bench import (
     checkpoint,
     cli_latency,
     faults,
+    nfs,
     nodes,
     overhead,
     owner,
@@ -24,7 +25,8 @@ from bench.common import RESULTS, show
 
 BENCHES = {"overhead": overhead, "checkpoint": checkpoint, "resume": resume, "requeue": requeue,
            "cli": cli_latency, "scaling": scaling, "faults": faults,
-           "nodes": nodes, "chaos": chaos, "tp": tp, "pretrained": pretrained, "owner": owner}
+           "nodes": nodes, "chaos": chaos, "tp": tp, "pretrained": pretrained, "owner": owner,
+           "nfs": nfs}
 
 
 def main(names: list[str]) -> int:
