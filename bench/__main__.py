@@ -12,6 +12,7 @@ from bench import (
     cli_latency,
     control,
     faults,
+    nfs,
     nodes,
     overhead,
     owner,
@@ -26,7 +27,7 @@ from bench.common import RESULTS, show
 BENCHES = {"overhead": overhead, "checkpoint": checkpoint, "resume": resume, "requeue": requeue,
            "cli": cli_latency, "scaling": scaling, "faults": faults,
            "nodes": nodes, "chaos": chaos, "tp": tp, "pretrained": pretrained, "owner": owner,
-           "control": control}
+           "control": control, "nfs": nfs}
 
 
 def main(names: list[str]) -> int:

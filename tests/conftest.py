@@ -24,8 +24,9 @@ LAYERS = {"unit": "unit", "distributed": "dist", "slurm": "slurm"}
 
 # pytest-xdist (-n 3 --dist loadgroup, see pyproject): tests of one group run in one worker,
 # in order. The Slurm tests share one cluster: "slurm" uses its low/high partitions (and
-# preempts through them), "slurm-debug" only the separate debug partition, so the two run
-# side by side. Modules with expensive module-scoped fixtures stay in one worker each.
+# preempts through them), "slurm-debug" only the separate debug partition, "slurm-nfs" only
+# the nfs partition (its NFS-like nodes), so the three run side by side. Modules with
+# expensive module-scoped fixtures stay in one worker each.
 GROUPS = {"tests/distributed/test_runtime_train.py": "runtime-facts",
           "tests/distributed/test_runtime_tp.py": "tp-run",
           "tests/distributed/test_pretrained.py": "pretrained-facts",
@@ -42,7 +43,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(getattr(pytest.mark, LAYERS[layer]))
         group = GROUPS.get(str(path))
         if layer == "slurm":
-            group = "slurm-debug" if item.get_closest_marker("debug_partition") else "slurm"
+            group = ("slurm-debug" if item.get_closest_marker("debug_partition") else
+                     "slurm-nfs" if item.get_closest_marker("nfs_partition") else "slurm")
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
 

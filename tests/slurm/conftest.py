@@ -1,6 +1,8 @@
-"""One real local Slurm cluster (2 nodes x 2 fake GPUs, partitions low and high, and 3
-more nodes in partition debug; accounting by slurmdbd and MariaDB) for the whole session,
-started through the project's own script. It fails loudly, never skips: CI installs Slurm
+"""One real local Slurm cluster (2 nodes x 2 fake GPUs, partitions low and high, 3 more
+nodes in partition debug and 3 in partition nfs; accounting by slurmdbd and MariaDB) for
+the whole session, started through the project's own script. The nfs nodes are the ones
+like a real cluster's: each has its own NFS-like view of the shared storage (SHARED), and
+two of them a skewed wall clock (SKEW). It fails loudly, never skips: CI installs Slurm
 and must run these tests."""
 
 from __future__ import annotations
@@ -18,14 +20,27 @@ from filelock import FileLock
 from tests.conftest import ROOT
 
 SCRIPT = ROOT / "scripts" / "local-slurm"
-CONF = Path(os.environ.get("HPCSHARD_SLURM_DIR", "/tmp/hpcshard-slurm")) / "etc" / "slurm.conf"
+DIR = Path(os.environ.get("HPCSHARD_SLURM_DIR", "/tmp/hpcshard-slurm"))
+CONF = DIR / "etc" / "slurm.conf"
+SHARED = DIR / "shared"
+"""The cluster's NFS-like shared storage (HPCSHARD_SLURM_SHARED): this host and each nfs node
+see it through a view with caches of its own. Runs and files that must meet NFS's caches
+go here; each test in a directory of its own."""
+NFS_NODES = ("n6", "n7", "n8")
+NFS_CACHE_S = 5
+"""The views' entry and negative-lookup cache times (NFS's defaults are 30 s; 5 keeps the
+tests short), attributes 1 s (NFS: 3 s)."""
+NFS_OPTIONS = f"entry_timeout={NFS_CACHE_S},negative_timeout={NFS_CACHE_S},attr_timeout=1"
+SKEW = {"n7": 30.0, "n8": -30.0}
+"""Wall-clock offsets (seconds) of the jobs on these nfs nodes (HPCSHARD_SLURM_SKEW)."""
 
 
 @pytest.fixture(scope="session")
 def cluster(shared_tmp: Path) -> Iterator[dict[str, str]]:
     """Up once for every pytest-xdist worker that runs Slurm tests (a lock and a count in
     their common temporary directory); the last one to finish takes it down. 2 nodes for
-    low/high, 3 more for the debug partition (2 nodes and a spare)."""
+    low/high, 3 more for the debug partition and 3 for the nfs one (2 nodes and a spare
+    each)."""
     users, lock = shared_tmp / "slurm.users", FileLock(str(shared_tmp / "slurm.lock"))
     with lock:
         count = int(users.read_text()) if users.exists() else 0
@@ -33,9 +48,12 @@ def cluster(shared_tmp: Path) -> Iterator[dict[str, str]]:
             # With accounting (slurmdbd + MariaDB), and finished jobs forgotten by the
             # controller 10 s after they end (about 15 s, measured) instead of 300 s: the
             # accounting test reads them back from sacct.
-            up = subprocess.run([str(SCRIPT), "up", "2", "3"], capture_output=True, text=True,
-                                timeout=600, env={**os.environ, "HPCSHARD_SLURM_ACCOUNTING": "1",
-                                                  "HPCSHARD_SLURM_MIN_JOB_AGE": "10"})
+            up = subprocess.run([str(SCRIPT), "up", "2", "3", str(len(NFS_NODES))], capture_output=True,
+                                text=True, timeout=600,
+                                env={**os.environ, "HPCSHARD_SLURM_ACCOUNTING": "1",
+                                     "HPCSHARD_SLURM_MIN_JOB_AGE": "10", "HPCSHARD_SLURM_SHARED": str(SHARED),
+                                     "HPCSHARD_SLURM_NFS": NFS_OPTIONS,
+                                     "HPCSHARD_SLURM_SKEW": ",".join(f"{n}={s:+g}" for n, s in SKEW.items())})
             if up.returncode:
                 pytest.fail(f"the local Slurm cluster did not start:\n{up.stdout}\n{up.stderr}")
         users.write_text(str(count + 1))
