@@ -108,9 +108,12 @@ class Server:
 
     def start(self) -> Server:
         """Listen (an OSError when the port is taken: the caller falls back to files)."""
+        sock = _listen(self.host, self.port)
+        # (a thousand launchers connect within a second or two: the kernel caps the backlog at
+        # net.core.somaxconn; asyncio's default, 100, dropped the rest for a SYN retry each)
         self.server = self.loop.run_until_complete(asyncio.start_server(
-            self._serve, self.host or None, self.port, limit=LINE_LIMIT, reuse_address=True))
-        self.port = int(self.server.sockets[0].getsockname()[1])
+            self._serve, sock=sock, limit=LINE_LIMIT, backlog=4096))
+        self.port = int(sock.getsockname()[1])
         self.thread = threading.Thread(target=self.loop.run_forever, name="hpcshard-coord", daemon=True)
         self.thread.start()
         Server.running[self.port] = self
@@ -198,6 +201,16 @@ class Server:
                 if key.startswith(watch):
                     with contextlib.suppress(Exception):
                         writer.write(line)
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """One listening socket on `port` (0: a free one) for every address family: asyncio,
+    given no host, binds one socket per family, and with port 0 each gets a port of its
+    own (the store named one; a launcher reaching its host by the other family found
+    nothing there). A dual-stack IPv6 socket takes IPv4 too; without IPv6, IPv4 alone."""
+    if host or not socket.has_dualstack_ipv6():
+        return socket.create_server((host, port))
+    return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
 
 
 # -- a launcher's connection ---------------------------------------------------------------

@@ -4,6 +4,7 @@ one process: the server's loop and each client's reader are threads, over loopba
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -221,3 +222,22 @@ def test_a_peer_that_found_the_run_taken_over_takes_every_launcher_out(tmp_path:
     until(lambda: sup.chan.fenced(0) != "")
     with pytest.raises(TakenOver, match="job 7"):
         sup.lost([1])
+
+
+def test_a_store_served_anew_on_a_free_port_is_reached_on_every_address_family(tmp_path: Path) -> None:
+    """`Supervisor._serve_anew` serves on port 0, every interface: asyncio bound one socket
+    per family, each on a free port of its own, and named either one's (measured here: `::`
+    on 34013, 0.0.0.0 on 36389): launchers reaching the decider's host by the other family
+    found nothing there, and waited UNHEARD_S in vain at the start of the next cycle."""
+    served = coord.Server(KEY, 0).start()
+    families = ["127.0.0.1"]
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET6) as probe:
+        probe.bind(("::1", 0))
+        families.append("::1")
+    try:
+        for host in families:
+            client = coord.Client(host, served.port, KEY, families.index(host))
+            assert client.connect(time.monotonic() + 0.5), host
+            client.close()
+    finally:
+        served.close()
