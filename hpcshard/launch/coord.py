@@ -506,7 +506,10 @@ class Channel:
             for key, value in found["values"].items():
                 if value is not None:
                     self.beats_seen[int(key.rsplit("/", 1)[1])] = value
-        return {n: b for n, b in self.beats_seen.items() if n in wanted}
+        # (a copy first: the reader thread adds the nodes it first hears of as this reads;
+        # copying a dict is one step under the GIL, iterating it is not)
+        seen = self.beats_seen.copy()
+        return {n: b for n, b in seen.items() if n in wanted}
 
     def _pushed(self, key: str, value: Any) -> None:
         if self.client is not None:

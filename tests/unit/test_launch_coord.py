@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -241,3 +242,37 @@ def test_a_store_served_anew_on_a_free_port_is_reached_on_every_address_family(t
             client.close()
     finally:
         served.close()
+
+
+def test_heartbeats_landing_on_the_reader_thread_do_not_break_a_read_of_them(
+        tmp_path: Path, server: coord.Server) -> None:
+    """A heartbeat's answer lands on the client's reader thread (`Channel.beat`'s `then`),
+    which adds each node first heard (a launcher that started late) to `beats_seen` while
+    the supervisor reads them: iterating the dict as it grew raised RuntimeError in the
+    supervisor, which kills its ranks and ends the launcher with 1."""
+    chan = channel(tmp_path, server, 0)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (the race, made likely)
+    try:
+        chan.beats_seen.update({n: {"seq": 1} for n in range(1, 2000)})
+        chan.watched |= set(range(1, 2000))
+        stop = threading.Event()
+
+        def landing() -> None:  # (what `landed` does on the reader thread)
+            n = 2000
+            while not stop.is_set() and n < 1_000_000:
+                chan.beats_seen[n] = {"seq": 1}
+                n += 1
+
+        thread = threading.Thread(target=landing, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 1
+            while time.monotonic() < deadline and thread.is_alive():
+                chan.beats(0, 2000)
+        finally:
+            stop.set()
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+        chan.close()
