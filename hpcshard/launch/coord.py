@@ -232,8 +232,9 @@ class Client:
         self.instance = ""
         self.sent = 0
 
-    def connect(self, deadline: float) -> bool:
-        """Connect and say hello, trying until `deadline` (monotonic)."""
+    def connect(self, deadline: float, waiting: Callable[[], None] | None = None) -> bool:
+        """Connect and say hello, trying until `deadline` (monotonic); `waiting` is called
+        between tries."""
         while not self.closed:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=CONNECT_TRY_S)
@@ -252,6 +253,8 @@ class Client:
             except (OSError, ValueError):
                 if time.monotonic() >= deadline:
                     return False
+                if waiting is not None:
+                    waiting()
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         return False
 
@@ -353,13 +356,16 @@ class Channel:
 
     # -- the store's life ------------------------------------------------------------
     def open(self, host: str, port: int, key: str, attempt: int, serve: bool,
-             where: dict[str, Any] | None = None) -> bool:
+             where: dict[str, Any] | None = None, waiting: Callable[[], None] | None = None) -> bool:
         """Connect to the job's store at host:port (node 0, `serve`, starts it first).
         Until it is connected, and if it cannot be within UNHEARD_S, the files serve.
         Each launcher first writes its heartbeat file once: should the store be lost, its
         peers find that name already there (a name first looked up after it was created
         on another host is not hidden by NFS's negative lookup cache). `where`: the node,
-        as its heartbeats say it (host, Slurm node)."""
+        as its heartbeats say it (host, Slurm node). `waiting`: called between tries to
+        connect (the launcher's heartbeat, into the files until it is connected: node 0 may
+        be on them already, having failed to serve, and would take a launcher silent for
+        LOST_S while it tries for lost)."""
         with contextlib.suppress(OSError):
             (self.run_dir / launchers.LAUNCH).mkdir(exist_ok=True)
             launchers.beat(self.run_dir, attempt, self.node, {**(where or {}), "pid": os.getpid(), "seq": 0})
@@ -370,7 +376,7 @@ class Channel:
                 self._give_up(f"node 0 could not serve the store on port {port} ({err.strerror})")
                 return False
         client = Client(host, port, key, self.node, attempt)
-        if not client.connect(time.monotonic() + UNHEARD_S):
+        if not client.connect(time.monotonic() + UNHEARD_S, waiting):
             self._give_up(f"no store answered on {host}:{port} within {UNHEARD_S:g} s")
             return False
         self.client = client

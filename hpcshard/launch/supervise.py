@@ -386,10 +386,14 @@ class Supervisor:
                 time.sleep(POLL_S)
         self.chan.close()
 
-    def _run(self) -> int:
+    def _open(self) -> None:
+        """Join node 0's store (node 0 serves it), or stay on the files without one."""
         if coord.mode() == "store" and self.node.coord_port:
             self.chan.open(str(self.node.rdzv_host), int(self.node.coord_port), self.spec.coord_key,
-                           self.ranks.attempt, serve=self.me == 0, where=self.where)
+                           self.ranks.attempt, serve=self.me == 0, where=self.where, waiting=self.beat)
+
+    def _run(self) -> int:
+        self._open()
         self.beat()
         cycle, unhealthy = 0, False
         node = replace(self.node, nnodes=len(self.roster.active))
@@ -767,7 +771,7 @@ class Supervisor:
         old.close()
         self.chan.server = coord.Server.serving(decided.coord_port) if decided.host == self._host() else None
         if self.chan.open(decided.host, decided.coord_port, self.spec.coord_key, self.ranks.attempt,
-                          serve=False, where=self.where):
+                          serve=False, where=self.where, waiting=self.beat):
             print(f"hpcshard: node {self.me}: the launchers coordinate through the store on "
                   f"{decided.host}:{decided.coord_port} from cycle {cycle}", file=sys.stderr, flush=True)
 

@@ -276,3 +276,26 @@ def test_heartbeats_landing_on_the_reader_thread_do_not_break_a_read_of_them(
     finally:
         sys.setswitchinterval(interval)
         chan.close()
+
+
+def test_a_launcher_waiting_for_the_store_beats_in_the_files_meanwhile(
+        tmp_path: Path, server: coord.Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 0 could not serve the store (its port, derived from the job id, taken: here by
+    another job's store, which refuses this job's key) and went on through the files. Node 1
+    tried to connect for UNHEARD_S with its heartbeat file at seq 0: node 0 timed its
+    silence from there, declared it lost after LOST_S and drained it where asked."""
+    from dataclasses import replace
+
+    from tests.unit.test_launch_races import make_supervisor
+
+    monkeypatch.setattr(coord, "UNHEARD_S", 3.0)
+    sup = make_supervisor(tmp_path / "run", owner="", node_rank=1, nnodes=2)
+    sup.node = replace(sup.node, coord_port=server.port)
+    opening = threading.Thread(target=sup._open, daemon=True)
+    opening.start()
+    seen = set()
+    while opening.is_alive():
+        seen.add(launchers.beats(tmp_path / "run", 0, 2).get(1, {}).get("seq"))
+        time.sleep(0.1)
+    assert sup.chan.store is None and "no store answered" in sup.chan.lost_why
+    assert len(seen - {None}) >= 3, seen  # (its heartbeat moved all along)
