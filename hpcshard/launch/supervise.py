@@ -89,7 +89,8 @@ def _fault(attempt: int, cycle: int, declared: dict[str, Any], culprit: dict[str
         culprit=culprit, reached=reached, action=decided.action.value, code=decided.code,
         reason=decided.reason, end=decided.end, active=list(decided.active), spares=list(decided.spares),
         bad=list(decided.bad), replaced=dict(decided.replaced), lost=list(decided.lost),
-        committed=decided.committed, host=decided.host, port=decided.port, restart=decided.restart,
+        committed=decided.committed, host=decided.host, port=decided.port, coord_port=decided.coord_port,
+        restart=decided.restart,
         lost_steps=max(0, reached - decided.committed),
         # how long the culprit had been silent when a hang was declared; a crash is seen
         # within one look
