@@ -100,6 +100,9 @@ class Server:
         """Nodes whose connection closed before they said they ended (`left`)."""
         self.ended: set[int] = set()
         """Nodes whose heartbeat said they ended ("done")."""
+        self.quit: set[int] = set()
+        """Nodes that said they gave this store up (`Channel._give_up`): it was silent to
+        them for LOST_S, they took its host for lost and went on through the files."""
         self.instance = uuid.uuid4().hex
         self.requests = 0
         self.loop = asyncio.new_event_loop()
@@ -138,8 +141,8 @@ class Server:
 
     def left(self) -> set[int]:
         """The nodes that connected and then closed their connection without saying they
-        ended: they took this store's host for lost."""
-        return set(self.gone)
+        ended, or said they gave the store up: they took this store's host for lost."""
+        return self.gone | self.quit
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         node: int | None = None
@@ -159,6 +162,9 @@ class Server:
             while line := await reader.readline():
                 self.requests += 1
                 request = json.loads(line)
+                if request.get("op") == "leave":
+                    self.quit.add(node)
+                    continue
                 self._write(writer, {"id": request.get("id"), **self._answer(request)})
                 await writer.drain()
         except (TimeoutError, OSError, ValueError, KeyError, TypeError, asyncio.LimitOverrunError):
@@ -257,6 +263,17 @@ class Client:
                     waiting()
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         return False
+
+    def leave(self) -> None:
+        """Say this launcher gives the store up, before closing: never blocking (the store's
+        host may stand still); one frozen reads it when it thaws, before the close."""
+        if self.sock is None or self.closed or not self.lock.acquire(timeout=0.5):
+            return
+        try:
+            with contextlib.suppress(OSError):
+                self.sock.send(b'{"op":"leave","id":0}\n', socket.MSG_DONTWAIT)
+        finally:
+            self.lock.release()
 
     def close(self) -> None:
         self.closed = True
@@ -392,6 +409,7 @@ class Channel:
 
     def _give_up(self, why: str) -> None:
         if self.client is not None:
+            self.client.leave()  # (its host hears it at once if it still runs: `Server.quit`)
             self.client.close()
             self.client = None
         if not self.lost_why:

@@ -216,6 +216,8 @@ class Supervisor:
         self.beaten = time.monotonic()
         if stalled > LOST_S and not self.leaving:
             self._stood_still(stalled)
+        if not self.leaving:
+            self._still_serving()
         self.seq += 1
         record = {**self.where, "pid": os.getpid(), "seq": self.seq,
                   **({"done": done} if done is not None else {})}
@@ -296,6 +298,25 @@ class Supervisor:
         time.sleep(2 * POLL_S)
         return bool(server.left() & (set(self.roster.members) - self.seen_bad))
 
+    def _still_serving(self) -> None:
+        """The launcher that serves the store (node 0, or a decider that served one anew):
+        once a peer gave its store up (unanswered for LOST_S: the store's loop behind under
+        load, a network blip), that peer took this node for lost and goes on through the
+        files; so will every peer when the store stopped answering this node's own
+        connection. Going on, this node would decide on its own in its store while they
+        decide through the files (two decisions for one cycle, a healthy node drained on
+        each side). It leaves the run, its store with it: whoever is still on the store
+        falls back to the files with the others. (A peer that ended, or whose launcher
+        died, said no such thing: `Server.quit`.)"""
+        server = self.chan.server
+        if server is None:
+            return
+        if self.chan.lost_why:
+            raise Fenced(f"its own store stopped answering it ({self.chan.lost_why})")
+        quit = server.quit & (set(self.roster.members) - self.seen_bad - {self.me})
+        if quit:
+            raise Fenced(f"node(s) {sorted(quit)} gave its store up (silent to them for {LOST_S:.0f} s)")
+
     def _renew(self) -> None:
         """The cycle's leader renews the run's lease every RENEW_S (`rundir.lease`); one
         that finds the run taken over (a guard, a `resume` that found this job's Slurm state
@@ -354,7 +375,10 @@ class Supervisor:
                 for say, *where in ((self.chan.beat,), (launchers.beat, self.run_dir)):
                     self._try("its last heartbeat", say, *where, self.ranks.attempt, self.me, last,
                               beating=False)
-            self._close()
+            # (only a take-over's push needs its store to outlive it; any other fence is its
+            # peers going on without it: those still on its store must fall back to the
+            # files now, with the others, not decide through it for LINGER_S more)
+            self._close(linger=isinstance(why, TakenOver))
             return 0  # (not a failure: a non-zero exit would take the others' job down)
         except BaseException:
             # A bug here must not leave ranks training unsupervised, nor peers waiting for a
@@ -377,11 +401,11 @@ class Supervisor:
             self._try("its last heartbeat", launchers.beat, self.run_dir, self.ranks.attempt, self.me,
                       {**self.where, "pid": os.getpid(), "seq": self.seq, "done": code}, beating=False)
 
-    def _close(self) -> None:
+    def _close(self, linger: bool = True) -> None:
         """Leave the store. Node 0 serves it until the others have left too (each closes
         its connection as it ends; one lost never will), at most LINGER_S."""
         server = self.chan.server
-        if server is not None:
+        if server is not None and linger:
             deadline = time.monotonic() + LINGER_S
             while set(server.conns) - {self.me} - self.seen_bad and time.monotonic() < deadline:
                 time.sleep(POLL_S)
@@ -775,6 +799,9 @@ class Supervisor:
                           serve=False, where=self.where, waiting=self.beat):
             print(f"hpcshard: node {self.me}: the launchers coordinate through the store on "
                   f"{decided.host}:{decided.coord_port} from cycle {cycle}", file=sys.stderr, flush=True)
+        elif self.chan.server is not None:  # (one its own decider cannot reach serves nobody)
+            self.chan.server.close()
+            self.chan.server = None
 
     def _conclude(self, cycle: int, watch: Watch, decided: Decision,
                   downs: list[dict[str, Any]] | None = None, share: bool = True) -> Decision:

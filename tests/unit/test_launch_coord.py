@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -299,3 +300,112 @@ def test_a_launcher_waiting_for_the_store_beats_in_the_files_meanwhile(
         time.sleep(0.1)
     assert sup.chan.store is None and "no store answered" in sup.chan.lost_why
     assert len(seen - {None}) >= 3, seen  # (its heartbeat moved all along)
+
+
+def serving_supervisor(run_dir: Path, nnodes: int = 3) -> tuple[Any, coord.Server]:
+    """Node 0's supervisor, serving its store and connected to it, as `_run` leaves it."""
+    from tests.unit.test_launch_races import make_supervisor
+
+    sup = make_supervisor(run_dir, owner="", nnodes=nnodes)
+    served = coord.Server(KEY, 0, "127.0.0.1").start()
+    sup.chan = channel(run_dir, served, 0)
+    sup.chan.server = served
+    return sup, served
+
+
+def test_node_0_whose_peer_gave_its_store_up_leaves_the_run_though_it_never_stood_still(
+        tmp_path: Path) -> None:
+    """Node 0's launcher ran on, but its store did not answer node 1 for LOST_S (its loop
+    behind under load, a network blip): node 1 gave the store up, went on through the files
+    and took node 0 for lost there, while node 0, on its store, took node 1 for lost (its
+    heartbeats stopped coming) and decided on its own: two decisions for one cycle, a
+    healthy node drained on each side. Node 0 must leave as soon as it hears of it, and its
+    store with it (every other launcher then falls back too)."""
+    from hpcshard.launch.supervise import Fenced
+
+    sup, served = serving_supervisor(tmp_path / "run")
+    try:
+        peer = channel(tmp_path / "run", served, 1)
+        ended = channel(tmp_path / "run", served, 2)
+        ended.beat(0, 2, {"pid": 3, "seq": 1, "done": 0})  # (one that ended is no such thing)
+        until(lambda: 2 in served.ended)
+        ended.close()
+        sup.beaten = 0.0
+        sup.beat()
+        peer._give_up("the store on 127.0.0.1 (node 0's launcher) went silent")
+        until(lambda: 1 in served.left())
+        sup.beaten = 0.0
+        with pytest.raises(Fenced, match=r"node\(s\) \[1\] gave its store up"):
+            sup.beat()
+    finally:
+        sup.chan.close()
+
+
+def test_node_0_whose_own_store_went_silent_to_it_leaves_the_run(tmp_path: Path) -> None:
+    """Node 0's own connection gave its store up (its loop stood LOST_S behind): every peer
+    will too, and take node 0 for lost; node 0 leaves rather than go on alone."""
+    from hpcshard.launch.supervise import Fenced
+
+    sup, _ = serving_supervisor(tmp_path / "run", nnodes=2)
+    try:
+        sup.chan._give_up("the store on 127.0.0.1 (node 0's launcher) went silent")
+        sup.beaten = 0.0
+        with pytest.raises(Fenced, match="its own store"):
+            sup.beat()
+    finally:
+        sup.chan.close()
+
+
+def test_a_peer_whose_launcher_died_does_not_take_node_0_out(tmp_path: Path) -> None:
+    """A launcher killed (SIGKILL, the OOM killer) closes its connection without a word:
+    a node lost like any other, for node 0 to declare; not a peer that gave the store up."""
+    sup, served = serving_supervisor(tmp_path / "run", nnodes=2)
+    try:
+        peer = channel(tmp_path / "run", served, 1)
+        assert peer.client is not None
+        peer.client.close()
+        until(lambda: 1 not in served.conns)
+        sup.beaten = 0.0
+        sup.beat()  # (no Fenced)
+    finally:
+        sup.chan.close()
+
+
+def test_node_0_fenced_closes_its_store_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fenced (thawed after its peers left, or told a peer gave its store up), node 0 kept
+    its store open LINGER_S for the launchers still on it: they went on through it, the
+    others through the files, each side deciding for itself. Closed at once, they fall back
+    to the files with the others."""
+    from hpcshard.launch import supervise
+    from hpcshard.launch.supervise import Fenced
+
+    sup, served = serving_supervisor(tmp_path / "run", nnodes=3)
+    still = channel(tmp_path / "run", served, 2)  # (a peer still on the store)
+
+    def fenced() -> int:
+        raise Fenced("its peers left its store while it stood still for 9 s")
+
+    monkeypatch.setattr(sup, "_run", fenced)
+    monkeypatch.setattr(supervise, "kill_below", lambda pid: None)
+    began = time.monotonic()
+    assert sup.run() == 0
+    assert time.monotonic() - began < 2
+    until(lambda: still.store is None, 2)
+
+
+def test_a_decider_that_cannot_reach_the_store_it_served_anew_closes_it_and_stays(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its own store unreachable (as the others find it too: they stay on the files), the
+    decider closes it rather than take its silence for its peers having left it."""
+    from hpcshard.launch.policy import Action, Decision
+    from tests.unit.test_launch_races import make_supervisor
+
+    monkeypatch.setattr(coord, "UNHEARD_S", 0.5)
+    sup = make_supervisor(tmp_path / "run", owner="", node_rank=1, nnodes=2)
+    sup.chan._give_up("the store on 127.0.0.1 (node 0's launcher) went silent")
+    served = coord.Server("not this job's key", 0).start()
+    sup._join(Decision(action=Action.RESTART, reason="node 0 lost", active=(1,), host="127.0.0.1", port=1,
+                       coord_port=served.port), 1)
+    assert sup.chan.server is None and coord.Server.serving(served.port) is None
+    sup.beaten = 0.0
+    sup.beat()  # (not fenced: it serves nothing)
