@@ -43,6 +43,7 @@ import hmac
 import itertools
 import json
 import os
+import select
 import socket
 import sys
 import threading
@@ -338,8 +339,17 @@ class Client:
         was sent (a store slow to answer is heard sooner or later; one on a node that froze
         or died is not)."""
         now = time.monotonic() if now is None else now
-        return self.closed or any(now - sent > LOST_S and self.heard < sent
-                                  for sent, _, _, _ in list(self.pending.values()))
+        if self.closed:
+            return True
+        waiting = [sent for sent, _, _, _ in list(self.pending.values())]
+        if not any(now - sent > LOST_S and self.heard < sent for sent in waiting):
+            return False
+        # Answers waiting to be read are no silence: this launcher stood still (its node
+        # frozen) and the thread asking ran before its reader thread (and before `woke`).
+        with contextlib.suppress(OSError, ValueError):
+            if self.sock is not None and select.select([self.sock], [], [], 0)[0]:
+                return False
+        return True
 
     def woke(self) -> None:
         """This launcher stood still: what it sent waited with it (not the store's fault)."""

@@ -409,3 +409,24 @@ def test_a_decider_that_cannot_reach_the_store_it_served_anew_closes_it_and_stay
     assert sup.chan.server is None and coord.Server.serving(served.port) is None
     sup.beaten = 0.0
     sup.beat()  # (not fenced: it serves nothing)
+
+
+def test_answers_waiting_to_be_read_are_not_the_store_s_silence(tmp_path: Path) -> None:
+    """This launcher stood still past LOST_S (its node frozen) with a request out: thawed,
+    any of its threads (a write `_try` runs on one) may ask `silent()` before the reader
+    thread has read the answers that came meanwhile, and before the supervisor's beat calls
+    `woke`. The store answered: giving it up then (and saying so: node 0 leaves the run
+    for it) would be this launcher's standstill blamed on the store."""
+    mine, theirs = socket.socketpair()
+    client = coord.Client("127.0.0.1", 1, KEY, 1)
+    client.sock = mine  # (connected; its reader thread not yet run, as just after a thaw)
+    client.heard = time.monotonic() - 20
+    client.pending[7] = (time.monotonic() - 10, threading.Event(), [], None)
+    theirs.sendall(b'{"id":7,"values":{}}\n')
+    try:
+        assert not client.silent()
+        mine.recv(4096)  # (read, and nothing came: that is silence)
+        assert client.silent()
+    finally:
+        mine.close()
+        theirs.close()
