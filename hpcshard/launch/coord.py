@@ -168,8 +168,9 @@ class Server:
                     continue
                 self._write(writer, {"id": request.get("id"), **self._answer(request)})
                 await writer.drain()
-        except (TimeoutError, OSError, ValueError, KeyError, TypeError, asyncio.LimitOverrunError):
-            pass
+        except (TimeoutError, OSError, ValueError, KeyError, TypeError, AttributeError,
+                asyncio.LimitOverrunError):
+            pass  # (a stranger, or a line that is no JSON object: refused, no traceback)
         finally:
             if node is not None and self.conns.get(node, (None,))[0] is writer:
                 del self.conns[node]

@@ -430,3 +430,17 @@ def test_answers_waiting_to_be_read_are_not_the_store_s_silence(tmp_path: Path) 
     finally:
         mine.close()
         theirs.close()
+
+
+def test_a_stranger_s_garbage_is_refused_quietly(server: coord.Server,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Anything may connect to the store's port (a port scanner, another program): a line of
+    JSON that is no object was an AttributeError out of the handler, a traceback in node 0's
+    log each time. Refused like any stranger; the store serves on."""
+    for line in (b"null\n", b"[1]\n", b'"x"\n'):
+        with socket.create_connection(("127.0.0.1", server.port)) as stranger:
+            stranger.sendall(line)
+            stranger.settimeout(2)
+            assert stranger.recv(100) == b""
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    assert coord.Client("127.0.0.1", server.port, KEY, 1).connect(time.monotonic() + 1)
