@@ -412,8 +412,9 @@ class Supervisor:
         self.chan.close()
 
     def _open(self) -> None:
-        """Join node 0's store (node 0 serves it), or stay on the files without one."""
-        if coord.mode() == "store" and self.node.coord_port:
+        """Join node 0's store (node 0 serves it), or stay on the files without one. A spec
+        written before the store has no key: a store would let in anyone who shows none."""
+        if coord.mode() == "store" and self.node.coord_port and self.spec.coord_key:
             self.chan.open(str(self.node.rdzv_host), int(self.node.coord_port), self.spec.coord_key,
                            self.ranks.attempt, serve=self.me == 0, where=self.where, waiting=self.beat)
 

@@ -444,3 +444,24 @@ def test_a_stranger_s_garbage_is_refused_quietly(server: coord.Server,
             assert stranger.recv(100) == b""
     assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
     assert coord.Client("127.0.0.1", server.port, KEY, 1).connect(time.monotonic() + 1)
+
+
+def test_a_run_whose_spec_has_no_key_stays_on_the_files(tmp_path: Path) -> None:
+    """A spec written before the store has no key, and a store of that key lets in anyone
+    who says the same nothing: another such job's launchers on a port both derived (job ids
+    5,000 apart give one's store the other's rendezvous port; 10,000 apart, the same store
+    port), or any user of the cluster, who would push a fault, a decision or a fence into
+    this job. Its launchers keep to the files, the protocol they were written for."""
+    from dataclasses import replace
+
+    from tests.unit.test_launch_races import make_supervisor
+
+    keyless = coord.Server("", 0, "127.0.0.1").start()
+    try:
+        sup = make_supervisor(tmp_path / "run", owner="", node_rank=1, nnodes=2)
+        sup.spec.coord_key = ""
+        sup.node = replace(sup.node, coord_port=keyless.port)
+        sup._open()
+        assert sup.chan.store is None and not keyless.conns
+    finally:
+        keyless.close()
