@@ -181,8 +181,10 @@ def over(run_dir: Path, attempt: int, cycle: int) -> bool:
     was made without it."""
     if decision(run_dir, attempt, cycle) is not None:
         return True
+    # (one read: every rank that fails asks, thousands at once after a fault on a big job)
+    records = ledger.read(run_dir)
     return any(r["event"] == "fault" and r.get("attempt") == attempt and r.get("cycle", 0) == cycle
-               for r in ledger.read(run_dir)) or ledger.moved_on(run_dir, attempt, cycle)
+               for r in records) or ledger.moved_on(run_dir, attempt, cycle, records)
 
 
 def beat(run_dir: Path, attempt: int, node: int, record: dict[str, Any]) -> None:

@@ -465,3 +465,29 @@ def test_a_run_whose_spec_has_no_key_stays_on_the_files(tmp_path: Path) -> None:
         assert sup.chan.store is None and not keyless.conns
     finally:
         keyless.close()
+
+
+def test_a_cycle_decided_in_the_store_is_over_for_its_ranks_at_one_read_of_the_ledger(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank that fails asks `launchers.over` (thousands at once after a fault on a big
+    job, the ledger on shared storage): the decision in node 0's store, the decider's fault
+    record says the cycle is over; the ledger was read twice for it (that, then `moved_on`)."""
+    from hpcshard.rundir import events, ledger
+
+    reads = []
+    read = ledger.read
+
+    def counted(run_dir: Path) -> list[dict[str, Any]]:
+        reads.append(run_dir)
+        return read(run_dir)
+
+    monkeypatch.setattr(ledger, "read", counted)
+    assert not launchers.over(tmp_path, 0, 1) and len(reads) == 1
+    ledger.append(tmp_path, events.Start(attempt=0, cycle=1, nodes=1, world=1, host="h"))
+    assert launchers.over(tmp_path, 0, 0) and not launchers.over(tmp_path, 0, 1)
+    reads.clear()
+    ledger.append(tmp_path, events.Fault(
+        attempt=0, cycle=1, cause="x", declared=None, culprit=None, reached=0, action="restart", code=0,
+        reason="", end="", active=[0], spares=[], bad=[], replaced={}, lost=[], committed=0, host="h",
+        port=1, restart=True, lost_steps=0, detect_s=0.2, collectives=[]))
+    assert launchers.over(tmp_path, 0, 1) and not launchers.over(tmp_path, 1, 1) and len(reads) == 2
