@@ -62,6 +62,11 @@ LINE_LIMIT = 64 << 20
 """The longest message (every heartbeat of 10,000 nodes is about 2 MB)."""
 WATCHED = ("fault/", "next/", "fenced/")
 """What the store pushes to every launcher the moment it is set."""
+JOIN_S = 120.0
+"""How long the launchers may take to join a store served anew (`Supervisor._serve_anew`):
+the decision naming it reaches them through the files, as late as the file system shows
+it (NFS's lookup cache: 30-60 s). Until they join, they are heard through their heartbeat
+files; one that has not joined by then is judged by the store alone."""
 MODES = ("store", "files")
 """HPCSHARD_COORD: the store served by node 0's launcher (default), or the run directory's
 files only (the protocol before the store; kept for comparison and as a way out)."""
@@ -381,6 +386,8 @@ class Channel:
         """Why the store was given up (empty while it is used, or never was)."""
         self.beats_seen: dict[int, dict[str, Any]] = {}
         self.watched: set[int] = set()
+        self.opened = 0.0
+        """When (monotonic) the store was joined."""
 
     # -- the store's life ------------------------------------------------------------
     def open(self, host: str, port: int, key: str, attempt: int, serve: bool,
@@ -407,7 +414,7 @@ class Channel:
         if not client.connect(time.monotonic() + UNHEARD_S, waiting):
             self._give_up(f"no store answered on {host}:{port} within {UNHEARD_S:g} s")
             return False
-        self.client = client
+        self.client, self.opened = client, time.monotonic()
         return True
 
     @property
@@ -528,7 +535,8 @@ class Channel:
     def beats(self, attempt: int, nodes: int, of: Iterable[int] | None = None) -> dict[int, dict[str, Any]]:
         """The newest heartbeats of `of` (default every node), by node. Through the store:
         those the last heartbeat's answer brought; a node not watched before is asked for
-        at once, and watched from then on."""
+        at once, and watched from then on. A node not yet in a store served anew is heard
+        through its heartbeat file for JOIN_S (it learns of the store through the files)."""
         wanted = set(range(nodes) if of is None else of) - {self.node}
         if self.store is None:
             return launchers.beats(self.run_dir, attempt, nodes)
@@ -544,7 +552,11 @@ class Channel:
         # (a copy first: the reader thread adds the nodes it first hears of as this reads;
         # copying a dict is one step under the GIL, iterating it is not)
         seen = self.beats_seen.copy()
-        return {n: b for n, b in seen.items() if n in wanted}
+        heard = {n: b for n, b in seen.items() if n in wanted}
+        late = wanted - set(heard)
+        if late and self.first_cycle and time.monotonic() - self.opened < JOIN_S:
+            heard.update(launchers.beats(self.run_dir, attempt, nodes, of=late))
+        return heard
 
     def _pushed(self, key: str, value: Any) -> None:
         if self.client is not None:

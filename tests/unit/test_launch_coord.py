@@ -491,3 +491,31 @@ def test_a_cycle_decided_in_the_store_is_over_for_its_ranks_at_one_read_of_the_l
         reason="", end="", active=[0], spares=[], bad=[], replaced={}, lost=[], committed=0, host="h",
         port=1, restart=True, lost_steps=0, detect_s=0.2, collectives=[]))
     assert launchers.over(tmp_path, 0, 1) and not launchers.over(tmp_path, 1, 1) and len(reads) == 2
+
+
+def test_launchers_late_to_a_store_served_anew_are_heard_through_the_files_meanwhile(
+        tmp_path: Path, server: coord.Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decider serves a new store and joins it at once; the others learn of it from the
+    decision's file, as late as NFS's lookup cache shows it (30-60 s), beating in the files
+    meanwhile. The new cycle's leader heard them in its store only: silent for LOST_S there
+    (at once: its last look at a node that said it was down was before the recovery), a
+    healthy node was declared lost; a launcher that joined first took its late leader for
+    lost the same way."""
+    from hpcshard.launch.liveness import LOST_S
+
+    leader = coord.Channel(tmp_path, 1, first_cycle=1)
+    assert leader.open("127.0.0.1", server.port, KEY, attempt=0, serve=False)
+    peers = Peers(began=0.0, heard_since=0.0)
+    now = time.monotonic()
+    peers.observe({2: {"pid": 9, "seq": 40}}, now=now - 30)  # (its last look, before the recovery)
+    launchers.beat(tmp_path, 0, 2, {"pid": 9, "seq": 57})  # (node 2, still waiting on the files)
+    assert peers.lost([2], leader.beats(0, 3, [2]), now=now) == []
+    late = channel(tmp_path, server, 2)
+    late.beat(0, 2, {"pid": 9, "seq": 58})
+    leader.beat(0, 1, {"pid": 8, "seq": 1})
+    until(lambda: leader.beats(0, 3, [2]).get(2, {}).get("seq") == 58)  # (joined: the store's)
+    # A launcher that never joins is judged by the store once the others had time to find it.
+    monkeypatch.setattr(coord, "JOIN_S", 0.0)
+    launchers.beat(tmp_path, 0, 0, {"pid": 7, "seq": 99})
+    assert 0 not in leader.beats(0, 3, [0, 2])
+    assert peers.lost([0], leader.beats(0, 3, [0]), now=now + LOST_S + 1) == [0]
