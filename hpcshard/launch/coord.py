@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import io
 import itertools
 import json
 import os
@@ -254,14 +255,18 @@ class Client:
                 sock.settimeout(CONNECT_TRY_S)
                 sock.sendall(json.dumps({"op": "hello", "id": 0, "node": self.node, "key": self.key,
                                          "attempt": self.attempt, "watch": list(WATCHED)}).encode() + b"\n")
-                reply = json.loads(sock.makefile("rb").readline(LINE_LIMIT) or b"null")
+                # (one buffered reader for the hello and all after: what it reads ahead, a
+                # push right behind the answer, is the reader thread's)
+                stream = sock.makefile("rb")
+                reply = json.loads(stream.readline(LINE_LIMIT) or b"null")
                 if not isinstance(reply, dict) or "instance" not in reply:
                     raise ConnectionError("the store refused this launcher (another job's port, or its key)")
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.sock, self.instance, self.heard = sock, str(reply["instance"]), time.monotonic()
                 self.pushed.update(reply.get("pushed", {}))
-                threading.Thread(target=self._read, name="hpcshard-coord-client", daemon=True).start()
+                threading.Thread(target=self._read, args=(stream,), name="hpcshard-coord-client",
+                                 daemon=True).start()
                 return True
             except (OSError, ValueError):
                 if time.monotonic() >= deadline:
@@ -289,9 +294,7 @@ class Client:
                 self.sock.shutdown(socket.SHUT_RDWR)
             self.sock.close()
 
-    def _read(self) -> None:
-        assert self.sock is not None
-        stream = self.sock.makefile("rb")
+    def _read(self, stream: io.BufferedReader) -> None:
         try:
             while line := stream.readline(LINE_LIMIT):
                 self.heard = time.monotonic()

@@ -519,3 +519,26 @@ def test_launchers_late_to_a_store_served_anew_are_heard_through_the_files_meanw
     launchers.beat(tmp_path, 0, 0, {"pid": 7, "seq": 99})
     assert 0 not in leader.beats(0, 3, [0, 2])
     assert peers.lost([0], leader.beats(0, 3, [0]), now=now + LOST_S + 1) == [0]
+
+
+def test_a_push_right_behind_the_hello_s_answer_is_kept(tmp_path: Path) -> None:
+    """The store writes what it pushes to every connection the moment it is set, so a fault
+    or a decision can follow the answer to a launcher's hello in the same read: the hello
+    was read through a buffered file of its own, dropped with what it had read ahead."""
+    listening = socket.create_server(("127.0.0.1", 0))
+
+    def store() -> None:
+        conn, _ = listening.accept()
+        conn.recv(4096)
+        conn.sendall(b'{"id":0,"instance":"i","pushed":{}}\n{"push":"fault/0/0","value":{"cause":"x"}}\n')
+        time.sleep(2)
+        conn.close()
+
+    threading.Thread(target=store, daemon=True).start()
+    chan = coord.Channel(tmp_path, 1)
+    try:
+        assert chan.open("127.0.0.1", listening.getsockname()[1], KEY, attempt=0, serve=False)
+        until(lambda: chan.fault(0, 0) is not None, 1)
+    finally:
+        chan.close()
+        listening.close()
