@@ -40,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import io
 import itertools
 import json
 import math
@@ -67,6 +68,11 @@ WATCH_KEEP_S = 3.0
 """A node's heartbeat is brought back with this launcher's own while it was asked for
 within this long (the leader asks for every node's each second; the others for the
 leader's)."""
+JOIN_S = 120.0
+"""How long the launchers may take to join a store served anew (`Supervisor._serve_anew`):
+the decision naming it reaches them through the files, as late as the file system shows
+it (NFS's lookup cache: 30-60 s). Until they join, they are heard through their heartbeat
+files; one that has not joined by then is judged by the store alone."""
 MODES = ("store", "files")
 """HPCSHARD_COORD: the store served by node 0's launcher (default), or the run directory's
 files only (the protocol before the store; kept for comparison and as a way out)."""
@@ -106,6 +112,9 @@ class Server:
         """Nodes whose connection closed before they said they ended (`left`)."""
         self.ended: set[int] = set()
         """Nodes whose heartbeat said they ended ("done")."""
+        self.quit: set[int] = set()
+        """Nodes that said they gave this store up (`Channel._give_up`): it was silent to
+        them for LOST_S, they took its host for lost and went on through the files."""
         self.instance = uuid.uuid4().hex
         self.requests = 0
         self.loop = asyncio.new_event_loop()
@@ -114,9 +123,12 @@ class Server:
 
     def start(self) -> Server:
         """Listen (an OSError when the port is taken: the caller falls back to files)."""
+        sock = _listen(self.host, self.port)
+        # (a thousand launchers connect within a second or two: the kernel caps the backlog at
+        # net.core.somaxconn; asyncio's default, 100, dropped the rest for a SYN retry each)
         self.server = self.loop.run_until_complete(asyncio.start_server(
-            self._serve, self.host or None, self.port, limit=LINE_LIMIT, reuse_address=True))
-        self.port = int(self.server.sockets[0].getsockname()[1])
+            self._serve, sock=sock, limit=LINE_LIMIT, backlog=4096))
+        self.port = int(sock.getsockname()[1])
         self.thread = threading.Thread(target=self.loop.run_forever, name="hpcshard-coord", daemon=True)
         self.thread.start()
         Server.running[self.port] = self
@@ -141,8 +153,8 @@ class Server:
 
     def left(self) -> set[int]:
         """The nodes that connected and then closed their connection without saying they
-        ended: they took this store's host for lost."""
-        return set(self.gone)
+        ended, or said they gave the store up: they took this store's host for lost."""
+        return self.gone | self.quit
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         node: int | None = None
@@ -162,10 +174,14 @@ class Server:
             while line := await reader.readline():
                 self.requests += 1
                 request = json.loads(line)
+                if request.get("op") == "leave":
+                    self.quit.add(node)
+                    continue
                 self._write(writer, {"id": request.get("id"), **self._answer(request)})
                 await writer.drain()
-        except (TimeoutError, OSError, ValueError, KeyError, TypeError, asyncio.LimitOverrunError):
-            pass
+        except (TimeoutError, OSError, ValueError, KeyError, TypeError, AttributeError,
+                asyncio.LimitOverrunError):
+            pass  # (a stranger, or a line that is no JSON object: refused, no traceback)
         finally:
             if node is not None and self.conns.get(node, (None,))[0] is writer:
                 del self.conns[node]
@@ -206,6 +222,16 @@ class Server:
                         writer.write(line)
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    """One listening socket on `port` (0: a free one) for every address family: asyncio,
+    given no host, binds one socket per family, and with port 0 each gets a port of its
+    own (the store named one; a launcher reaching its host by the other family found
+    nothing there). A dual-stack IPv6 socket takes IPv4 too; without IPv6, IPv4 alone."""
+    if host or not socket.has_dualstack_ipv6():
+        return socket.create_server((host, port))
+    return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+
+
 # -- a launcher's connection ---------------------------------------------------------------
 class Client:
     """One launcher's connection to the store: requests with ids, answered in any order,
@@ -225,28 +251,46 @@ class Client:
         self.instance = ""
         self.sent = 0
 
-    def connect(self, deadline: float) -> bool:
-        """Connect and say hello, trying until `deadline` (monotonic)."""
+    def connect(self, deadline: float, waiting: Callable[[], None] | None = None) -> bool:
+        """Connect and say hello, trying until `deadline` (monotonic); `waiting` is called
+        between tries."""
         while not self.closed:
             try:
                 sock = socket.create_connection((self.host, self.port), timeout=CONNECT_TRY_S)
                 sock.settimeout(CONNECT_TRY_S)
                 sock.sendall(json.dumps({"op": "hello", "id": 0, "node": self.node, "key": self.key,
                                          "attempt": self.attempt, "watch": list(WATCHED)}).encode() + b"\n")
-                reply = json.loads(sock.makefile("rb").readline(LINE_LIMIT) or b"null")
+                # (one buffered reader for the hello and all after: what it reads ahead, a
+                # push right behind the answer, is the reader thread's)
+                stream = sock.makefile("rb")
+                reply = json.loads(stream.readline(LINE_LIMIT) or b"null")
                 if not isinstance(reply, dict) or "instance" not in reply:
                     raise ConnectionError("the store refused this launcher (another job's port, or its key)")
                 sock.settimeout(None)
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 self.sock, self.instance, self.heard = sock, str(reply["instance"]), time.monotonic()
                 self.pushed.update(reply.get("pushed", {}))
-                threading.Thread(target=self._read, name="hpcshard-coord-client", daemon=True).start()
+                threading.Thread(target=self._read, args=(stream,), name="hpcshard-coord-client",
+                                 daemon=True).start()
                 return True
             except (OSError, ValueError):
                 if time.monotonic() >= deadline:
                     return False
+                if waiting is not None:
+                    waiting()
                 time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
         return False
+
+    def leave(self) -> None:
+        """Say this launcher gives the store up, before closing: never blocking (the store's
+        host may stand still); one frozen reads it when it thaws, before the close."""
+        if self.sock is None or self.closed or not self.lock.acquire(timeout=0.5):
+            return
+        try:
+            with contextlib.suppress(OSError):
+                self.sock.send(b'{"op":"leave","id":0}\n', socket.MSG_DONTWAIT)
+        finally:
+            self.lock.release()
 
     def close(self) -> None:
         self.closed = True
@@ -255,9 +299,7 @@ class Client:
                 self.sock.shutdown(socket.SHUT_RDWR)
             self.sock.close()
 
-    def _read(self) -> None:
-        assert self.sock is not None
-        stream = self.sock.makefile("rb")
+    def _read(self, stream: io.BufferedReader) -> None:
         try:
             while line := stream.readline(LINE_LIMIT):
                 self.heard = time.monotonic()
@@ -313,15 +355,16 @@ class Client:
         now = time.monotonic() if now is None else now
         if self.closed:
             return True
-        waited = [sent for sent, _, _, _ in list(self.pending.values())]
-        if not any(now - sent > LOST_S and self.heard < sent for sent in waited):
+        waiting = [sent for sent, _, _, _ in list(self.pending.values())]
+        if not any(now - sent > LOST_S and self.heard < sent for sent in waiting):
             return False
-        # An answer may have come while this process was starved of the CPU, unread yet.
-        try:
-            waiting, _, _ = select.select([self.sock], [], [], 0) if self.sock is not None else ([], 0, 0)
-        except (OSError, ValueError):
-            return True
-        return not waiting
+        # Answers waiting to be read are no silence: this launcher stood still (its node
+        # frozen, starved of the CPU) and the thread asking ran before its reader thread
+        # (and before `woke`).
+        with contextlib.suppress(OSError, ValueError):
+            if self.sock is not None and select.select([self.sock], [], [], 0)[0]:
+                return False
+        return True
 
     def woke(self) -> None:
         """This launcher stood still: what it sent waited with it (not the store's fault)."""
@@ -358,16 +401,21 @@ class Channel:
         """The nodes whose heartbeats each of this launcher's heartbeats brings back."""
         self.asked: dict[int, float] = {}
         """When (monotonic) each node's heartbeat was last asked for."""
+        self.opened = 0.0
+        """When (monotonic) the store was joined."""
 
     # -- the store's life ------------------------------------------------------------
     def open(self, host: str, port: int, key: str, attempt: int, serve: bool,
-             where: dict[str, Any] | None = None) -> bool:
+             where: dict[str, Any] | None = None, waiting: Callable[[], None] | None = None) -> bool:
         """Connect to the job's store at host:port (node 0, `serve`, starts it first).
         Until it is connected, and if it cannot be within UNHEARD_S, the files serve.
         Each launcher first writes its heartbeat file once: should the store be lost, its
         peers find that name already there (a name first looked up after it was created
         on another host is not hidden by NFS's negative lookup cache). `where`: the node,
-        as its heartbeats say it (host, Slurm node)."""
+        as its heartbeats say it (host, Slurm node). `waiting`: called between tries to
+        connect (the launcher's heartbeat, into the files until it is connected: node 0 may
+        be on them already, having failed to serve, and would take a launcher silent for
+        LOST_S while it tries for lost)."""
         with contextlib.suppress(OSError):
             (self.run_dir / launchers.LAUNCH).mkdir(exist_ok=True)
             launchers.beat(self.run_dir, attempt, self.node, {**(where or {}), "pid": os.getpid(), "seq": 0})
@@ -378,10 +426,10 @@ class Channel:
                 self._give_up(f"node 0 could not serve the store on port {port} ({err.strerror})")
                 return False
         client = Client(host, port, key, self.node, attempt)
-        if not client.connect(time.monotonic() + UNHEARD_S):
+        if not client.connect(time.monotonic() + UNHEARD_S, waiting):
             self._give_up(f"no store answered on {host}:{port} within {UNHEARD_S:g} s")
             return False
-        self.client = client
+        self.client, self.opened = client, time.monotonic()
         return True
 
     @property
@@ -396,6 +444,7 @@ class Channel:
 
     def _give_up(self, why: str) -> None:
         if self.client is not None:
+            self.client.leave()  # (its host hears it at once if it still runs: `Server.quit`)
             self.client.close()
             self.client = None
             self.fell_back = True
@@ -504,7 +553,8 @@ class Channel:
     def beats(self, attempt: int, nodes: int, of: Iterable[int] | None = None) -> dict[int, dict[str, Any]]:
         """The newest heartbeats of `of` (default every node), by node. Through the store:
         those the last heartbeat's answer brought; a node not watched before is asked for
-        at once, and watched from then on."""
+        at once, and watched from then on. A node not yet in a store served anew is heard
+        through its heartbeat file for JOIN_S (it learns of the store through the files)."""
         wanted = set(range(nodes) if of is None else of) - {self.node}
         if self.store is None:
             return launchers.beats(self.run_dir, attempt, nodes)
@@ -521,7 +571,14 @@ class Channel:
             for key, value in found["values"].items():
                 if value is not None:
                     self.beats_seen[int(key.rsplit("/", 1)[1])] = value
-        return {n: b for n, b in self.beats_seen.items() if n in wanted}
+        # (a copy first: the reader thread adds the nodes it first hears of as this reads;
+        # copying a dict is one step under the GIL, iterating it is not)
+        seen = self.beats_seen.copy()
+        heard = {n: b for n, b in seen.items() if n in wanted}
+        late = wanted - set(heard)
+        if late and self.first_cycle and time.monotonic() - self.opened < JOIN_S:
+            heard.update(launchers.beats(self.run_dir, attempt, nodes, of=late))
+        return heard
 
     def _pushed(self, key: str, value: Any) -> None:
         if self.client is not None:

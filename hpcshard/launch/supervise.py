@@ -89,7 +89,8 @@ def _fault(attempt: int, cycle: int, declared: dict[str, Any], culprit: dict[str
         culprit=culprit, reached=reached, action=decided.action.value, code=decided.code,
         reason=decided.reason, end=decided.end, active=list(decided.active), spares=list(decided.spares),
         bad=list(decided.bad), replaced=dict(decided.replaced), lost=list(decided.lost),
-        committed=decided.committed, host=decided.host, port=decided.port, restart=decided.restart,
+        committed=decided.committed, host=decided.host, port=decided.port, coord_port=decided.coord_port,
+        restart=decided.restart,
         lost_steps=max(0, reached - decided.committed),
         # how long the culprit had been silent when a hang was declared; a crash is seen
         # within one look
@@ -221,6 +222,8 @@ class Supervisor:
         self.beaten = time.monotonic()
         if stalled > LOST_S and not self.leaving:
             self._stood_still(stalled)
+        if not self.leaving:
+            self._still_serving()
         self.seq += 1
         record = {**self.where, "pid": os.getpid(), "seq": self.seq,
                   **({"done": done} if done is not None else {})}
@@ -301,6 +304,29 @@ class Supervisor:
         time.sleep(2 * POLL_S)
         return bool(server.left() & (set(self.roster.members) - self.seen_bad))
 
+    def _still_serving(self) -> None:
+        """The launcher that serves the store (node 0, or a decider that served one anew):
+        once a peer gave its store up (unanswered for LOST_S: the store's loop behind under
+        load, a network blip), that peer took this node for lost and goes on through the
+        files; so will every peer when the store stopped answering this node's own
+        connection. Once most of its peers did, going on, this node would decide on its
+        own in its store while they decide through the files (two decisions for one cycle,
+        a healthy node drained on each side). It leaves the run, its store with it:
+        whoever is still on the store falls back to the files with the others. (A peer
+        that ended, or whose launcher died, said no such thing: `Server.quit`.)"""
+        server = self.chan.server
+        if server is None:
+            return
+        if self.chan.lost_why:
+            raise Fenced(f"its own store stopped answering it ({self.chan.lost_why})")
+        others = set(self.roster.members) - self.seen_bad - {self.me} - server.ended
+        quit = server.quit & others
+        # Most of them: they go on through the files without it. A few: they are the ones
+        # cut off (or starved), and leave by themselves (`_isolated`: the same count, seen
+        # from their side, so that exactly one side goes on).
+        if 2 * len(quit) > len(others):
+            raise Fenced(f"node(s) {sorted(quit)} gave its store up (silent to them for {LOST_S:.0f} s)")
+
     def _renew(self) -> None:
         """The cycle's leader renews the run's lease every RENEW_S (`rundir.lease`); one
         that finds the run taken over (a guard, a `resume` that found this job's Slurm state
@@ -360,7 +386,8 @@ class Supervisor:
         if not others:
             return
         beats = self.chan.beats(self.ranks.attempt, self.node.nnodes, others)
-        gone = [n for n in self.peers.lost(others, beats) if "done" not in beats.get(n, {})]
+        others = [n for n in others if "done" not in beats.get(n, {})]  # (those that ended count for nobody)
+        gone = self.peers.lost(others, beats)
         if 2 * len(gone) > len(others):
             raise Fenced(f"it gave node {self.chan.host_node}'s store up, and {len(gone)} of its "
                          f"{len(others)} other peers did not: it is the one cut off")
@@ -382,7 +409,10 @@ class Supervisor:
                 for say, *where in ((self.chan.beat,), (launchers.beat, self.run_dir)):
                     self._try("its last heartbeat", say, *where, self.ranks.attempt, self.me, last,
                               beating=False)
-            self._close()
+            # (only a take-over's push needs its store to outlive it; any other fence is its
+            # peers going on without it: those still on its store must fall back to the
+            # files now, with the others, not decide through it for LINGER_S more)
+            self._close(linger=isinstance(why, TakenOver))
             return 0  # (not a failure: a non-zero exit would take the others' job down)
         except BaseException:
             # A bug here must not leave ranks training unsupervised, nor peers waiting for a
@@ -405,20 +435,25 @@ class Supervisor:
             self._try("its last heartbeat", launchers.beat, self.run_dir, self.ranks.attempt, self.me,
                       {**self.where, "pid": os.getpid(), "seq": self.seq, "done": code}, beating=False)
 
-    def _close(self) -> None:
+    def _close(self, linger: bool = True) -> None:
         """Leave the store. Node 0 serves it until the others have left too (each closes
         its connection as it ends; one lost never will), at most LINGER_S."""
         server = self.chan.server
-        if server is not None:
+        if server is not None and linger:
             deadline = time.monotonic() + LINGER_S
             while set(server.conns) - {self.me} - self.seen_bad and time.monotonic() < deadline:
                 time.sleep(POLL_S)
         self.chan.close()
 
-    def _run(self) -> int:
-        if coord.mode() == "store" and self.node.coord_port:
+    def _open(self) -> None:
+        """Join node 0's store (node 0 serves it), or stay on the files without one. A spec
+        written before the store has no key: a store would let in anyone who shows none."""
+        if coord.mode() == "store" and self.node.coord_port and self.spec.coord_key:
             self.chan.open(str(self.node.rdzv_host), int(self.node.coord_port), self.spec.coord_key,
-                           self.ranks.attempt, serve=self.me == 0, where=self.where)
+                           self.ranks.attempt, serve=self.me == 0, where=self.where, waiting=self.beat)
+
+    def _run(self) -> int:
+        self._open()
         self.beat()
         cycle, unhealthy = 0, False
         node = replace(self.node, nnodes=len(self.roster.active))
@@ -807,9 +842,12 @@ class Supervisor:
         old.close()
         self.chan.server = coord.Server.serving(decided.coord_port) if decided.host == self._host() else None
         if self.chan.open(decided.host, decided.coord_port, self.spec.coord_key, self.ranks.attempt,
-                          serve=False, where=self.where):
+                          serve=False, where=self.where, waiting=self.beat):
             print(f"hpcshard: node {self.me}: the launchers coordinate through the store on "
                   f"{decided.host}:{decided.coord_port} from cycle {cycle}", file=sys.stderr, flush=True)
+        elif self.chan.server is not None:  # (one its own decider cannot reach serves nobody)
+            self.chan.server.close()
+            self.chan.server = None
 
     def _conclude(self, cycle: int, watch: Watch, decided: Decision,
                   downs: list[dict[str, Any]] | None = None, share: bool = True) -> Decision:

@@ -203,6 +203,9 @@ class Fault(Event):
     """A restart: where the next rendezvous is."""
     port: int
     """A restart: its port."""
+    coord_port: int = 0
+    """A restart decided through the files: where on `host` the decider serves the
+    launchers' store anew (`launch.coord`); 0: none."""
     restart: bool
     """Whether the ranks restart in this allocation."""
     lost_steps: int

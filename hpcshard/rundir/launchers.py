@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -181,8 +182,10 @@ def over(run_dir: Path, attempt: int, cycle: int) -> bool:
     was made without it."""
     if decision(run_dir, attempt, cycle) is not None:
         return True
+    # (one read: every rank that fails asks, thousands at once after a fault on a big job)
+    records = ledger.read(run_dir)
     return any(r["event"] == "fault" and r.get("attempt") == attempt and r.get("cycle", 0) == cycle
-               for r in ledger.read(run_dir)) or ledger.moved_on(run_dir, attempt, cycle)
+               for r in records) or ledger.moved_on(run_dir, attempt, cycle, records)
 
 
 def beat(run_dir: Path, attempt: int, node: int, record: dict[str, Any]) -> None:
@@ -192,10 +195,12 @@ def beat(run_dir: Path, attempt: int, node: int, record: dict[str, Any]) -> None
     write_atomic(path, json.dumps({"time": time.time(), "node": node, **record}) + "\n")
 
 
-def beats(run_dir: Path, attempt: int, nodes: int) -> dict[int, dict[str, Any]]:
-    """The newest heartbeat of each node that has written one, by node."""
+def beats(run_dir: Path, attempt: int, nodes: int,
+          of: Iterable[int] | None = None) -> dict[int, dict[str, Any]]:
+    """The newest heartbeat of each node that has written one (of `of`, default every node),
+    by node."""
     found = {}
-    for n in range(nodes):
+    for n in sorted(range(nodes) if of is None else of):
         with contextlib.suppress(FileNotFoundError, ValueError):
             found[n] = dict(json.loads((run_dir / LAUNCH / f"alive-{attempt}-{n}.json").read_text()))
     return found

@@ -44,12 +44,13 @@ def next_attempt(run_dir: Path) -> int:
     return 1 + max((int(r["attempt"]) for r in read(run_dir)), default=-1)
 
 
-def moved_on(run_dir: Path, attempt: int, cycle: int) -> bool:
+def moved_on(run_dir: Path, attempt: int, cycle: int, records: list[dict[str, Any]] | None = None) -> bool:
     """Has the run started again since this attempt's cycle (a restart, a requeue)? A
     process of an older one was stopped or cut off meanwhile (a frozen node, thawed):
-    it has nothing more to say, and what it would say (a failure, a lost peer) is stale."""
+    it has nothing more to say, and what it would say (a failure, a lost peer) is stale.
+    `records`: the ledger, when the caller read it already."""
     return any(r["event"] == "start" and (int(r["attempt"]), int(r.get("cycle", 0))) > (attempt, cycle)
-               for r in read(run_dir))
+               for r in (read(run_dir) if records is None else records))
 
 
 def bad_nodes(run_dir: Path, attempt: int | None = None, lost: bool = False) -> list[dict[str, Any]]:

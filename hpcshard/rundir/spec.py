@@ -79,8 +79,9 @@ class RunSpec:
     coord_key: str = field(default_factory=lambda: secrets.token_hex(16))
     """What a job's launchers show node 0's store (`launch.coord`) to be let in: the run
     directory is the user's own (0700), so another user on the cluster cannot speak for
-    its launchers. Empty in a spec written before the store: every launcher reads the
-    same empty key."""
+    its launchers. Empty in a spec written before the store: its launchers coordinate
+    through the run directory's files (a store that let in an empty key would let in
+    anyone)."""
 
     def write(self, run_dir: Path) -> None:
         write_atomic(run_dir / SPEC, json.dumps(asdict(self), indent=2) + "\n")

@@ -4,12 +4,15 @@ one process: the server's loop and each client's reader are threads, over loopba
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -303,3 +306,344 @@ def test_the_launcher_serving_the_store_never_gives_its_own_up(tmp_path: Path, s
     assert client.silent() and chan.store is client
     chan.server = None
     assert chan.store is None and chan.fell_back
+
+
+def test_a_store_served_anew_on_a_free_port_is_reached_on_every_address_family(tmp_path: Path) -> None:
+    """`Supervisor._serve_anew` serves on port 0, every interface: asyncio bound one socket
+    per family, each on a free port of its own, and named either one's (measured here: `::`
+    on 34013, 0.0.0.0 on 36389): launchers reaching the decider's host by the other family
+    found nothing there, and waited UNHEARD_S in vain at the start of the next cycle."""
+    served = coord.Server(KEY, 0).start()
+    families = ["127.0.0.1"]
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET6) as probe:
+        probe.bind(("::1", 0))
+        families.append("::1")
+    try:
+        for host in families:
+            client = coord.Client(host, served.port, KEY, families.index(host))
+            assert client.connect(time.monotonic() + 0.5), host
+            client.close()
+    finally:
+        served.close()
+
+
+def test_heartbeats_landing_on_the_reader_thread_do_not_break_a_read_of_them(
+        tmp_path: Path, server: coord.Server) -> None:
+    """A heartbeat's answer lands on the client's reader thread (`Channel.beat`'s `then`),
+    which adds each node first heard (a launcher that started late) to `beats_seen` while
+    the supervisor reads them: iterating the dict as it grew raised RuntimeError in the
+    supervisor, which kills its ranks and ends the launcher with 1."""
+    chan = channel(tmp_path, server, 0)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # (the race, made likely)
+    try:
+        chan.beats_seen.update({n: {"seq": 1} for n in range(1, 2000)})
+        chan.watched |= set(range(1, 2000))
+        stop = threading.Event()
+
+        def landing() -> None:  # (what `landed` does on the reader thread)
+            n = 2000
+            while not stop.is_set() and n < 1_000_000:
+                chan.beats_seen[n] = {"seq": 1}
+                n += 1
+
+        thread = threading.Thread(target=landing, daemon=True)
+        thread.start()
+        try:
+            deadline = time.monotonic() + 1
+            while time.monotonic() < deadline and thread.is_alive():
+                chan.beats(0, 2000)
+        finally:
+            stop.set()
+            thread.join()
+    finally:
+        sys.setswitchinterval(interval)
+        chan.close()
+
+
+def test_a_launcher_waiting_for_the_store_beats_in_the_files_meanwhile(
+        tmp_path: Path, server: coord.Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 0 could not serve the store (its port, derived from the job id, taken: here by
+    another job's store, which refuses this job's key) and went on through the files. Node 1
+    tried to connect for UNHEARD_S with its heartbeat file at seq 0: node 0 timed its
+    silence from there, declared it lost after LOST_S and drained it where asked."""
+    from dataclasses import replace
+
+    from tests.unit.test_launch_races import make_supervisor
+
+    monkeypatch.setattr(coord, "UNHEARD_S", 3.0)
+    sup = make_supervisor(tmp_path / "run", owner="", node_rank=1, nnodes=2)
+    sup.node = replace(sup.node, coord_port=server.port)
+    opening = threading.Thread(target=sup._open, daemon=True)
+    opening.start()
+    seen = set()
+    while opening.is_alive():
+        seen.add(launchers.beats(tmp_path / "run", 0, 2).get(1, {}).get("seq"))
+        time.sleep(0.1)
+    assert sup.chan.store is None and "no store answered" in sup.chan.lost_why
+    assert len(seen - {None}) >= 3, seen  # (its heartbeat moved all along)
+
+
+def serving_supervisor(run_dir: Path, nnodes: int = 3) -> tuple[Any, coord.Server]:
+    """Node 0's supervisor, serving its store and connected to it, as `_run` leaves it."""
+    from tests.unit.test_launch_races import make_supervisor
+
+    sup = make_supervisor(run_dir, owner="", nnodes=nnodes)
+    served = coord.Server(KEY, 0, "127.0.0.1").start()
+    sup.chan = channel(run_dir, served, 0)
+    sup.chan.server = served
+    return sup, served
+
+
+def test_node_0_whose_peer_gave_its_store_up_leaves_the_run_though_it_never_stood_still(
+        tmp_path: Path) -> None:
+    """Node 0's launcher ran on, but its store did not answer node 1 for LOST_S (its loop
+    behind under load, a network blip): node 1 gave the store up, went on through the files
+    and took node 0 for lost there, while node 0, on its store, took node 1 for lost (its
+    heartbeats stopped coming) and decided on its own: two decisions for one cycle, a
+    healthy node drained on each side. Node 0 must leave as soon as it hears of it, and its
+    store with it (every other launcher then falls back too)."""
+    from hpcshard.launch.supervise import Fenced
+
+    sup, served = serving_supervisor(tmp_path / "run")
+    try:
+        peer = channel(tmp_path / "run", served, 1)
+        ended = channel(tmp_path / "run", served, 2)
+        ended.beat(0, 2, {"pid": 3, "seq": 1, "done": 0})  # (one that ended is no such thing)
+        until(lambda: 2 in served.ended)
+        ended.close()
+        sup.beaten = 0.0
+        sup.beat()
+        peer._give_up("the store on 127.0.0.1 (node 0's launcher) went silent")
+        until(lambda: 1 in served.left())
+        sup.beaten = 0.0
+        with pytest.raises(Fenced, match=r"node\(s\) \[1\] gave its store up"):
+            sup.beat()
+    finally:
+        sup.chan.close()
+
+
+def test_node_0_whose_own_store_went_silent_to_it_leaves_the_run(tmp_path: Path) -> None:
+    """Node 0's own connection gave its store up (its loop stood LOST_S behind): every peer
+    will too, and take node 0 for lost; node 0 leaves rather than go on alone."""
+    from hpcshard.launch.supervise import Fenced
+
+    sup, _ = serving_supervisor(tmp_path / "run", nnodes=2)
+    try:
+        sup.chan._give_up("the store on 127.0.0.1 (node 0's launcher) went silent")
+        sup.beaten = 0.0
+        with pytest.raises(Fenced, match="its own store"):
+            sup.beat()
+    finally:
+        sup.chan.close()
+
+
+def test_a_peer_whose_launcher_died_does_not_take_node_0_out(tmp_path: Path) -> None:
+    """A launcher killed (SIGKILL, the OOM killer) closes its connection without a word:
+    a node lost like any other, for node 0 to declare; not a peer that gave the store up."""
+    sup, served = serving_supervisor(tmp_path / "run", nnodes=2)
+    try:
+        peer = channel(tmp_path / "run", served, 1)
+        assert peer.client is not None
+        peer.client.close()
+        until(lambda: 1 not in served.conns)
+        sup.beaten = 0.0
+        sup.beat()  # (no Fenced)
+    finally:
+        sup.chan.close()
+
+
+def test_node_0_fenced_closes_its_store_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fenced (thawed after its peers left, or told a peer gave its store up), node 0 kept
+    its store open LINGER_S for the launchers still on it: they went on through it, the
+    others through the files, each side deciding for itself. Closed at once, they fall back
+    to the files with the others."""
+    from hpcshard.launch import supervise
+    from hpcshard.launch.supervise import Fenced
+
+    sup, served = serving_supervisor(tmp_path / "run", nnodes=3)
+    still = channel(tmp_path / "run", served, 2)  # (a peer still on the store)
+
+    def fenced() -> int:
+        raise Fenced("its peers left its store while it stood still for 9 s")
+
+    monkeypatch.setattr(sup, "_run", fenced)
+    monkeypatch.setattr(supervise, "kill_below", lambda pid: None)
+    began = time.monotonic()
+    assert sup.run() == 0
+    assert time.monotonic() - began < 2
+    until(lambda: still.store is None, 2)
+
+
+def test_a_decider_that_cannot_reach_the_store_it_served_anew_closes_it_and_stays(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its own store unreachable (as the others find it too: they stay on the files), the
+    decider closes it rather than take its silence for its peers having left it."""
+    from hpcshard.launch.policy import Action, Decision
+    from tests.unit.test_launch_races import make_supervisor
+
+    monkeypatch.setattr(coord, "UNHEARD_S", 0.5)
+    sup = make_supervisor(tmp_path / "run", owner="", node_rank=1, nnodes=2)
+    sup.chan._give_up("the store on 127.0.0.1 (node 0's launcher) went silent")
+    served = coord.Server("not this job's key", 0).start()
+    sup._join(Decision(action=Action.RESTART, reason="node 0 lost", active=(1,), host="127.0.0.1", port=1,
+                       coord_port=served.port), 1)
+    assert sup.chan.server is None and coord.Server.serving(served.port) is None
+    sup.beaten = 0.0
+    sup.beat()  # (not fenced: it serves nothing)
+
+
+def test_answers_waiting_to_be_read_are_not_the_store_s_silence(tmp_path: Path) -> None:
+    """This launcher stood still past LOST_S (its node frozen) with a request out: thawed,
+    any of its threads (a write `_try` runs on one) may ask `silent()` before the reader
+    thread has read the answers that came meanwhile, and before the supervisor's beat calls
+    `woke`. The store answered: giving it up then (and saying so: node 0 leaves the run
+    for it) would be this launcher's standstill blamed on the store."""
+    mine, theirs = socket.socketpair()
+    client = coord.Client("127.0.0.1", 1, KEY, 1)
+    client.sock = mine  # (connected; its reader thread not yet run, as just after a thaw)
+    client.heard = time.monotonic() - 20
+    client.pending[7] = (time.monotonic() - 10, threading.Event(), [], None)
+    theirs.sendall(b'{"id":7,"values":{}}\n')
+    try:
+        assert not client.silent()
+        mine.recv(4096)  # (read, and nothing came: that is silence)
+        assert client.silent()
+    finally:
+        mine.close()
+        theirs.close()
+
+
+def test_a_stranger_s_garbage_is_refused_quietly(server: coord.Server,
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """Anything may connect to the store's port (a port scanner, another program): a line of
+    JSON that is no object was an AttributeError out of the handler, a traceback in node 0's
+    log each time. Refused like any stranger; the store serves on."""
+    for line in (b"null\n", b"[1]\n", b'"x"\n'):
+        with socket.create_connection(("127.0.0.1", server.port)) as stranger:
+            stranger.sendall(line)
+            stranger.settimeout(2)
+            assert stranger.recv(100) == b""
+    assert [r.getMessage() for r in caplog.records if r.name == "asyncio"] == []
+    assert coord.Client("127.0.0.1", server.port, KEY, 1).connect(time.monotonic() + 1)
+
+
+def test_a_run_whose_spec_has_no_key_stays_on_the_files(tmp_path: Path) -> None:
+    """A spec written before the store has no key, and a store of that key lets in anyone
+    who says the same nothing: another such job's launchers on a port both derived (job ids
+    5,000 apart give one's store the other's rendezvous port; 10,000 apart, the same store
+    port), or any user of the cluster, who would push a fault, a decision or a fence into
+    this job. Its launchers keep to the files, the protocol they were written for."""
+    from dataclasses import replace
+
+    from tests.unit.test_launch_races import make_supervisor
+
+    keyless = coord.Server("", 0, "127.0.0.1").start()
+    try:
+        sup = make_supervisor(tmp_path / "run", owner="", node_rank=1, nnodes=2)
+        sup.spec.coord_key = ""
+        sup.node = replace(sup.node, coord_port=keyless.port)
+        sup._open()
+        assert sup.chan.store is None and not keyless.conns
+    finally:
+        keyless.close()
+
+
+def test_a_cycle_decided_in_the_store_is_over_for_its_ranks_at_one_read_of_the_ledger(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every rank that fails asks `launchers.over` (thousands at once after a fault on a big
+    job, the ledger on shared storage): the decision in node 0's store, the decider's fault
+    record says the cycle is over; the ledger was read twice for it (that, then `moved_on`)."""
+    from hpcshard.rundir import events, ledger
+
+    reads = []
+    read = ledger.read
+
+    def counted(run_dir: Path) -> list[dict[str, Any]]:
+        reads.append(run_dir)
+        return read(run_dir)
+
+    monkeypatch.setattr(ledger, "read", counted)
+    assert not launchers.over(tmp_path, 0, 1) and len(reads) == 1
+    ledger.append(tmp_path, events.Start(attempt=0, cycle=1, nodes=1, world=1, host="h"))
+    assert launchers.over(tmp_path, 0, 0) and not launchers.over(tmp_path, 0, 1)
+    reads.clear()
+    ledger.append(tmp_path, events.Fault(
+        attempt=0, cycle=1, cause="x", declared=None, culprit=None, reached=0, action="restart", code=0,
+        reason="", end="", active=[0], spares=[], bad=[], replaced={}, lost=[], committed=0, host="h",
+        port=1, restart=True, lost_steps=0, detect_s=0.2, collectives=[]))
+    assert launchers.over(tmp_path, 0, 1) and not launchers.over(tmp_path, 1, 1) and len(reads) == 2
+
+
+def test_launchers_late_to_a_store_served_anew_are_heard_through_the_files_meanwhile(
+        tmp_path: Path, server: coord.Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decider serves a new store and joins it at once; the others learn of it from the
+    decision's file, as late as NFS's lookup cache shows it (30-60 s), beating in the files
+    meanwhile. The new cycle's leader heard them in its store only: silent for LOST_S there
+    (at once: its last look at a node that said it was down was before the recovery), a
+    healthy node was declared lost; a launcher that joined first took its late leader for
+    lost the same way."""
+    from hpcshard.launch.liveness import LOST_S
+
+    leader = coord.Channel(tmp_path, 1, first_cycle=1)
+    assert leader.open("127.0.0.1", server.port, KEY, attempt=0, serve=False)
+    peers = Peers(began=0.0, heard_since=0.0)
+    now = time.monotonic()
+    peers.observe({2: {"pid": 9, "seq": 40}}, now=now - 30)  # (its last look, before the recovery)
+    launchers.beat(tmp_path, 0, 2, {"pid": 9, "seq": 57})  # (node 2, still waiting on the files)
+    assert peers.lost([2], leader.beats(0, 3, [2]), now=now) == []
+    late = channel(tmp_path, server, 2)
+    late.beat(0, 2, {"pid": 9, "seq": 58})
+    leader.beat(0, 1, {"pid": 8, "seq": 1})
+    until(lambda: leader.beats(0, 3, [2]).get(2, {}).get("seq") == 58)  # (joined: the store's)
+    # A launcher that never joins is judged by the store once the others had time to find it.
+    monkeypatch.setattr(coord, "JOIN_S", 0.0)
+    launchers.beat(tmp_path, 0, 0, {"pid": 7, "seq": 99})
+    assert 0 not in leader.beats(0, 3, [0, 2])
+    assert peers.lost([0], leader.beats(0, 3, [0]), now=now + LOST_S + 1) == [0]
+
+
+def test_a_push_right_behind_the_hello_s_answer_is_kept(tmp_path: Path) -> None:
+    """The store writes what it pushes to every connection the moment it is set, so a fault
+    or a decision can follow the answer to a launcher's hello in the same read: the hello
+    was read through a buffered file of its own, dropped with what it had read ahead."""
+    listening = socket.create_server(("127.0.0.1", 0))
+
+    def store() -> None:
+        conn, _ = listening.accept()
+        conn.recv(4096)
+        conn.sendall(b'{"id":0,"instance":"i","pushed":{}}\n{"push":"fault/0/0","value":{"cause":"x"}}\n')
+        time.sleep(2)
+        conn.close()
+
+    threading.Thread(target=store, daemon=True).start()
+    chan = coord.Channel(tmp_path, 1)
+    try:
+        assert chan.open("127.0.0.1", listening.getsockname()[1], KEY, attempt=0, serve=False)
+        until(lambda: chan.fault(0, 0) is not None, 1)
+    finally:
+        chan.close()
+        listening.close()
+
+
+def test_node_0_stays_when_a_few_peers_gave_its_store_up_and_leaves_when_most_did(tmp_path: Path) -> None:
+    """The same count seen from both sides: a minority that gave the store up is the side
+    cut off (it leaves by itself: `_isolated`), so node 0 goes on with the others; once most
+    did, node 0 is the one gone and leaves. Exactly one side goes on."""
+    from hpcshard.launch.supervise import Fenced
+
+    sup, served = serving_supervisor(tmp_path / "run", nnodes=5)
+    try:
+        peers = [channel(tmp_path / "run", served, n) for n in (1, 2, 3, 4)]
+        peers[0]._give_up("the store went silent")
+        peers[1]._give_up("the store went silent")
+        until(lambda: {1, 2} <= served.left())
+        sup.beaten = 0.0
+        sup.beat()  # 2 of 4: not most of them; node 0 goes on
+        peers[2]._give_up("the store went silent")
+        until(lambda: 3 in served.left())
+        sup.beaten = 0.0
+        with pytest.raises(Fenced, match=r"node\(s\) \[1, 2, 3\] gave its store up"):
+            sup.beat()
+    finally:
+        sup.chan.close()

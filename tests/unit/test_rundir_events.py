@@ -66,7 +66,8 @@ CASES: list[tuple[float, events.Event, dict[str, Any]]] = [
      {"event": "fault", "attempt": 0, "cycle": 0, "cause": "rank 1 died (its process is gone)",
       "declared": 1005.5, "culprit": {"rank": 1, "node": 0, "host": "h0", "step": 5}, "reached": 5,
       "action": "restart", "code": 0, "reason": "restart 1 of 3", "end": "", "active": [0, 1], "spares": [],
-      "bad": [], "replaced": {}, "lost": [], "committed": 4, "host": "h0", "port": 29500, "restart": True,
+      "bad": [], "replaced": {}, "lost": [], "committed": 4, "host": "h0", "port": 29500, "coord_port": 0,
+      "restart": True,
       "lost_steps": 1, "detect_s": 0.2, "collectives": [COLLECTIVE]}),
     (1007, events.BadNode(attempt=0, cycle=0, node=1, host="h1", slurm_node="n2", reason="lost: silent",
                           drained=False, drain_error="refused"),  # launch.exclusion
