@@ -90,6 +90,7 @@ def _fault(attempt: int, cycle: int, declared: dict[str, Any], culprit: dict[str
         reason=decided.reason, end=decided.end, active=list(decided.active), spares=list(decided.spares),
         bad=list(decided.bad), replaced=dict(decided.replaced), lost=list(decided.lost),
         committed=decided.committed, host=decided.host, port=decided.port, coord_port=decided.coord_port,
+        coord_node=decided.coord_node,
         restart=decided.restart,
         lost_steps=max(0, reached - decided.committed),
         # how long the culprit had been silent when a hang was declared; a crash is seen

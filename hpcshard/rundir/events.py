@@ -206,6 +206,8 @@ class Fault(Event):
     coord_port: int = 0
     """A restart decided through the files: where on `host` the decider serves the
     launchers' store anew (`launch.coord`); 0: none."""
+    coord_node: int = 0
+    """...and the decider's node, which serves it."""
     restart: bool
     """Whether the ranks restart in this allocation."""
     lost_steps: int
