@@ -1,7 +1,7 @@
 """The local backend: N emulated nodes as local processes, the launcher Slurm will run.
 
 Each "node" is one `hpcshard.launch.node` process running torchrun for its ranks; they
-meet through a c10d rendezvous on loopback, exactly as nodes meet on a cluster.
+meet through torchrun's static rendezvous on loopback, exactly as nodes meet on a cluster.
 """
 
 from __future__ import annotations

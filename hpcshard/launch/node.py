@@ -57,15 +57,20 @@ class NodeEnv:
 
 def torchrun_argv(node: NodeEnv, run_dir: Path, module: str = "hpcshard.entry",
                   warm: bool = False) -> list[str]:
-    """torchrun for one node: c10d rendezvous on the first node's host.
+    """torchrun for one node: the static rendezvous, on node_rank 0's host.
 
-    c10d ignores --node_rank and numbers agents by arrival, but each agent's workers get
-    contiguous ranks, so the mesh's shard dimension still stays inside one node. `warm`:
+    Static, not c10d: c10d's rendezvous times its participants' keep-alives and deadlines
+    by each host's wall clock (`datetime.now()` written by one agent, compared by another:
+    torch's dynamic_rendezvous), and with clocks 30 s apart a job's agents hung after its
+    ranks had finished (measured on the local Slurm's skewed nodes). Static takes the node
+    ranks as given, and each agent's workers get contiguous ranks, so the mesh's shard
+    dimension stays inside one node. `warm`:
     the same agent and options through `hpcshard.launch.warm`, whose ranks are forks of
     an agent that imported torch and the runtime once (hpcshard jobs only).
     """
     options = [f"--nnodes={node.nnodes}", f"--nproc_per_node={node.per_node}",
-               "--rdzv_backend=c10d", f"--rdzv_endpoint={node.rdzv_host}:{node.rdzv_port}",
+               "--rdzv_backend=static", f"--node_rank={node.node_rank}",
+               f"--rdzv_endpoint={node.rdzv_host}:{node.rdzv_port}",
                f"--rdzv_id={node.run_id}", "--max_restarts=0"]
     if warm:
         return [sys.executable, "-m", "hpcshard.launch.warm", *options, str(run_dir)]

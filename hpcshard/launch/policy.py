@@ -115,6 +115,9 @@ class Decision:
     decider now serves a store for the cycles after (`launch.coord`); 0: no new one."""
     coord_node: int = 0
     """...and the decider's node (whose loss is the store's)."""
+    rdzv_node: int = 0
+    """A restart: the launcher on `host` (the decider), node_rank 0 of the next cycle's
+    static rendezvous, which serves its store there."""
 
     @property
     def restart(self) -> bool:

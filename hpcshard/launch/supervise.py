@@ -90,7 +90,7 @@ def _fault(attempt: int, cycle: int, declared: dict[str, Any], culprit: dict[str
         reason=decided.reason, end=decided.end, active=list(decided.active), spares=list(decided.spares),
         bad=list(decided.bad), replaced=dict(decided.replaced), lost=list(decided.lost),
         committed=decided.committed, host=decided.host, port=decided.port, coord_port=decided.coord_port,
-        coord_node=decided.coord_node,
+        coord_node=decided.coord_node, rdzv_node=decided.rdzv_node,
         restart=decided.restart,
         lost_steps=max(0, reached - decided.committed),
         # how long the culprit had been silent when a hang was declared; a crash is seen
@@ -190,6 +190,8 @@ class Supervisor:
         self.peers = Peers()
         self.roster = Roster.first(node.nnodes, spec.nodes)
         """Who trains in the current cycle, and who waits."""
+        self.order: tuple[int, ...] = self.roster.active
+        """The active launchers by node_rank in this cycle's rendezvous."""
         self.seen_bad: set[int] = set()
         self.at_cycle = 0
         self.fenced = False
@@ -482,7 +484,7 @@ class Supervisor:
             if self.ending is not None:  # a cancel before the ranks started: none start
                 return 128 + self.ending
             if self.me in self.roster.active and not unhealthy:
-                watch = self.cycle(replace(node, node_rank=self.roster.active.index(self.me)), cycle)
+                watch = self.cycle(replace(node, node_rank=self.order.index(self.me)), cycle)
             else:
                 watch = self.idle(cycle)
             if watch.fault is None:
@@ -492,6 +494,9 @@ class Supervisor:
                 return decided.code
             cycle += 1
             self.newest = decided.committed  # (rank 0 looks it up by name if it must)
+            # (node_rank 0 hosts the static rendezvous: the decider, on whose host it is)
+            first = [decided.rdzv_node] if decided.rdzv_node in decided.active else []
+            self.order = (*first, *(n for n in decided.active if n not in first))
             self._join(decided, cycle)
             self.roster = Roster(decided.active, decided.spares)
             node = replace(self.node, nnodes=len(self.roster.active), rdzv_host=decided.host,
@@ -812,7 +817,7 @@ class Supervisor:
         decided = policy.decide(facts)
         serving: coord.Server | None = None
         if decided.restart:
-            decided = replace(decided, port=free_port(), host=self._host())
+            decided = replace(decided, port=free_port(), host=self._host(), rdzv_node=self.me)
             serving = self._serve_anew()
             if serving is not None:
                 decided = replace(decided, coord_port=serving.port, coord_node=self.me)

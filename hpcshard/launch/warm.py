@@ -2,7 +2,7 @@
 
     python -m hpcshard.launch.warm [torchrun options] RUN_DIR
 
-Every option is torchrun's own (its parser, its LaunchConfig, its elastic agent and c10d
+Every option is torchrun's own (its parser, its LaunchConfig, its elastic agent and static
 rendezvous); only the workers differ. Plain torchrun starts each rank as a new Python that
 imports torch, FSDP, DTensor and DCP again: seconds of CPU per rank, all ranks of a node at
 once, typically from a shared file system. Here the agent pays that once and each rank is

@@ -208,6 +208,8 @@ class Fault(Event):
     launchers' store anew (`launch.coord`); 0: none."""
     coord_node: int = 0
     """...and the decider's node, which serves it."""
+    rdzv_node: int = 0
+    """A restart: the launcher that hosts the next rendezvous (node_rank 0)."""
     restart: bool
     """Whether the ranks restart in this allocation."""
     lost_steps: int

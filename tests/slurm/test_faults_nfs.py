@@ -47,7 +47,9 @@ def test_a_killed_rank_on_nfs_like_storage_and_skewed_clocks_restarts_in_place_b
         assert wait_state(job, DONE, 300) == "COMPLETED"
         assert restarts(job) == 0
         records = ledger.read(run)
-        (fault,) = [r for r in records if r["event"] == "fault"]
+        faults = [r for r in records if r["event"] == "fault"]
+        assert len(faults) == 1, faults
+        (fault,) = faults
         assert fault["restart"] and "died" in fault["cause"]
         assert fault["lost"] == [] and fault["bad"] == [] and fault["active"] == [0, 1]
         assert not [r for r in records if r["event"] == "bad_node"]

@@ -19,7 +19,7 @@ def test_torchrun_command_for_one_node() -> None:
                    run_id="abc")
     argv = torchrun_argv(node, Path("/runs/x"))
     assert argv[1:3] == ["-m", "torch.distributed.run"]
-    for arg in ("--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=c10d",
+    for arg in ("--nnodes=2", "--nproc_per_node=4", "--rdzv_backend=static", "--node_rank=1",
                 "--rdzv_endpoint=n1:29400", "--rdzv_id=abc", "--max_restarts=0"):
         assert arg in argv
     assert argv[-3:] == ["-m", "hpcshard.entry", "/runs/x"]

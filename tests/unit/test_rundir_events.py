@@ -67,7 +67,7 @@ CASES: list[tuple[float, events.Event, dict[str, Any]]] = [
       "declared": 1005.5, "culprit": {"rank": 1, "node": 0, "host": "h0", "step": 5}, "reached": 5,
       "action": "restart", "code": 0, "reason": "restart 1 of 3", "end": "", "active": [0, 1], "spares": [],
       "bad": [], "replaced": {}, "lost": [], "committed": 4, "host": "h0", "port": 29500, "coord_port": 0,
-      "coord_node": 0,
+      "coord_node": 0, "rdzv_node": 0,
       "restart": True,
       "lost_steps": 1, "detect_s": 0.2, "collectives": [COLLECTIVE]}),
     (1007, events.BadNode(attempt=0, cycle=0, node=1, host="h1", slurm_node="n2", reason="lost: silent",
