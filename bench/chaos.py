@@ -24,8 +24,15 @@ a spare keeps the shape, the mesh is not re-planned).
 The local cluster's settings that make this faster than a default Slurm (said in the
 output): cred_expire=10 (a requeued job waits 10 s, not 120), sched_interval=2.
 
+On NFS-like storage (HPCSHARD_CHAOS_NFS: the views' bindfs cache options, NFS's defaults
+`entry_timeout=30,negative_timeout=30,attr_timeout=3`): every node of the cluster and this
+host see the run directory through a view of their own with those caches
+(scripts/local-slurm's HPCSHARD_SLURM_SHARED, its backing directory the soak's small
+tmpfs); the results are saved as `chaos-nfs`, beside the plain soak's, and say whether a
+node that no fault touched was ever declared bad.
+
 Environment: HPCSHARD_CHAOS_SEED, HPCSHARD_CHAOS_INTERVAL (s), HPCSHARD_CHAOS_FAULTS,
-HPCSHARD_CHAOS_KINDS (comma-separated subset)."""
+HPCSHARD_CHAOS_KINDS (comma-separated subset), HPCSHARD_CHAOS_NFS."""
 
 from __future__ import annotations
 
@@ -46,9 +53,11 @@ from bench.common import RESULTS, ROOT, Metric, env, hpcshard, records, run, sav
 from hpcshard.rundir import launchers, ledger
 from hpcshard.rundir.goodput import account, between, timeline
 
-NAME = "chaos"
+NFS = os.environ.get("HPCSHARD_CHAOS_NFS", "")
+NAME = "chaos-nfs" if NFS else "chaos"
 SCRIPT = ROOT / "scripts" / "local-slurm"
-CONF = Path(os.environ.get("HPCSHARD_SLURM_DIR", "/tmp/hpcshard-slurm")) / "etc" / "slurm.conf"
+SLURM_DIR = Path(os.environ.get("HPCSHARD_SLURM_DIR", "/tmp/hpcshard-slurm"))
+CONF = SLURM_DIR / "etc" / "slurm.conf"
 KINDS = ("rank_kill", "rank_hang", "node_kill", "node_freeze", "node_down", "drain", "preempt", "disk_full")
 NODE_KINDS = ("node_kill", "node_freeze", "node_down", "drain")
 """Faults that take a node out of the partition for good (the run never uses it again)."""
@@ -166,14 +175,18 @@ def main() -> list[Metric]:
         raise SystemExit(f"HPCSHARD_CHAOS_KINDS: unknown {sorted(unknown)}; choose from {', '.join(KINDS)}")
     rng = random.Random(SEED)
     run([str(SCRIPT), "down"], timeout=600)
-    run([str(SCRIPT), "up", str(CLUSTER)], timeout=600)
-    e = env(SLURM_CONF=str(CONF))
-    steps = int((FAULTS + 4) * INTERVAL / STEP_S)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-chaos-", dir=RESULTS))
     disk = tmp / "disk"
     disk.mkdir()
     run(["mount", "-t", "tmpfs", "-o", f"size={DISK_MB}m", "tmpfs", str(disk)])
-    run_dir = disk / "run"
+    # (NFS-like: the small disk is the backing directory of every node's view)
+    shared = SLURM_DIR / "shared"
+    testbed = env(HPCSHARD_SLURM_SHARED=str(shared), HPCSHARD_SLURM_SHARED_BACK=str(disk),
+                  HPCSHARD_SLURM_NFS=NFS) if NFS else None
+    run([str(SCRIPT), "up", str(CLUSTER)], timeout=600, env=testbed)
+    e = env(SLURM_CONF=str(CONF))
+    steps = int((FAULTS + 4) * INTERVAL / STEP_S)
+    run_dir = (shared if NFS else disk) / "run"
     soak = Soak(run_dir, e, rng)
     try:
         hpcshard("submit", "--backend", "slurm", "--nodes", "2", "--gpus", "2", "--spares", "1",
@@ -216,7 +229,8 @@ def main() -> list[Metric]:
                    "finished": end["reason"] == "done",
                    "faults": soak.faults, "goodput": good.seconds, "wall": good.wall,
                    "ledger_events": [r["event"] for r in led], "replays": replays(run_dir),
-                   "reused": reused(run_dir, led), "frozen": soak.frozen}
+                   "reused": reused(run_dir, led), "frozen": soak.frozen, "nfs": NFS,
+                   "healthy_declared_bad": healthy_declared_bad(soak.faults, led)}
         (RESULTS / ".chaos-details.json").write_text(json.dumps(details, indent=1) + "\n")
     finally:
         for host in soak.frozen:
@@ -227,10 +241,18 @@ def main() -> list[Metric]:
             subprocess.run(["scancel", job], env=e, capture_output=True)
         subprocess.run(["rm", "-rf", str(RESULTS / ".chaos-run")])  # kept for a look
         subprocess.run(["cp", "-r", str(run_dir), str(RESULTS / ".chaos-run")], capture_output=True)
+        run([str(SCRIPT), "down"], timeout=600, check=False)  # (first: the views sit on the disk)
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
         subprocess.run(["rm", "-rf", str(tmp)])
-        run([str(SCRIPT), "down"], timeout=600, check=False)
     return report(details, RESULTS / ".chaos-run")
+
+
+def healthy_declared_bad(faults: list[dict[str, Any]], led: list[dict[str, Any]]) -> list[str]:
+    """Slurm nodes declared bad that no node fault touched (a false loss: a node whose
+    heartbeats, or whose files, were late)."""
+    touched = {f["slurm_node"] for f in faults if f["kind"] in NODE_KINDS}
+    bad = {r["slurm_node"] for r in led if r["event"] == "bad_node" and r.get("slurm_node")}
+    return sorted(bad - touched)
 
 
 def gap(rng: random.Random) -> float:
@@ -336,6 +358,8 @@ def report(d: dict[str, Any], run_dir: Path) -> list[Metric]:
         Metric(NAME, "steps trained again with a different loss", rep["with_a_different_loss"], "steps",
                "0", rep["with_a_different_loss"] == 0, note=f"of {rep['steps_trained_again']} trained again"),
         Metric(NAME, "bad nodes used again", len(d["reused"]), "", "0", not d["reused"]),
+        Metric(NAME, "healthy nodes declared bad (no node fault touched them)",
+               len(d.get("healthy_declared_bad", [])), "", "0", not d.get("healthy_declared_bad")),
         Metric(NAME, "the run finished without anyone's help", float(d.get("finished", True)), "", "1",
                bool(d.get("finished", True))),
     ]
