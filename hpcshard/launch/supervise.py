@@ -733,6 +733,12 @@ class Supervisor:
         launchers below this one are all lost, this one's own. Storage that refuses this
         launcher's down record decides by itself: the run stops for it, whoever decides."""
         attempt = self.ranks.attempt
+        if not self.storage:
+            # The down record goes to node 0's store, which a full run directory does not
+            # refuse: a write of its own says whether the storage was why the ranks failed
+            # (they stop with STORAGE_EXIT, which their agent reports as 1).
+            with contextlib.suppress(OSError):
+                self.storage = health.storage_problem(self.run_dir, tries=1)[0]
         down = {"host": self.where["host"], "dead": watch.dead, "reached": watch.reached,
                 "ranks": watch.ranks, "flight": watch.flight, "committed": self._seen_committed(),
                 **({"storage": self.storage} if self.storage else {})}

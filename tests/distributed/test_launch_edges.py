@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hpcshard.launch.procs import children, ranks_below
+from hpcshard.launch.procs import children, descendants
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import launchers
 from hpcshard.rundir.rankenv import STORAGE_EXIT
@@ -56,17 +56,22 @@ def test_a_notice_during_the_rendezvous_reaches_the_ranks_and_the_run_requeues_b
     proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
                        *sets(steps=STEPS, ckpt_every=4, keep_last=100))
     wait_for(lambda: len(launchers(run)) == 2 and agent(launchers(run)[1]), 120, "node 1's agent")
-    held = agent(launchers(run)[1])
-    assert held is not None
-    os.kill(held, signal.SIGSTOP)
+    first = agent(launchers(run)[1])
+    assert first is not None
+    # (the static rendezvous lets each agent fork its ranks at once; they meet in the
+    # process group's join: node 1's agent and whatever it forked are held there)
+    held = [first, *descendants(first)]
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
     try:
-        wait_for(lambda: agent(launchers(run)[0]), 60, "node 0's agent, in its rendezvous")
+        wait_for(lambda: agent(launchers(run)[0]), 60, "node 0's agent")
         time.sleep(0.5)
-        assert not ranks_below(launchers(run))  # no rank anywhere yet
+        assert not trained_to(run, 1)  # no step anywhere yet: every rank waits for node 1's
         assert hpcshard("preempt", str(run)).returncode == 0
         time.sleep(1.0)
     finally:
-        os.kill(held, signal.SIGCONT)
+        for pid in held:
+            os.kill(pid, signal.SIGCONT)
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-4000:]
     ends = [r for r in ledger.read(run) if r["event"] == "end"]
