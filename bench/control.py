@@ -251,8 +251,11 @@ class Cluster:
         return found
 
     def file_channel(self) -> bool:
-        """Did the launchers coordinate through files (heartbeat files in launch/)?"""
-        return any((self.run_dir / "launch").glob("alive-*.json"))
+        """Did the launchers coordinate through files (fault, down or decision files in
+        launch/; with the store each launcher writes its heartbeat file only at its start
+        and end)?"""
+        names = [p.name for p in (self.run_dir / "launch").iterdir()]
+        return any(name.startswith(("fault-", "down-", "next-")) for name in names)
 
 
 def spawn_floor(root: Path, nodes: int) -> float:
