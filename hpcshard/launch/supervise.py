@@ -329,6 +329,14 @@ class Supervisor:
         # from their side, so that exactly one side goes on).
         if 2 * len(quit) > len(others):
             raise Fenced(f"node(s) {sorted(quit)} gave its store up (silent to them for {LOST_S:.0f} s)")
+        # Cut off from them all (its network, not theirs): their word that they gave it up
+        # cannot reach it, but their silence does. Most of the peers it had heard, silent at
+        # once, is this node gone, not them: it leaves rather than blame (and drain) them.
+        beats = self.chan.beats(self.ranks.attempt, self.node.nnodes, sorted(others))
+        heard = [n for n in others if n in self.peers.seen]
+        silent = set(self.peers.lost(heard, beats)) | quit
+        if len(others) > 1 and 2 * len(silent) > len(others):
+            raise Fenced(f"node(s) {sorted(silent)} fell silent at once: it is the one cut off from them")
 
     def _renew(self) -> None:
         """The cycle's leader renews the run's lease every RENEW_S (`rundir.lease`); one

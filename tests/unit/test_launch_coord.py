@@ -647,3 +647,35 @@ def test_node_0_stays_when_a_few_peers_gave_its_store_up_and_leaves_when_most_di
             sup.beat()
     finally:
         sup.chan.close()
+
+
+def test_node_0_cut_off_from_most_of_its_peers_leaves_instead_of_blaming_them(tmp_path: Path) -> None:
+    """Node 0's network fails, not theirs: their word that they gave its store up cannot
+    reach it, only their silence. Most of the peers it had heard, silent at once: it is the
+    one gone, and leaves (they take it for lost through the files); one silent peer of
+    three is that peer's trouble, judged as ever."""
+    from hpcshard.launch.supervise import Fenced
+
+    sup, served = serving_supervisor(tmp_path / "run", nnodes=4)
+    try:
+        peers = [channel(tmp_path / "run", served, n) for n in (1, 2, 3)]
+        for n, peer in zip((1, 2, 3), peers, strict=True):
+            peer.beat(0, n, {"pid": 10 + n, "seq": 1})
+        until(lambda: len(sup.chan.beats(0, 4, [1, 2, 3])) == 3)
+        sup.peers.observe(sup.chan.beats(0, 4, [1, 2, 3]))
+
+        def silent_since(nodes: list[int], seconds: float) -> None:
+            for n in nodes:
+                mark, at = sup.peers.seen[n]
+                sup.peers.seen[n] = (mark, at - seconds)
+            sup.peers.heard_since -= seconds
+
+        silent_since([1], coord.LOST_S + 1)
+        sup.beaten = 0.0
+        sup.beat()  # one of three: not it
+        silent_since([2, 3], coord.LOST_S + 1)
+        sup.beaten = 0.0
+        with pytest.raises(Fenced, match=r"node\(s\) \[1, 2, 3\] fell silent at once"):
+            sup.beat()
+    finally:
+        sup.chan.close()
