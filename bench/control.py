@@ -97,7 +97,7 @@ class Cluster:
 
     # -- start and stop ---------------------------------------------------------------
     def start(self) -> None:
-        from hpcshard.launch.local import free_port
+        from hpcshard.launch.local import free_ports
         from hpcshard.launch.node import NodeEnv
         from hpcshard.rundir import lease
         from hpcshard.rundir.rankenv import RankEnv
@@ -112,7 +112,7 @@ class Cluster:
                 # (a crash is measured: a rank starved of a core for 5 s must not pass for a hang)
                 resolved={"config": {"watchdog_floor_s": 60.0}}).write(self.run_dir)
         self.owner = lease.take(self.run_dir, lease.Owner.of_process("bench control"), lambda job: False)
-        port, coord_port, run_id = free_port(), free_port(), f"ctl{uuid.uuid4().hex[:8]}"
+        (port, coord_port), run_id = free_ports(2), f"ctl{uuid.uuid4().hex[:8]}"
         base = env(HPCSHARD_WARM_START="0", BENCH_CONTROL_STAMPS=str(self.stamps),
                    BENCH_CONTROL_RATE=str(RATE), BENCH_CONTROL_STEADY=str(STEADY),
                    BENCH_CONTROL_STEPS=str(int(RATE * 3600)),

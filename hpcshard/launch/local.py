@@ -6,6 +6,7 @@ meet through torchrun's static rendezvous on loopback, exactly as nodes meet on 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -29,9 +30,19 @@ PEER_GRACE_S = 15.0
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_ports(1)[0]
+
+
+def free_ports(n: int) -> list[int]:
+    """`n` different free ports on loopback (held together while picked: two picks one
+    after the other can get the same one)."""
+    with contextlib.ExitStack() as held:
+        found = []
+        for _ in range(n):
+            s = held.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            found.append(int(s.getsockname()[1]))
+        return found
 
 
 def run_local(run_dir: Path, nodes: int, per_node: int, *, spares: int = 0, resume: str = "auto",
@@ -79,7 +90,7 @@ def run_local(run_dir: Path, nodes: int, per_node: int, *, spares: int = 0, resu
 def _attempt(run_dir: Path, nodes: int, per_node: int, attempt: int, resume: str, restarts: int,
              spares: int, owner: str, procs: list[subprocess.Popen[bytes]],
              forward: Callable[[int, object], None]) -> int:
-    port, coord_port, run_id = free_port(), free_port(), uuid.uuid4().hex[:12]
+    (port, coord_port), run_id = free_ports(2), uuid.uuid4().hex[:12]
     cores = os.cpu_count() or 1
     for rank in range(nodes + spares):
         node = NodeEnv(node_rank=rank, nnodes=nodes + spares, per_node=per_node, rdzv_host="127.0.0.1",

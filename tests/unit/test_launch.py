@@ -201,3 +201,13 @@ def test_a_guard_takes_the_run_over_only_from_a_job_that_failed_without_a_word(
         said = [r for r in ledger.read(tmp_path)][len(records):]
         # only a spent budget is recorded: the run ends there, and status must say why
         assert [r["event"] for r in said] == (["gave_up"] if len(records) == 3 else [])
+
+
+def test_the_local_backends_ports_are_picked_together_and_differ() -> None:
+    """The rendezvous and the launchers' store: two picks one after the other could get the
+    same port (the store would take the rendezvous's and cost a restart)."""
+    from hpcshard.launch.local import free_ports
+
+    for _ in range(20):
+        found = free_ports(2)
+        assert len(set(found)) == 2
