@@ -61,14 +61,15 @@ class Peers:
         if self.heard_since == math.inf:
             self.heard_since = time.monotonic() if now is None else now
 
-    def grace(self, nodes: list[int] | tuple[int, ...] | set[int], now: float | None = None) -> None:
-        """These nodes' silence counts from now (a fresh start for them: the launchers
-        moved from node 0's store to the files, where each shows up once it has moved
-        too)."""
+    def grace(self, nodes: list[int] | tuple[int, ...] | set[int], seconds: float = LOST_S,
+              now: float | None = None) -> None:
+        """These nodes are lost only once silent for `seconds` from now, those never seen
+        too (a fresh start for them: the launchers moved from node 0's store to the files,
+        where each shows up once it has moved too, as late as the file system shows it)."""
         now = time.monotonic() if now is None else now
         for n in nodes:
-            if n in self.seen:
-                self.seen[n] = (self.seen[n][0], now)
+            mark = self.seen[n][0] if n in self.seen else (None, None, None)
+            self.seen[n] = (mark, now + seconds - LOST_S)
 
     def woke(self, now: float | None = None) -> None:
         """This launcher stood still (its node frozen, starved): it heard nothing meanwhile,

@@ -393,7 +393,10 @@ class Supervisor:
                   if n not in (self.me, self.chan.host_node) and n not in self.seen_bad]
         if not self.fell_back:
             self.fell_back = True
-            self.peers.grace(others)
+            # (as long as NFS may hide their heartbeat files: a spare had never watched its
+            # peers' heartbeats before, and on the chaos soak's NFS-like views one that gave
+            # them LOST_S took itself for the one cut off while they had fallen back too)
+            self.peers.grace(others, UNHEARD_S + LOST_S)
         if not others:
             return
         beats = self.chan.beats(self.ranks.attempt, self.node.nnodes, others)

@@ -266,7 +266,7 @@ def test_a_launcher_that_fell_back_alone_leaves_instead_of_blaming_the_others(tm
     (run / launchers.LAUNCH).mkdir(exist_ok=True)
     for n in range(5):  # (what the store showed last, and the start-up files)
         launchers.beat(run, 0, n, {"pid": 100 + n, "seq": 0})
-    sup.peers.observe({n: {"pid": 100 + n, "seq": 40} for n in range(5)})
+    sup.peers.observe({n: {"pid": 100 + n, "seq": 40} for n in range(4)})  # (node 4 never watched)
     sup.chan.fell_back, sup.chan.host_node = True, 0
     sup._isolated()  # (the fallback: a grace for the others, not for node 0)
 
@@ -275,7 +275,9 @@ def test_a_launcher_that_fell_back_alone_leaves_instead_of_blaming_the_others(tm
         sup.peers.heard_since -= seconds
         sup.peers.began -= seconds
 
-    later(coord.LOST_S + 1)
+    later(coord.UNHEARD_S + coord.LOST_S - 1)  # (the grace: as long as NFS may hide their files)
+    sup._isolated()  # nobody lost yet, the one never watched (node 4) neither
+    later(2)
     launchers.beat(run, 0, 1, {"pid": 101, "seq": 41})  # node 1 fell back too
     launchers.beat(run, 0, 3, {"pid": 103, "seq": 41})  # and node 3
     sup._isolated()  # 1 of 3 (node 4) did not: node 0 is lost, not this launcher
