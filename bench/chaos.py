@@ -118,8 +118,10 @@ class Soak:
         if kind in ("rank_kill", "rank_hang"):
             from hpcshard.launch.procs import ranks_below
 
-            launcher = launchers.read_pid(launchers.pid_file(self.run_dir, node))
-            assert launcher is not None, f"node {node}'s launcher is not running"
+            # (on NFS-like views this host may see a new attempt's pid file late: its
+            # lookup cache)
+            launcher = wait(lambda: launchers.read_pid(launchers.pid_file(self.run_dir, node)), 90,
+                            f"node {node}'s launcher's pid file", every=1)
             ranks = ranks_below([launcher])
             victim = self.rng.choice(ranks)
             os.kill(victim, signal.SIGKILL if kind == "rank_kill" else signal.SIGSTOP)
