@@ -549,6 +549,14 @@ class Channel:
         except Unreachable as err:
             self._give_up(str(err))
             launchers.beat(self.run_dir, attempt, node, record)
+            return
+        if self.first_cycle and time.monotonic() - self.opened < JOIN_S:
+            # A store served anew: the launchers not in it yet learn of it through the
+            # files, as late as NFS shows the decision, and hear this one there meanwhile
+            # (a spare that stopped hearing the decider took itself for the one cut off
+            # and left: the chaos soak on NFS-like views).
+            with contextlib.suppress(OSError):
+                launchers.beat(self.run_dir, attempt, node, record)
 
     def beats(self, attempt: int, nodes: int, of: Iterable[int] | None = None) -> dict[int, dict[str, Any]]:
         """The newest heartbeats of `of` (default every node), by node. Through the store:

@@ -681,3 +681,28 @@ def test_node_0_cut_off_from_most_of_its_peers_leaves_instead_of_blaming_them(tm
             sup.beat()
     finally:
         sup.chan.close()
+
+
+def test_a_launcher_in_a_store_served_anew_still_beats_in_the_files_for_those_not_there_yet(
+        tmp_path: Path) -> None:
+    """After node 0's store was lost the decider serves a new one; a launcher still on the
+    files learns of it as late as NFS shows the decision. Those already in the new store
+    keep beating in the files for JOIN_S, or the late one hears nobody and takes itself for
+    the one cut off (the chaos soak: the spare left and the run was requeued without it)."""
+    served = coord.Server(KEY, 0, "127.0.0.1").start()
+    try:
+        joined = coord.Channel(tmp_path, 1, first_cycle=2, host_node=1)
+        assert joined.open("127.0.0.1", served.port, KEY, attempt=0, serve=False)
+        joined.beat(0, 1, {"pid": 11, "seq": 57})
+        assert launchers.beats(tmp_path, 0, 2)[1]["seq"] == 57  # (the late ones read this)
+        joined.opened -= coord.JOIN_S + 1
+        joined.beat(0, 1, {"pid": 11, "seq": 58})
+        assert launchers.beats(tmp_path, 0, 2)[1]["seq"] == 57  # (then the store alone)
+        first = channel(tmp_path / "other", served, 0)  # (node 0's first store: no files)
+        first.beat(0, 0, {"pid": 10, "seq": 5})
+        assert 0 not in launchers.beats(tmp_path / "other", 0, 1) or launchers.beats(
+            tmp_path / "other", 0, 1)[0]["seq"] == 0
+        joined.close()
+        first.close()
+    finally:
+        served.close()
