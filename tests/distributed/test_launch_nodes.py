@@ -85,12 +85,7 @@ def test_a_frozen_node_is_replaced_by_a_spare_and_the_run_ends_bitwise_equal(
     frozen_at = freeze(run, victim)
     wait_for(lambda: records(run, "recovered"), 120, "training again on the spare")
     # (node 0 took its store with it: the launchers fell back to the run directory's files
-    # for that recovery, and the decider serves a new store from the next cycle on, so the
-    # heartbeat files stand still again)
-    alive = run / "launch" / "alive-0-1.json"
-    before = alive.stat().st_mtime_ns
-    time.sleep(3)
-    assert alive.stat().st_mtime_ns == before
+    # for that recovery, and the decider serves a new store from the next cycle on: below)
     thawed_at = freeze(run, victim, signal.SIGCONT)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
