@@ -204,7 +204,7 @@ class Server:
         if op == "exchange":  # set some keys, get others: a heartbeat and the ones watched
             for key, value in dict(request.get("set", {})).items():
                 if key.startswith("alive/") and isinstance(value, dict) and "done" in value:
-                    self.ended.add(int(key.rsplit("/")[-1]))
+                    self.ended.add(_node_of(key))
                 self._set(str(key), value)
             return {"values": {k: self.data.get(k) for k in request.get("get", [])}}
         if op == "scan":
@@ -379,6 +379,11 @@ def _key(*parts: object) -> str:
     return "/".join(str(p) for p in parts)
 
 
+def _node_of(key: str) -> int:
+    """The node a per-node key names (`alive/A/N`, `down/A/C/N`)."""
+    return int(key.rsplit("/", 1)[1])
+
+
 class Channel:
     """What the launchers of one attempt say to each other: through the store while it
     answers, through the run directory's files before it is had (`open`) and once it is
@@ -485,11 +490,7 @@ class Channel:
         return bool(found["won"])
 
     def fault(self, attempt: int, cycle: int) -> dict[str, Any] | None:
-        store = self.store
-        if store is None or cycle < self.first_cycle:
-            return launchers.fault(self.run_dir, attempt, cycle)
-        found = store.pushed.get(_key("fault", attempt, cycle))
-        return dict(found) if found is not None else None
+        return self._cycle_record("fault", attempt, cycle, launchers.fault)
 
     def mark_down(self, attempt: int, cycle: int, node: int, record: dict[str, Any]) -> None:
         value = {"time": time.time(), "node": node, **record}
@@ -500,7 +501,7 @@ class Channel:
         found = self._call("scan", prefix=_key("down", attempt, cycle, ""))
         if found is None:
             return launchers.downs(self.run_dir, attempt, cycle, nodes)
-        by_node = {int(key.rsplit("/")[-1]): dict(value) for key, value in found["values"].items()}
+        by_node = {_node_of(key): dict(value) for key, value in found["values"].items()}
         return [by_node[n] for n in sorted(by_node)]
 
     def nodes_down(self, attempt: int, cycle: int, nodes: int) -> list[int]:
@@ -514,10 +515,16 @@ class Channel:
         return dict(found["value"])
 
     def decision(self, attempt: int, cycle: int) -> dict[str, Any] | None:
+        return self._cycle_record("next", attempt, cycle, launchers.decision)
+
+    def _cycle_record(self, kind: str, attempt: int, cycle: int,
+                      from_files: Callable[[Path, int, int], dict[str, Any] | None]) -> dict[str, Any] | None:
+        """A cycle's pushed record (`kind`: fault, next); from the files without the store,
+        or for a cycle before the store served anew."""
         store = self.store
         if store is None or cycle < self.first_cycle:
-            return launchers.decision(self.run_dir, attempt, cycle)
-        found = store.pushed.get(_key("next", attempt, cycle))
+            return from_files(self.run_dir, attempt, cycle)
+        found = store.pushed.get(_key(kind, attempt, cycle))
         return dict(found) if found is not None else None
 
     def fence(self, attempt: int, why: str) -> None:
@@ -536,16 +543,10 @@ class Channel:
         if store is None:
             launchers.beat(self.run_dir, attempt, node, record)
             return
-        want = sorted(self.watched)
-
-        def landed(answer: dict[str, Any]) -> None:
-            for key, value in answer.get("values", {}).items():
-                if value is not None:
-                    self.beats_seen[int(key.rsplit("/", 1)[1])] = value
-
         try:
-            store.send("exchange", then=landed, set={_key("alive", attempt, node): {"node": node, **record}},
-                       get=[_key("alive", attempt, n) for n in want])
+            store.send("exchange", then=self._heard,
+                       set={_key("alive", attempt, node): {"node": node, **record}},
+                       get=[_key("alive", attempt, n) for n in sorted(self.watched)])
         except Unreachable as err:
             self._give_up(str(err))
             launchers.beat(self.run_dir, attempt, node, record)
@@ -576,9 +577,7 @@ class Channel:
             found = self._call("exchange", get=[_key("alive", attempt, n) for n in sorted(new)])
             if found is None:
                 return launchers.beats(self.run_dir, attempt, nodes)
-            for key, value in found["values"].items():
-                if value is not None:
-                    self.beats_seen[int(key.rsplit("/", 1)[1])] = value
+            self._heard(found)
         # (a copy first: the reader thread adds the nodes it first hears of as this reads;
         # copying a dict is one step under the GIL, iterating it is not)
         seen = self.beats_seen.copy()
@@ -587,6 +586,13 @@ class Channel:
         if late and self.first_cycle and time.monotonic() - self.opened < JOIN_S:
             heard.update(launchers.beats(self.run_dir, attempt, nodes, of=late))
         return heard
+
+    def _heard(self, answer: dict[str, Any]) -> None:
+        """The heartbeats an exchange brought back (on the reader thread for a heartbeat's,
+        on this one for a node asked for at once)."""
+        for key, value in answer.get("values", {}).items():
+            if value is not None:
+                self.beats_seen[_node_of(key)] = value
 
     def _pushed(self, key: str, value: Any) -> None:
         if self.client is not None:
