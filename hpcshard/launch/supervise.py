@@ -297,15 +297,17 @@ class Supervisor:
         self.peers.woke()
 
     def _store_left(self, seconds: float) -> bool:
-        """Node 0, thawed: did its peers give its store up meanwhile (they took node 0 for
-        lost and went on through the files: their connections are closed)? The others'
-        closing reaches it at once, queued while it stood still; a moment for its store's
-        thread, frozen with it, to read them."""
+        """Node 0, thawed: did most of its peers give its store up meanwhile (they took
+        node 0 for lost and go on through the files: their connections are closed)? The
+        others' closing reaches it at once, queued while it stood still; a moment for its
+        store's thread, frozen with it, to read them. Most, as `_still_serving` and
+        `_isolated` count: a few that left are the ones cut off, and leave by themselves."""
         server = self.chan.server
         if server is None or seconds <= LOST_S:
             return False
         time.sleep(2 * POLL_S)
-        return bool(server.left() & (set(self.roster.members) - self.seen_bad))
+        others = set(self.roster.members) - self.seen_bad - {self.me} - server.ended
+        return 2 * len(server.left() & others) > len(others)
 
     def _still_serving(self) -> None:
         """The launcher that serves the store (node 0, or a decider that served one anew):

@@ -651,6 +651,29 @@ def test_node_0_stays_when_a_few_peers_gave_its_store_up_and_leaves_when_most_di
         sup.chan.close()
 
 
+def test_node_0_thawed_counts_the_peers_that_left_its_store_as_the_running_one_does(tmp_path: Path) -> None:
+    """A node 0 that stood still past LOST_S: a few peers that gave its store up meanwhile
+    are the ones cut off (they leave by themselves), so it goes on; once most did, they go on
+    without it through the files and it is fenced. One count for the thawed node 0, the
+    running one (`_still_serving`) and the peer that fell back (`_isolated`)."""
+    sup, served = serving_supervisor(tmp_path / "run", nnodes=5)
+    try:
+        peers = [channel(tmp_path / "run", served, n) for n in (1, 2, 3, 4)]
+        peers[0]._give_up("the store went silent")
+        peers[1].close()  # (its launcher closed the connection without a word)
+        until(lambda: {1, 2} <= served.left())
+        assert not sup._store_left(coord.LOST_S + 5)  # 2 of 4: not most
+        assert not sup._store_left(coord.LOST_S - 1)  # (not stood still long enough to be lost)
+        peers[3].beat(0, 4, {"pid": 14, "seq": 1, "done": 0})  # node 4 ended: it counts for nobody
+        until(lambda: 4 in served.ended)
+        assert sup._store_left(coord.LOST_S + 5)  # 2 of 3
+        assert not sup._store_left(coord.LOST_S - 1)
+    finally:
+        for peer in peers:
+            peer.close()
+        sup.chan.close()
+
+
 def test_node_0_cut_off_from_most_of_its_peers_leaves_instead_of_blaming_them(tmp_path: Path) -> None:
     """Node 0's network fails, not theirs: their word that they gave its store up cannot
     reach it, only their silence. Most of the peers it had heard, silent at once: it is the
