@@ -1,7 +1,8 @@
 """Test layers: tests/unit (fast, no processes), tests/distributed (multi-rank torchrun on
 CPU/gloo, and the CLI end to end), tests/slurm (the real local cluster). Each directory's
 tests carry its layer's marker (unit, dist, slurm), so `pytest -m dist` runs one layer.
-(Not `tests/dist`: pytest skips directories named dist by default.)"""
+(Not `tests/dist`: pytest skips directories named dist by default.) tests/gpu (marker gpu)
+needs one CUDA GPU and skips, with the reason, without one."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ import pytest
 from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = {"unit": "unit", "distributed": "dist", "slurm": "slurm"}
+LAYERS = {"unit": "unit", "distributed": "dist", "slurm": "slurm", "gpu": "gpu"}
 
 
 # pytest-xdist (-n 3 --dist loadgroup, see pyproject): tests of one group run in one worker,

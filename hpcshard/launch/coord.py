@@ -250,6 +250,8 @@ class Client:
         self.closed = False
         self.instance = ""
         self.sent = 0
+        self.news = threading.Event()
+        """Set when a push lands or the store's end closes (`Channel.wait` wakes on it)."""
 
     def connect(self, deadline: float, waiting: Callable[[], None] | None = None) -> bool:
         """Connect and say hello, trying until `deadline` (monotonic); `waiting` is called
@@ -306,6 +308,7 @@ class Client:
                 message = json.loads(line)
                 if "push" in message:
                     self.pushed[str(message["push"])] = message["value"]
+                    self.news.set()
                     continue
                 waiting = self.pending.pop(int(message.get("id") or 0), None)
                 if waiting is not None:
@@ -319,6 +322,7 @@ class Client:
         self.closed = True  # (the store's end closed: its launcher is gone)
         for _, done, _, _ in list(self.pending.values()):
             done.set()
+        self.news.set()
 
     def send(self, op: str, then: Callable[[dict[str, Any]], None] | None = None,
              **fields: Any) -> tuple[threading.Event, list[dict[str, Any]]]:
@@ -468,6 +472,20 @@ class Channel:
     def woke(self) -> None:
         if self.client is not None:
             self.client.woke()
+
+    def wait(self, seconds: float, on_store: float | None = None) -> None:
+        """Sleep `seconds` between two looks, woken at once by a push (a fault, a decision,
+        a fencing) while the store is used: the launchers act on a fault as soon as it is
+        pushed, not at their next look (with a look every 0.2 s, the last of N launchers
+        to act waited about 0.2 s at 128 nodes, a twentieth of it at 2). `on_store`: the
+        interval while the store is used, for a look at what it does not push (the
+        downs: only the decider looks, for the few tenths of a second a fault lasts)."""
+        client = self.client
+        if client is None:
+            time.sleep(seconds)
+            return
+        client.news.wait(seconds if on_store is None else on_store)
+        client.news.clear()
 
     def _call(self, op: str, **fields: Any) -> dict[str, Any] | None:
         """An answer from the store, or None: it is not used (the caller asks the files)."""

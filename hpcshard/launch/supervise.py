@@ -50,7 +50,11 @@ __all__ = ["BEAT_S", "LOST_S", "UNHEARD_S", "Agent", "Fenced", "Roster", "Superv
            "children", "descendants", "send"]
 
 POLL_S = 0.2
-"""How often a launcher looks at its board and for a declared fault."""
+"""How often a launcher looks at its board and for a declared fault (a fault or decision
+the store pushes wakes it at once: `Channel.wait`)."""
+DOWN_LOOK_S = 0.05
+"""How often the decider looks for the downs while the store serves (a scan of it; the
+files are looked at every POLL_S)."""
 DOWN_TIMEOUT_S = 120.0
 """How long the decider waits for every node to report its ranks dead before it gives up."""
 DOWN_TRIES = 3
@@ -531,7 +535,7 @@ class Supervisor:
                 return Watch(code=int(beats[ended[0]]["done"]))
             if self.ending is not None:
                 return Watch(code=0)
-            time.sleep(POLL_S)
+            self.chan.wait(POLL_S)
 
     def watch_peers(self, cycle: int) -> None:
         """Every BEAT_S: the cycle's leader reads every other launcher's heartbeat, the
@@ -635,7 +639,7 @@ class Supervisor:
                     learned = self._learned(dog, cycle)
             if code is not None or dead or hang or self.chan.fault(attempt, cycle):
                 break
-            time.sleep(POLL_S)
+            self.chan.wait(POLL_S)
         self.fault_seen = time.monotonic()
         fault = self.chan.fault(attempt, cycle)
         if code and self.spec.script and fault is None and not dead:
@@ -777,7 +781,7 @@ class Supervisor:
                 return self._conclude(cycle, watch, Decision(
                     action=policy.Action.STOP, code=1, end="unreported",
                     reason="no launcher decided (are they gone?)"), share=False)
-            time.sleep(POLL_S)
+            self.chan.wait(POLL_S)
 
     def decider(self) -> int:
         """Who decides after a fault: the lowest launcher of the job not lost (not bad), and
@@ -806,7 +810,7 @@ class Supervisor:
             missing = [n for n in candidates if n not in ended]
             if set(lost) == set(missing) or time.monotonic() > deadline:
                 break
-            time.sleep(POLL_S)
+            self.chan.wait(POLL_S, on_store=DOWN_LOOK_S)
         downs = self.chan.downs(attempt, cycle, self.node.nnodes)
         storage = self.storage or next((d["storage"] for d in downs if d.get("storage")), "") or (
             (watch.fault or {}).get("storage", ""))

@@ -21,7 +21,11 @@ script's atexit hooks must run.
 
 from __future__ import annotations
 
+import os
 import sys
+from typing import Any
+
+NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from hpcshard import entry
 
     args = torchrun.get_args_parser().parse_args(argv)
-    config, _cmd, _cmd_args = torchrun.config_from_args(args)
+    config = _config(torchrun, args)
     config.start_method = "fork"
     sys.stdout.flush()
     sys.stderr.flush()
@@ -49,6 +53,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"hpcshard: torchrun stopped by {err.sigval.name}", file=sys.stderr, flush=True)
         return 128 + int(err.sigval)
     return 0
+
+
+def _config(torchrun: Any, args: Any) -> Any:
+    """torchrun's LaunchConfig for `args`, without touching CUDA. Building one asks
+    `torch.cuda.is_available()` and `device_count()` (for its default NUMA binding), and
+    the CUDA runtime's answer poisons every later fork: each forked rank then failed with
+    "Cannot re-initialize CUDA in forked subprocess" at its first CUDA call (seen on an
+    H100, torch 2.11; 2.13 asks the same). NVML answers both without initialising CUDA
+    (`PYTORCH_NVML_BASED_CUDA_CHECK`, torch's own switch for this); the ranks get the
+    environment as it was."""
+    before = os.environ.get(NVML_CHECK)
+    os.environ[NVML_CHECK] = "1"
+    try:
+        config, _cmd, _cmd_args = torchrun.config_from_args(args)
+    finally:
+        if before is None:
+            del os.environ[NVML_CHECK]
+        else:
+            os.environ[NVML_CHECK] = before
+    return config
 
 
 if __name__ == "__main__":

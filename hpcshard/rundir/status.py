@@ -212,7 +212,10 @@ def _culprit(who: dict[str, Any]) -> str:
         return "culprit unknown"
     if "rank" not in who:  # a whole node (lost)
         return f"node {who['node']} ({who.get('slurm_node') or who.get('host', '?')}) {who.get('state', '')}"
-    return f"rank {who['rank']}" + (f" on {who['host']} (node {who['node']})" if "host" in who else "")
+    where = f" on {who['host']}" if "host" in who else ""
+    if "node" in who:  # (a rank whose own code raised is named by its host alone)
+        where += f" (node {who['node']})" if where else f" on node {who['node']}"
+    return f"rank {who['rank']}{where}" + (f": {who['error']}" if who.get("error") else "")
 
 
 def _fmt(v: int | None) -> str:

@@ -174,3 +174,16 @@ def test_status_without_accounting_says_what_scontrol_says(run: Path,
     assert "from accounting" not in out.output and "slurm runs" not in out.output
     listed = CliRunner().invoke(main, ["ls", str(run.parent)])
     assert "RUNNING" in listed.output
+
+
+def test_status_names_each_kind_of_culprit() -> None:
+    """A rank whose own code raised is recorded with its host and no node (`RankFailed`):
+    `status` printed a traceback (KeyError 'node') on the first such run, on a GPU."""
+    from hpcshard.rundir.status import _culprit
+
+    assert _culprit({}) == "culprit unknown"
+    raised = {"rank": 0, "host": "vm", "step": 60, "error": "RuntimeError", "message": "x", "log": "l"}
+    assert _culprit(raised) == "rank 0 on vm: RuntimeError"
+    assert _culprit({"rank": 3, "pid": 7, "step": 5, "node": 1, "host": "n2"}) == "rank 3 on n2 (node 1)"
+    assert _culprit({"rank": 3, "node": 1}) == "rank 3 on node 1"
+    assert _culprit({"node": 2, "state": "lost", "host": "n3"}) == "node 2 (n3) lost"

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -43,6 +44,40 @@ def test_warm_ranks_take_torchruns_own_options(monkeypatch: pytest.MonkeyPatch) 
     assert not warm_start("hpcshard.entry", {"kind": "path"}) and not warm_start("x.smoke", {})
     monkeypatch.setenv("HPCSHARD_WARM_START", "0")
     assert not warm_start("hpcshard.entry", {})
+
+
+def test_the_warm_agent_asks_torch_about_cuda_through_nvml_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building torchrun's LaunchConfig asks `torch.cuda.is_available()` and `device_count()`
+    (for its default NUMA binding); answered by the CUDA runtime, that poisons every later
+    fork, and each forked rank died with "Cannot re-initialize CUDA in forked subprocess"
+    (an H100, torch 2.11). The warm agent has NVML answer them, and leaves the ranks'
+    environment as it was."""
+    import torch
+    import torch.distributed.run as torchrun
+
+    from hpcshard.launch import warm
+
+    asked: list[str | None] = []
+
+    def available() -> bool:
+        asked.append(os.environ.get(warm.NVML_CHECK))
+        return True
+
+    def count() -> int:
+        asked.append(os.environ.get(warm.NVML_CHECK))
+        return 4
+
+    monkeypatch.setattr(torch.cuda, "is_available", available)
+    monkeypatch.setattr(torch.cuda, "device_count", count)
+    monkeypatch.delenv(warm.NVML_CHECK, raising=False)
+    node = NodeEnv(node_rank=0, nnodes=1, per_node=4, rdzv_host="n1", rdzv_port=29400, run_id="abc")
+    args = torchrun.get_args_parser().parse_args(torchrun_argv(node, Path("/runs/x"), warm=True)[3:])
+    config = warm._config(torchrun, args)
+    assert asked and set(asked) == {"1"}
+    assert warm.NVML_CHECK not in os.environ and config.nproc_per_node == 4
+    monkeypatch.setenv(warm.NVML_CHECK, "0")
+    warm._config(torchrun, args)
+    assert os.environ[warm.NVML_CHECK] == "0"
 
 
 def test_nodelist_expansion() -> None:
@@ -211,3 +246,24 @@ def test_the_local_backends_ports_are_picked_together_and_differ() -> None:
     for _ in range(20):
         found = free_ports(2)
         assert len(set(found)) == 2
+
+
+def test_descendants_finds_a_whole_process_tree_in_one_look() -> None:
+    """What lies below a launcher (agent, forked ranks, what they started), grandchildren
+    too; children() only the first level."""
+    import subprocess
+    import time
+
+    from hpcshard.launch.procs import children, descendants
+
+    tree = subprocess.Popen(["sh", "-c", "(sleep 30; true) & sleep 30 & wait"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 5
+        while len(descendants(tree.pid)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        below = descendants(tree.pid)  # the subshell and its sleep, the other sleep
+        assert len(below) == 3 and len(children(tree.pid)) == 2
+        assert set(children(tree.pid)) < set(below)
+    finally:
+        os.killpg(tree.pid, 9)
+        tree.wait()

@@ -651,6 +651,40 @@ def test_node_0_stays_when_a_few_peers_gave_its_store_up_and_leaves_when_most_di
         sup.chan.close()
 
 
+def test_a_pushed_fault_or_decision_wakes_a_launcher_between_its_looks(tmp_path: Path,
+                                                                       server: coord.Server) -> None:
+    """A launcher looks at its board every POLL_S, and acts on a fault the store pushes at
+    once: at 128 nodes the last of them to act after a declaration waited about a whole
+    look (0.2 s on 16 cores), at 2 nodes a twentieth of it. Without the store, it sleeps."""
+    leader, follower = channel(tmp_path, server, 0), channel(tmp_path, server, 1)
+    try:
+        follower.wait(0)  # (what the hello brought)
+        woke: list[float] = []
+
+        def look() -> None:
+            began = time.monotonic()
+            follower.wait(5.0)
+            woke.append(time.monotonic() - began)
+
+        waiting = threading.Thread(target=look)
+        waiting.start()
+        time.sleep(0.2)
+        leader.declare_fault(0, 0, {"cause": "rank 3 died"})
+        waiting.join(10)
+        assert woke and woke[0] < 2.0, woke
+        assert follower.fault(0, 0) is not None
+        began = time.monotonic()
+        follower.wait(0.3)  # nothing new since: the whole interval
+        assert time.monotonic() - began >= 0.25
+    finally:
+        leader.close()
+        follower.close()
+    files = coord.Channel(tmp_path, 2)
+    began = time.monotonic()
+    files.wait(0.2)
+    assert time.monotonic() - began >= 0.15
+
+
 def test_node_0_thawed_counts_the_peers_that_left_its_store_as_the_running_one_does(tmp_path: Path) -> None:
     """A node 0 that stood still past LOST_S: a few peers that gave its store up meanwhile
     are the ones cut off (they leave by themselves), so it goes on; once most did, they go on
