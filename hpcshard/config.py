@@ -332,3 +332,45 @@ def build_config(cls: type[C], sets: dict[str, str]) -> C:
         except ValueError as err:
             raise UserError(f"--set {key}={text!r}: {err}") from None
     return cls(**values)
+
+
+def field_docs(cls: type) -> dict[str, str]:
+    """Each field's docstring (the string literal under it), from the source of `cls` and
+    of the classes it inherits from: what `--set KEY` means."""
+    import ast
+    import inspect
+    import textwrap
+
+    docs: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if not dataclasses.is_dataclass(klass):
+            continue
+        body = ast.parse(textwrap.dedent(inspect.getsource(klass))).body[0]
+        assert isinstance(body, ast.ClassDef)
+        for first, second in zip(body.body, body.body[1:], strict=False):
+            if (isinstance(first, ast.AnnAssign) and isinstance(first.target, ast.Name)
+                    and isinstance(second, ast.Expr) and isinstance(second.value, ast.Constant)
+                    and isinstance(second.value.value, str)):
+                docs[first.target.id] = " ".join(inspect.cleandoc(second.value.value).split())
+    return docs
+
+
+def markdown_reference(*classes: type) -> str:
+    """The `--set` keys of these config classes as one markdown table per class (the
+    settings reference in the docs; a unit test keeps it current)."""
+    out: list[str] = []
+    for cls in classes:
+        docs = field_docs(cls)
+        out += [f"## `{cls.__module__}.{cls.__name__}`", "", "| key | type | default | meaning |",
+                "|---|---|---|---|"]
+        inherited = {f.name for base in cls.__bases__ if dataclasses.is_dataclass(base)
+                     for f in dataclasses.fields(base)}
+        own = {f.name for f in dataclasses.fields(cls)} - inherited
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.init and f.name in own:
+                kind = getattr(hints[f.name], "__name__", str(hints[f.name]))
+                meaning = docs.get(f.name, "").replace("|", "\\|")
+                out.append(f"| `{f.name}` | {kind} | `{f.default!r}` | {meaning} |")
+        out.append("")
+    return "\n".join(out)

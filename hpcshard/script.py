@@ -4,7 +4,7 @@
 torchrun on every node exactly as `torchrun ... train.py ARGS` would: `__name__` is
 "__main__", `sys.argv` is `[train.py, *ARGS]` byte for byte (no shell ever sees ARGS),
 and torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, ...) are set. On top
-of them each rank gets the HPCSHARD_* variables of `rundir.rankenv.ENV_DOC` (the README's
+of them each rank gets the HPCSHARD_* variables of `rundir.rankenv.ENV_DOC` (docs/user/scripts.md's
 table): the run and checkpoint directories, the attempt, the deadline, the notice signal.
 
 What the rank runs is `hpcshard.entry` (stdlib, before any import of the script), which

@@ -6,7 +6,7 @@ init, a device mesh, fully_shard per block, a DistributedSampler, DCP checkpoint
 
 It knows nothing of hpcshard. A preemption kills it and it restarts from its last
 periodic save; `train.py` beside it is this file plus the handful of lines that make the
-resume exact (README, "Bring your own script", shows the diff).
+resume exact (docs/user/scripts.md shows the diff).
 """
 
 from __future__ import annotations

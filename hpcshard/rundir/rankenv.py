@@ -53,7 +53,7 @@ ENV_DOC = {
     "HPCSHARD_DEADLINE": "Unix time at which the job's time limit ends (unset without a limit)",
     "HPCSHARD_NOTICE_SIGNAL": "the signal the script gets when the job must stop (e.g. SIGTERM)",
 }
-"""The variables a script may read (the README's table is checked against this)."""
+"""The variables a script may read (docs/user/scripts.md's table is checked against this)."""
 
 
 def signal_name(text: str) -> str:

@@ -78,7 +78,7 @@ def require_tp_plan(job: Job, tp: int, ref: str) -> None:
     """tp > 1 needs the job's plan; one line otherwise (preflight, planner, ranks)."""
     if tp > 1 and job.tp_plan is None:
         raise UserError(f"tp={tp}: job {ref} has no tp_plan (how to split its model); add one "
-                        "to its Job (see the README) or use tp=1")
+                        "to its Job (see docs/user/sharding.md) or use tp=1")
 
 
 def _import_file(path: Path) -> Any:

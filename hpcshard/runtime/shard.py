@@ -119,7 +119,7 @@ def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: dict[str, Any]) -> None:
 
     if not plan:
         raise UserError("the job's tp_plan is empty; name the modules to split "
-                        "(see the README's section on tensor parallel plans)")
+                        "(see docs/user/sharding.md on tensor parallel plans)")
     # src_data_rank=None: nothing to send, the model is on the meta device (materialize
     # initialises every shard the same way on every rank).
     parallelize_module(model, mesh, plan, src_data_rank=None)

@@ -481,3 +481,22 @@ def test_resuming_a_slurm_run_checks_its_secrets_again(monkeypatch: pytest.Monke
     monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm command is run
     code, out = invoke("resume", str(run))
     one_line_error(code, out, "HF_TOKEN is not set in your environment", "profile 'p' names it")
+
+
+def test_the_settings_reference_in_the_docs_is_generated_from_the_config_classes() -> None:
+    """docs/user/settings.md holds the `--set` keys as `markdown_reference` writes them; a
+    field added, renamed or re-documented without refreshing the page fails here."""
+    import os
+
+    from hpcshard.config import TrainConfig, markdown_reference
+    from hpcshard.runtime.data import DataConfig
+    from tests.conftest import ROOT
+
+    page = ROOT / "docs" / "user" / "settings.md"
+    text, tables = page.read_text(), markdown_reference(TrainConfig, DataConfig)
+    first = text.index("## `")  # (the prose above the tables is written by hand)
+    if os.environ.get("HPCSHARD_REFRESH_GOLDEN"):
+        page.write_text(text[:first] + tables)
+        text = page.read_text()
+    assert text[first:] == tables, ("docs/user/settings.md is stale; refresh with: "
+                                    "HPCSHARD_REFRESH_GOLDEN=1 python -m pytest tests/unit/test_site.py")
