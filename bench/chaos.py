@@ -189,7 +189,13 @@ def main() -> list[Metric]:
     e = env(SLURM_CONF=str(CONF))
     steps = int((FAULTS + 4) * INTERVAL / STEP_S)
     run_dir = (shared if NFS else disk) / "run"
-    soak = Soak(run_dir, e, rng)
+    # What the bench itself looks at (where the run trains, when it committed, the ledger
+    # for the accounting) it reads from the disk, not through this host's NFS-like view:
+    # the run's own processes and commands see the views, the observer the truth. Through
+    # the view, the metrics this host read were a minute behind the ranks (the first soak
+    # on NFS-like storage gave up waiting for a commit the run had made).
+    truth = disk / "run"
+    soak = Soak(truth, e, rng)
     try:
         hpcshard("submit", "--backend", "slurm", "--nodes", "2", "--gpus", "2", "--spares", "1",
                  "jobs/charlm.py", "--run-dir", str(run_dir), "--time", "3:00:00",
@@ -198,7 +204,7 @@ def main() -> list[Metric]:
                  "--set", "ckpt_every=16", "--set", "async_save=true", "--set", "keep_last=2",
                  # (disk_full frees the disk once the save failed: the run trains on past it)
                  "--set", "straggler_every=0", "--set", "on_storage_full=train", env=e)
-        created = json.loads((run_dir / "spec.json").read_text())["created"]
+        created = json.loads((truth / "spec.json").read_text())["created"]
         wait(lambda: soak.where(), 600, "training")
         print(f"  soak: seed {SEED}, a fault every {INTERVAL:.0f} s on average, {FAULTS} faults, "
               f"{steps} steps; kinds {', '.join(kinds)}", flush=True)
@@ -220,29 +226,29 @@ def main() -> list[Metric]:
             print(f"  {time.strftime('%H:%M:%S')} fault {len(soak.faults)}: {kind} on node "
                   f"{fault['node']} ({fault['slurm_node']}) at step {step}", flush=True)
             next_at = time.time() + gap(rng)
-        end = wait(lambda: next((r for r in ledger.read(run_dir) if r["event"] == "end"
+        end = wait(lambda: next((r for r in ledger.read(truth) if r["event"] == "end"
                                  and r["reason"] == "done"), None), 3600, "the run's end", every=2)
         finished = end["time"]
-        good = account(run_dir, created, finished)
-        led = ledger.read(run_dir)
-        costs(soak.faults, run_dir, created, finished)
+        good = account(truth, created, finished)
+        led = ledger.read(truth)
+        costs(soak.faults, truth, created, finished)
         details = {"seed": SEED, "interval_s": INTERVAL, "steps": steps, "ckpt_every": 16,
                    "created": created, "end": finished,
                    "finished": end["reason"] == "done",
                    "faults": soak.faults, "goodput": good.seconds, "wall": good.wall,
-                   "ledger_events": [r["event"] for r in led], "replays": replays(run_dir),
-                   "reused": reused(run_dir, led), "frozen": soak.frozen, "nfs": NFS,
+                   "ledger_events": [r["event"] for r in led], "replays": replays(truth),
+                   "reused": reused(truth, led), "frozen": soak.frozen, "nfs": NFS,
                    "healthy_declared_bad": healthy_declared_bad(soak.faults, led)}
         (RESULTS / ".chaos-details.json").write_text(json.dumps(details, indent=1) + "\n")
     finally:
         for host in soak.frozen:
             subprocess.run([str(SCRIPT), "thaw", host], capture_output=True)
-        spec = run_dir / "spec.json"
+        spec = truth / "spec.json"
         jobs = json.loads(spec.read_text())["jobs"] if spec.exists() else []
         for job in jobs:
             subprocess.run(["scancel", job], env=e, capture_output=True)
         subprocess.run(["rm", "-rf", str(RESULTS / ".chaos-run")])  # kept for a look
-        subprocess.run(["cp", "-r", str(run_dir), str(RESULTS / ".chaos-run")], capture_output=True)
+        subprocess.run(["cp", "-r", str(truth), str(RESULTS / ".chaos-run")], capture_output=True)
         run([str(SCRIPT), "down"], timeout=600, check=False)  # (first: the views sit on the disk)
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
         subprocess.run(["rm", "-rf", str(tmp)])
