@@ -31,8 +31,8 @@ connection and coordinates through the run directory's files for the rest of the
 (`rundir.launchers`, which stay the protocol when the store cannot be had at all): the
 recovery from node 0's loss is then as slow as the file system's lookup cache, and the
 policy decides as for any lost node (a spare takes its place, or the job is requeued). A
-node 0 that thaws after its peers left its store finds their connections closed and
-leaves the run (`Server.left`).
+node 0 that thaws after most of its peers gave its store up finds their word that they
+did (`Server.quit`) and leaves the run.
 """
 
 from __future__ import annotations
@@ -153,7 +153,8 @@ class Server:
 
     def left(self) -> set[int]:
         """The nodes that connected and then closed their connection without saying they
-        ended, or said they gave the store up: they took this store's host for lost."""
+        ended, or said they gave the store up. (Only the second kind took this store's host
+        for lost: a launcher killed closes its connection without a word.)"""
         return self.gone | self.quit
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

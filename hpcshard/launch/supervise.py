@@ -302,16 +302,20 @@ class Supervisor:
 
     def _store_left(self, seconds: float) -> bool:
         """Node 0, thawed: did most of its peers give its store up meanwhile (they took
-        node 0 for lost and go on through the files: their connections are closed)? The
-        others' closing reaches it at once, queued while it stood still; a moment for its
-        store's thread, frozen with it, to read them. Most, as `_still_serving` and
-        `_isolated` count: a few that left are the ones cut off, and leave by themselves."""
+        node 0 for lost and go on through the files, and said so: `Server.quit`)? Their
+        word reaches it at once, queued while it stood still; a moment for its store's
+        thread, frozen with it, to read it. Most, as `_still_serving` and `_isolated`
+        count: a few that left are the ones cut off, and leave by themselves. A connection
+        closed without that word is a launcher that died (SIGKILL, the OOM killer): it went
+        on nowhere, a lost node for this one to declare (counted as one that left, a
+        2-node job's node 0 was fenced with nobody left to decide; and the peer that did
+        give the store up counts it against itself, `_isolated`, and left too)."""
         server = self.chan.server
         if server is None or seconds <= LOST_S:
             return False
         time.sleep(2 * POLL_S)
         others = set(self.roster.members) - self.seen_bad - {self.me} - server.ended
-        return 2 * len(server.left() & others) > len(others)
+        return 2 * len(server.quit & others) > len(others)
 
     def _still_serving(self) -> None:
         """The launcher that serves the store (node 0, or a decider that served one anew):

@@ -26,6 +26,7 @@ import sys
 from typing import Any
 
 NVML_CHECK = "PYTORCH_NVML_BASED_CUDA_CHECK"
+VISIBLE = "CUDA_VISIBLE_DEVICES"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,19 +62,24 @@ def _config(torchrun: Any, args: Any) -> Any:
     the CUDA runtime's answer poisons every later fork: each forked rank then failed with
     "Cannot re-initialize CUDA in forked subprocess" at its first CUDA call (seen on an
     H100, torch 2.11; 2.13 asks the same). NVML answers both without initialising CUDA
-    (`PYTORCH_NVML_BASED_CUDA_CHECK`, torch's own switch for this); the ranks get the
-    environment as it was."""
-    before = os.environ.get(NVML_CHECK)
-    os.environ[NVML_CHECK] = "1"
+    (`PYTORCH_NVML_BASED_CUDA_CHECK`, torch's own switch for this), but only where it can
+    count: for MIG instances (CUDA_VISIBLE_DEVICES=MIG-...) or without libnvidia-ml torch
+    asks the runtime after all. So the question sees no device (CUDA_VISIBLE_DEVICES
+    empty: NVML is not even loaded): the answer only picks a default NUMA binding, which
+    torch leaves off outside Meta (`get_default_numa_options`: None; `--numa-binding`
+    asks nothing). The ranks get the environment as it was."""
+    hidden = {NVML_CHECK: "1", VISIBLE: ""}
+    before = {name: os.environ.get(name) for name in hidden}
+    os.environ.update(hidden)
     try:
         config, _cmd, _cmd_args = torchrun.config_from_args(args)
     finally:
-        if before is None:
-            del os.environ[NVML_CHECK]
-        else:
-            os.environ[NVML_CHECK] = before
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return config
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -80,6 +80,38 @@ def test_the_warm_agent_asks_torch_about_cuda_through_nvml_only(monkeypatch: pyt
     assert os.environ[warm.NVML_CHECK] == "0"
 
 
+@pytest.mark.parametrize("visible", ["MIG-4f1c2a9e-0d6b-5e2f-9a8c-3b7d1e6f0a42", None])
+def test_the_warm_agent_never_asks_the_cuda_runtime_even_where_nvml_cannot_count(
+        monkeypatch: pytest.MonkeyPatch, visible: str | None) -> None:
+    """NVML answers `torch.cuda.device_count()` only where it can count: for MIG instances
+    (CUDA_VISIBLE_DEVICES=MIG-..., how CUDA names them) or without libnvidia-ml, torch asks
+    the CUDA runtime after all, and every forked rank died again ("Cannot re-initialize
+    CUDA in forked subprocess"). torch's own `is_available` and `device_count` run here;
+    only the runtime's call is a stand-in (this torch has none), which must never be made."""
+    import torch
+    import torch.distributed.run as torchrun
+
+    from hpcshard.launch import warm
+
+    runtime: list[str] = []
+
+    def cuda_get_device_count() -> int:
+        runtime.append("cudaGetDeviceCount")  # (the call that poisons every later fork)
+        return 4
+
+    monkeypatch.setattr(torch._C, "_cuda_getDeviceCount", cuda_get_device_count, raising=False)
+    monkeypatch.setattr(torch.cuda, "_raw_device_count_nvml", lambda: -1)  # (no libnvidia-ml)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    node = NodeEnv(node_rank=0, nnodes=1, per_node=4, rdzv_host="n1", rdzv_port=29400, run_id="abc")
+    args = torchrun.get_args_parser().parse_args(torchrun_argv(node, Path("/runs/x"), warm=True)[3:])
+    config = warm._config(torchrun, args)
+    assert not runtime and config.nproc_per_node == 4
+    assert os.environ.get("CUDA_VISIBLE_DEVICES") == visible  # (the ranks' own, as it was)
+
+
 def test_nodelist_expansion() -> None:
     from hpcshard.launch.slurm import expand_nodelist
 

@@ -195,7 +195,7 @@ def test_hpcshard_coord_names_its_values(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_node_0_thawed_after_its_peers_left_its_store_leaves_the_run(tmp_path: Path) -> None:
-    """Node 0 froze past LOST_S; its peers gave its store up (closed their connections),
+    """Node 0 froze past LOST_S; its peers gave its store up (said so, closed their connections),
     declared it lost through the files and went on. Thawed, it must not train on nor speak
     for the run: it finds them gone from its store and is fenced. A stall its peers sat
     out (still connected) is not."""
@@ -206,8 +206,8 @@ def test_node_0_thawed_after_its_peers_left_its_store_leaves_the_run(tmp_path: P
     sup.chan.server = coord.Server(KEY, 0, "127.0.0.1").start()
     peer = channel(tmp_path / "run", sup.chan.server, 1)
     sup._stood_still(3 * coord.LOST_S)  # (its peer still there: it carries on)
-    peer.close()
-    until(lambda: sup.chan.server is not None and sup.chan.server.left() == {1})
+    peer._give_up("the store on 127.0.0.1 (node 0's launcher) went silent")
+    until(lambda: sup.chan.server is not None and sup.chan.server.quit == {1})
     with pytest.raises(Fenced, match="its peers left its store"):
         sup._stood_still(3 * coord.LOST_S)
     sup.chan.close()
@@ -694,8 +694,8 @@ def test_node_0_thawed_counts_the_peers_that_left_its_store_as_the_running_one_d
     try:
         peers = [channel(tmp_path / "run", served, n) for n in (1, 2, 3, 4)]
         peers[0]._give_up("the store went silent")
-        peers[1].close()  # (its launcher closed the connection without a word)
-        until(lambda: {1, 2} <= served.left())
+        peers[1]._give_up("the store went silent")
+        until(lambda: {1, 2} <= served.quit)
         assert not sup._store_left(coord.LOST_S + 5)  # 2 of 4: not most
         assert not sup._store_left(coord.LOST_S - 1)  # (not stood still long enough to be lost)
         peers[3].beat(0, 4, {"pid": 14, "seq": 1, "done": 0})  # node 4 ended: it counts for nobody
@@ -705,6 +705,39 @@ def test_node_0_thawed_counts_the_peers_that_left_its_store_as_the_running_one_d
     finally:
         for peer in peers:
             peer.close()
+        sup.chan.close()
+
+
+def test_node_0_thawed_does_not_count_a_peer_whose_launcher_died_as_one_that_left_it(
+        tmp_path: Path) -> None:
+    """Node 0 stood still past LOST_S while a peer's launcher was killed (SIGKILL, the OOM
+    killer: its connection closed without a word). That peer went on nowhere: counted as
+    one that left the store, a 2-node job's node 0 was fenced and nobody was left to
+    decide (the job ended, exit 0, nothing recorded); at 3 nodes, node 1 that did give it
+    up counts the dead node 2 against itself (`_isolated`: not in the files) and leaves
+    too. Only a peer that said it gave the store up counts, as `_still_serving` counts."""
+    sup, served = serving_supervisor(tmp_path / "run", nnodes=2)
+    try:
+        killed = channel(tmp_path / "run", served, 1)
+        assert killed.client is not None
+        killed.client.close()  # (what the kernel does for a killed launcher)
+        until(lambda: 1 in served.left())
+        assert not sup._store_left(coord.LOST_S + 5)  # node 1 is lost: for node 0 to declare
+    finally:
+        sup.chan.close()
+    sup, served = serving_supervisor(tmp_path / "run3", nnodes=3)
+    try:
+        gave_up, killed = channel(tmp_path / "run3", served, 1), channel(tmp_path / "run3", served, 2)
+        gave_up._give_up("the store went silent")
+        assert killed.client is not None
+        killed.client.close()
+        until(lambda: {1, 2} <= served.left())
+        assert not sup._store_left(coord.LOST_S + 5)  # 1 of 2 gave it up: node 1 leaves by itself
+        killed = channel(tmp_path / "run3", served, 2)  # (a launcher of node 2 that gave it up)
+        killed._give_up("the store went silent")
+        until(lambda: 2 in served.quit)
+        assert sup._store_left(coord.LOST_S + 5)
+    finally:
         sup.chan.close()
 
 
