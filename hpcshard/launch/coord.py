@@ -208,9 +208,9 @@ class Server:
                     self.ended.add(_node_of(key))
                 self._set(str(key), value)
             return {"values": {k: self.data.get(k) for k in request.get("get", [])}}
-        if op == "scan":
-            prefix = str(request["prefix"])
-            return {"values": {k: v for k, v in self.data.items() if k.startswith(prefix)}}
+        if op == "scan":  # ("keys": the names alone, each value null)
+            prefix, bare = str(request["prefix"]), bool(request.get("keys"))
+            return {"values": {k: None if bare else v for k, v in self.data.items() if k.startswith(prefix)}}
         return {"error": f"unknown operation {op!r}"}
 
     def _set(self, key: str, value: Any) -> None:
@@ -524,7 +524,13 @@ class Channel:
         return [by_node[n] for n in sorted(by_node)]
 
     def nodes_down(self, attempt: int, cycle: int, nodes: int) -> list[int]:
-        return [int(d["node"]) for d in self.downs(attempt, cycle, nodes)]
+        """Which nodes said they are down: the keys alone (the decider asks 20 times a
+        second while it waits, and each down record carries its node's ranks and flight
+        records)."""
+        found = self._call("scan", prefix=_key("down", attempt, cycle, ""), keys=True)
+        if found is None:
+            return [int(d["node"]) for d in launchers.downs(self.run_dir, attempt, cycle, nodes)]
+        return sorted(_node_of(key) for key in found["values"])
 
     def decide(self, attempt: int, cycle: int, decided: dict[str, Any]) -> dict[str, Any]:
         found = self._call("create", key=_key("next", attempt, cycle), value=decided)

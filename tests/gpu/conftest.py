@@ -8,6 +8,10 @@ import pytest
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    import os
+
+    # (asked of the CUDA runtime, the question would poison any later fork of pytest itself)
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     import torch
 
     if torch.cuda.is_available():

@@ -75,6 +75,9 @@ def test_downs_and_heartbeats_go_to_those_who_ask(tmp_path: Path, server: coord.
     b.mark_down(0, 3, 1, {"dead": [{"rank": 2}], "reached": 7})
     a.mark_down(0, 3, 0, {"dead": [], "reached": 7})
     assert a.nodes_down(0, 3, 2) == [0, 1] and a.downs(0, 3, 2)[1]["dead"] == [{"rank": 2}]
+    # (who is down: the names alone cross the wire, not each node's ranks and flight records)
+    bare = a.store.call("scan", prefix="down/0/3/", keys=True) if a.store else {}
+    assert bare["values"] == {"down/0/3/0": None, "down/0/3/1": None}
     b.beat(0, 1, {"pid": 5, "seq": 1})
     # A node first asked for is fetched at once, then watched: each heartbeat brings it.
     until(lambda: a.beats(0, 2, [1]).get(1, {}).get("seq") == 1)
