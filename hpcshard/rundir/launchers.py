@@ -32,10 +32,10 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hpcshard.rundir import ledger, proc
+from hpcshard.rundir import ledger, paths, proc
 from hpcshard.rundir.files import create_exclusive, write_atomic
 
-LAUNCH = "launch"
+LAUNCH = paths.LAUNCH
 
 
 def pid_file(run_dir: Path, node_rank: int) -> Path:
