@@ -533,6 +533,16 @@ class Channel:
         return sorted(_node_of(key) for key in found["values"])
 
     def decide(self, attempt: int, cycle: int, decided: dict[str, Any]) -> dict[str, Any]:
+        """Share this decider's decision; the one that stands (another decider's, if it came
+        first). Through the store, the run directory's exclusive create still says first
+        whose decision stands: two launchers that cannot reach each other but both reach
+        the storage (a 2-node job cut in two, node 0 on its store, node 1 on the files) each
+        decide the same cycle, each blaming the other, and the file server takes exactly one
+        of them. One file a decision, at an event; storage that refuses it leaves the
+        store's decision alone (a full disk stops no recovery)."""
+        if self.store is not None:
+            with contextlib.suppress(OSError):
+                decided = launchers.decide(self.run_dir, attempt, cycle, decided)
         found = self._call("create", key=_key("next", attempt, cycle), value=decided)
         if found is None:
             return launchers.decide(self.run_dir, attempt, cycle, decided)

@@ -820,16 +820,14 @@ class Supervisor:
             (watch.fault or {}).get("storage", ""))
         bad: dict[int, str] = {}
         noticed = self.noticed is not None or bool((watch.fault or {}).get("noticed"))
+        judged: list[tuple[int, dict[str, Any], str]] = []
         if not storage:  # nothing went wrong with the disk: blame the nodes that earned it
             beats = self.chan.beats(attempt, self.node.nnodes, lost)
-            for n in lost:
-                bad[n] = f"lost: its launcher was silent for {LOST_S:.0f} s"
-                self._bad(cycle, n, beats.get(n, {}), bad[n])
+            judged = [(n, beats.get(n, {}), f"lost: its launcher was silent for {LOST_S:.0f} s")
+                      for n in lost]
             # (after a notice the job goes back through the queue: stragglers are not judged)
-            for n, where, why in [] if noticed else exclusion.slow_nodes(self.run_dir, attempt, cycle, downs):
-                bad[n] = why
-                self._bad(cycle, n, where, why)
-            bad = {**exclusion.bad(self.run_dir, attempt), **bad}  # (ours, if a record did not land)
+            judged += [] if noticed else exclusion.slow_nodes(self.run_dir, attempt, cycle, downs)
+            bad = {**exclusion.bad(self.run_dir, attempt), **{n: why for n, _, why in judged}}
         # The newest commit any node sees: the one whose rank 0 made it does at once, another
         # host's listing may not for NFS's directory cache (30-60 s).
         committed = max([self._committed(), *(int(d.get("committed") or 0) for d in downs)])
@@ -848,7 +846,11 @@ class Supervisor:
             serving = self._serve_anew()
             if serving is not None:
                 decided = replace(decided, coord_port=serving.port, coord_node=self.me)
+        ours = Decision.from_dict(decided.to_dict())
         decided = self._conclude(cycle, watch, decided, downs)
+        if decided == ours:  # (the decider whose decision stands blames, in the ledger and in Slurm)
+            for n, where, why in judged:
+                self._bad(cycle, n, where, why)
         if serving is not None and (decided.coord_port != serving.port or decided.host != self._host()):
             serving.close()  # (another decider's decision stands, with its own store)
         return decided
@@ -884,13 +886,19 @@ class Supervisor:
 
     def _conclude(self, cycle: int, watch: Watch, decided: Decision,
                   downs: list[dict[str, Any]] | None = None, share: bool = True) -> Decision:
-        """Share the decision (the first decider's stands), record it, say it in one line."""
+        """Share the decision (the first decider's stands), record it, say it in one line.
+        Another decider's that stands is its decider's to record."""
         if share:
+            ours = Decision.from_dict(decided.to_dict())
             try:
                 decided = Decision.from_dict(self.chan.decide(self.ranks.attempt, cycle,
                                                               decided.to_dict()))
             except OSError as err:  # the others learn it from their own storage trouble
                 print(f"hpcshard: the decision could not be shared ({err.strerror})", file=sys.stderr)
+            if decided != ours:
+                print(f"hpcshard: node {self.me}: another launcher decided cycle {cycle} first: "
+                      f"{decided.reason}", file=sys.stderr, flush=True)
+                return decided
         self._record(cycle, watch, downs or [], decided)
         return decided
 

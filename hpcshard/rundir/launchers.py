@@ -36,6 +36,8 @@ from hpcshard.rundir import ledger, proc
 from hpcshard.rundir.files import create_exclusive, write_atomic
 
 LAUNCH = "launch"
+READ_WON_S = 5.0
+"""How long a decider whose decision lost reads for the one that stands."""
 
 
 def pid_file(run_dir: Path, node_rank: int) -> Path:
@@ -161,10 +163,14 @@ def nodes_down(run_dir: Path, attempt: int, cycle: int, nodes: int) -> list[int]
 
 def decide(run_dir: Path, attempt: int, cycle: int, decided: dict[str, Any]) -> dict[str, Any]:
     """Record the decision for this cycle; returns the one that stands (another decider's,
-    if it came first)."""
+    if it came first). The other's file exists once the create lost (the file server said
+    so); a moment to read it, should a cache still say otherwise."""
     if _create(_cycle_file(run_dir, "next", attempt, cycle), json.dumps(decided) + "\n"):
         return decided
-    return decision(run_dir, attempt, cycle) or decided
+    deadline = time.monotonic() + READ_WON_S
+    while (won := decision(run_dir, attempt, cycle)) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return won or decided
 
 
 def decision(run_dir: Path, attempt: int, cycle: int) -> dict[str, Any] | None:

@@ -55,9 +55,10 @@ def test_the_first_declaration_and_decision_stand_and_reach_every_launcher(tmp_p
     assert a.decide(0, 0, {"restart": False})["port"] == 1  # the first decider's stands
     until(lambda: c.decision(0, 0) is not None)
     assert c.decision(0, 0) == {"restart": True, "port": 1}
-    # Nothing of it went through the run directory.
-    assert not list((tmp_path / launchers.LAUNCH).glob("fault-*")) and not list(
-        (tmp_path / launchers.LAUNCH).glob("next-*"))
+    # Nothing of it went through the run directory but the decision's one file, created
+    # exclusively (the arbiter of a job cut in two), and never polled.
+    assert not list((tmp_path / launchers.LAUNCH).glob("fault-*"))
+    assert [p.name for p in (tmp_path / launchers.LAUNCH).glob("next-*")] == ["next-0-0.json"]
     for chan in (a, b, c):
         chan.close()
 
@@ -799,3 +800,42 @@ def test_a_launcher_in_a_store_served_anew_still_beats_in_the_files_for_those_no
         first.close()
     finally:
         served.close()
+
+
+@pytest.mark.parametrize("first", ["store", "files"])
+def test_a_job_cut_in_two_keeps_one_decision_for_a_cycle(tmp_path: Path, server: coord.Server,
+                                                         first: str) -> None:
+    """Two launchers that cannot reach each other but both reach the storage: node 0 on its
+    store, node 1 fallen back to the files. Each decides the same cycle, blaming the other;
+    the file server's exclusive create takes exactly one, and both go by it."""
+    on_store = channel(tmp_path, server, 0)
+    on_files = coord.Channel(tmp_path, 1)
+    on_files.fell_back = True
+    blames_1 = {"action": "restart", "reason": "node 1 lost", "active": [0], "lost": [1]}
+    blames_0 = {"action": "restart", "reason": "node 0 lost", "active": [1], "lost": [0]}
+    try:
+        if first == "store":
+            won = on_store.decide(0, 2, blames_1)
+            assert on_files.decide(0, 2, blames_0) == won == blames_1
+        else:
+            won = on_files.decide(0, 2, blames_0)
+            assert on_store.decide(0, 2, blames_1) == won == blames_0
+        assert on_store.decision(0, 2) == on_files.decision(0, 2) == won
+    finally:
+        on_store.close()
+
+
+def test_the_store_decides_alone_when_the_storage_refuses_the_file(tmp_path: Path, server: coord.Server,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full or read-only run directory stops no recovery on the store."""
+    chan = channel(tmp_path, server, 0)
+
+    def full(*_: object) -> bool:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(launchers, "_create", full)
+    try:
+        decided = {"action": "stop", "reason": "the run directory is full"}
+        assert chan.decide(0, 0, decided) == decided == chan.decision(0, 0)
+    finally:
+        chan.close()
