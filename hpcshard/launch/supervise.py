@@ -890,11 +890,12 @@ class Supervisor:
         Another decider's that stands is its decider's to record."""
         if share:
             ours = Decision.from_dict(decided.to_dict())
-            try:
-                decided = Decision.from_dict(self.chan.decide(self.ranks.attempt, cycle,
-                                                              decided.to_dict()))
-            except OSError as err:  # the others learn it from their own storage trouble
-                print(f"hpcshard: the decision could not be shared ({err.strerror})", file=sys.stderr)
+            standing: list[dict[str, Any]] = []
+            # (beating while it runs: the exclusive create that says whose decision stands
+            # waits on the storage; on failure the others learn it from their own trouble)
+            if self._try("the decision", lambda: standing.append(
+                    self.chan.decide(self.ranks.attempt, cycle, ours.to_dict()))) and standing:
+                decided = Decision.from_dict(standing[0])
             if decided != ours:
                 print(f"hpcshard: node {self.me}: another launcher decided cycle {cycle} first: "
                       f"{decided.reason}", file=sys.stderr, flush=True)
