@@ -839,3 +839,34 @@ def test_the_store_decides_alone_when_the_storage_refuses_the_file(tmp_path: Pat
         assert chan.decide(0, 0, decided) == decided == chan.decision(0, 0)
     finally:
         chan.close()
+
+
+def test_the_decider_blames_before_the_launchers_on_its_store_learn_its_decision(tmp_path: Path) -> None:
+    """A requeue: the first launcher to act on it sends the job on, excluding the run's bad
+    nodes in Slurm as the ledger names them (`launch.slurm._continue`), and marks the lost
+    ones DOWN (`_down_lost`). The launchers on node 0's store act on the decision the
+    moment it is pushed, so the decider's bad-node records must be in the ledger by then
+    (recorded after, the requeued job could land on the lost node again)."""
+    from hpcshard.launch.supervise import Watch
+    from hpcshard.rundir import ledger
+
+    run = tmp_path / "run"
+    sup, served = serving_supervisor(run, nnodes=2)
+    bad_when_pushed: list[list[int]] = []
+    call = sup.chan._call
+
+    def spied(op: str, **fields: Any) -> dict[str, Any] | None:
+        if op == "create" and str(fields.get("key", "")).startswith("next/"):
+            bad_when_pushed.append([int(r["node"]) for r in ledger.bad_nodes(run, 0)])
+        return call(op, **fields)
+
+    sup.chan._call = spied  # type: ignore[method-assign]
+    try:
+        sup.peers.began -= coord.UNHEARD_S + coord.LOST_S + 1  # node 1 never heard of since: lost
+        sup.peers.heard_since -= coord.UNHEARD_S + coord.LOST_S + 1
+        sup.chan.mark_down(0, 0, 0, {"dead": [], "reached": 7})
+        decided = sup.decide(0, Watch(code=1, fault={"cause": "node(s) [1] lost: silent for 8 s"}))
+        assert decided.lost == (1,) and decided.bad == (1,)
+        assert bad_when_pushed == [[1]]
+    finally:
+        sup.chan.close()
