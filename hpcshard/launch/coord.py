@@ -453,11 +453,13 @@ class Channel:
         return self.client
 
     def _give_up(self, why: str) -> None:
-        if self.client is not None:
-            self.client.leave()  # (its host hears it at once if it still runs: `Server.quit`)
-            self.client.close()
-            self.client = None
+        # (taken first: the decision is shared on a thread while the launcher beats on its
+        # own, and both may give a silent store up at once; leave waits up to 0.5 s)
+        client, self.client = self.client, None
+        if client is not None:
             self.fell_back = True
+            client.leave()  # (its host hears it at once if it still runs: `Server.quit`)
+            client.close()
         if not self.lost_why:
             self.lost_why = why
             print(f"hpcshard: node {self.node}: {why}; the launchers coordinate through the run "

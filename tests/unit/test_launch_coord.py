@@ -870,3 +870,38 @@ def test_the_decider_blames_before_the_launchers_on_its_store_learn_its_decision
         assert bad_when_pushed == [[1]]
     finally:
         sup.chan.close()
+
+
+def test_two_threads_that_give_the_store_up_at_once_both_go_on_through_the_files(
+        tmp_path: Path, server: coord.Server) -> None:
+    """The decision is shared on a thread while the launcher beats on its own (`_try`):
+    both find the store silent at once and give it up. The one whose leave waited (it
+    takes the connection's lock for up to 0.5 s) must not find the client gone under it
+    (an AttributeError there ended the supervision: its ranks killed, exit 1)."""
+    chan = channel(tmp_path, server, 1)
+    client = chan.client
+    assert client is not None
+    leave, first_in, go_on = client.leave, threading.Event(), threading.Event()
+
+    def slow_leave() -> None:
+        if not first_in.is_set():
+            first_in.set()
+            go_on.wait(5)
+        leave()
+
+    client.leave = slow_leave  # type: ignore[method-assign]
+    failed: list[BaseException] = []
+
+    def give_up() -> None:
+        try:
+            chan._give_up("the store went silent")
+        except BaseException as err:  # noqa: BLE001 (what the test looks for)
+            failed.append(err)
+
+    first = threading.Thread(target=give_up)
+    first.start()
+    assert first_in.wait(5)
+    give_up()  # (the other thread, meanwhile)
+    go_on.set()
+    first.join(5)
+    assert not failed and chan.client is None and chan.fell_back and client.closed
