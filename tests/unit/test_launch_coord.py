@@ -905,3 +905,27 @@ def test_two_threads_that_give_the_store_up_at_once_both_go_on_through_the_files
     go_on.set()
     first.join(5)
     assert not failed and chan.client is None and chan.fell_back and client.closed
+
+
+def test_node_0_on_its_store_whose_decision_lost_to_the_files_blames_nobody(tmp_path: Path) -> None:
+    """A 2-node job cut in two: node 1, fallen back to the files, decided first that node 0
+    is lost. Node 0, on its store, takes node 1 for lost: the run directory says node 1's
+    decision stands, node 0 pushes that one to its store and marks nobody bad."""
+    from hpcshard.launch.policy import Decision
+    from hpcshard.launch.supervise import Watch
+    from hpcshard.rundir import ledger
+
+    run = tmp_path / "run"
+    sup, _ = serving_supervisor(run, nnodes=2)
+    try:
+        sup.peers.began -= coord.UNHEARD_S + coord.LOST_S + 1
+        sup.peers.heard_since -= coord.UNHEARD_S + coord.LOST_S + 1
+        theirs = {"action": "requeue", "code": 3, "reason": "node(s) [0] lost", "end": "fault",
+                  "lost": [0], "bad": [0]}
+        launchers.decide(run, 0, 0, theirs)
+        sup.chan.mark_down(0, 0, 0, {"dead": [], "reached": 7})
+        decided = sup.decide(0, Watch(code=1, fault={"cause": "node(s) [1] lost: silent for 8 s"}))
+        assert decided == Decision.from_dict(sup.chan.decision(0, 0) or {}) == Decision.from_dict(theirs)
+        assert not ledger.bad_nodes(run) and not [r for r in ledger.read(run) if r["event"] == "fault"]
+    finally:
+        sup.chan.close()
