@@ -228,7 +228,7 @@ class Cluster:
         starts = [s.time for s in stamped(stamps, "start", cycle + 1).values()]
         firsts = [s.time for s in stamped(stamps, "first", cycle + 1).values()]
         downs = self.downs(cycle)
-        shared = self.run_dir / "launch" / f"next-0-{cycle}.json"  # (the file channel's decision)
+        shared = self.run_dir / "launch" / f"next-0-{cycle}.json"  # (the decision's file, either channel)
         row: dict[str, Any] = {
             "cycle": cycle, "detect": declared - injected, "ranks_dead": max(dead.values()) - declared,
             "down_first": min(downs) - declared if downs else None,
@@ -251,11 +251,11 @@ class Cluster:
         return found
 
     def file_channel(self) -> bool:
-        """Did the launchers coordinate through files (fault, down or decision files in
-        launch/; with the store each launcher writes its heartbeat file only at its start
-        and end)?"""
+        """Did the launchers coordinate through files (fault or down files in launch/; with
+        the store each launcher writes its heartbeat file only at its start and end, and
+        each decision is also created as a file, the arbiter of a job cut in two)?"""
         names = [p.name for p in (self.run_dir / "launch").iterdir()]
-        return any(name.startswith(("fault-", "down-", "next-")) for name in names)
+        return any(name.startswith(("fault-", "down-")) for name in names)
 
 
 def spawn_floor(root: Path, nodes: int) -> float:

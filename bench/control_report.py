@@ -116,7 +116,7 @@ def markdown(command: str, label: str, strace_s: float, results: list[dict[str, 
     """The results page: the command, the machine, the two tables, what was counted."""
     files = ", ".join(f"N={r['nodes']}: {'yes' if r['file_channel'] else 'no'}" for r in results)
     lines = [f"# Control plane at scale (HPCSHARD_COORD={label})", "", f"`{command}`", "",
-             f"{when}, {machine}; fault, down or decision files in launch/ (the file channel): {files}.", "",
+             f"{when}, {machine}; fault or down files in launch/ (the file channel): {files}.", "",
              "Fault: the rank of node N//2 SIGKILLed in steady training; medians over the faults; every "
              "time after `injected -> declared` is seconds after the declaration (this host's one "
              "clock). Old ranks dead: this bench's own look at their pids (every 50 ms, an upper bound). "

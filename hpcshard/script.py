@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hpcshard.rundir import events, flight, launchers, ledger, progress
+from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.rankenv import (
     ENV_DOC,
     REQUEUE_EXIT,
@@ -139,8 +140,8 @@ def run(run_dir: Path, script: dict[str, Any], early: list[int]) -> int:
     signal.signal(notice, handler)
     os.environ.update(script_environ(run_dir, attempt, script.get("signal", "TERM")))
     os.environ.setdefault("HPCSHARD_RESTART_COUNT", "0")
-    (run_dir / "logs").mkdir(exist_ok=True)
-    log_path = run_dir / "logs" / f"rank-{rank}.log"
+    RunPaths(run_dir).logs.mkdir(exist_ok=True)
+    log_path = RunPaths(run_dir).rank_log(rank)
     log = log_path.open("a", buffering=1)
     sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)  # type: ignore[assignment]
     # On the node's board from the start: a rank whose process dies is a crash, seen in a
@@ -233,7 +234,7 @@ def failures(run_dir: Path, attempt: int, lines: int = 10) -> list[str]:
     last = max(r.get("cycle", 0) for r in failed)  # the ranks' last start, after restarts
     failed = [r for r in failed if r.get("cycle", 0) == last]
     first = failed[0]
-    path = run_dir / "logs" / f"rank-{first['rank']}.log"
+    path = RunPaths(run_dir).rank_log(first["rank"])
     out = [f"rank {first['rank']} failed first (exit {first['code']}); "
            f"the last lines of {path}:"]
     tail = path.read_text(errors="replace").splitlines()[-lines:] if path.exists() else []

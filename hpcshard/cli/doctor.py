@@ -25,10 +25,12 @@ import click
 
 from hpcshard import site
 from hpcshard.cli.common import FiniteFloat, table, user_errors
+from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.spec import probe_writable
 from hpcshard.slurm import cluster
 from hpcshard.slurm.cluster import FINAL_STATES, Partition
 from hpcshard.slurm.sbatch import SbatchRequest, render
+from hpcshard.slurm.submit import job_paths
 from hpcshard.slurm.time import hms, parse_time
 
 SLURM_COMMANDS = ("sbatch", "squeue", "scontrol", "sinfo")
@@ -190,7 +192,7 @@ class Doctor:
         in the container, and asks Slurm to requeue it from where a launcher would."""
         root = site.storage_root(self.res).resolve()
         probe = root / f".hpcshard-doctor-{uuid.uuid4().hex[:8]}"
-        (probe / "logs").mkdir(parents=True)
+        RunPaths(probe).logs.mkdir(parents=True)
         self.probe_dir = probe
         requeue, chain = (self.v["requeue_policy"] == p for p in ("requeue", "chain"))
         d = shlex.quote(str(probe))
@@ -269,7 +271,7 @@ class Doctor:
                      f"{self.wait:.0f} s ({state})", "rerun with a longer --wait, or a partition "
                      "with idle nodes")
             return
-        logs = [*probe.glob(f"{job}_0_log.err"), probe / "logs" / f"slurm-{job}.err"]
+        logs = [job_paths(probe, job).stderr, RunPaths(probe).slurm_log(job)]
         said = [line for log in logs if log.exists() for line in log.read_text().splitlines()
                 if line.strip()]
         if said:  # the logs are here, so the storage is shared: the step itself failed
@@ -314,7 +316,7 @@ class Doctor:
         gpus = self.v["gpus_per_node"]
         root = site.storage_root(self.res).resolve()
         run_dir = (self.probe_dir or root / f".hpcshard-doctor-{uuid.uuid4().hex[:8]}") / "smoke"
-        (run_dir / "logs").mkdir(parents=True)
+        RunPaths(run_dir).logs.mkdir(parents=True)
         req = self.request("hpcshard-doctor-smoke", nodes, run_dir)
         req.time, req.signal_lead_s, req.requeue = "10", 60, False
         try:
@@ -326,7 +328,7 @@ class Doctor:
         state = self._wait_for(job, result.exists, extra=300)
         if not result.exists():
             _cancel(job)
-            log = run_dir / "submitit" / f"{job}_0_log.err"
+            log = job_paths(RunPaths(run_dir).submitit, job).stderr
             tail = log.read_text().strip().splitlines()[-1:] if log.exists() else []
             self.add("all-reduce", False, f"job {job} ({state}) wrote no result"
                      + (f": {tail[0]}" if tail else ""), f"read {log}")

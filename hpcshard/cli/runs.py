@@ -25,6 +25,7 @@ from hpcshard.cli.common import (
 from hpcshard.rundir import ledger, store
 from hpcshard.rundir.launchers import guards, signal_launchers
 from hpcshard.rundir.metrics import read_metrics, train_records
+from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.rankenv import NOTICE, short_name, signal_name
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.rundir.status import attempts, culprit_lines, report
@@ -107,13 +108,13 @@ def logs(target: str, rank: int, follow: bool, culprit: bool, tail: int | None) 
     if culprit:
         _culprit_log(run_dir, tail or 40)
         return
-    log = run_dir / "logs" / f"rank-{rank}.log"
+    log = RunPaths(run_dir).rank_log(rank)
     if tail and log.exists() and not follow:
         click.echo("\n".join(log.read_text(errors="replace").splitlines()[-tail:]))
         return
     if not log.exists() and not follow:
-        ranks = sorted(p.stem for p in (run_dir / "logs").glob("rank-*.log"))
-        fail(ValueError(f"no log for rank {rank} in {run_dir / 'logs'}; there are: "
+        ranks = sorted(p.stem for p in RunPaths(run_dir).logs.glob("rank-*.log"))
+        fail(ValueError(f"no log for rank {rank} in {RunPaths(run_dir).logs}; there are: "
                         f"{', '.join(ranks) or 'none yet'}"))
     follow_log(log, (lambda: True) if not follow else (lambda: finished(spec, run_dir)))
 

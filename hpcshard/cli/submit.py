@@ -34,6 +34,7 @@ from hpcshard.config import parse_sets
 from hpcshard.rundir import lease, ledger, store
 from hpcshard.rundir.ledger import bad_slurm_nodes, next_attempt
 from hpcshard.rundir.metrics import METRICS, last_record
+from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, STORAGE_EXIT
 from hpcshard.rundir.spec import (
     RunSpec,
@@ -186,7 +187,7 @@ def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None
                                               nodes=spec.nodes, gpus=spec.gpus, run_dir=run_dir,
                                               spares=spec.spares, min_nodes=spec.min_nodes)
             # the template, before anything is made
-            render(req, "true", run_dir / "submitit", site.SETTINGS)
+            render(req, "true", RunPaths(run_dir).submitit, site.SETTINGS)
             if own and own["grace"] >= req.signal_lead_s:
                 raise ValueError(f"--grace {own['grace']} is not below the notice's lead time "
                                  f"({req.signal_lead_s}s): the time limit would kill the script "
@@ -293,7 +294,7 @@ def _follow(run_dir: Path, job_id: str) -> int:
             final["state"] = answer.state
         return answer.over is True
 
-    follow_log(run_dir / "logs" / "rank-0.log", over)
+    follow_log(RunPaths(run_dir).rank_log(0), over)
     click.echo(f"job {job_id}: {final['state'] or 'no longer known to Slurm'}")
     return 0 if final["state"] == "COMPLETED" else 1
 
@@ -357,7 +358,7 @@ def _resumed(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | N
                                    "cpus_per_task": per_gpu * spec.gpus, "run_dir": run_dir.resolve(),
                                    "no_kill": spec.no_kill,
                                    "exclude": bad_slurm_nodes(run_dir)})
-            render(req, "true", run_dir / "submitit", site.SETTINGS)
+            render(req, "true", RunPaths(run_dir).submitit, site.SETTINGS)
             cluster.check_request(req)
         if not spec.script:
             spec.resolved = preflight(spec)

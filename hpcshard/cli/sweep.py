@@ -23,6 +23,7 @@ from hpcshard.config import parse_sets
 from hpcshard.rundir import lease, store
 from hpcshard.rundir.launchers import launchers, signal_launchers
 from hpcshard.rundir.metrics import read_metrics, train_records
+from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.spec import RunSpec, check_run_dir, create_run_dir, default_run_dir, job_stem
 from hpcshard.rundir.status import attempts
 from hpcshard.rundir.sweep import Sweep, expand, label, read_configs
@@ -114,7 +115,7 @@ def _array_request(v: dict[str, Any], res: site.Resolved, name: str, spec: RunSp
                                       min_nodes=spec.min_nodes)
     req = replace(req, requeue=True,
                   array=f"0-{tasks - 1}" + (f"%{max_parallel}" if max_parallel else ""))
-    render(req, "true", root / "submitit", site.SETTINGS)
+    render(req, "true", RunPaths(root).submitit, site.SETTINGS)
     cluster.check_request(req)
     from hpcshard.cli.submit import warn_storage
 
@@ -221,8 +222,8 @@ def _drive(record: Sweep, root: Path, waiting: list[int], running: dict[int, sub
         while waiting and len(running) < parallel:
             i = waiting.pop(0)
             task = record.task_dir(root, i)
-            (task / "logs").mkdir(parents=True, exist_ok=True)
-            with (task / "logs" / "run.out").open("ab") as out:
+            RunPaths(task).logs.mkdir(parents=True, exist_ok=True)
+            with (RunPaths(task).logs / "run.out").open("ab") as out:
                 running[i] = subprocess.Popen([sys.executable, "-m", "hpcshard.launch.local",
                                                str(task.resolve())], stdout=out, stderr=subprocess.STDOUT)
             click.echo(f"task {i} ({label(record.configs[i])}): started")

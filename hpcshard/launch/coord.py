@@ -453,11 +453,13 @@ class Channel:
         return self.client
 
     def _give_up(self, why: str) -> None:
-        if self.client is not None:
-            self.client.leave()  # (its host hears it at once if it still runs: `Server.quit`)
-            self.client.close()
-            self.client = None
+        # (taken first: the decision is shared on a thread while the launcher beats on its
+        # own, and both may give a silent store up at once; leave waits up to 0.5 s)
+        client, self.client = self.client, None
+        if client is not None:
             self.fell_back = True
+            client.leave()  # (its host hears it at once if it still runs: `Server.quit`)
+            client.close()
         if not self.lost_why:
             self.lost_why = why
             print(f"hpcshard: node {self.node}: {why}; the launchers coordinate through the run "
@@ -533,6 +535,28 @@ class Channel:
         return sorted(_node_of(key) for key in found["values"])
 
     def decide(self, attempt: int, cycle: int, decided: dict[str, Any]) -> dict[str, Any]:
+        """Share this decider's decision; the one that stands (another decider's, if it came
+        first): `arbitrate`, then `share`."""
+        return self.share(attempt, cycle, self.arbitrate(attempt, cycle, decided) or decided)
+
+    def arbitrate(self, attempt: int, cycle: int, decided: dict[str, Any]) -> dict[str, Any] | None:
+        """Through the store, the run directory's exclusive create says first whose decision
+        stands, before the store's launchers learn it (`share`): two launchers that cannot
+        reach each other but both reach the storage (a 2-node job cut in two, node 0 on its
+        store, node 1 on the files) each decide the same cycle, each blaming the other, and
+        the file server takes exactly one of them. One file a decision, at an event. None:
+        the store is not used (the file `share` creates says it, and shares it at once),
+        or the storage refused the file (the store's create says it: a full disk stops no
+        recovery)."""
+        if self.store is None:
+            return None
+        with contextlib.suppress(OSError):
+            return launchers.decide(self.run_dir, attempt, cycle, decided)
+        return None
+
+    def share(self, attempt: int, cycle: int, decided: dict[str, Any]) -> dict[str, Any]:
+        """Tell every launcher the decision (`arbitrate`'s, where it said one); the one that
+        stands (another decider's, if the store or the files had one first)."""
         found = self._call("create", key=_key("next", attempt, cycle), value=decided)
         if found is None:
             return launchers.decide(self.run_dir, attempt, cycle, decided)

@@ -20,6 +20,7 @@ from hpcshard.launch.supervise import Supervisor
 from hpcshard.launch.zygote import Zygote
 from hpcshard.rundir import console, events, ledger
 from hpcshard.rundir.launchers import write_pid_file
+from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, STORAGE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.rundir.store import last_save
@@ -99,7 +100,7 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
     """
     console.harden()  # (under Slurm its console is a file in the run directory, which may fill)
     # (doctor's smoke test runs a module without a spec)
-    spec = RunSpec.read(run_dir) if (run_dir / "spec.json").exists() else None
+    spec = RunSpec.read(run_dir) if RunPaths(run_dir).spec.exists() else None
     own = spec.script if spec else {}
     env = dict(os.environ)
     # torchrun would set 1 with a warning; on a CPU host, split the cores between ranks.

@@ -17,10 +17,12 @@ from hpcshard.launch.node import NodeEnv, run_node
 from hpcshard.rundir import events, launchers, lease, ledger
 from hpcshard.rundir.files import write_atomic
 from hpcshard.rundir.launchers import attempt_file
+from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.rankenv import NOTICE, REQUEUE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.slurm import cluster
 from hpcshard.slurm.env import SlurmEnv, expand_nodelist
+from hpcshard.slurm.submit import job_paths
 
 __all__ = ["SlurmEnv", "expand_nodelist", "coord_port", "node_env", "node_main", "rdzv_port"]
 
@@ -52,15 +54,15 @@ def node_env(slurm: SlurmEnv, per_node: int) -> NodeEnv:
 def _resubmit(run_dir: Path, job_id: str, *args: str) -> str:
     """Submit job `job_id`'s script again (with sbatch `args`, a dependency on it among
     them), excluding the run's bad nodes. Returns the new id."""
-    folder = run_dir / "submitit"
+    old = job_paths(RunPaths(run_dir).submitit, job_id)
     bad = ledger.bad_slurm_nodes(run_dir)
-    new = cluster.sbatch(*args, *([f"--exclude={','.join(bad)}"] if bad else []),
-                         str(folder / f"{job_id}_submission.sh"))
+    new = cluster.sbatch(*args, *([f"--exclude={','.join(bad)}"] if bad else []), str(old.submission_file))
     # Under its own id, what submitit wrote for the first job: the pickle it unpickles, and
     # the script the next continuation is submitted from. (It cannot start before they are
     # there: it waits for this job to end (its dependency), or it was submitted held.)
-    for suffix in ("_submitted.pkl", "_submission.sh"):
-        shutil.copy(folder / f"{job_id}{suffix}", folder / f"{new}{suffix}")
+    now = job_paths(old.folder, new)
+    shutil.copy(old.submitted_pickle, now.submitted_pickle)
+    shutil.copy(old.submission_file, now.submission_file)
     return new
 
 

@@ -820,16 +820,14 @@ class Supervisor:
             (watch.fault or {}).get("storage", ""))
         bad: dict[int, str] = {}
         noticed = self.noticed is not None or bool((watch.fault or {}).get("noticed"))
+        judged: list[tuple[int, dict[str, Any], str]] = []
         if not storage:  # nothing went wrong with the disk: blame the nodes that earned it
             beats = self.chan.beats(attempt, self.node.nnodes, lost)
-            for n in lost:
-                bad[n] = f"lost: its launcher was silent for {LOST_S:.0f} s"
-                self._bad(cycle, n, beats.get(n, {}), bad[n])
+            judged = [(n, beats.get(n, {}), f"lost: its launcher was silent for {LOST_S:.0f} s")
+                      for n in lost]
             # (after a notice the job goes back through the queue: stragglers are not judged)
-            for n, where, why in [] if noticed else exclusion.slow_nodes(self.run_dir, attempt, cycle, downs):
-                bad[n] = why
-                self._bad(cycle, n, where, why)
-            bad = {**exclusion.bad(self.run_dir, attempt), **bad}  # (ours, if a record did not land)
+            judged += [] if noticed else exclusion.slow_nodes(self.run_dir, attempt, cycle, downs)
+            bad = {**exclusion.bad(self.run_dir, attempt), **{n: why for n, _, why in judged}}
         # The newest commit any node sees: the one whose rank 0 made it does at once, another
         # host's listing may not for NFS's directory cache (30-60 s).
         committed = max([self._committed(), *(int(d.get("committed") or 0) for d in downs)])
@@ -848,7 +846,7 @@ class Supervisor:
             serving = self._serve_anew()
             if serving is not None:
                 decided = replace(decided, coord_port=serving.port, coord_node=self.me)
-        decided = self._conclude(cycle, watch, decided, downs)
+        decided = self._conclude(cycle, watch, decided, downs, blame=judged)
         if serving is not None and (decided.coord_port != serving.port or decided.host != self._host()):
             serving.close()  # (another decider's decision stands, with its own store)
         return decided
@@ -883,16 +881,48 @@ class Supervisor:
             self.chan.server = None
 
     def _conclude(self, cycle: int, watch: Watch, decided: Decision,
-                  downs: list[dict[str, Any]] | None = None, share: bool = True) -> Decision:
-        """Share the decision (the first decider's stands), record it, say it in one line."""
+                  downs: list[dict[str, Any]] | None = None, share: bool = True,
+                  blame: list[tuple[int, dict[str, Any], str]] | None = None) -> Decision:
+        """Share the decision (the first decider's stands), record it, say it in one line.
+        Another decider's that stands is its decider's to record. `blame`: the nodes this
+        decider found bad (node, where it ran, why), marked bad only by the decider whose
+        decision stands (`_shared`)."""
         if share:
-            try:
-                decided = Decision.from_dict(self.chan.decide(self.ranks.attempt, cycle,
-                                                              decided.to_dict()))
-            except OSError as err:  # the others learn it from their own storage trouble
-                print(f"hpcshard: the decision could not be shared ({err.strerror})", file=sys.stderr)
+            ours = Decision.from_dict(decided.to_dict())
+            decided = self._shared(cycle, ours, blame or [])
+            if decided != ours:
+                print(f"hpcshard: node {self.me}: another launcher decided cycle {cycle} first: "
+                      f"{decided.reason}", file=sys.stderr, flush=True)
+                return decided
         self._record(cycle, watch, downs or [], decided)
         return decided
+
+    def _shared(self, cycle: int, ours: Decision, blame: list[tuple[int, dict[str, Any], str]]) -> Decision:
+        """Share this decider's decision; the one that stands. Its bad nodes are marked
+        (the ledger, a Slurm drain) once the run directory said it stands and before the
+        launchers on the store learn it: they act on it at once, and the one that sends a
+        requeued job on excludes the run's bad nodes as the ledger names them
+        (`launch.slurm`). Through the files the decision's file is both (its decider blames
+        after it, or one whose decision lost would blame too). Each step beats while it
+        runs: the exclusive create waits on the storage; on failure the others learn it
+        from their own trouble."""
+        attempt, said = self.ranks.attempt, list[dict[str, Any] | None]()
+        self._try("the decision", lambda: said.append(self.chan.arbitrate(attempt, cycle, ours.to_dict())))
+        first = Decision.from_dict(said[0]) if said and said[0] is not None else None
+        if first == ours:
+            self._blame(cycle, blame)
+        standing, shared = first or ours, list[dict[str, Any]]()
+        told = standing.to_dict()
+        if self._try("the decision", lambda: shared.append(self.chan.share(attempt, cycle, told))):
+            standing = Decision.from_dict(shared[0])
+        if first is None and standing == ours:
+            self._blame(cycle, blame)
+        return standing
+
+    def _blame(self, cycle: int, blame: list[tuple[int, dict[str, Any], str]]) -> None:
+        """Mark each of these nodes bad (node, where it ran, why): `_bad`."""
+        for n, where, why in blame:
+            self._bad(cycle, n, where, why)
 
     def _host(self) -> str:
         """Where the next rendezvous is: this launcher's host, as the others reach it."""

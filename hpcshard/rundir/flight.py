@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcshard.rundir.files import write_atomic
+from hpcshard.rundir.paths import RunPaths
 
 FLIGHT_SIGNAL = signal.SIGRTMIN + 5
 """What a launcher sends a rank to have it write its flight record (a real-time signal
@@ -32,7 +33,7 @@ that nothing else of a job uses; STACKS_SIGNAL + 1)."""
 
 
 def folder(run_dir: Path, attempt: int, cycle: int) -> Path:
-    return run_dir / "logs" / "flight" / f"a{attempt}-c{cycle}"
+    return RunPaths(run_dir).flight(attempt, cycle)
 
 
 def arm(run_dir: Path, attempt: int, cycle: int) -> None:

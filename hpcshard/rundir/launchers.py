@@ -10,14 +10,16 @@
     next-A-C.json    the decision once every node is down (node 0's, or the lowest
                      launcher's that is not lost): restart (which nodes train, where the
                      next rendezvous is) or stop; created exclusively, first decider wins
+                     (through the store too: the arbiter of a job cut in two)
     alive-A-N.json   node N's launcher's heartbeat in attempt A (rewritten every second):
                      one that stops moving is a node lost (dead, frozen, cut off); a
                      launcher that ends says so in it ("done": its exit code)
     continue-A       claimed by the launcher that sends attempt A back through the queue
 
 The launchers of a job coordinate through node 0's store (`launch.coord`); the fault,
-down, next and alive files are the same protocol through the run directory, used when the
-store cannot be had or was lost with node 0 (and with HPCSHARD_COORD=files). Every
+down and alive files are the same protocol through the run directory, used when the store
+cannot be had or was lost with node 0 (and with HPCSHARD_COORD=files); the next file is
+created whatever the channel, where the storage takes it. Every
 launcher writes its alive file once at its start and once at its end, so that a peer
 falling back to the files finds the name there.
 """
@@ -32,10 +34,12 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hpcshard.rundir import ledger, proc
+from hpcshard.rundir import ledger, paths, proc
 from hpcshard.rundir.files import create_exclusive, write_atomic
 
-LAUNCH = "launch"
+LAUNCH = paths.LAUNCH
+READ_WON_S = 5.0
+"""How long a decider whose decision lost reads for the one that stands."""
 
 
 def pid_file(run_dir: Path, node_rank: int) -> Path:
@@ -161,10 +165,14 @@ def nodes_down(run_dir: Path, attempt: int, cycle: int, nodes: int) -> list[int]
 
 def decide(run_dir: Path, attempt: int, cycle: int, decided: dict[str, Any]) -> dict[str, Any]:
     """Record the decision for this cycle; returns the one that stands (another decider's,
-    if it came first)."""
+    if it came first). The other's file exists once the create lost (the file server said
+    so); a moment to read it, should a cache still say otherwise."""
     if _create(_cycle_file(run_dir, "next", attempt, cycle), json.dumps(decided) + "\n"):
         return decided
-    return decision(run_dir, attempt, cycle) or decided
+    deadline = time.monotonic() + READ_WON_S
+    while (won := decision(run_dir, attempt, cycle)) is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return won or decided
 
 
 def decision(run_dir: Path, attempt: int, cycle: int) -> dict[str, Any] | None:
@@ -175,8 +183,9 @@ def decision(run_dir: Path, attempt: int, cycle: int) -> dict[str, Any] | None:
 
 
 def over(run_dir: Path, attempt: int, cycle: int) -> bool:
-    """Is this cycle over: decided after a fault (the decider's fault record in the ledger;
-    the decision itself may live only in node 0's store, `launch.coord`), or the run
+    """Is this cycle over: decided after a fault (its decision's file; or the decider's
+    fault record in the ledger, as a full disk leaves the decision in node 0's store
+    alone, `launch.coord`), or the run
     started again since? A rank of it that fails now was stopped meanwhile (a frozen
     node, thawed): what it would record (a failure, its end) is stale, and the decision
     was made without it."""

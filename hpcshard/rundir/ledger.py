@@ -11,10 +11,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hpcshard.rundir import events
+from hpcshard.rundir import events, paths
 from hpcshard.rundir.files import append_line, locked, read_lines
 
-LEDGER = "attempts.jsonl"
+LEDGER = paths.LEDGER
 
 
 def append(run_dir: Path, event: events.Event) -> None:

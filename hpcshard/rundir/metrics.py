@@ -6,9 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from hpcshard.rundir import paths
 from hpcshard.rundir.files import read_lines
 
-METRICS = "metrics.jsonl"
+METRICS = paths.METRICS
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:

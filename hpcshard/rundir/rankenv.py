@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from hpcshard.rundir.paths import RunPaths
+
 REQUEUE_EXIT = 75
 """Exit code meaning "stopped cleanly on request, checkpoint committed: requeue me"
 (EX_TEMPFAIL in sysexits.h: a temporary failure, try again later). The runtime's ranks,
@@ -137,6 +139,6 @@ class RankEnv:
 def script_environ(run_dir: Path, attempt: int, script_signal: str) -> dict[str, str]:
     """The variables a script (not an hpcshard job) reads on top of torchrun's: ENV_DOC."""
     return {"HPCSHARD_RUN_DIR": str(run_dir),
-            "HPCSHARD_CHECKPOINT_DIR": str(run_dir / "checkpoints"),
+            "HPCSHARD_CHECKPOINT_DIR": str(RunPaths(run_dir).checkpoints),
             "HPCSHARD_ATTEMPT": str(attempt),
             "HPCSHARD_NOTICE_SIGNAL": "" if script_signal == "none" else signal_name(script_signal)}

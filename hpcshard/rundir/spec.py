@@ -17,10 +17,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hpcshard.rundir import store
+from hpcshard.rundir import paths, store
 from hpcshard.rundir.files import locked, write_atomic
+from hpcshard.rundir.paths import RunPaths
 
-SPEC = "spec.json"
+SPEC = paths.SPEC
 POLICIES = ("requeue", "chain", "none")
 """After a clean stop on Slurm: requeue the job, chain a continuation job (sites that
 forbid requeue), or stop."""
@@ -209,7 +210,7 @@ def create_run_dir(path: Path, group: str = "") -> None:
     an existing (empty) directory would keep its own, and the umask would trim it."""
     gid = group_id(group) if group else -1
     path.mkdir(parents=True, exist_ok=True)
-    for d in (path, path / "logs"):
+    for d in (path, RunPaths(path).logs):
         d.mkdir(exist_ok=True, mode=0o700)
         if group:
             os.chown(d, -1, gid)

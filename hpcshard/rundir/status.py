@@ -10,6 +10,7 @@ from typing import Any
 
 from hpcshard.rundir import flight, ledger, store
 from hpcshard.rundir.metrics import read_metrics, train_records
+from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.spec import wandb_id
 
 
@@ -234,7 +235,7 @@ def culprit_lines(run_dir: Path, tail: int) -> tuple[str, list[str]]:
         raise ValueError(f"{run_dir} has no fault with a known culprit; see hpcshard status {run_dir}")
     fault = named[-1]
     rank = int(fault["culprit"]["rank"])
-    log = run_dir / "logs" / f"rank-{rank}.log"
+    log = RunPaths(run_dir).rank_log(rank)
     lines = log.read_text(errors="replace").splitlines() if log.exists() else []
     mark = f"attempt {fault['attempt']} cycle {fault['cycle'] + 1} "
     cut = next((i for i, line in enumerate(lines) if LOG_START in line and mark in line), len(lines))

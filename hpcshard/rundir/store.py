@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from hpcshard.errors import UserError
+from hpcshard.rundir import paths
 from hpcshard.rundir.files import TMP_SUFFIX, fsync_dir, write_atomic
 
-CHECKPOINTS = "checkpoints"
+CHECKPOINTS = paths.CHECKPOINTS
 MANIFEST = "manifest.json"
 METADATA = ".metadata"
 """DCP's index of a checkpoint (a pickle): every item, and the file, offset and length of

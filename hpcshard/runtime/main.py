@@ -29,6 +29,7 @@ import torch.distributed as dist
 from hpcshard.config import TrainConfig, build_config
 from hpcshard.errors import UserError
 from hpcshard.rundir import events, flight, launchers, ledger, store
+from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.progress import Board
 from hpcshard.rundir.rankenv import STACKS_SIGNAL, STORAGE_EXIT, STRAGGLER_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
@@ -51,10 +52,10 @@ log = logging.getLogger("hpcshard")
 def setup_logging(run_dir: Path, rank: int) -> None:
     """Every rank logs fully to RUN_DIR/logs/rank-N.log (while its storage takes writes:
     `LogFile`); only rank 0 talks on the console."""
-    logs = run_dir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    paths = RunPaths(run_dir)
+    paths.logs.mkdir(parents=True, exist_ok=True)
     fmt = logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s", "%H:%M:%S")
-    to_file = LogFile(logs / f"rank-{rank}.log", say=rank == 0)
+    to_file = LogFile(paths.rank_log(rank), say=rank == 0)
     to_file.setFormatter(fmt)
     to_file.setLevel(logging.DEBUG)
     console = logging.StreamHandler(sys.stdout)
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
         # Before a hung rank is killed, its launcher asks for every thread's stack: where
         # it hung, in its own log. (faulthandler writes from the signal handler itself,
         # so a rank blocked inside a C++ collective still answers.)
-        faulthandler.register(STACKS_SIGNAL, file=(run_dir / "logs" / f"rank-{env.rank}.log").open("a"),
+        faulthandler.register(STACKS_SIGNAL, file=RunPaths(run_dir).rank_log(env.rank).open("a"),
                               all_threads=True)
         job = load_job(spec.job)
         cfg = build_config(job.config, spec.sets)
@@ -306,7 +307,7 @@ def _failed(run_dir: Path, ranks: RankEnv, env: DistEnv, step: int | None, err: 
             attempt=ranks.attempt, cycle=ranks.cycle, rank=env.rank, host=socket.gethostname(),
             step=step, error=type(err).__name__,
             message=str(err).strip().splitlines()[0][:300] if str(err).strip() else "",
-            log=str(run_dir / "logs" / f"rank-{env.rank}.log")))
+            log=str(RunPaths(run_dir).rank_log(env.rank))))
     if env.is_main:
         _end(run_dir, events.End(attempt=ranks.attempt, reason="error", cycle=ranks.cycle,
                                  error=f"{type(err).__name__}: {err}"))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hpcshard.rundir.files import append_line
+from hpcshard.rundir.paths import RunPaths
 from hpcshard.runtime.device import DistEnv, peak_memory_bytes
 from hpcshard.runtime.trackers import Trackers
 
@@ -78,7 +79,7 @@ class Metrics:
         self.env, self.total = env, total_steps
         self.trackers = trackers or Trackers.none()
         """TensorBoard and W&B (runtime.trackers), sent every step record."""
-        self.path = run_dir / "metrics.jsonl" if run_dir and env.is_main else None
+        self.path = RunPaths(run_dir).metrics if run_dir and env.is_main else None
         self.t0 = time.time()
         self.interactive = env.is_main and sys.stderr.isatty()
         self.dropped = 0

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.rankenv import NOTICE, signal_name
 from hpcshard.slurm.time import parse_mem, parse_time
 
@@ -213,11 +214,11 @@ def render(req: SbatchRequest, command: str, folder: Path, settings: Collection[
     container = {"runtime": "", "image": "", "mounts": [], "workdir": "", "options": [],
                  **req.container}
     # An array task's logs go to its own run directory; its id is ARRAY_TASK (%A_%a).
-    logs, job = (req.run_dir / "task-%a" / "logs", "%A_%a") if req.array else (req.run_dir / "logs", "%j")
+    paths, job = (RunPaths(req.run_dir / "task-%a"), "%A_%a") if req.array else (RunPaths(req.run_dir), "%j")
     values: dict[str, Any] = {
         **asdict(req), **req.vars, "container": container,
         "directives": {k: getattr(req, k) for k in ("partition", "account", "qos", "constraint")},
-        "stdout": str(logs / f"slurm-{job}.out"), "stderr": str(logs / f"slurm-{job}.err"),
+        "stdout": str(paths.slurm_log(job, "out")), "stderr": str(paths.slurm_log(job, "err")),
         # submitit's own per-task log names (JobPaths without ids; a test holds them equal)
         "task_stdout": str(folder / f"{job}_%t_log.out"), "task_stderr": str(folder / f"{job}_%t_log.err"),
         "submitit_folder": str(folder), "command": command,

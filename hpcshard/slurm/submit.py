@@ -12,6 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from hpcshard.rundir.paths import RunPaths
 from hpcshard.slurm import cluster
 from hpcshard.slurm.sbatch import SbatchRequest, render
 from hpcshard.slurm.time import parse_time
@@ -68,11 +69,20 @@ def executor(req: SbatchRequest, run_dir: Path) -> Any:
                 job.paths.move_temporary_file(pickle, "submitted_pickle")
             return jobs
 
-    ex = Executor(folder=run_dir / "submitit", python=shlex.quote(req.python) if req.python else None)
+    ex = Executor(folder=RunPaths(run_dir).submitit, python=shlex.quote(req.python) if req.python else None)
     # Only for submitit's bookkeeping (tasks to track, its timeout guess): the text is ours.
     ex.update_parameters(nodes=req.nodes, ntasks_per_node=1,
                          time=math.ceil(parse_time(req.time) / 60))
     return ex
+
+
+def job_paths(folder: Path, job_id: str) -> Any:
+    """submitit's names for job `job_id`'s files in its `folder` (submission script, pickle,
+    per-task logs: submitit's own `JobPaths`, so a submitit release that renames them is
+    followed, not re-derived)."""
+    from submitit.core.utils import JobPaths
+
+    return JobPaths(folder, job_id)
 
 
 def submit_command(req: SbatchRequest, run_dir: Path) -> str:
@@ -84,7 +94,7 @@ def submit_command(req: SbatchRequest, run_dir: Path) -> str:
 
 def sbatch_text(req: SbatchRequest, run_dir: Path) -> str:
     """Exactly what `submit` would hand to sbatch."""
-    return render(req, submit_command(req, run_dir), run_dir / "submitit")
+    return render(req, submit_command(req, run_dir), RunPaths(run_dir).submitit)
 
 
 def submit(req: SbatchRequest, run_dir: Path, fn: Any, *args: Any) -> str:

@@ -66,9 +66,11 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_bitwise_equal(unin
     (back,) = [r for r in ledger.read(run) if r["event"] == "recovered"]
     assert back["cycle"] == 1 and back["step"] == fault["committed"] + 1 and 0 < back["seconds"] < 60
     assert fault["detect_s"] <= 0.2  # a crash is seen within one look
-    # The launchers coordinated through node 0's store: no fault, down or decision file, and
-    # each heartbeat file written only at the launcher's start and end (`launch.coord`).
-    assert not [p.name for p in (run / "launch").iterdir() if p.name.startswith(("fault-", "down-", "next-"))]
+    # The launchers coordinated through node 0's store: no fault or down file, the decision's
+    # one file (created exclusively: the arbiter of a job cut in two), and each heartbeat
+    # file written only at the launcher's start and end (`launch.coord`).
+    assert not [p.name for p in (run / "launch").iterdir() if p.name.startswith(("fault-", "down-"))]
+    assert [p.name for p in (run / "launch").glob("next-*")] == ["next-0-0.json"]
     assert {p.name for p in (run / "launch").glob("alive-*")} == {"alive-0-0.json", "alive-0-1.json"}
     status = hpcshard("status", str(run)).stdout
     assert "0.1" in status and "faults (1):" in status and f"rank {fault['culprit']['rank']}" in status

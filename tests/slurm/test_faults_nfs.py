@@ -59,9 +59,11 @@ def test_a_killed_rank_on_nfs_like_storage_and_skewed_clocks_restarts_in_place_b
         assert fault["restart"] and "died" in fault["cause"]
         assert fault["lost"] == [] and fault["bad"] == [] and fault["active"] == [0, 1]
         assert not [r for r in records if r["event"] == "bad_node"]
-        # Through node 0's store, not the run directory's files.
+        # Through node 0's store, not the run directory's files (but the decision's one,
+        # created exclusively: the arbiter of a job cut in two).
         files = [p.name for p in (run / "launch").iterdir()]
-        assert not [name for name in files if name.startswith(("fault-", "down-", "next-"))]
+        assert not [name for name in files if name.startswith(("fault-", "down-"))]
+        assert [name for name in files if name.startswith("next-")] == ["next-0-0.json"]
         # (every nfs node had a launcher: the skewed ones among them)
         where = {json.loads(p.read_text()).get("slurm_node") for p in (run / "launch").glob("alive-0-*.json")}
         assert where == set(NFS_NODES) and set(SKEW) < where

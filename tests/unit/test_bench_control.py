@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -130,3 +131,17 @@ def test_the_bench_loads_without_torch() -> None:
     code = ("import sys, bench.control, bench.control_node, bench.control_rank, bench.__main__; "
             "sys.exit('torch' in sys.modules)")
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_a_store_run_whose_decisions_land_in_files_too_is_no_file_channel(tmp_path: Path) -> None:
+    """Every decision is also created as launch/next-A-C.json (the arbiter of a job cut in
+    two), through the store too: the bench's "file channel" is the fault and down files."""
+    from bench.control import Cluster
+
+    cluster = Cluster(tmp_path, 2, 1, None)  # type: ignore[arg-type]
+    (cluster.run_dir / "launch").mkdir(parents=True)
+    for name in ("next-0-0.json", "alive-0-0.json", "alive-0-1.json", ".next-0-1.json.vm.42.9f.tmp"):
+        (cluster.run_dir / "launch" / name).write_text("{}\n")
+    assert not cluster.file_channel()
+    (cluster.run_dir / "launch" / "down-0-0-1.json").write_text("{}\n")
+    assert cluster.file_channel()

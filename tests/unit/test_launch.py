@@ -299,3 +299,27 @@ def test_descendants_finds_a_whole_process_tree_in_one_look() -> None:
     finally:
         os.killpg(tree.pid, 9)
         tree.wait()
+
+
+def test_a_continuation_starts_from_submitits_own_files_under_its_new_id(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chained job is the same submission script and pickle under the new job id, named
+    as submitit names them (its JobPaths), and it excludes the run's bad nodes."""
+    from hpcshard.launch import slurm as launch_slurm
+    from hpcshard.rundir.paths import RunPaths
+
+    folder = RunPaths(tmp_path).submitit
+    folder.mkdir()
+    (folder / "41_submission.sh").write_text("#!/bin/bash\n")
+    (folder / "41_submitted.pkl").write_bytes(b"pickle")
+    asked: list[tuple[str, ...]] = []
+
+    def sbatch(*args: str) -> str:
+        asked.append(args)
+        return "42"
+
+    monkeypatch.setattr(launch_slurm.cluster, "sbatch", sbatch)
+    assert launch_slurm._resubmit(tmp_path, "41", "--dependency=afterany:41") == "42"
+    assert asked == [("--dependency=afterany:41", str(folder / "41_submission.sh"))]
+    assert (folder / "42_submitted.pkl").read_bytes() == b"pickle"
+    assert (folder / "42_submission.sh").read_text() == "#!/bin/bash\n"

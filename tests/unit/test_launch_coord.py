@@ -55,9 +55,10 @@ def test_the_first_declaration_and_decision_stand_and_reach_every_launcher(tmp_p
     assert a.decide(0, 0, {"restart": False})["port"] == 1  # the first decider's stands
     until(lambda: c.decision(0, 0) is not None)
     assert c.decision(0, 0) == {"restart": True, "port": 1}
-    # Nothing of it went through the run directory.
-    assert not list((tmp_path / launchers.LAUNCH).glob("fault-*")) and not list(
-        (tmp_path / launchers.LAUNCH).glob("next-*"))
+    # Nothing of it went through the run directory but the decision's one file, created
+    # exclusively (the arbiter of a job cut in two), and never polled.
+    assert not list((tmp_path / launchers.LAUNCH).glob("fault-*"))
+    assert [p.name for p in (tmp_path / launchers.LAUNCH).glob("next-*")] == ["next-0-0.json"]
     for chan in (a, b, c):
         chan.close()
 
@@ -799,3 +800,132 @@ def test_a_launcher_in_a_store_served_anew_still_beats_in_the_files_for_those_no
         first.close()
     finally:
         served.close()
+
+
+@pytest.mark.parametrize("first", ["store", "files"])
+def test_a_job_cut_in_two_keeps_one_decision_for_a_cycle(tmp_path: Path, server: coord.Server,
+                                                         first: str) -> None:
+    """Two launchers that cannot reach each other but both reach the storage: node 0 on its
+    store, node 1 fallen back to the files. Each decides the same cycle, blaming the other;
+    the file server's exclusive create takes exactly one, and both go by it."""
+    on_store = channel(tmp_path, server, 0)
+    on_files = coord.Channel(tmp_path, 1)
+    on_files.fell_back = True
+    blames_1 = {"action": "restart", "reason": "node 1 lost", "active": [0], "lost": [1]}
+    blames_0 = {"action": "restart", "reason": "node 0 lost", "active": [1], "lost": [0]}
+    try:
+        if first == "store":
+            won = on_store.decide(0, 2, blames_1)
+            assert on_files.decide(0, 2, blames_0) == won == blames_1
+        else:
+            won = on_files.decide(0, 2, blames_0)
+            assert on_store.decide(0, 2, blames_1) == won == blames_0
+        assert on_store.decision(0, 2) == on_files.decision(0, 2) == won
+    finally:
+        on_store.close()
+
+
+def test_the_store_decides_alone_when_the_storage_refuses_the_file(tmp_path: Path, server: coord.Server,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full or read-only run directory stops no recovery on the store."""
+    chan = channel(tmp_path, server, 0)
+
+    def full(*_: object) -> bool:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(launchers, "_create", full)
+    try:
+        decided = {"action": "stop", "reason": "the run directory is full"}
+        assert chan.decide(0, 0, decided) == decided == chan.decision(0, 0)
+    finally:
+        chan.close()
+
+
+def test_the_decider_blames_before_the_launchers_on_its_store_learn_its_decision(tmp_path: Path) -> None:
+    """A requeue: the first launcher to act on it sends the job on, excluding the run's bad
+    nodes in Slurm as the ledger names them (`launch.slurm._continue`), and marks the lost
+    ones DOWN (`_down_lost`). The launchers on node 0's store act on the decision the
+    moment it is pushed, so the decider's bad-node records must be in the ledger by then
+    (recorded after, the requeued job could land on the lost node again)."""
+    from hpcshard.launch.supervise import Watch
+    from hpcshard.rundir import ledger
+
+    run = tmp_path / "run"
+    sup, served = serving_supervisor(run, nnodes=2)
+    bad_when_pushed: list[list[int]] = []
+    call = sup.chan._call
+
+    def spied(op: str, **fields: Any) -> dict[str, Any] | None:
+        if op == "create" and str(fields.get("key", "")).startswith("next/"):
+            bad_when_pushed.append([int(r["node"]) for r in ledger.bad_nodes(run, 0)])
+        return call(op, **fields)
+
+    sup.chan._call = spied  # type: ignore[method-assign]
+    try:
+        sup.peers.began -= coord.UNHEARD_S + coord.LOST_S + 1  # node 1 never heard of since: lost
+        sup.peers.heard_since -= coord.UNHEARD_S + coord.LOST_S + 1
+        sup.chan.mark_down(0, 0, 0, {"dead": [], "reached": 7})
+        decided = sup.decide(0, Watch(code=1, fault={"cause": "node(s) [1] lost: silent for 8 s"}))
+        assert decided.lost == (1,) and decided.bad == (1,)
+        assert bad_when_pushed == [[1]]
+    finally:
+        sup.chan.close()
+
+
+def test_two_threads_that_give_the_store_up_at_once_both_go_on_through_the_files(
+        tmp_path: Path, server: coord.Server) -> None:
+    """The decision is shared on a thread while the launcher beats on its own (`_try`):
+    both find the store silent at once and give it up. The one whose leave waited (it
+    takes the connection's lock for up to 0.5 s) must not find the client gone under it
+    (an AttributeError there ended the supervision: its ranks killed, exit 1)."""
+    chan = channel(tmp_path, server, 1)
+    client = chan.client
+    assert client is not None
+    leave, first_in, go_on = client.leave, threading.Event(), threading.Event()
+
+    def slow_leave() -> None:
+        if not first_in.is_set():
+            first_in.set()
+            go_on.wait(5)
+        leave()
+
+    client.leave = slow_leave  # type: ignore[method-assign]
+    failed: list[BaseException] = []
+
+    def give_up() -> None:
+        try:
+            chan._give_up("the store went silent")
+        except BaseException as err:  # noqa: BLE001 (what the test looks for)
+            failed.append(err)
+
+    first = threading.Thread(target=give_up)
+    first.start()
+    assert first_in.wait(5)
+    give_up()  # (the other thread, meanwhile)
+    go_on.set()
+    first.join(5)
+    assert not failed and chan.client is None and chan.fell_back and client.closed
+
+
+def test_node_0_on_its_store_whose_decision_lost_to_the_files_blames_nobody(tmp_path: Path) -> None:
+    """A 2-node job cut in two: node 1, fallen back to the files, decided first that node 0
+    is lost. Node 0, on its store, takes node 1 for lost: the run directory says node 1's
+    decision stands, node 0 pushes that one to its store and marks nobody bad."""
+    from hpcshard.launch.policy import Decision
+    from hpcshard.launch.supervise import Watch
+    from hpcshard.rundir import ledger
+
+    run = tmp_path / "run"
+    sup, _ = serving_supervisor(run, nnodes=2)
+    try:
+        sup.peers.began -= coord.UNHEARD_S + coord.LOST_S + 1
+        sup.peers.heard_since -= coord.UNHEARD_S + coord.LOST_S + 1
+        theirs = {"action": "requeue", "code": 3, "reason": "node(s) [0] lost", "end": "fault",
+                  "lost": [0], "bad": [0]}
+        launchers.decide(run, 0, 0, theirs)
+        sup.chan.mark_down(0, 0, 0, {"dead": [], "reached": 7})
+        decided = sup.decide(0, Watch(code=1, fault={"cause": "node(s) [1] lost: silent for 8 s"}))
+        assert decided == Decision.from_dict(sup.chan.decision(0, 0) or {}) == Decision.from_dict(theirs)
+        assert not ledger.bad_nodes(run) and not [r for r in ledger.read(run) if r["event"] == "fault"]
+    finally:
+        sup.chan.close()

@@ -357,3 +357,26 @@ def test_a_launcher_that_ended_never_decides(tmp_path: Path) -> None:
     assert sup.decider() == 0  # alive and well: it decides
     launchers.beat(tmp_path, 0, 0, {"node": 0, "pid": 1, "seq": 8, "done": 1})
     assert sup.decider() == 1
+
+
+def test_a_decider_whose_decision_lost_blames_and_records_nothing(tmp_path: Path) -> None:
+    """A 2-node job cut in two: node 0 takes node 1 for lost while node 1 (through the
+    files) already decided that node 0 is. Node 0 goes by node 1's decision, and neither
+    marks node 1 bad (in the ledger, and in Slurm a drain) nor records the fault: the
+    decider whose decision stands does (before, each side drained the other's healthy node)."""
+    from hpcshard.launch import coord
+    from hpcshard.launch.supervise import Watch
+    from hpcshard.rundir import launchers, ledger
+
+    run = tmp_path / "run"
+    sup = make_supervisor(run, owner="", node_rank=0, nnodes=2)
+    (run / launchers.LAUNCH).mkdir()
+    sup.peers.began -= coord.UNHEARD_S + coord.LOST_S + 1  # node 1 never heard of since: lost
+    sup.peers.heard_since -= coord.UNHEARD_S + coord.LOST_S + 1
+    theirs = {"action": "stop", "code": 1, "reason": "node(s) [0] lost", "end": "fault", "lost": [0],
+              "bad": [0]}
+    launchers.decide(run, 0, 0, theirs)
+    launchers.mark_down(run, 0, 0, 0, {"dead": [], "reached": 7})  # (its own ranks, as recover() says)
+    decided = sup.decide(0, Watch(code=1, fault={"cause": "node(s) [1] lost: silent for 8 s"}))
+    assert decided.reason == "node(s) [0] lost" and decided.lost == (0,)
+    assert not ledger.bad_nodes(run) and not [r for r in ledger.read(run) if r["event"] == "fault"]
