@@ -105,16 +105,19 @@ class Board:
         return cls(path, slots)
 
     def publish(self, local_rank: int, *, rank: int, step: int, phase: str) -> None:
-        """Write this rank's slot: an in-memory copy of 40 bytes."""
-        _SLOT.pack_into(self._map, local_rank * _SLOT.size, os.getpid(), rank, step,
-                        PHASES.index(phase), clock())
+        """Write this rank's slot: an in-memory copy of 40 bytes, packed aside first.
+        (`struct.pack_into` zero-fills the slot, then writes field after field: a launcher
+        reading between the pid and the phase start saw a phase begun at boot, and declared
+        a rank hung "for 29301 s" while it stepped, under the load of the whole suite.)"""
+        at = local_rank * _SLOT.size
+        self._map[at:at + _SLOT.size] = _SLOT.pack(os.getpid(), rank, step, PHASES.index(phase), clock())
 
     def read(self) -> list[Slot]:
         """Every slot a rank has written (a rank that has not started yet has none)."""
         out = []
         for i in range(self.slots):
             pid, rank, step, phase, since = _SLOT.unpack_from(self._map, i * _SLOT.size)
-            if pid:
+            if pid and since > 0:  # (a slot half written: no phase starts at boot)
                 out.append(Slot(i, pid, rank, step, PHASES[phase], since))
         return out
 

@@ -191,3 +191,38 @@ def test_a_board_another_user_owns_or_others_may_write_is_ignored(board: Board) 
     assert not seen()
     with pytest.raises(PermissionError, match="not this user's own"):
         Board(board.path, 2)
+
+
+def test_a_launcher_never_reads_a_slot_half_written_by_its_rank(tmp_path: Path) -> None:
+    """A rank publishes while its launcher reads, in another process. A slot is never seen
+    with its pid but without its phase start: `struct.pack_into` zero-filled the slot, then
+    wrote field after field, and a launcher reading between them saw a phase begun at boot
+    (a rank declared hung "for 29301 s" while it stepped, under the whole suite's load)."""
+    import multiprocessing
+
+    path = board_path(f"unit-{uuid.uuid4().hex}", 0)
+    board = Board.create(path, 1)
+    board.publish(0, rank=0, step=0, phase="step")
+    stop = multiprocessing.Event()
+
+    def publisher() -> None:
+        mine = Board(path)
+        step = 0
+        while not stop.is_set():
+            step += 1
+            mine.publish(0, rank=0, step=step, phase="step")
+
+    writer = multiprocessing.get_context("fork").Process(target=publisher)
+    writer.start()
+    try:
+        torn = 0
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            pid, _, _, _, since = _SLOT.unpack_from(board._map, 0)
+            torn += pid != 0 and since == 0
+        assert torn == 0
+        assert all(s.since > 0 for s in board.read())
+    finally:
+        stop.set()
+        writer.join(10)
+        board.close(remove=True)
