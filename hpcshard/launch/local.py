@@ -6,10 +6,8 @@ meet through torchrun's static rendezvous on loopback, exactly as nodes meet on 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from hpcshard.launch.node import NodeEnv
+from hpcshard.launch.ports import listen_ports
 from hpcshard.launch.procs import descendants, send
 from hpcshard.rundir import lease, ledger
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, RankEnv
@@ -34,15 +33,8 @@ def free_port() -> int:
 
 
 def free_ports(n: int) -> list[int]:
-    """`n` different free ports on loopback (held together while picked: two picks one
-    after the other can get the same one)."""
-    with contextlib.ExitStack() as held:
-        found = []
-        for _ in range(n):
-            s = held.enter_context(socket.socket())
-            s.bind(("127.0.0.1", 0))
-            found.append(int(s.getsockname()[1]))
-        return found
+    """`n` different free ports on loopback, below the ephemeral range (`launch.ports`)."""
+    return listen_ports(n, "127.0.0.1")
 
 
 def run_local(run_dir: Path, nodes: int, per_node: int, *, spares: int = 0, resume: str = "auto",

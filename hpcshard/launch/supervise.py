@@ -39,6 +39,7 @@ from typing import Any
 from hpcshard.launch import coord, exclusion, health, policy
 from hpcshard.launch.liveness import BEAT_S, LOST_S, UNHEARD_S, Peers
 from hpcshard.launch.policy import Decision, Facts
+from hpcshard.launch.ports import listen_ports
 from hpcshard.launch.procs import Agent, alive, children, descendants, kill_below, kill_tree, send
 from hpcshard.launch.watchdog import Limits, Watchdog, process_state
 from hpcshard.rundir import events, flight, launchers, lease, ledger, store
@@ -103,10 +104,9 @@ def _fault(attempt: int, cycle: int, declared: dict[str, Any], culprit: dict[str
 
 
 def free_port() -> int:
-    """A port for the next cycle's rendezvous, on this host (node 0 hosts it)."""
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return int(s.getsockname()[1])
+    """A port for the next cycle's rendezvous, on this host (node 0 hosts it), below the
+    ephemeral range (`launch.ports`)."""
+    return listen_ports(1)[0]
 
 
 @dataclass(frozen=True)

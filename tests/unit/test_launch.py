@@ -323,3 +323,20 @@ def test_a_continuation_starts_from_submitits_own_files_under_its_new_id(
     assert asked == [("--dependency=afterany:41", str(folder / "41_submission.sh"))]
     assert (folder / "42_submitted.pkl").read_bytes() == b"pickle"
     assert (folder / "42_submission.sh").read_text() == "#!/bin/bash\n"
+
+
+def test_listen_ports_are_picked_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A port from bind(0) is ephemeral: any outgoing connection may take it as its source
+    port before the rendezvous listens on it (a torchrun agent exited 1 before its ranks
+    started, under the suite's load). Below the range no source port lands."""
+    import socket
+
+    from hpcshard.launch import ports
+
+    found = ports.listen_ports(5, "127.0.0.1")
+    assert len(set(found)) == 5 and all(ports.LOW <= p < ports.ephemeral_low() for p in found)
+    for port in found:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))  # (free: given back once picked)
+    monkeypatch.setattr(ports, "ephemeral_low", lambda: ports.LOW + 10)  # no room below it
+    assert len(set(ports.listen_ports(2, "127.0.0.1"))) == 2
