@@ -15,8 +15,9 @@ import random
 import socket
 from pathlib import Path
 
-LOW = 20000
-"""The lowest port picked (above the ports services register)."""
+LOW = 30000
+"""The lowest port picked: above the range Slurm jobs derive their first ports from
+(20000-29999, `launch.slurm.rdzv_port`), which two jobs sharing a host may use."""
 TRIES = 200
 
 
