@@ -140,8 +140,9 @@ def run(run_dir: Path, script: dict[str, Any], early: list[int]) -> int:
     signal.signal(notice, handler)
     os.environ.update(script_environ(run_dir, attempt, script.get("signal", "TERM")))
     os.environ.setdefault("HPCSHARD_RESTART_COUNT", "0")
-    RunPaths(run_dir).logs.mkdir(exist_ok=True)
-    log_path = RunPaths(run_dir).rank_log(rank)
+    paths = RunPaths(run_dir)
+    paths.logs.mkdir(exist_ok=True)
+    log_path = paths.rank_log(rank)
     log = log_path.open("a", buffering=1)
     sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)  # type: ignore[assignment]
     # On the node's board from the start: a rank whose process dies is a crash, seen in a

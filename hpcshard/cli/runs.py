@@ -108,13 +108,14 @@ def logs(target: str, rank: int, follow: bool, culprit: bool, tail: int | None) 
     if culprit:
         _culprit_log(run_dir, tail or 40)
         return
-    log = RunPaths(run_dir).rank_log(rank)
+    paths = RunPaths(run_dir)
+    log = paths.rank_log(rank)
     if tail and log.exists() and not follow:
         click.echo("\n".join(log.read_text(errors="replace").splitlines()[-tail:]))
         return
     if not log.exists() and not follow:
-        ranks = sorted(p.stem for p in RunPaths(run_dir).logs.glob("rank-*.log"))
-        fail(ValueError(f"no log for rank {rank} in {RunPaths(run_dir).logs}; there are: "
+        ranks = sorted(p.stem for p in paths.logs.glob("rank-*.log"))
+        fail(ValueError(f"no log for rank {rank} in {paths.logs}; there are: "
                         f"{', '.join(ranks) or 'none yet'}"))
     follow_log(log, (lambda: True) if not follow else (lambda: finished(spec, run_dir)))
 

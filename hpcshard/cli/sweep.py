@@ -222,8 +222,9 @@ def _drive(record: Sweep, root: Path, waiting: list[int], running: dict[int, sub
         while waiting and len(running) < parallel:
             i = waiting.pop(0)
             task = record.task_dir(root, i)
-            RunPaths(task).logs.mkdir(parents=True, exist_ok=True)
-            with (RunPaths(task).logs / "run.out").open("ab") as out:
+            logs = RunPaths(task).logs
+            logs.mkdir(parents=True, exist_ok=True)
+            with (logs / "run.out").open("ab") as out:
                 running[i] = subprocess.Popen([sys.executable, "-m", "hpcshard.launch.local",
                                                str(task.resolve())], stdout=out, stderr=subprocess.STDOUT)
             click.echo(f"task {i} ({label(record.configs[i])}): started")

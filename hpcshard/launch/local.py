@@ -28,10 +28,6 @@ from hpcshard.rundir.rankenv import REQUEUE_EXIT, RankEnv
 PEER_GRACE_S = 15.0
 
 
-def free_port() -> int:
-    return free_ports(1)[0]
-
-
 def free_ports(n: int) -> list[int]:
     """`n` different free ports on loopback, below the ephemeral range (`launch.ports`)."""
     return listen_ports(n, "127.0.0.1")
