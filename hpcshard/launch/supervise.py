@@ -209,8 +209,9 @@ class Supervisor:
         """The newest committed step the last decision named (`RankEnv.newest`)."""
         self.fault_seen: float | None = None
         """When (monotonic) this launcher saw the last fault (declared it, or was told)."""
-        self.fell_back = False
-        """It has given its peers their grace after a fallback to the files (`_isolated`)."""
+        self.graced = 0
+        """The channel's moves (to a standby, to the files) after which it gave its peers
+        their grace to show up there too (`_isolated`)."""
         self.chan = coord.Channel(run_dir, self.me)
         """How it speaks with the other launchers: node 0's store once `_run` opened it,
         the run directory's files before and without it (`launch.coord`)."""
@@ -392,29 +393,31 @@ class Supervisor:
         return self.peers.lost(nodes, beats), beats
 
     def _isolated(self) -> None:
-        """This launcher gave node 0's store up. Either node 0 is lost, and every launcher
-        gives it up within a second or two and shows up in the files; or this one was cut
-        off (or starved) alone while the others stay with the store and will take it for
-        lost. Each peer gets LOST_S from the fallback to show up; when, after that, most
-        of them have not, it is this launcher that is gone: it leaves the run and blames
-        nobody (measured before this: one launcher starved of the CPU at 128 emulated
-        nodes fell back alone and declared 118 healthy nodes lost)."""
+        """This launcher gave node 0's store up (for the standby, or the files). Either node
+        0 is lost, and every launcher gives it up within a second or two and shows up where
+        this one went; or this one was cut off (or starved) alone while the others stay
+        with the store and will take it for lost. Each peer gets a grace from the move to
+        show up; when, after that, most of them have not, it is this launcher that is gone:
+        it leaves the run and blames nobody (measured before this: one launcher starved of
+        the CPU at 128 emulated nodes fell back alone and declared 118 healthy nodes lost)."""
         others = [n for n in self.roster.members
-                  if n not in (self.me, self.chan.host_node) and n not in self.seen_bad]
-        if not self.fell_back:
-            self.fell_back = True
-            # (as long as NFS may hide their heartbeat files: a spare had never watched its
-            # peers' heartbeats before, and on the chaos soak's NFS-like views one that gave
-            # them LOST_S took itself for the one cut off while they had fallen back too)
-            self.peers.grace(others, UNHEARD_S + LOST_S)
+                  if n != self.me and n not in self.chan.gave_up and n not in self.seen_bad]
+        if self.graced != self.chan.moves:
+            self.graced = self.chan.moves
+            # On the standby, its peers show up as soon as each finds the store silent too
+            # (within a heartbeat or two of this one). In the files, as late as NFS may
+            # hide their heartbeat files: a spare had never watched its peers' heartbeats
+            # before, and on the chaos soak's NFS-like views one that gave them LOST_S took
+            # itself for the one cut off while they had fallen back too.
+            self.peers.grace(others, 2 * LOST_S if self.chan.store is not None else UNHEARD_S + LOST_S)
         if not others:
             return
         beats = self.chan.beats(self.ranks.attempt, self.node.nnodes, others)
         others = [n for n in others if "done" not in beats.get(n, {})]  # (those that ended count for nobody)
         gone = self.peers.lost(others, beats)
         if 2 * len(gone) > len(others):
-            raise Fenced(f"it gave node {self.chan.host_node}'s store up, and {len(gone)} of its "
-                         f"{len(others)} other peers did not: it is the one cut off")
+            raise Fenced(f"it gave up the store of node(s) {sorted(self.chan.gave_up)}, and {len(gone)} "
+                         f"of its {len(others)} other peers did not: it is the one cut off")
 
     # -- one cycle -------------------------------------------------------------------
     def run(self) -> int:
@@ -475,6 +478,15 @@ class Supervisor:
         if coord.mode() == "store" and self.node.coord_port and self.spec.coord_key:
             self.chan.open(str(self.node.rdzv_host), int(self.node.coord_port), self.spec.coord_key,
                            self.ranks.attempt, serve=self.me == 0, where=self.where, waiting=self.beat)
+            self._stand_by()
+
+    def _stand_by(self) -> None:
+        """The lowest launcher of the roster but the store's host serves the standby store
+        for it (`coord.Channel.stand_by`): node 1 for node 0's, and after a restart that
+        moved the store, the next one for the new host's."""
+        others = sorted(n for n in self.roster.members if n not in self.seen_bad and n != self.chan.host_node)
+        if others and others[0] == self.me and self.chan.standby is None and self.chan.server is None:
+            self.chan.stand_by(self._host())
 
     def _run(self) -> int:
         self._open()
@@ -520,6 +532,7 @@ class Supervisor:
             self.order = (*first, *(n for n in decided.active if n not in first))
             self._join(decided, cycle)
             self.roster = Roster(decided.active, decided.spares)
+            self._stand_by()
             node = replace(self.node, nnodes=len(self.roster.active), rdzv_host=decided.host,
                            rdzv_port=decided.port, run_id=f"{self.node.run_id}-c{cycle}")
 
@@ -846,6 +859,10 @@ class Supervisor:
             serving = self._serve_anew()
             if serving is not None:
                 decided = replace(decided, coord_port=serving.port, coord_node=self.me)
+            elif self.chan.gave_up and self.chan.server is not None and self.chan.store is not None:
+                # (it serves the standby the launchers moved to: one that could not reach
+                # it, and went on through the files, joins it with the decision)
+                decided = replace(decided, coord_port=self.chan.server.port, coord_node=self.me)
         decided = self._conclude(cycle, watch, decided, downs, blame=judged)
         if serving is not None and (decided.coord_port != serving.port or decided.host != self._host()):
             serving.close()  # (another decider's decision stands, with its own store)
@@ -865,11 +882,15 @@ class Supervisor:
     def _join(self, decided: Decision, cycle: int) -> None:
         """After a restart that names a new store (`_serve_anew`), before cycle `cycle`:
         every launcher leaves the files for it (its decider, which serves it, too)."""
+        if self.chan.store is not None and self.chan.fell_back:
+            # (moved to the standby, and decided there: the move is over, every launcher of
+            # the new roster is on it, and a silence from now on is a fault like any other)
+            self.chan.fell_back, self.graced = False, self.chan.moves
         if not decided.coord_port or self.chan.store is not None:
             return
         old = self.chan
         self.chan = coord.Channel(self.run_dir, self.me, first_cycle=cycle, host_node=decided.coord_node)
-        self.fell_back = False
+        self.graced = 0
         old.close()
         self.chan.server = coord.Server.serving(decided.coord_port) if decided.host == self._host() else None
         if self.chan.open(decided.host, decided.coord_port, self.spec.coord_key, self.ranks.attempt,

@@ -84,14 +84,16 @@ def test_a_frozen_node_is_replaced_by_a_spare_and_the_run_ends_bitwise_equal(
     wait_for(partial(trained_to, run, 7), 180, "step 7, past the warm-up and a commit")
     frozen_at = freeze(run, victim)
     wait_for(lambda: records(run, "recovered"), 120, "training again on the spare")
-    # (node 0 took its store with it: the launchers fell back to the run directory's files
-    # for that recovery, and the decider serves a new store from the next cycle on: below)
+    # (node 0 took its store with it: the launchers moved to the standby node 1 serves,
+    # and recovered there without a file: below)
     thawed_at = freeze(run, victim, signal.SIGCONT)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-4000:]
     assert f"hpcshard: node {victim} leaves the run: declared lost while it stood still" in out
     if victim == 0:
-        assert "node 2: the launchers coordinate through the store on" in out and "from cycle 1" in out
+        assert "node 1: the store on" in out and "node 2: the store on" in out
+        assert "the launchers coordinate through the standby store on node 1" in out
+        assert "directory's files" not in out
     late = [r for r in ledger.read(run) if r["time"] > thawed_at and r.get("cycle", 0) == 0]
     assert late == []  # nothing from the cycle it froze in
     assert beats(run, 0, 3)[victim]["time"] < thawed_at  # not a beat more: it left at once

@@ -142,11 +142,11 @@ def test_a_frozen_node_is_lost_in_seconds_and_the_run_requeues_and_ends_bitwise_
     assert "bad nodes (1)" in hpcshard("status", str(run)).stdout
 
 
-def test_a_frozen_node_0_takes_its_store_with_it_and_the_others_carry_on_through_the_files(
+def test_a_frozen_node_0_takes_its_store_with_it_and_the_others_carry_on_through_the_standby(
         uninterrupted: Path, tmp_path: Path) -> None:
     """Every process of node 0 stopped: the launchers' store (served by its launcher) stops
-    answering with it. Node 1 gives the store up after LOST_S of silence, declares node 0
-    lost through the run directory's files, decides (it is the lowest launcher left) and
+    answering with it. Node 1 gives the store up after LOST_S of silence for the standby it
+    serves itself, declares node 0 lost there, decides (it is the lowest launcher left) and
     the job goes back through the queue; the run ends as if nothing had happened."""
     run = tmp_path / "frozen0"
     proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
@@ -159,8 +159,10 @@ def test_a_frozen_node_0_takes_its_store_with_it_and_the_others_carry_on_through
     frozen_at = time.time()
     out, _ = proc.communicate(timeout=400)
     assert proc.returncode == 0, out[-4000:]
-    # (the store gone with node 0, node 1 went on through the run directory's files)
-    assert (run / "launch" / "fault-0-0.json").exists() and (run / "launch" / "next-0-0.json").exists()
+    # (the store gone with node 0, node 1 went on through its standby: no fault file, the
+    # decision's one file is the arbiter's)
+    assert "node 1: " in out and "the launchers coordinate through the standby store on node 1" in out
+    assert not (run / "launch" / "fault-0-0.json").exists() and (run / "launch" / "next-0-0.json").exists()
     (fault,) = faults(run)
     assert fault["lost"] == [0] and fault["code"] == REQUEUE_EXIT and "lost" in fault["reason"]
     assert fault["time"] - frozen_at < 30

@@ -271,7 +271,7 @@ def test_a_launcher_that_fell_back_alone_leaves_instead_of_blaming_the_others(tm
     for n in range(5):  # (what the store showed last, and the start-up files)
         launchers.beat(run, 0, n, {"pid": 100 + n, "seq": 0})
     sup.peers.observe({n: {"pid": 100 + n, "seq": 40} for n in range(4)})  # (node 4 never watched)
-    sup.chan.fell_back, sup.chan.host_node = True, 0
+    sup.chan.fell_back, sup.chan.gave_up, sup.chan.moves = True, {0}, 1
     sup._isolated()  # (the fallback: a grace for the others, not for node 0)
 
     def later(seconds: float) -> None:
@@ -929,3 +929,110 @@ def test_node_0_on_its_store_whose_decision_lost_to_the_files_blames_nobody(tmp_
         assert not ledger.bad_nodes(run) and not [r for r in ledger.read(run) if r["event"] == "fault"]
     finally:
         sup.chan.close()
+
+
+def freeze(server: coord.Server, seconds: float) -> None:
+    """Node 0's host stands still: its store's loop answers nothing for `seconds` (the
+    connections stay up, as a frozen host's do)."""
+    server.loop.call_soon_threadsafe(time.sleep, seconds)
+
+
+def test_a_silent_store_is_left_for_the_standby_and_the_recovery_under_way_goes_on_there(
+        tmp_path: Path, server: coord.Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 1 serves the standby from the start and says where in node 0's store. A fault
+    was declared and node 2 said it is down when node 0 froze: each launcher, finding the
+    store silent, moves to the standby with what it knew, so the decider there sees the
+    fault and node 2's down record without anyone saying them again, and none of it waits
+    for a file to show through NFS's lookup cache (the chaos soak's 72 s node-0 loss)."""
+    monkeypatch.setattr(coord, "LOST_S", 0.3)
+    one, two = channel(tmp_path, server, 1), channel(tmp_path, server, 2)
+    try:
+        assert one.stand_by("127.0.0.1") and one.standby is not None
+        until(lambda: "standby/0/0" in two.client.pushed)  # type: ignore[union-attr]
+        assert one.declare_fault(0, 4, {"cause": "rank 3 died"})
+        until(lambda: two.fault(0, 4) is not None)
+        two.mark_down(0, 4, 2, {"dead": [], "reached": 9})
+        freeze(server, 3)
+        began = time.monotonic()
+        assert two.nodes_down(0, 4, 3) == [2]  # (asked of node 0's store, answered by the standby)
+        assert time.monotonic() - began < 2 and two.host_node == 1 and two.gave_up == {0}
+        assert two.store is not None and two.store.port == one.standby.port and not two.lost_why
+        assert two.fault(0, 4) == {"cause": "rank 3 died", "time": two.fault(0, 4)["time"]}  # type: ignore[index]
+        one.mark_down(0, 4, 1, {"dead": [{"rank": 3}], "reached": 9})  # (node 1 moves to its own)
+        assert one.server is not None and one.standby is None and one.host_node == 1
+        assert one.nodes_down(0, 4, 3) == [1, 2]
+        decided = {"action": "restart", "reason": "rank 3 died", "active": [1, 2]}
+        assert one.decide(0, 4, decided) == decided
+        until(lambda: two.decision(0, 4) == decided)
+        assert one.store is not None and two.store is not None  # (the standby is not silent)
+        files = [p.name for p in (tmp_path / launchers.LAUNCH).iterdir()]
+        assert not [f for f in files if f.startswith(("fault-", "down-"))], files
+        assert server.quit == set()  # (it stood still: their word waits for it to thaw)
+        until(lambda: server.quit == {1, 2}, 10)
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_store_whose_launcher_died_is_left_for_the_standby_at_once(
+        tmp_path: Path, server: coord.Server) -> None:
+    """Node 0's launcher killed: its connections close, and nobody waits LOST_S."""
+    one, two = channel(tmp_path, server, 1), channel(tmp_path, server, 2)
+    try:
+        assert one.stand_by("127.0.0.1")
+        until(lambda: "standby/0/0" in two.client.pushed)  # type: ignore[union-attr]
+        server.close()
+        until(lambda: two.client is not None and two.client.closed)
+        began = time.monotonic()
+        assert two.declare_fault(0, 0, {"cause": "node 0 lost"})
+        assert time.monotonic() - began < 1 and two.host_node == 1
+        assert one.fault(0, 0) is not None and one.server is not None  # (node 1 moved too)
+    finally:
+        one.close()
+        two.close()
+
+
+def test_a_standby_lost_with_its_store_leaves_the_files(tmp_path: Path, server: coord.Server,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nodes 0 and 1 lost together: the standby does not answer either, and the launcher
+    goes on through the run directory's files, as before the standby."""
+    monkeypatch.setattr(coord, "LOST_S", 0.3)
+    one, two = channel(tmp_path, server, 1), channel(tmp_path, server, 2)
+    try:
+        assert one.stand_by("127.0.0.1") and one.standby is not None
+        until(lambda: "standby/0/0" in two.client.pushed)  # type: ignore[union-attr]
+        freeze(server, 6)
+        freeze(one.standby, 6)
+        began = time.monotonic()
+        assert two.declare_fault(0, 0, {"cause": "nodes 0 and 1 lost"})
+        assert time.monotonic() - began < coord.STANDBY_CONNECT_S + coord.CONNECT_TRY_S + 1.5
+        assert two.store is None and two.lost_why and two.gave_up == {0}
+        assert launchers.fault(tmp_path, 0, 0)["cause"] == "nodes 0 and 1 lost"  # type: ignore[index]
+    finally:
+        one.close()
+        two.close()
+
+
+def test_the_lowest_launcher_but_the_stores_host_serves_the_standby(tmp_path: Path) -> None:
+    """Node 1 for node 0's store; node 2 serves none. After a restart that moved the store
+    to node 1, node 2 serves the standby for node 1's (`Supervisor._stand_by`)."""
+    from tests.unit.test_launch_races import make_supervisor
+
+    run = tmp_path / "run"
+    served = coord.Server(KEY, 0, "127.0.0.1").start()
+    sups = [make_supervisor(run, owner="", node_rank=n, nnodes=3) for n in (1, 2)]
+    try:
+        for sup in sups:
+            sup.chan = channel(run, served, sup.me)
+            sup._stand_by()
+        assert sups[0].chan.standby is not None and sups[1].chan.standby is None
+        where = {"host": "127.0.0.1", "port": sups[0].chan.standby.port, "node": 1}
+        assert served.data["standby/0/0"] == where
+        sups[1].chan.host_node = 1  # (the store moved to node 1's standby)
+        sups[1].roster = type(sups[1].roster)((1, 2), ())
+        sups[1]._stand_by()
+        assert sups[1].chan.standby is not None and served.data["standby/0/1"]["node"] == 2
+    finally:
+        for sup in sups:
+            sup.chan.close()
+        served.close()
