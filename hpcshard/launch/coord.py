@@ -75,9 +75,10 @@ WATCHED = ("fault/", "next/", "fenced/", "standby/")
 CARRIED = ("fault/", "next/", "fenced/")
 """What a launcher moving to the standby store tells it of the store it left (with its own
 down records): the recovery under way goes on where it was."""
-STANDBY_CONNECT_S = 2.0
+STANDBY_CONNECT_S = 4.0
 """How long a launcher tries to reach the standby store once its store went silent; then the
-files (the standby's host is lost too, or cannot be reached from here)."""
+files (the standby's host is lost too, or cannot be reached from here). One that went to the
+files meanwhile is still heard by those on the standby (`Channel._bridging`)."""
 WATCH_KEEP_S = 3.0
 """A node's heartbeat is brought back with this launcher's own while it was asked for
 within this long (the leader asks for every node's each second; the others for the
@@ -435,7 +436,10 @@ class Channel:
         """How often it moved (to a standby, or to the files): each move gives the peers a
         fresh grace to show up where it went (`Supervisor._isolated`)."""
         self.mine: dict[str, Any] = {}
-        """What it set on the store (its down records): carried to the standby."""
+        """What it set on the store (its down record of the latest cycle): carried to the
+        standby."""
+        self.on_store: set[int] = set()
+        """The nodes heard through the store in use (since it was joined or moved to)."""
         self.attempt, self.key = 0, ""
         self.moving = threading.RLock()
         """Held while it moves: another thread's call waits for the standby, not the files."""
@@ -518,7 +522,11 @@ class Channel:
                 self.moves += 1
                 client.leave()  # (its host hears it at once if it still runs: `Server.quit`)
                 client.close()
-                if self._to_standby(client, why):
+                # (the launcher that serves the store never moves away from it: its own
+                # store silent to itself is its host starved or cut off, and it leaves the
+                # run, `Supervisor._still_serving`; moving, it would serve its peers while
+                # it listened elsewhere)
+                if self.server is None and self._to_standby(client, why):
                     return
             if not self.lost_why:
                 self.lost_why = why
@@ -546,6 +554,7 @@ class Channel:
             client.close()
             return False
         self.client, self.host_node, self.opened = client, node, time.monotonic()
+        self.on_store = set()
         if self.standby is not None and node == self.node:  # (its own: it serves the store now)
             self.server, self.standby = self.standby, None
         print(f"hpcshard: node {self.node}: {why}; the launchers coordinate through the standby "
@@ -603,7 +612,7 @@ class Channel:
     def mark_down(self, attempt: int, cycle: int, node: int, record: dict[str, Any]) -> None:
         value = {"time": time.time(), "node": node, **record}
         key = _key("down", attempt, cycle, node)
-        self.mine[key] = value
+        self.mine = {key: value}
         if self._call("exchange", set={key: value}) is None:
             launchers.mark_down(self.run_dir, attempt, cycle, node, record)
 
@@ -612,6 +621,8 @@ class Channel:
         if found is None:
             return launchers.downs(self.run_dir, attempt, cycle, nodes)
         by_node = {_node_of(key): dict(value) for key, value in found["values"].items()}
+        for down in self._bridged_downs(attempt, cycle, nodes, set(by_node)):
+            by_node.setdefault(int(down["node"]), down)
         return [by_node[n] for n in sorted(by_node)]
 
     def nodes_down(self, attempt: int, cycle: int, nodes: int) -> list[int]:
@@ -621,7 +632,27 @@ class Channel:
         found = self._call("scan", prefix=_key("down", attempt, cycle, ""), keys=True)
         if found is None:
             return [int(d["node"]) for d in launchers.downs(self.run_dir, attempt, cycle, nodes)]
-        return sorted(_node_of(key) for key in found["values"])
+        down = {_node_of(key) for key in found["values"]}
+        down |= {int(d["node"]) for d in self._bridged_downs(attempt, cycle, nodes, down)}
+        return sorted(down)
+
+    def _bridging(self) -> bool:
+        """For JOIN_S after the launchers moved to a standby or joined a store served anew,
+        those on it and those still on the files hear each other through the files: their
+        heartbeats, their down records. (One that missed the standby, its host busy for a
+        moment, goes to the files; unheard there, the standby's decider would take it for
+        lost and drain a healthy node.)"""
+        return bool(self.first_cycle or self.gave_up) and time.monotonic() - self.opened < JOIN_S
+
+    def _bridged_downs(self, attempt: int, cycle: int, nodes: int, known: set[int]) -> list[dict[str, Any]]:
+        """While bridging, the down records in the files of the nodes not heard through the
+        store (one name looked up each: the decider asks 20 times a second)."""
+        if not self._bridging():
+            return []
+        late = [n for n in range(nodes) if n not in known and n not in self.on_store and n != self.node]
+        with contextlib.suppress(OSError, ValueError):
+            return launchers.downs(self.run_dir, attempt, cycle, nodes, of=late) if late else []
+        return []
 
     def decide(self, attempt: int, cycle: int, decided: dict[str, Any]) -> dict[str, Any]:
         """Share this decider's decision; the one that stands (another decider's, if it came
@@ -691,11 +722,11 @@ class Channel:
                 return
             launchers.beat(self.run_dir, attempt, node, record)
             return
-        if self.first_cycle and time.monotonic() - self.opened < JOIN_S:
-            # A store served anew: the launchers not in it yet learn of it through the
-            # files, as late as NFS shows the decision, and hear this one there meanwhile
-            # (a spare that stopped hearing the decider took itself for the one cut off
-            # and left: the chaos soak on NFS-like views).
+        if self._bridging():
+            # A store served anew (or a standby moved to): the launchers not in it yet
+            # learn of it through the files, as late as NFS shows the decision, and hear
+            # this one there meanwhile (a spare that stopped hearing the decider took
+            # itself for the one cut off and left: the chaos soak on NFS-like views).
             with contextlib.suppress(OSError):
                 launchers.beat(self.run_dir, attempt, node, record)
 
@@ -723,7 +754,7 @@ class Channel:
         seen = self.beats_seen.copy()
         heard = {n: b for n, b in seen.items() if n in wanted}
         late = wanted - set(heard)
-        if late and self.first_cycle and time.monotonic() - self.opened < JOIN_S:
+        if late and self._bridging():
             heard.update(launchers.beats(self.run_dir, attempt, nodes, of=late))
         return heard
 
@@ -733,6 +764,7 @@ class Channel:
         for key, value in answer.get("values", {}).items():
             if value is not None:
                 self.beats_seen[_node_of(key)] = value
+                self.on_store.add(_node_of(key))
 
     def _pushed(self, key: str, value: Any) -> None:
         if self.client is not None:

@@ -315,7 +315,7 @@ class Supervisor:
         if server is None or seconds <= LOST_S:
             return False
         time.sleep(2 * POLL_S)
-        others = set(self.roster.members) - self.seen_bad - {self.me} - server.ended
+        others = set(self.roster.members) - self.seen_bad - {self.me} - server.ended - self.chan.gave_up
         return 2 * len(server.quit & others) > len(others)
 
     def _still_serving(self) -> None:
@@ -333,7 +333,9 @@ class Supervisor:
             return
         if self.chan.lost_why:
             raise Fenced(f"its own store stopped answering it ({self.chan.lost_why})")
-        others = set(self.roster.members) - self.seen_bad - {self.me} - server.ended
+        # (a node whose store this one gave up, node 0 for a standby it serves now, is lost
+        # to it, not a peer that fell silent: `_isolated` counts the same)
+        others = set(self.roster.members) - self.seen_bad - {self.me} - server.ended - self.chan.gave_up
         quit = server.quit & others
         # Most of them: they go on through the files without it. A few: they are the ones
         # cut off (or starved), and leave by themselves (`_isolated`: the same count, seen

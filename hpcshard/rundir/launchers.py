@@ -150,10 +150,11 @@ def mark_down(run_dir: Path, attempt: int, cycle: int, node: int, record: dict[s
                  json.dumps({"time": time.time(), "node": node, **record}) + "\n")
 
 
-def downs(run_dir: Path, attempt: int, cycle: int, nodes: int) -> list[dict[str, Any]]:
-    """The down records of this cycle that exist, by node."""
+def downs(run_dir: Path, attempt: int, cycle: int, nodes: int,
+          of: Iterable[int] | None = None) -> list[dict[str, Any]]:
+    """The down records of this cycle that exist (of `of`, default every node), by node."""
     found = []
-    for n in range(nodes):
+    for n in sorted(range(nodes) if of is None else of):
         with contextlib.suppress(FileNotFoundError):
             found.append(json.loads(_cycle_file(run_dir, "down", attempt, cycle, f"-{n}.json").read_text()))
     return found

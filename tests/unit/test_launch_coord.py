@@ -1036,3 +1036,132 @@ def test_the_lowest_launcher_but_the_stores_host_serves_the_standby(tmp_path: Pa
         for sup in sups:
             sup.chan.close()
         served.close()
+
+
+def later(sup: Any, seconds: float) -> None:
+    """`seconds` pass for this supervisor's view of its peers."""
+    sup.peers.seen = {n: (mark, at - seconds) for n, (mark, at) in sup.peers.seen.items()}
+    sup.peers.heard_since -= seconds
+    sup.peers.began -= seconds
+
+
+def test_node_1_serving_the_standby_goes_on_when_node_0_and_another_are_lost(tmp_path: Path) -> None:
+    """4 nodes; nodes 0 and 2 die together (one switch, one PDU). Node 1 moved to the
+    standby it serves, so its store's checks run on it now: node 0, whose store it gave up,
+    is lost to it, not a peer fallen silent; 1 of its 2 peers silent is not it cut off. It
+    goes on and decides (counted with node 0, it fenced itself and every launcher left:
+    the run lost; found by review)."""
+    from tests.unit.test_launch_races import make_supervisor
+
+    run = tmp_path / "run"
+    (run / launchers.LAUNCH).mkdir(parents=True)
+    zero = coord.Server(KEY, 0, "127.0.0.1").start()
+    sup = make_supervisor(run, owner="", node_rank=1, nnodes=4)
+    sup.chan = channel(run, zero, 1)
+    three = channel(run, zero, 3)
+    try:
+        assert sup.chan.stand_by("127.0.0.1")
+        until(lambda: "standby/0/0" in three.client.pushed)  # type: ignore[union-attr]
+        sup.peers.observe({n: {"pid": 100 + n, "seq": 5} for n in (0, 2, 3)})
+        zero.close()  # (node 2 dies too: it never shows up anywhere)
+        until(lambda: sup.chan.client is not None and sup.chan.client.closed)
+        assert sup.chan.store is not None and sup.chan.server is not None  # (its own standby)
+        assert three.store is not None and three.host_node == 1
+        sup._isolated()  # (the grace, 2 * LOST_S, for nodes 2 and 3)
+        later(sup, 2 * coord.LOST_S + 1)
+        three.beat(0, 3, {"pid": 103, "seq": 7})
+        sup.chan.asked.clear()
+        until(lambda: sup.chan.beats(0, 4, [3]).get(3, {}).get("seq") == 7)
+        sup._isolated()
+        sup._still_serving()
+        assert sup.lost([0, 2, 3]) == [0, 2]
+    finally:
+        sup.chan.close()
+        three.close()
+
+
+def test_the_launcher_serving_the_store_never_moves_to_the_standby(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 0's own call to its store timed out (its host starved): moving to node 1's
+    standby, it would serve its peers a store while it listened to another (faults declared
+    on its own never reached it; found by review). It gives the store up for good and
+    leaves the run at its next beat."""
+    from hpcshard.launch.supervise import Fenced
+
+    monkeypatch.setattr(coord, "LOST_S", 0.3)
+    run = tmp_path / "run"
+    (run / launchers.LAUNCH).mkdir(parents=True)
+    sup, zero = serving_supervisor(run, nnodes=3)
+    one = channel(run, zero, 1)
+    try:
+        assert one.stand_by("127.0.0.1")
+        until(lambda: "standby/0/0" in sup.chan.client.pushed)  # type: ignore[union-attr]
+        freeze(zero, 1.0)
+        sup.chan.nodes_down(0, 0, 3)
+        assert sup.chan.host_node == 0 and sup.chan.lost_why and sup.chan.store is None
+        with pytest.raises(Fenced, match="its own store stopped answering it"):
+            sup._still_serving()
+    finally:
+        sup.chan.close()
+        one.close()
+        zero.close()
+
+
+def test_a_launcher_that_missed_the_standby_is_heard_through_the_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 0 dies while node 1's standby is busy for a moment: node 2 finds no answer in
+    STANDBY_CONNECT_S and goes to the files, node 3 reaches the standby a moment later.
+    For JOIN_S after the move those on the standby and node 2 hear each other through the
+    files: its down record and heartbeat reach the decider, theirs reach it (unheard, the
+    decider took a healthy node for lost and drained it; found by review)."""
+    monkeypatch.setattr(coord, "STANDBY_CONNECT_S", 1.5)
+    run = tmp_path / "run"
+    (run / launchers.LAUNCH).mkdir(parents=True)
+    zero = coord.Server(KEY, 0, "127.0.0.1").start()
+    one, two, three = (channel(run, zero, n) for n in (1, 2, 3))
+    try:
+        assert one.stand_by("127.0.0.1") and one.standby is not None
+        until(lambda: all("standby/0/0" in c.client.pushed for c in (two, three)))  # type: ignore[union-attr]
+        freeze(one.standby, 2.6)
+        zero.close()
+        until(lambda: two.client is not None and two.client.closed)
+        assert two.store is None and two.lost_why  # (the files)
+        assert three.store is not None and three.host_node == 1  # (the standby)
+        assert one.store is not None and one.server is not None
+        two.mark_down(0, 0, 2, {"dead": [], "reached": 3})
+        two.beat(0, 2, {"pid": 102, "seq": 9})
+        three.mark_down(0, 0, 3, {"dead": [], "reached": 3})
+        assert one.nodes_down(0, 0, 4) == [2, 3]
+        assert [d["node"] for d in one.downs(0, 0, 4)] == [2, 3]
+        assert one.beats(0, 4, [2, 3])[2]["seq"] == 9
+        three.beat(0, 3, {"pid": 103, "seq": 10})
+        assert two.beats(0, 4, [3])[3]["seq"] == 10
+        one.opened -= coord.JOIN_S + 1  # (then the store alone: no file is read any more)
+        assert one.nodes_down(0, 0, 4) == [3]
+    finally:
+        for chan in (one, two, three):
+            chan.close()
+
+
+def test_two_threads_that_find_the_store_silent_at_once_move_to_the_standby_once(
+        tmp_path: Path, server: coord.Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decision shared on a thread while the launcher beats on its own: one move, and
+    the decision lands on the standby, not in the files."""
+    monkeypatch.setattr(coord, "LOST_S", 0.3)
+    one, two = channel(tmp_path, server, 1), channel(tmp_path, server, 2)
+    try:
+        assert one.stand_by("127.0.0.1")
+        until(lambda: "standby/0/0" in two.client.pushed)  # type: ignore[union-attr]
+        freeze(server, 3)
+        got: list[dict[str, Any]] = []
+        sharing = threading.Thread(target=lambda: got.append(two.share(0, 0, {"d": 1})))
+        sharing.start()
+        for seq in range(15):
+            two.beat(0, 2, {"pid": 1, "seq": seq})
+            time.sleep(0.05)
+        sharing.join(10)
+        assert got == [{"d": 1}] and two.moves == 1 and not two.lost_why and two.host_node == 1
+        assert not list((tmp_path / launchers.LAUNCH).glob("next-*"))  # (shared on the standby)
+    finally:
+        one.close()
+        two.close()
