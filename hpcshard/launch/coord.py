@@ -78,7 +78,10 @@ down records): the recovery under way goes on where it was."""
 STANDBY_CONNECT_S = 4.0
 """How long a launcher tries to reach the standby store once its store went silent; then the
 files (the standby's host is lost too, or cannot be reached from here). One that went to the
-files meanwhile is still heard by those on the standby (`Channel._bridging`)."""
+files meanwhile is still heard by those on the standby (`Channel._bridging`), and tries the
+standby again every FOLLOW_S for JOIN_S (`Channel._follow`)."""
+FOLLOW_S = 2.0
+"""How often a launcher that went to the files tries the standby again."""
 WATCH_KEEP_S = 3.0
 """A node's heartbeat is brought back with this launcher's own while it was asked for
 within this long (the leader asks for every node's each second; the others for the
@@ -223,6 +226,8 @@ class Server:
                     self.ended.add(_node_of(key))
                 self._set(str(key), value)
             return {"values": {k: self.data.get(k) for k in request.get("get", [])}}
+        if op == "who":  # the nodes connected now, or that said they ended here
+            return {"nodes": sorted(set(self.conns) | self.ended)}
         if op == "scan":  # ("keys": the names alone, each value null)
             prefix, bare = str(request["prefix"]), bool(request.get("keys"))
             return {"values": {k: None if bare else v for k, v in self.data.items() if k.startswith(prefix)}}
@@ -440,6 +445,10 @@ class Channel:
         standby."""
         self.on_store: set[int] = set()
         """The nodes heard through the store in use (since it was joined or moved to)."""
+        self.settled = False
+        """Every peer showed up on the standby it moved to (`Supervisor._isolated`): nobody
+        is on the files to be heard there (`_bridging`)."""
+        self.closed = False
         self.attempt, self.key = 0, ""
         self.moving = threading.RLock()
         """Held while it moves: another thread's call waits for the standby, not the files."""
@@ -528,12 +537,18 @@ class Channel:
                 # it listened elsewhere)
                 if self.server is None and self._to_standby(client, why):
                     return
+                following = self.server is None and bool(
+                    client.pushed.get(_key("standby", self.attempt, self.host_node)))
+                if following:
+                    threading.Thread(target=self._follow, args=(client, why), name="hpcshard-follow",
+                                     daemon=True).start()
+                    why += " and so did its standby"
             if not self.lost_why:
                 self.lost_why = why
                 print(f"hpcshard: node {self.node}: {why}; the launchers coordinate through the run "
                       "directory's files for the rest of this attempt", file=sys.stderr, flush=True)
 
-    def _to_standby(self, left: Client, why: str) -> bool:
+    def _to_standby(self, left: Client, why: str, wait: float = 0.0) -> bool:
         """Move to the standby of the store just left, carrying what this launcher knew of
         it (its pushes, its own down records). False: none was named, or it does not answer
         within STANDBY_CONNECT_S."""
@@ -541,8 +556,12 @@ class Channel:
         if not isinstance(found, dict) or int(found.get("node", self.host_node)) in self.gave_up:
             return False
         host, port, node = str(found["host"]), int(found["port"]), int(found["node"])
+        own = self.standby is not None and node == self.node
         client = Client(host, port, self.key, self.node, self.attempt)
-        if not client.connect(time.monotonic() + STANDBY_CONNECT_S):
+        # (its own standby it waits for as long as a silent store: its loop may be busy with
+        # the crowd moving in, and missing it, the decider would be alone on the files)
+        if not client.connect(time.monotonic() + (LOST_S if own else wait or STANDBY_CONNECT_S)):
+            client.close()
             return False
         try:
             for key, value in list(left.pushed.items()):
@@ -554,14 +573,43 @@ class Channel:
             client.close()
             return False
         self.client, self.host_node, self.opened = client, node, time.monotonic()
-        self.on_store = set()
-        if self.standby is not None and node == self.node:  # (its own: it serves the store now)
+        # (heard anew there: a peer's last heartbeat through the store left must not hide
+        # its heartbeat file, should it be on the files: `_bridging`)
+        self.on_store, self.beats_seen, self.asked, self.watched = set(), {}, {}, set()
+        if own:  # (it serves the store now)
             self.server, self.standby = self.standby, None
         print(f"hpcshard: node {self.node}: {why}; the launchers coordinate through the standby "
               f"store on node {node} ({host}:{port})", file=sys.stderr, flush=True)
         return True
 
+    def _follow(self, left: Client, why: str) -> None:
+        """A launcher that went to the files when the standby did not answer in time tries
+        it again every FOLLOW_S for JOIN_S: its peers are there, and a fault declared there
+        reaches it only through its own ranks otherwise."""
+        until = time.monotonic() + JOIN_S
+        while time.monotonic() < until:
+            time.sleep(FOLLOW_S)
+            with self.moving:
+                if self.closed or self.client is not None:
+                    return
+                if self._to_standby(left, f"{why} (the standby answered later)", wait=CONNECT_TRY_S):
+                    self.lost_why = ""
+                    self.moves += 1
+                    return
+
+    def present(self) -> set[int] | None:
+        """The nodes on the store now, or that ended there; None without one."""
+        found = self._call("who")
+        return None if found is None else {int(n) for n in found.get("nodes", [])}
+
+    def settle(self, everyone: bool) -> None:
+        """The move is over: most peers showed up on the standby (`everyone`: all of them,
+        and nobody is to be heard through the files)."""
+        self.fell_back = False
+        self.settled = self.settled or everyone
+
     def close(self) -> None:
+        self.closed = True
         if self.client is not None:
             self.client.close()
         if self.standby is not None:
@@ -642,7 +690,8 @@ class Channel:
         heartbeats, their down records. (One that missed the standby, its host busy for a
         moment, goes to the files; unheard there, the standby's decider would take it for
         lost and drain a healthy node.)"""
-        return bool(self.first_cycle or self.gave_up) and time.monotonic() - self.opened < JOIN_S
+        return (bool(self.first_cycle or self.gave_up) and not self.settled
+                and time.monotonic() - self.opened < JOIN_S)
 
     def _bridged_downs(self, attempt: int, cycle: int, nodes: int, known: set[int]) -> list[dict[str, Any]]:
         """While bridging, the down records in the files of the nodes not heard through the

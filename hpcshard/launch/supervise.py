@@ -211,7 +211,10 @@ class Supervisor:
         """When (monotonic) this launcher saw the last fault (declared it, or was told)."""
         self.graced = 0
         """The channel's moves (to a standby, to the files) after which it gave its peers
-        their grace to show up there too (`_isolated`)."""
+        their grace to show up there too (`_isolated`)..."""
+        self.grace_ends = self.asked_who = 0.0
+        """...when (monotonic) that grace ends, and when it last asked the standby who is
+        there."""
         self.chan = coord.Channel(run_dir, self.me)
         """How it speaks with the other launchers: node 0's store once `_run` opened it,
         the run directory's files before and without it (`launch.coord`)."""
@@ -411,8 +414,14 @@ class Supervisor:
             # hide their heartbeat files: a spare had never watched its peers' heartbeats
             # before, and on the chaos soak's NFS-like views one that gave them LOST_S took
             # itself for the one cut off while they had fallen back too.
-            self.peers.grace(others, 2 * LOST_S if self.chan.store is not None else UNHEARD_S + LOST_S)
+            seconds = 2 * LOST_S if self.chan.store is not None else UNHEARD_S + LOST_S
+            self.peers.grace(others, seconds)
+            self.grace_ends = time.monotonic() + seconds
         if not others:
+            return
+        if self.chan.store is not None:
+            ended = {n for n, (mark, _) in self.peers.seen.items() if mark[2] is not None}
+            self._arrived([n for n in others if n not in ended])  # (one that ended comes nowhere)
             return
         beats = self.chan.beats(self.ranks.attempt, self.node.nnodes, others)
         others = [n for n in others if "done" not in beats.get(n, {})]  # (those that ended count for nobody)
@@ -420,6 +429,29 @@ class Supervisor:
         if 2 * len(gone) > len(others):
             raise Fenced(f"it gave up the store of node(s) {sorted(self.chan.gave_up)}, and {len(gone)} "
                          f"of its {len(others)} other peers did not: it is the one cut off")
+
+    def _arrived(self, others: list[int]) -> None:
+        """`_isolated` on the standby: who is there, the standby says itself (connected,
+        or ended there), asked every 2 s (not every peer's heartbeat each second: at 1,000
+        nodes that was a megabyte a second per launcher, from one loop). All there: the move
+        is over. After the grace, most missing: this one is the one cut off; most there:
+        the move is over too (the rest are lost, or on the files, heard there for a while:
+        `coord.Channel._bridging`)."""
+        now = time.monotonic()
+        if now - self.asked_who < 2 * BEAT_S:
+            return
+        self.asked_who = now
+        here = self.chan.present()
+        if here is None:
+            return
+        missing = [n for n in others if n not in here]
+        if not missing:
+            self.chan.settle(everyone=True)
+        elif now >= self.grace_ends:
+            if 2 * len(missing) > len(others):
+                raise Fenced(f"it moved to node {self.chan.host_node}'s standby store, and {len(missing)} "
+                             f"of its {len(others)} other peers did not: it is the one cut off")
+            self.chan.settle(everyone=False)
 
     # -- one cycle -------------------------------------------------------------------
     def run(self) -> int:
