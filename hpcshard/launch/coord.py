@@ -404,6 +404,16 @@ def _key(*parts: object) -> str:
     return "/".join(str(p) for p in parts)
 
 
+def _newer(before: dict[str, Any], now: dict[str, Any]) -> bool:
+    """A heartbeat read later says more: another launcher (pid), a later sequence number."""
+    if now.get("pid") != before.get("pid"):
+        return True
+    try:
+        return int(now.get("seq") or 0) > int(before.get("seq") or 0)
+    except (TypeError, ValueError):
+        return False
+
+
 def _node_of(key: str) -> int:
     """The node a per-node key names (`alive/A/N`, `down/A/C/N`)."""
     return int(key.rsplit("/", 1)[1])
@@ -573,9 +583,10 @@ class Channel:
             client.close()
             return False
         self.client, self.host_node, self.opened = client, node, time.monotonic()
-        # (heard anew there: a peer's last heartbeat through the store left must not hide
-        # its heartbeat file, should it be on the files: `_bridging`)
-        self.on_store, self.beats_seen, self.asked, self.watched = set(), {}, {}, set()
+        # (heard anew there; a peer's last heartbeat through the store left is kept, for
+        # where it ran, but does not hide a newer one in its heartbeat file, should it be
+        # on the files: `beats`)
+        self.on_store, self.asked, self.watched = set(), {}, set()
         if own:  # (it serves the store now)
             self.server, self.standby = self.standby, None
         print(f"hpcshard: node {self.node}: {why}; the launchers coordinate through the standby "
@@ -802,9 +813,11 @@ class Channel:
         # copying a dict is one step under the GIL, iterating it is not)
         seen = self.beats_seen.copy()
         heard = {n: b for n, b in seen.items() if n in wanted}
-        late = wanted - set(heard)
+        late = wanted - self.on_store
         if late and self._bridging():
-            heard.update(launchers.beats(self.run_dir, attempt, nodes, of=late))
+            for n, beat in launchers.beats(self.run_dir, attempt, nodes, of=late).items():
+                if n not in heard or _newer(heard[n], beat):
+                    heard[n] = beat
         return heard
 
     def _heard(self, answer: dict[str, Any]) -> None:
