@@ -108,7 +108,10 @@ def test_a_frozen_node_is_replaced_by_a_spare_and_the_run_ends_bitwise_equal(
     starts = [(r["attempt"], r["cycle"], r["world"]) for r in records(run, "start")]
     assert starts == [(0, 0, 4), (0, 1, 4)]  # no requeue: inside the allocation, same shape
     (back,) = records(run, "recovered")
-    assert back["seconds"] < 30
+    # (seconds, not DOWN_TIMEOUT_S: the restart's processes start, import torch and load the
+    # checkpoint; 31-33 s measured under the full suite's load on a slower machine, so the
+    # bound is loose: what discriminates is the same-attempt restart on the spare, above)
+    assert back["seconds"] < 60
     assert_same_as(run, uninterrupted)
     status = hpcshard("status", str(run)).stdout
     assert "bad nodes (1)" in status and "spare" in status
