@@ -63,7 +63,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from hpcshard.launch.liveness import LOST_S, UNHEARD_S
+from hpcshard.launch.liveness import LOST_S, UNHEARD_S, newer
 from hpcshard.rundir import launchers
 
 CONNECT_TRY_S = 1.0
@@ -402,16 +402,6 @@ class Client:
 # -- what the supervisor uses ----------------------------------------------------------------
 def _key(*parts: object) -> str:
     return "/".join(str(p) for p in parts)
-
-
-def _newer(before: dict[str, Any], now: dict[str, Any]) -> bool:
-    """A heartbeat read later says more: another launcher (pid), a later sequence number."""
-    if now.get("pid") != before.get("pid"):
-        return True
-    try:
-        return int(now.get("seq") or 0) > int(before.get("seq") or 0)
-    except (TypeError, ValueError):
-        return False
 
 
 def _node_of(key: str) -> int:
@@ -816,7 +806,7 @@ class Channel:
         late = wanted - self.on_store
         if late and self._bridging():
             for n, beat in launchers.beats(self.run_dir, attempt, nodes, of=late).items():
-                if n not in heard or _newer(heard[n], beat):
+                if n not in heard or newer(heard[n], beat):
                     heard[n] = beat
         return heard
 

@@ -37,7 +37,7 @@ class Peers:
         """Take note of the heartbeats just read (`coord.Channel.beats`)."""
         now = time.monotonic() if now is None else now
         for node, beat in beats.items():
-            mark = (beat.get("pid"), beat.get("seq"), beat.get("done"))
+            mark = _mark(beat)
             if node not in self.seen or _moved(self.seen[node][0], mark):
                 self.seen[node] = (mark, now)
 
@@ -76,6 +76,15 @@ class Peers:
         so its peers' silence counts from now."""
         if self.heard_since != math.inf:
             self.heard_since = time.monotonic() if now is None else now
+
+
+def newer(before: dict[str, Any], now: dict[str, Any]) -> bool:
+    """Heartbeat `now`, read later, moved on from `before` (`_moved`)."""
+    return _moved(_mark(before), _mark(now))
+
+
+def _mark(beat: dict[str, Any]) -> tuple[Any, Any, Any]:
+    return (beat.get("pid"), beat.get("seq"), beat.get("done"))
 
 
 def _moved(before: tuple[Any, Any, Any], now: tuple[Any, Any, Any]) -> bool:
