@@ -11,6 +11,7 @@ from bench import (
     checkpoint,
     cli_latency,
     control,
+    coord_scale,
     faults,
     nfs,
     nodes,
@@ -27,7 +28,7 @@ from bench.common import RESULTS, show
 BENCHES = {"overhead": overhead, "checkpoint": checkpoint, "resume": resume, "requeue": requeue,
            "cli": cli_latency, "scaling": scaling, "faults": faults,
            "nodes": nodes, "chaos": chaos, "tp": tp, "pretrained": pretrained, "owner": owner,
-           "control": control, "nfs": nfs}
+           "control": control, "coord": coord_scale, "nfs": nfs}
 
 
 def main(names: list[str]) -> int:

@@ -333,6 +333,24 @@ def test_a_store_served_anew_on_a_free_port_is_reached_on_every_address_family(t
         served.close()
 
 
+def test_the_store_sends_each_line_as_it_is_written(tmp_path: Path) -> None:
+    """TCP_NODELAY on every connection the store accepted: asyncio sets it only where the
+    socket's proto says TCP, and `socket.create_server`'s accepted sockets say 0. Without
+    it a push written right behind an answer waited for the launcher's delayed ACK (Nagle):
+    every launcher heard the decision 40 ms after the store set it (`bench.coord_scale`)."""
+    for host in ("127.0.0.1", ""):  # (the store's host named; and every interface, dual-stack)
+        served = coord.Server(KEY, 0, host).start()
+        try:
+            chan = coord.Channel(tmp_path, 1)
+            assert chan.open("127.0.0.1", served.port, KEY, attempt=0, serve=False)
+            until(lambda s=served: 1 in s.conns)  # type: ignore[misc]
+            sock = served.conns[1][0].get_extra_info("socket")
+            assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0, host
+            chan.close()
+        finally:
+            served.close()
+
+
 def test_heartbeats_landing_on_the_reader_thread_do_not_break_a_read_of_them(
         tmp_path: Path, server: coord.Server) -> None:
     """A heartbeat's answer lands on the client's reader thread (`Channel.beat`'s `then`),

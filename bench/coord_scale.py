@@ -1,0 +1,473 @@
+"""The store's own terms at scale: node 0's launcher (the launchers' store, `coord.Server`,
+and the decider's `coord.Channel`, the code a real node 0 runs) against N launchers
+emulated as connections speaking the store's protocol, for N = 2 to 4,096.
+
+Why a second control-plane bench: `bench.control` runs N real launchers, each with a
+rank, on this machine's 2 cores; at 128 nodes that is 256 processes, the host 98% busy
+(load 30), and the decision latency grows 11.5x from 2 nodes, most of it each launcher
+waiting for a core to kill its rank. On a cluster each launcher has its own node; what
+all of them share is node 0's launcher: its store answers every heartbeat and down
+record, pushes every fault and decision, and its decider scans the down records. That is
+what this bench measures, with the rest made as cheap as it can be: the N launchers are
+asyncio connections in two processes (one per core), each doing what a launcher does
+through the store (a heartbeat exchange a second, watching the leader's; a down record of
+a launcher's size when a fault is pushed; nothing else: its rank's death, a local SIGKILL
+of its own, does not grow with N). Their work is still serialized on this host's 2 cores
+(a cluster does it in parallel): an upper bound on what N adds.
+
+Per N: every emulated launcher connected and beating, node 0's store thread's CPU over a
+steady window (what its heartbeats cost it a second); then REPEATS faults, each declared by
+node N//2 (a create of fault/A/C, as a launcher whose rank died): the store's own clock says
+when the fault was set, each down record arrived and the decision was set; the emulators
+say when each launcher heard the fault and the decision. One host, one monotonic clock.
+
+    python -m bench.coord_scale --nodes 2,8,32,128,512,1024,4096 --repeats 5
+    HPCSHARD_COORD_NODES=2,8 python -m bench coord
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import random
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import PY, RESULTS, ROOT, Metric, env, save, show
+
+NAME = "coord"
+NODES = (2, 8, 32, 128, 512, 1024, 4096)
+REPEATS = 5
+STEADY_S = 10.0
+"""The steady window over which node 0's CPU is measured."""
+GAP_S = 2.0
+"""Between one decision and the next fault."""
+EMULATORS = 2
+KEY = "bench-coord-key"
+ATTEMPT = 0
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+# -- node 0: the real store and the real decider -------------------------------------------
+def node0(run_dir: Path, nodes: int, faults: int, out: Path, port_file: Path) -> None:
+    """Serve the store, beat and watch every node as the leader does, and decide each fault
+    the way `Supervisor.decide` waits for it (through `coord.Channel`)."""
+    from hpcshard.launch import coord
+    from hpcshard.launch.liveness import BEAT_S
+    from hpcshard.launch.supervise import DOWN_LOOK_S, POLL_S
+
+    class Timed(coord.Server):
+        """The store, noting (its own clock) when each fault, down and decision was set."""
+
+        def __init__(self, *a: Any, **kw: Any) -> None:
+            super().__init__(*a, **kw)
+            self.times: dict[str, float] = {}
+
+        def _set(self, key: str, value: Any) -> None:
+            if key.startswith(("fault/", "down/", "next/")):
+                self.times.setdefault(key, time.monotonic())
+            super()._set(key, value)
+
+        def thread_cpu(self) -> float:
+            """CPU seconds of the store's own thread (its asyncio loop)."""
+
+            async def cpu() -> float:
+                return time.thread_time()
+
+            return asyncio.run_coroutine_threadsafe(cpu(), self.loop).result(10)
+
+    _raise_fd_limit()
+    server = Timed(KEY, 0, attempt=ATTEMPT)
+    server.start()
+    chan = coord.Channel(run_dir, 0)
+    chan.server = server
+    if not chan.open("127.0.0.1", server.port, KEY, ATTEMPT, serve=False):
+        raise SystemExit(f"node 0 could not join its own store: {chan.lost_why}")
+    port_file.write_text(str(server.port))
+    stop = threading.Event()
+    seq = iter(range(1, 1 << 60))
+
+    def beating() -> None:  # the leader: its heartbeat, and every node's watched
+        while not stop.wait(BEAT_S):
+            chan.beats(ATTEMPT, nodes)
+            chan.beat(ATTEMPT, 0, {"node": 0, "host": "node0", "pid": os.getpid(), "seq": next(seq)})
+
+    threading.Thread(target=beating, daemon=True).start()
+    # Everyone connected, then the steady window.
+    while len(chan.present() or set()) < nodes:
+        time.sleep(0.2)
+    time.sleep(2.0)
+    cpu0, wall0, proc0 = server.thread_cpu(), time.monotonic(), time.process_time()
+    time.sleep(STEADY_S)
+    steady = {
+        "store_cpu_s": server.thread_cpu() - cpu0,
+        "process_cpu_s": time.process_time() - proc0,
+        "wall_s": time.monotonic() - wall0,
+        "requests": server.requests,
+    }
+    port_file.with_suffix(".steady").write_text("1")  # (the declarer may start)
+    cycles = []
+    for cycle in range(faults):
+        while chan.fault(ATTEMPT, cycle) is None:
+            chan.wait(POLL_S, on_store=DOWN_LOOK_S)
+        seen, cpu_before = time.monotonic(), server.thread_cpu()
+        chan.mark_down(ATTEMPT, cycle, 0, _down(0))
+        while True:
+            down = chan.nodes_down(ATTEMPT, cycle, nodes)
+            missing = sorted(set(range(nodes)) - set(down))
+            chan.beats(ATTEMPT, nodes, missing)  # (`Supervisor._look`: are the missing ones lost?)
+            if not missing:
+                break
+            chan.wait(POLL_S, on_store=DOWN_LOOK_S)
+        all_down = time.monotonic()
+        downs = chan.downs(ATTEMPT, cycle, nodes)
+        decided = chan.decide(ATTEMPT, cycle, {"restart": True, "cycle": cycle, "nodes": len(downs)})
+        done = time.monotonic()
+        times = server.times
+        cycles.append(
+            {
+                "declared": times[f"fault/{ATTEMPT}/{cycle}"],
+                "seen": seen,
+                "last_down": max(t for k, t in times.items() if k.startswith(f"down/{ATTEMPT}/{cycle}/")),
+                "all_down": all_down,
+                "decided": times[f"next/{ATTEMPT}/{cycle}"],
+                "returned": done,
+                "downs": len(downs),
+                "store_cpu_s": server.thread_cpu() - cpu_before,
+                "won": decided["cycle"] == cycle,
+            }
+        )
+    time.sleep(1.0)
+    stop.set()
+    out.write_text(json.dumps({"steady": steady, "cycles": cycles}))
+    chan.close()
+    server.close()
+
+
+def _down(node: int) -> dict[str, Any]:
+    """A down record of a launcher's size: one rank, its flight record."""
+    return {
+        "host": f"node{node}",
+        "dead": [0],
+        "reached": 1,
+        "committed": 0,
+        "ranks": [{"rank": node, "local": 0, "pid": 1000 + node, "exit": -9}],
+        "flight": [
+            {
+                "rank": node,
+                "step": 1234,
+                "phase": "backward",
+                "collective": "reduce_scatter",
+                "seq": 5678,
+                "time": 0.0,
+            }
+        ],
+    }
+
+
+# -- the other launchers, emulated -------------------------------------------------------
+async def _launcher(
+    node: int,
+    port: int,
+    faults: int,
+    declarer: bool,
+    go: Path,
+    heard: dict[str, dict[int, float]],
+    nodes: int,
+) -> None:
+    from hpcshard.launch import coord
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=coord.LINE_LIMIT)
+
+    def send(message: dict[str, Any]) -> None:
+        writer.write(json.dumps(message, separators=(",", ":")).encode() + b"\n")
+
+    send({"op": "hello", "id": 0, "node": node, "key": KEY, "attempt": ATTEMPT, "watch": list(coord.WATCHED)})
+    json.loads(await reader.readline())
+    seq = 0
+
+    async def beating() -> None:
+        nonlocal seq
+        await asyncio.sleep(random.random())  # (launchers start at different times)
+        while True:
+            seq += 1
+            send(
+                {
+                    "op": "exchange",
+                    "id": seq,
+                    "set": {
+                        f"alive/{ATTEMPT}/{node}": {
+                            "node": node,
+                            "host": f"node{node}",
+                            "pid": 1000 + node,
+                            "seq": seq,
+                        }
+                    },
+                    "get": [f"alive/{ATTEMPT}/0"],
+                }
+            )
+            await asyncio.sleep(1.0)
+
+    async def declaring() -> None:
+        while not go.exists():
+            await asyncio.sleep(0.1)
+        for cycle in range(faults):
+            await asyncio.sleep(GAP_S)
+            send(
+                {
+                    "op": "create",
+                    "id": -1,
+                    "key": f"fault/{ATTEMPT}/{cycle}",
+                    "value": {"time": time.time(), "node": node, "rank": node, "kind": "crash"},
+                }
+            )
+            while cycle not in heard["next"]:
+                await asyncio.sleep(0.01)
+
+    tasks = [asyncio.create_task(beating())]
+    if declarer:
+        tasks.append(asyncio.create_task(declaring()))
+    pushes = 0
+    while pushes < 2 * faults and (line := await reader.readline()):
+        message = json.loads(line)
+        key = message.get("push", "")
+        kind, _, rest = key.partition("/")
+        if kind not in ("fault", "next"):
+            continue
+        cycle = int(rest.rsplit("/", 1)[1])
+        now = time.monotonic()
+        pushes += 1
+        if kind == "fault":
+            heard["fault"].setdefault(cycle, now)
+            heard.setdefault(f"fault/{cycle}", {})[node] = now
+            send(
+                {
+                    "op": "exchange",
+                    "id": -2,
+                    "set": {
+                        f"down/{ATTEMPT}/{cycle}/{node}": {"time": time.time(), "node": node, **_down(node)}
+                    },
+                }
+            )
+        else:
+            heard["next"].setdefault(cycle, now)
+            heard.setdefault(f"next/{cycle}", {})[node] = now
+    for task in tasks:
+        task.cancel()
+    writer.close()
+
+
+def emulate(port: int, first: int, last: int, nodes: int, faults: int, go: Path, out: Path) -> None:
+    """Launchers `first`..`last` as connections; where each heard each fault and decision."""
+    _raise_fd_limit()
+    heard: dict[str, dict[int, float]] = {"fault": {}, "next": {}}
+
+    async def main() -> None:
+        start = time.process_time()
+        await asyncio.gather(*(_launcher(n, port, faults, n == nodes // 2, go, heard, nodes)
+                               for n in range(first, last)))
+        heard["cpu"] = {0: time.process_time() - start}
+
+    asyncio.run(main())
+    out.write_text(json.dumps({k: {str(n): t for n, t in v.items()} for k, v in heard.items()}))
+
+
+# -- the bench ------------------------------------------------------------------------
+def one(nodes: int, faults: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="hpcshard-coord-") as tmp:
+        root = Path(tmp)
+        run_dir, port_file, go = root / "run", root / "port", root / "port.steady"
+        run_dir.mkdir()
+        e = env(PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+        common = ["--nodes", str(nodes), "--repeats", str(faults)]
+
+        def spawn(*args: str) -> subprocess.Popen[bytes]:
+            return subprocess.Popen([PY, "-m", "bench.coord_scale", *common, *args], cwd=ROOT, env=e)
+
+        leader = spawn("--node0", str(run_dir), "--out", str(root / "node0.json"),
+                       "--port-file", str(port_file))
+        deadline = time.monotonic() + 60
+        while not port_file.exists():
+            if leader.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"node 0's store did not start (exit {leader.poll()})")
+            time.sleep(0.1)
+        port = port_file.read_text()
+        cut = [1 + (nodes - 1) * i // EMULATORS for i in range(EMULATORS + 1)]
+        ranges = [(a, b) for a, b in zip(cut, cut[1:], strict=False) if b > a]
+        emulators = [spawn("--emulate", port, str(a), str(b), "--go", str(go),
+                           "--out", str(root / f"emu{i}.json")) for i, (a, b) in enumerate(ranges)]
+        timeout = 120 + faults * 30 + nodes * 0.05
+        for proc in [leader, *emulators]:
+            if proc.wait(timeout) != 0:
+                raise RuntimeError(f"bench.coord_scale at {nodes} nodes: a process exited {proc.returncode}")
+        found = json.loads((root / "node0.json").read_text())
+        emus = [json.loads((root / f"emu{i}.json").read_text()) for i in range(len(emulators))]
+    cycles = found["cycles"]
+    for c, cycle in enumerate(cycles):
+        fault_heard = [t for e in emus for t in e.get(f"fault/{c}", {}).values()]
+        next_heard = [t for e in emus for t in e.get(f"next/{c}", {}).values()]
+        cycle["every_heard_fault"] = max(fault_heard) if fault_heard else cycle["seen"]
+        cycle["every_heard_decision"] = max(next_heard) if next_heard else cycle["returned"]
+    emu_cpu = sum(float(e["cpu"]["0"]) for e in emus)
+    return {"nodes": nodes, "cycles": cycles, "steady": found["steady"], "emulators_cpu_s": emu_cpu}
+
+
+def _after(cycles: list[dict[str, Any]], field: str) -> float:
+    return statistics.median(c[field] - c["declared"] for c in cycles)
+
+
+def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least squares y = a + b x."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+    return my - b * mx, b
+
+
+def real_two() -> float | None:
+    """declared -> decided with 2 real launchers (`bench.control --coord store`), if measured."""
+    with contextlib.suppress(OSError, ValueError, KeyError, StopIteration):
+        found = json.loads((RESULTS / "control-store.json").read_text())
+        two = next(r for r in found["results"] if r["nodes"] == 2)
+        return statistics.median(f["decided"] for f in two["faults"] if f.get("decided") is not None)
+    return None
+
+
+def report(results: list[dict[str, Any]], command: str, real_2: float | None = None
+           ) -> tuple[list[Metric], str]:
+    """The metrics and the page (`results/coord-scale.md`)."""
+    metrics: list[Metric] = []
+    rows = []
+    for r in results:
+        n, cycles, steady = r["nodes"], r["cycles"], r["steady"]
+        decided = _after(cycles, "decided")
+        store_ms_s = 1000 * steady["store_cpu_s"] / steady["wall_s"]
+        fault_ms = 1000 * statistics.median(c["store_cpu_s"] for c in cycles)
+        r.update(decided=decided, store_ms_s=store_ms_s, fault_ms=fault_ms)
+        rows.append(f"| {n} | {len(cycles)} | {_after(cycles, 'every_heard_fault'):.3f} | "
+                    f"{_after(cycles, 'last_down'):.3f} | {_after(cycles, 'all_down'):.3f} | {decided:.3f} | "
+                    f"{_after(cycles, 'every_heard_decision'):.3f} | {fault_ms:.1f} | {store_ms_s:.1f} | "
+                    f"{1000 * steady['process_cpu_s'] / steady['wall_s']:.1f} |")
+        metrics.append(Metric(NAME, f"N={n}: declared -> decided (store alone, median of {len(cycles)})",
+                              decided, "s"))
+        metrics.append(Metric(NAME, f"N={n}: node 0's store thread, steady (heartbeats)", store_ms_s, "ms/s"))
+    by_n = {r["nodes"]: r for r in results}
+    composed = ""
+    if 2 in by_n and 128 in by_n:
+        grown = by_n[128]["decided"] - by_n[2]["decided"]
+        metrics.append(Metric(NAME, "N=128 - N=2: declared -> decided, what node 0 adds", grown, "s"))
+        if real_2:
+            ratio = (real_2 + grown) / real_2
+            metrics.append(Metric(
+                NAME, "decision latency N=128 / N=2 on a cluster (real launchers' N=2 + what node 0 adds)",
+                ratio, "x", "<= 2x", ratio <= 2.0, f"{real_2 + grown:.3f} s vs {real_2:.3f} s"))
+            composed = (
+                f"Decision latency as a cluster would see it: the real launchers' own at 2 nodes "
+                f"(`control-store.json`, each launcher killing its rank and saying so: {real_2:.3f} s, "
+                f"a term that does not grow with N, each launcher on its own node) plus what node 0's "
+                f"store and decider add from 2 to 128 nodes here ({grown * 1000:.1f} ms): "
+                f"{real_2 + grown:.3f} s at 128 nodes, {ratio:.2f}x the 2 nodes' (target <= 2x).\n")
+    ns = [float(r["nodes"]) for r in results]
+    lines = [
+        "# The store at scale: node 0's launcher against N emulated launchers\n",
+        f"`{command}`\n",
+        f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores, Python {platform.python_version()}, "
+        f"Linux {platform.release()}.\n",
+        "Node 0 runs the real store (`coord.Server`) and the real decider's calls (`coord.Channel`: "
+        "its heartbeat watching every node each second; after a fault its down record, `nodes_down` "
+        "and `beats` of the missing every 50 ms, `downs`, `decide` with its file); the other N-1 "
+        "launchers are asyncio connections in two processes speaking the store's protocol (a heartbeat "
+        "a second; a down record when a fault is pushed). Times are seconds after the store set the "
+        "fault, medians over the faults; CPU is node 0's store thread (`time.thread_time` on its loop).\n",
+        "| N | faults | every launcher heard the fault | last down record in | decider saw every down | "
+        "decided | every launcher heard the decision | store CPU per fault (ms) | store CPU steady (ms/s) | "
+        "node 0 process CPU steady (ms/s) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+    if len(ns) > 1:
+        a, b = _fit(ns, [r["decided"] for r in results])
+        sa, sb = _fit(ns, [r["store_ms_s"] for r in results])
+        fa, fb = _fit(ns, [r["fault_ms"] for r in results])
+        lines += [
+            f"Fitted over N (least squares): declared -> decided = {a:.3f} s + {b * 1000:.4f} ms x N; "
+            f"the store's steady CPU = {sa:.2f} + {sb:.4f} x N ms a second; its CPU per fault = "
+            f"{fa:.2f} + {fb:.4f} x N ms.\n",
+            composed,
+            "Projected from those terms (one store on node 0, each launcher on its own node):",
+        ]
+        for n in (1024, 10_000):
+            lines.append(f"- {n:,} nodes: declared -> decided {a + b * n:.2f} s; the store's heartbeats "
+                         f"take {(sa + sb * n) / 10:.1f}% of one core; a fault {fa + fb * n:.0f} ms of it.")
+            metrics.append(Metric(NAME, f"projected {n:,} nodes: declared -> decided", a + b * n, "s"))
+            metrics.append(Metric(NAME, f"projected {n:,} nodes: the store's heartbeats, share of a core",
+                                  (sa + sb * n) / 10, "%"))
+    return metrics, "\n".join(lines) + "\n"
+
+
+def run(nodes: tuple[int, ...] = NODES, repeats: int = REPEATS, write: bool = True) -> list[Metric]:
+    command = f"python -m bench.coord_scale --nodes {','.join(map(str, nodes))} --repeats {repeats}"
+    results = []
+    for n in nodes:
+        print(f"coord: {n} nodes", file=sys.stderr, flush=True)
+        results.append(one(n, repeats))
+    metrics, text = report(results, command, real_two())
+    if write:
+        (RESULTS / "coord-scale.md").write_text(text)
+        (RESULTS / "coord-scale.json").write_text(json.dumps(results, indent=1) + "\n")
+        save(NAME, metrics, {"command": command})
+    print(text)
+    return metrics
+
+
+def main() -> list[Metric]:
+    """`python -m bench coord` (HPCSHARD_COORD_NODES, HPCSHARD_COORD_REPEATS)."""
+    nodes = os.environ.get("HPCSHARD_COORD_NODES", ",".join(map(str, NODES)))
+    repeats = int(os.environ.get("HPCSHARD_COORD_REPEATS", REPEATS))
+    return run(tuple(int(n) for n in nodes.split(",") if n), repeats)
+
+
+def cli(argv: list[str]) -> None:
+    """`python -m bench.coord_scale`, and its own node 0 and emulators."""
+    parser = argparse.ArgumentParser(prog="python -m bench.coord_scale", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--nodes", default=",".join(map(str, NODES)), help="node counts, e.g. 2,8,128")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="faults per N")
+    parser.add_argument("--node0", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--emulate", nargs=3, metavar=("PORT", "FIRST", "END"), help=argparse.SUPPRESS)
+    parser.add_argument("--go", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--port-file", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--no-write", action="store_true", help="print, leave bench/results as it is")
+    args = parser.parse_args(argv)
+    try:
+        nodes = tuple(int(n) for n in str(args.nodes).split(",") if n)
+    except ValueError:
+        parser.error(f"--nodes {args.nodes!r}: give node counts separated by commas, e.g. 2,8,128")
+    if not nodes or any(n < 2 for n in nodes) or args.repeats < 1:
+        parser.error("--nodes: each at least 2 (node 0 and a declarer); --repeats: 1 or more")
+    if args.node0:
+        node0(args.node0, nodes[0], args.repeats, args.out, args.port_file)
+    elif args.emulate:
+        port, first, end = (int(v) for v in args.emulate)
+        emulate(port, first, end, nodes[0], args.repeats, args.go, args.out)
+    else:
+        show(run(nodes, args.repeats, write=not args.no_write))
+
+
+if __name__ == "__main__":
+    cli(sys.argv[1:])
