@@ -39,7 +39,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -99,32 +98,36 @@ def node0(run_dir: Path, nodes: int, faults: int, out: Path, port_file: Path) ->
     if not chan.open("127.0.0.1", server.port, KEY, ATTEMPT, serve=False):
         raise SystemExit(f"node 0 could not join its own store: {chan.lost_why}")
     port_file.write_text(str(server.port))
-    stop = threading.Event()
-    seq = iter(range(1, 1 << 60))
+    seq, beaten = 0, 0.0
 
-    def beating() -> None:  # the leader: its heartbeat, and every node's watched
-        while not stop.wait(BEAT_S):
+    def tick(seconds: float) -> None:
+        """Wait, beating as the leader does from every wait (`Supervisor.beat`, `_look`):
+        its heartbeat at most every BEAT_S, every node's watched."""
+        nonlocal seq, beaten
+        if time.monotonic() - beaten >= BEAT_S:
+            beaten, seq = time.monotonic(), seq + 1
             chan.beats(ATTEMPT, nodes)
-            chan.beat(ATTEMPT, 0, {"node": 0, "host": "node0", "pid": os.getpid(), "seq": next(seq)})
+            chan.beat(ATTEMPT, 0, {"node": 0, "host": "node0", "pid": os.getpid(), "seq": seq})
+        chan.wait(seconds, on_store=seconds)
 
-    threading.Thread(target=beating, daemon=True).start()
+    def idle(seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            tick(min(POLL_S, max(0.0, deadline - time.monotonic())))
+
     # Everyone connected, then the steady window.
     while len(chan.present() or set()) < nodes:
-        time.sleep(0.2)
-    time.sleep(2.0)
+        idle(0.2)
+    idle(2.0)
     cpu0, wall0, proc0 = server.thread_cpu(), time.monotonic(), time.process_time()
-    time.sleep(STEADY_S)
-    steady = {
-        "store_cpu_s": server.thread_cpu() - cpu0,
-        "process_cpu_s": time.process_time() - proc0,
-        "wall_s": time.monotonic() - wall0,
-        "requests": server.requests,
-    }
+    idle(STEADY_S)
+    steady = {"store_cpu_s": server.thread_cpu() - cpu0, "process_cpu_s": time.process_time() - proc0,
+              "wall_s": time.monotonic() - wall0, "requests": server.requests}
     port_file.with_suffix(".steady").write_text("1")  # (the declarer may start)
     cycles = []
     for cycle in range(faults):
         while chan.fault(ATTEMPT, cycle) is None:
-            chan.wait(POLL_S, on_store=DOWN_LOOK_S)
+            tick(POLL_S)
         seen, cpu_before = time.monotonic(), server.thread_cpu()
         chan.mark_down(ATTEMPT, cycle, 0, _down(0))
         while True:
@@ -133,7 +136,7 @@ def node0(run_dir: Path, nodes: int, faults: int, out: Path, port_file: Path) ->
             chan.beats(ATTEMPT, nodes, missing)  # (`Supervisor._look`: are the missing ones lost?)
             if not missing:
                 break
-            chan.wait(POLL_S, on_store=DOWN_LOOK_S)
+            tick(DOWN_LOOK_S)
         all_down = time.monotonic()
         downs = chan.downs(ATTEMPT, cycle, nodes)
         decided = chan.decide(ATTEMPT, cycle, {"restart": True, "cycle": cycle, "nodes": len(downs)})
@@ -152,8 +155,7 @@ def node0(run_dir: Path, nodes: int, faults: int, out: Path, port_file: Path) ->
                 "won": decided["cycle"] == cycle,
             }
         )
-    time.sleep(1.0)
-    stop.set()
+    idle(1.0)
     out.write_text(json.dumps({"steady": steady, "cycles": cycles}))
     chan.close()
     server.close()

@@ -1,0 +1,57 @@
+"""The store-at-scale bench's pure part (`bench.coord_scale.report`): medians after the
+declaration, the fitted terms, the projection, and the decision latency composed from the
+real launchers' own at 2 nodes and what node 0 adds. The bench itself runs with `python -m
+bench coord`, never here (no timed assertions in tests)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+from bench import coord_scale
+
+pytestmark = pytest.mark.unit
+
+
+def result(nodes: int, decided: list[float], store_cpu_s: float) -> dict[str, Any]:
+    cycles = [{"declared": 100.0, "seen": 100.001, "every_heard_fault": 100.002, "last_down": 100.0 + d / 2,
+               "all_down": 100.0 + d * 0.9, "decided": 100.0 + d, "returned": 100.0 + d,
+               "every_heard_decision": 100.0 + d + 0.001, "store_cpu_s": d / 10} for d in decided]
+    return {"nodes": nodes, "cycles": cycles, "emulators_cpu_s": 1.0,
+            "steady": {"store_cpu_s": store_cpu_s, "process_cpu_s": 2 * store_cpu_s, "wall_s": 10.0}}
+
+
+def test_the_page_takes_medians_after_the_declaration_and_fits_the_terms_over_n() -> None:
+    # decided = 0.01 s + 0.1 ms x N; the store's steady CPU = 0.1 ms a node a second
+    results = [result(n, [0.01 + 0.0001 * n + jitter for jitter in (0.05, 0.0, -0.001)], 0.001 * n)
+               for n in (2, 128, 1024)]
+    metrics, page = coord_scale.report(results, "python -m bench.coord_scale", real_2=0.1)
+    found = {m.name: m for m in metrics}
+    assert found["N=2: declared -> decided (store alone, median of 3)"].value == pytest.approx(0.0102)
+    assert found["N=1024: node 0's store thread, steady (heartbeats)"].value == pytest.approx(102.4)
+    assert found["projected 10,000 nodes: declared -> decided"].value == pytest.approx(1.01, rel=1e-3)
+    share = found["projected 10,000 nodes: the store's heartbeats, share of a core"]
+    assert share.value == pytest.approx(100.0)
+    # what node 0 adds from 2 to 128 (12.6 ms) on the real launchers' 0.1 s: 1.126x
+    ratio = found["decision latency N=128 / N=2 on a cluster (real launchers' N=2 + what node 0 adds)"]
+    assert ratio.value == pytest.approx(1.126) and ratio.ok is True
+    assert "| 128 | 3 |" in page and "10,000 nodes: declared -> decided 1.01 s" in page
+
+
+def test_without_the_real_launchers_figure_no_ratio_is_claimed() -> None:
+    results = [result(n, [0.01 * n], 0.001 * n) for n in (2, 128)]
+    metrics, page = coord_scale.report(results, "cmd", real_2=None)
+    assert not [m for m in metrics if m.target]
+    assert "as a cluster would see it" not in page
+    metrics, _ = coord_scale.report(results, "cmd", real_2=0.5)
+    assert [m.ok for m in metrics if m.target] == [False]  # 0.5 + 1.26 s is 3.5x
+
+
+def test_bad_node_counts_are_refused_in_one_line() -> None:
+    for nodes in ("1", "2,x"):
+        proc = subprocess.run([sys.executable, "-m", "bench.coord_scale", "--nodes", nodes],
+                              capture_output=True, text=True, check=False)
+        assert proc.returncode == 2 and "--nodes" in proc.stderr.splitlines()[-1]
