@@ -56,6 +56,8 @@ the store pushes wakes it at once: `Channel.wait`)."""
 DOWN_LOOK_S = 0.05
 """How often the decider looks for the downs while the store serves (a scan of it; the
 files are looked at every POLL_S)."""
+DECIDER_LOOK = 2
+"""How many launchers below it a launcher watches at a time to find the decider (`decider`)."""
 DOWN_TIMEOUT_S = 120.0
 """How long the decider waits for every node to report its ranks dead before it gives up."""
 DOWN_TRIES = 3
@@ -837,12 +839,23 @@ class Supervisor:
     def decider(self) -> int:
         """Who decides after a fault: the lowest launcher of the job not lost (not bad), and
         still there: one whose last heartbeat says it ended decides nothing (in the chaos
-        soak the survivors waited for an ended one until they gave up, 150 s)."""
+        soak the survivors waited for an ended one until they gave up, 150 s).
+
+        Looked for DECIDER_LOOK at a time from the lowest, the next ones only once those
+        are gone: each launcher watching every launcher below it brought N^2/2 heartbeats
+        through node 0's store with every beat of a recovery (at 512 nodes 11 MB and 0.37 s
+        of its loop, measured). Two at a time, two lowest lost at once are both seen lost
+        after LOST_S; the next one, first looked at then, is taken as there (a launcher
+        first heard is not lost before LOST_S) until it shows it is not."""
         members = sorted(n for n in self.roster.members if n not in self.seen_bad)
         below = [n for n in members if n < self.me]
-        lost, beats = self._look(below)
-        gone = {*lost, *(n for n in below if "done" in beats.get(n, {}))}
-        return next(n for n in [*below, self.me] if n not in gone)
+        for start in range(0, len(below), DECIDER_LOOK):
+            window = below[start:start + DECIDER_LOOK]
+            lost, beats = self._look(window)
+            there = [n for n in window if n not in lost and "done" not in beats.get(n, {})]
+            if there:
+                return there[0]
+        return self.me
 
     def decide(self, cycle: int, watch: Watch) -> Decision:
         """Once every node is down (or lost): gather the facts, ask the policy, record the

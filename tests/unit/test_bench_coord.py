@@ -25,20 +25,29 @@ def result(nodes: int, decided: list[float], store_cpu_s: float) -> dict[str, An
 
 
 def test_the_page_takes_medians_after_the_declaration_and_fits_the_terms_over_n() -> None:
-    # decided = 0.01 s + 0.1 ms x N; the store's steady CPU = 0.1 ms a node a second
-    results = [result(n, [0.01 + 0.0001 * n + jitter for jitter in (0.05, 0.0, -0.001)], 0.001 * n)
+    # decided = 0.01 s + 0.1 ms x N; the store's steady CPU = 0.05 ms a node a second
+    results = [result(n, [0.01 + 0.0001 * n + jitter for jitter in (0.05, 0.0, -0.001)], 0.0005 * n)
                for n in (2, 128, 1024)]
     metrics, page = coord_scale.report(results, "python -m bench.coord_scale", real_2=0.1)
     found = {m.name: m for m in metrics}
     assert found["N=2: declared -> decided (store alone, median of 3)"].value == pytest.approx(0.0102)
-    assert found["N=1024: node 0's store thread, steady (heartbeats)"].value == pytest.approx(102.4)
+    assert found["N=1024: node 0's store thread, steady (heartbeats)"].value == pytest.approx(51.2)
     assert found["projected 10,000 nodes: declared -> decided"].value == pytest.approx(1.01, rel=1e-3)
     share = found["projected 10,000 nodes: the store's heartbeats, share of a core"]
-    assert share.value == pytest.approx(100.0)
+    assert share.value == pytest.approx(50.0)
     # what node 0 adds from 2 to 128 (12.6 ms) on the real launchers' 0.1 s: 1.126x
     ratio = found["decision latency N=128 / N=2 on a cluster (real launchers' N=2 + what node 0 adds)"]
     assert ratio.value == pytest.approx(1.126) and ratio.ok is True
     assert "| 128 | 3 |" in page and "10,000 nodes: declared -> decided 1.01 s" in page
+
+
+def test_past_one_core_of_heartbeats_the_store_saturates_and_no_latency_is_projected() -> None:
+    results = [result(n, [0.01 + 0.0001 * n], 0.002 * n) for n in (2, 128, 1024)]  # 0.2 ms a node-second
+    metrics, page = coord_scale.report(results, "cmd")
+    names = {m.name for m in metrics}
+    assert "projected 1,024 nodes: declared -> decided" in names
+    assert "projected 10,000 nodes: declared -> decided" not in names
+    assert "saturates at about 5,000 nodes" in page
 
 
 def test_without_the_real_launchers_figure_no_ratio_is_claimed() -> None:
@@ -51,7 +60,7 @@ def test_without_the_real_launchers_figure_no_ratio_is_claimed() -> None:
 
 
 def test_bad_node_counts_are_refused_in_one_line() -> None:
-    for nodes in ("1", "2,x"):
+    for nodes in ("1", "2,x", "2,2"):
         proc = subprocess.run([sys.executable, "-m", "bench.coord_scale", "--nodes", nodes],
                               capture_output=True, text=True, check=False)
         assert proc.returncode == 2 and "--nodes" in proc.stderr.splitlines()[-1]
