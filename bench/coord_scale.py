@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import platform
@@ -136,7 +135,7 @@ def node0(run_dir: Path, nodes: int, faults: int, out: Path, port_file: Path) ->
     for cycle in range(faults):
         while chan.fault(ATTEMPT, cycle) is None:
             tick(POLL_S)
-        seen, (cpu_before, _, _) = time.monotonic(), server.on_loop()
+        (cpu_before, _, _), seen, proc_before = server.on_loop(), time.monotonic(), time.process_time()
         chan.mark_down(ATTEMPT, cycle, 0, _down(0))
         while True:
             down = chan.nodes_down(ATTEMPT, cycle, nodes)
@@ -150,12 +149,15 @@ def node0(run_dir: Path, nodes: int, faults: int, out: Path, port_file: Path) ->
         chan.decide(ATTEMPT, cycle, {"restart": True, "cycle": cycle, "nodes": len(downs)})
         done = time.monotonic()
         idle(0.5)  # (the decision's pushes and the launchers' looks, on the store's CPU)
-        cpu_after, times, _ = server.on_loop()
+        (cpu_after, times, _), window = server.on_loop(), time.monotonic() - seen
+        proc_cpu = time.process_time() - proc_before
         cycles.append({
             "declared": times[f"fault/{ATTEMPT}/{cycle}"], "seen": seen,
             "last_down": max(t for k, t in times.items() if k.startswith(f"down/{ATTEMPT}/{cycle}/")),
             "all_down": all_down, "decided": times[f"next/{ATTEMPT}/{cycle}"], "returned": done,
-            "downs": len(downs), "store_cpu_s": cpu_after - cpu_before, "load1": os.getloadavg()[0]})
+            "downs": len(downs), "store_cpu_s": cpu_after - cpu_before, "process_cpu_s": proc_cpu,
+            "window_s": window,
+            "load1": os.getloadavg()[0]})
     idle(1.0)
     out.write_text(json.dumps({"steady": steady, "cycles": cycles}))
     chan.close()
@@ -311,13 +313,15 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
-def real_two() -> float | None:
-    """declared -> decided with 2 real launchers (`bench.control --coord store`), if measured."""
-    with contextlib.suppress(OSError, ValueError, KeyError, StopIteration):
-        found = json.loads((RESULTS / "control-store.json").read_text())
-        two = next(r for r in found["results"] if r["nodes"] == 2)
-        return statistics.median(f["decided"] for f in two["faults"] if f.get("decided") is not None)
-    return None
+def real_two(repeats: int) -> float:
+    """declared -> decided with 2 real launchers, each with a rank (`bench.control`'s cluster,
+    through the store), measured here beside the store alone: the term each launcher adds
+    on its own node, whatever N."""
+    from bench import control
+
+    found = control.measure(2, control.Options(nodes=(2,), repeats=repeats, coord="store", strace_s=1.0,
+                                               traced_fault=False))
+    return statistics.median(f["decided"] for f in found["faults"] if f.get("decided") is not None)
 
 
 def report(results: list[dict[str, Any]], command: str, real_2: float | None = None
@@ -329,8 +333,13 @@ def report(results: list[dict[str, Any]], command: str, real_2: float | None = N
         n, cycles, steady = r["nodes"], r["cycles"], r["steady"]
         decided = _after(cycles, "decided")
         store_ms_s = 1000 * steady["store_cpu_s"] / steady["wall_s"]
-        fault_ms = 1000 * statistics.median(c["store_cpu_s"] for c in cycles)
-        r.update(decided=decided, store_ms_s=store_ms_s, fault_ms=fault_ms)
+        # (a fault's own: less what the heartbeats cost over its window at the steady rate)
+        rate = steady["store_cpu_s"] / steady["wall_s"]
+        fault_ms = 1000 * statistics.median(c["store_cpu_s"] - rate * c.get("window_s", 0.0) for c in cycles)
+        proc_rate = steady["process_cpu_s"] / steady["wall_s"]
+        node0_ms = 1000 * statistics.median(c.get("process_cpu_s", c["store_cpu_s"])
+                                            - proc_rate * c.get("window_s", 0.0) for c in cycles)
+        r.update(decided=decided, store_ms_s=store_ms_s, fault_ms=fault_ms, node0_ms=node0_ms)
         rows.append(f"| {n} | {len(cycles)} | {_after(cycles, 'every_heard_fault'):.3f} | "
                     f"{_after(cycles, 'last_down'):.3f} | {_after(cycles, 'all_down'):.3f} | {decided:.3f} | "
                     f"{_after(cycles, 'every_heard_decision'):.3f} | {fault_ms:.1f} | {store_ms_s:.1f} | "
@@ -343,20 +352,32 @@ def report(results: list[dict[str, Any]], command: str, real_2: float | None = N
     composed = ""
     if 2 in by_n and 128 in by_n:
         grown = by_n[128]["decided"] - by_n[2]["decided"]
-        metrics.append(Metric(NAME, "N=128 - N=2: declared -> decided, what node 0 adds", grown, "s"))
+        node0 = (by_n[128]["node0_ms"] - by_n[2]["node0_ms"]) / 1000
+        metrics.append(Metric(NAME, "N=128 - N=2: declared -> decided here (upper bound of what N adds)",
+                              grown, "s"))
+        metrics.append(Metric(NAME, "N=128 - N=2: node 0's CPU per fault (what a cluster serializes)",
+                              node0, "s"))
         if real_2:
-            ratio = (real_2 + grown) / real_2
+            ratio, upper = (real_2 + node0) / real_2, (real_2 + grown) / real_2
             metrics.append(Metric(
-                NAME, "decision latency N=128 / N=2 on a cluster (real launchers' N=2 + what node 0 adds)",
-                ratio, "x", "<= 2x", ratio <= 2.0, f"{real_2 + grown:.3f} s vs {real_2:.3f} s"))
+                NAME, "decision latency N=128 / N=2 on a cluster (real launchers' N=2 + node 0's added CPU)",
+                ratio, "x", "<= 2x", ratio <= 2.0, f"{real_2 + node0:.3f} s vs {real_2:.3f} s"))
+            metrics.append(Metric(
+                NAME, "decision latency N=128 / N=2, upper bound (real launchers' N=2 + this host's wall)",
+                upper, "x", "", None, f"{real_2 + grown:.3f} s vs {real_2:.3f} s"))
             composed = (
-                f"Decision latency as a cluster would see it: the real launchers' own at 2 nodes "
-                f"(`control-store.json`, each launcher killing its rank and saying so: {real_2:.3f} s, "
-                f"each launcher on its own node) plus what node 0's store and decider add from 2 to "
-                f"128 nodes here ({grown * 1000:.1f} ms, with the emulators' own work serialized on this "
-                f"host's cores: an upper bound): {real_2 + grown:.3f} s at 128 nodes, {ratio:.2f}x the 2 "
-                f"nodes' (target <= 2x). Left out: the slowest of 128 launchers to kill its rank is a "
-                f"little slower than the slower of 2 (a tail, not a term of node 0's).\n")
+                f"Decision latency as a cluster would see it. At 2 nodes, the real launchers' own "
+                f"(measured in this run with `bench.control`'s cluster: each launcher told of the fault, "
+                f"killing its rank and saying so, the decider deciding): {real_2:.3f} s. What 128 nodes "
+                f"add to it is what they share, "
+                f"node 0's launcher: its process's CPU for a fault, beyond its heartbeats, grows by "
+                f"{node0 * 1000:.1f} ms from 2 to 128 nodes here, so {real_2 + node0:.3f} s at 128 nodes, "
+                f"**{ratio:.2f}x** (target <= 2x). An upper bound from this host: the wall time from the "
+                f"fault to the decision grows by {grown * 1000:.1f} ms, but that includes the 127 emulated "
+                f"launchers' own work done one after another on its 2 cores (a cluster does it in "
+                f"parallel), and the decider's look for the downs every 50 ms: {real_2 + grown:.3f} s, "
+                f"{upper:.2f}x. Left out of both: the slowest of 128 launchers to kill its rank is a little "
+                f"slower than the slower of 2 (a tail, not node 0's).\n")
     ns = [float(r["nodes"]) for r in results]
     lines = [
         "# The store at scale: node 0's launcher against N emulated launchers\n",
@@ -371,7 +392,8 @@ def report(results: list[dict[str, Any]], command: str, real_2: float | None = N
         "seconds after the store set the fault, medians over the faults; CPU is node 0's store thread "
         "(`time.thread_time` on its loop).\n",
         "| N | faults | every launcher heard the fault | last down record in | decider saw every down | "
-        "decided | every launcher heard the decision | store CPU per fault (ms) | store CPU steady (ms/s) | "
+        "decided | every launcher heard the decision | store CPU per fault, beyond its heartbeats (ms) | "
+        "store CPU steady (ms/s) | "
         "node 0 process CPU steady (ms/s) | load (1 min) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
@@ -409,7 +431,8 @@ def run(nodes: tuple[int, ...] = NODES, repeats: int = REPEATS, write: bool = Tr
     for n in nodes:
         print(f"coord: {n} nodes", file=sys.stderr, flush=True)
         results.append(one(n, repeats))
-    metrics, text = report(results, command, real_two())
+    print("coord: 2 real launchers", file=sys.stderr, flush=True)
+    metrics, text = report(results, command, real_two(repeats))
     if write:
         (RESULTS / "coord-scale.md").write_text(text)
         (RESULTS / "coord-scale.json").write_text(json.dumps(results, indent=1) + "\n")
