@@ -119,7 +119,7 @@ def guard(run_dir: Path, job_id: str) -> str:
 def _drop_guards(run: Path, job_id: str) -> None:
     """The job was continued: its guard would only start to find nothing to do."""
     for guard_id in launchers.guards(run):
-        if launchers.guard_file(run, guard_id).read_text().strip() == job_id:
+        if launchers.guarded_job(run, guard_id) == job_id:
             with contextlib.suppress(ValueError):
                 cluster.scancel(guard_id)
 
@@ -132,13 +132,16 @@ def _take_over(run: Path, slurm: SlurmEnv, guarded: str, first_attempt: int, max
     give-up: it was killed from outside), and the run's continuations have not reached
     `max_requeues` (a take-over is one: a run that fails the same way every time must not
     take itself over forever). One launcher decides; the others wait for its word."""
-    mine = attempt_file(run, slurm.job_id)
-    declined = launchers.guard_file(run, slurm.job_id).with_suffix(".no")
-    if not launchers.claim(run, f"take-over-{slurm.job_id}"):
+    # (the winner's word is in the guard file, not in a file new to this host: `decide_guard`)
+    decided = launchers.guard_decision(run, slurm.job_id)
+    if decided is None and not launchers.claim(run, f"take-over-{slurm.job_id}"):
         deadline = time.monotonic() + GUARD_WAIT_S
-        while not mine.exists() and not declined.exists() and time.monotonic() < deadline:
+        while (decided := launchers.guard_decision(run, slurm.job_id)) is None:
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.5)
-        return mine.exists()
+    if decided is not None:  # (another launcher of this guard decided; or this job restarted)
+        return decided[0] is not None
     state = (cluster.show_job(guarded, timeout=30) or {}).get("JobState", "")
     led = ledger.read(run)
     attempt = max((int(r["attempt"]) for r in led), default=0)
@@ -166,12 +169,13 @@ def _take_over(run: Path, slurm: SlurmEnv, guarded: str, first_attempt: int, max
         if "cap of" in why:
             ledger.append(run, events.GaveUp(attempt=attempt, reason=f"guard job {slurm.job_id} did not "
                                              f"take the run over: {why}"))
-        write_atomic(declined, why + "\n")
+        launchers.decide_guard(run, slurm.job_id, None, why)
         return False
     ledger.append(run, events.Guard(attempt=attempt, job=guarded, next=slurm.job_id,
                                     state=state or "unknown"))
     RunSpec.add_job(run, slurm.job_id)
-    write_atomic(mine, f"{attempt + 1}\n")
+    write_atomic(attempt_file(run, slurm.job_id), f"{attempt + 1}\n")
+    launchers.decide_guard(run, slurm.job_id, attempt + 1)
     print(f"hpcshard: job {guarded} ended {state or 'without a word'} while training: "
           f"guard job {slurm.job_id} takes the run over", file=sys.stderr, flush=True)
     return True
@@ -222,10 +226,11 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     """What submitit runs in each task: one per node. Returns the node's exit code."""
     slurm = SlurmEnv.from_environ()
     run = Path(run_dir)
-    guarded = launchers.guard_file(run, slurm.job_id)
-    if (guarded.exists() and not attempt_file(run, slurm.job_id).exists()
-            and not _take_over(run, slurm, guarded.read_text().strip(), first_attempt, max_requeues)):
-        return 0
+    taken: int | None = None
+    if launchers.guard_file(run, slurm.job_id).exists():  # (a guard: it takes the run over, or not)
+        if not _take_over(run, slurm, launchers.guarded_job(run, slurm.job_id), first_attempt, max_requeues):
+            return 0
+        taken = (launchers.guard_decision(run, slurm.job_id) or (None, ""))[0]
     owner = own_run(run, slurm.ref)
     if owner is None:
         return 0
@@ -240,8 +245,11 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
         print(f"hpcshard: job {slurm.ref} is not the run's newest job; exiting", file=sys.stderr)
         return 0
     chained = attempt_file(run, slurm.job_id)
-    attempt = (int(chained.read_text()) if chained.exists() else first_attempt) + slurm.restart_count
-    fresh = slurm.restart_count == 0 and not chained.exists()
+    if taken is not None:  # (a guard's other launchers never look its attempt file up: NFS)
+        attempt, fresh = taken + slurm.restart_count, False
+    else:
+        attempt = (int(chained.read_text()) if chained.exists() else first_attempt) + slurm.restart_count
+        fresh = slurm.restart_count == 0 and not chained.exists()
     # The profile's notice (--signal in the sbatch script): the ranks listen for it too.
     ranks = RankEnv(attempt=attempt, resume=resume if fresh else "auto",
                     restart_count=slurm.restart_count, notice=spec.slurm.get("signal", NOTICE),

@@ -83,6 +83,43 @@ def guard_file(run_dir: Path, job_id: str) -> Path:
     return run_dir / LAUNCH / f"job-{job_id}.guards"
 
 
+def guarded_job(run_dir: Path, job_id: str) -> str:
+    """The job that guard job `job_id` guards (its guard file's first line)."""
+    return guard_file(run_dir, job_id).read_text().split("\n", 1)[0].strip()
+
+
+def decide_guard(run_dir: Path, job_id: str, taken: int | None, why: str = "") -> None:
+    """Say what guard job `job_id` does, in its guard file: it took the run over as attempt
+    `taken`, or declined (`why`). The guard's other launchers read it there (`guard_decision`),
+    in a file each has looked at since the guard was submitted, not in a new one: a name
+    looked up before another host created it stays hidden by NFS's negative lookup cache
+    (30-60 s; in the chaos soak on NFS-like views, where the others waited for the winner's
+    attempt file, the guard's ranks started 42 s after it took the run over, against 14 s
+    for a continuation job in the same soak), while new content in a file already known
+    shows at the next open (NFS's close-to-open). Appended in place, one line."""
+    line = f"taken {taken}\n" if taken is not None else f"declined {' '.join(why.split())}\n"
+    with open(guard_file(run_dir, job_id), "a", encoding="utf-8") as out:
+        out.write(line)
+        out.flush()
+        os.fsync(out.fileno())
+
+
+def guard_decision(run_dir: Path, job_id: str) -> tuple[int | None, str] | None:
+    """What guard job `job_id` decided (`decide_guard`): (attempt, "") when it took the run
+    over, (None, why) when it declined; None while undecided (or no such guard file)."""
+    try:
+        lines = guard_file(run_dir, job_id).read_text(encoding="utf-8").split("\n")[1:-1]
+    except (OSError, ValueError):
+        return None
+    for line in lines:  # (whole lines only: the last, without its newline, may be half written)
+        kind, _, rest = line.partition(" ")
+        if kind == "taken" and rest.strip().isdigit():
+            return int(rest), ""
+        if kind == "declined":
+            return None, rest
+    return None
+
+
 def guards(run_dir: Path) -> list[str]:
     """The run's guard jobs (pending, run or cancelled by Slurm), oldest first."""
     found = sorted((run_dir / LAUNCH).glob("job-*.guards"), key=lambda p: p.stat().st_mtime)

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -219,6 +220,44 @@ def test_a_peer_is_not_lost_while_this_launchers_own_heartbeats_cannot_be_writte
     assert peers.lost([1], beats, now=100.0 + LOST_S + 1) == [1]
 
 
+def test_a_guard_s_other_launchers_take_its_word_from_the_guard_file_not_a_new_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One launcher of a guard job decides whether it takes the run over; the others wait
+    for its word. They waited for its attempt file to appear: on NFS a name this host looked
+    up before another created it stays hidden for the negative lookup cache (30-60 s), and in
+    the chaos soak on NFS-like views the guard's ranks started 42 s after it took the run
+    over, against 14 s for a continuation job. The word is now a line in the guard file, which
+    every launcher of the guard has seen since it was submitted (new content in a known file
+    shows at the next open). Here the attempt file never shows at all."""
+    import threading
+
+    from hpcshard.launch import slurm
+    from hpcshard.rundir import launchers
+    from hpcshard.rundir.launchers import LAUNCH, attempt_file
+
+    (tmp_path / LAUNCH).mkdir()
+    monkeypatch.setattr(slurm, "GUARD_WAIT_S", 20.0)
+    env = slurm.SlurmEnv(job_id="9", ref="9", nodes=["n1", "n2"], node_id=1, restart_count=0, gpus_on_node=1)
+    launchers.guard_file(tmp_path, "9").write_text("7\n")
+    assert launchers.claim(tmp_path, "take-over-9")  # (another launcher of job 9 decides)
+    assert launchers.guard_decision(tmp_path, "9") is None
+    threading.Timer(0.3, launchers.decide_guard, (tmp_path, "9", 3)).start()
+    began = time.monotonic()
+    assert slurm._take_over(tmp_path, env, "7", 0, 2) is True
+    assert time.monotonic() - began < 10 and not attempt_file(tmp_path, "9").exists()
+    assert launchers.guard_decision(tmp_path, "9") == (3, "") and launchers.guarded_job(tmp_path, "9") == "7"
+    # Declined: said at once, and why.
+    launchers.guard_file(tmp_path, "10").write_text("8\n")
+    launchers.decide_guard(tmp_path, "10", None, "job 8 ended\nCANCELLED")
+    other = slurm.SlurmEnv(job_id="10", ref="10", nodes=["n1", "n2"], node_id=1, restart_count=0,
+                           gpus_on_node=1)
+    assert slurm._take_over(tmp_path, other, "8", 0, 2) is False
+    assert launchers.guard_decision(tmp_path, "10") == (None, "job 8 ended CANCELLED")
+    # A line still being written is no word yet.
+    launchers.guard_file(tmp_path, "11").write_text("8\ntaken 4")
+    assert launchers.guard_decision(tmp_path, "11") is None
+
+
 @pytest.mark.parametrize("state,records,jobs,owner,takes", [
     ("FAILED", [], ["7"], "7", True),  # its batch node failed: nothing closed the attempt
     ("NODE_FAIL", [events.Start(attempt=2, cycle=0, world=2, nodes=2, host="n1")], ["7"], "7", True),
@@ -239,13 +278,14 @@ def test_a_guard_takes_the_run_over_only_from_a_job_that_failed_without_a_word(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, state: str, records: list[events.Event],
         jobs: list[str], owner: str | None, takes: bool) -> None:
     from hpcshard.launch import slurm
-    from hpcshard.rundir import lease, ledger
+    from hpcshard.rundir import launchers, lease, ledger
     from hpcshard.rundir.launchers import LAUNCH, attempt_file
     from hpcshard.rundir.spec import RunSpec
 
     RunSpec(job="jobs/charlm.py", sets={}, nodes=2, gpus=1, backend="slurm", name="x", spares=1,
             jobs=jobs).write(tmp_path)
     (tmp_path / LAUNCH).mkdir()
+    launchers.guard_file(tmp_path, "9").write_text("7\n")  # (job 9 guards job 7: `slurm.guard`)
     if owner is not None:
         lease.take(tmp_path, lease.Owner.of_job(owner), lambda job: None)
     for r in records:
@@ -260,6 +300,7 @@ def test_a_guard_takes_the_run_over_only_from_a_job_that_failed_without_a_word(
         assert now is not None and now.job == "9"  # the guard owns the run now
         attempt = max([0, *(r.attempt for r in records)])
         assert attempt_file(tmp_path, "9").read_text() == f"{attempt + 1}\n"
+        assert launchers.guard_decision(tmp_path, "9") == (attempt + 1, "")  # (its other launchers' word)
         assert RunSpec.read(tmp_path).jobs == [*jobs, "9"]
         (guard,) = [r for r in ledger.read(tmp_path) if r["event"] == "guard"]
         assert guard["job"] == "7" and guard["state"] == state
