@@ -124,24 +124,31 @@ def _drop_guards(run: Path, job_id: str) -> None:
                 cluster.scancel(guard_id)
 
 
-def _take_over(run: Path, slurm: SlurmEnv, guarded: str, first_attempt: int, max_requeues: int) -> bool:
+def _take_over(run: Path, slurm: SlurmEnv, guarded: str, first_attempt: int, max_requeues: int
+               ) -> int | None:
     """A guard job started: its job ended in a failed state. It takes the run over (as a
     continuation: the next attempt, from the last checkpoint) only when that job still
     owned the run (`rundir.lease`: not resumed or continued meanwhile) and Slurm says it is
     over, nobody cancelled it, its attempt never closed (no end, requeue, continuation or
     give-up: it was killed from outside), and the run's continuations have not reached
     `max_requeues` (a take-over is one: a run that fails the same way every time must not
-    take itself over forever). One launcher decides; the others wait for its word."""
+    take itself over forever). One launcher decides; the others wait for its word. Returns
+    the attempt the guard trains as, or None (it does nothing)."""
     # (the winner's word is in the guard file, not in a file new to this host: `decide_guard`)
     decided = launchers.guard_decision(run, slurm.job_id)
+    chained = attempt_file(run, slurm.job_id)
+    if decided is None and slurm.restart_count and chained.exists():
+        # (a guard that took over before its word went into the guard file, then requeued:
+        # its attempt file is long there, no name new to this host)
+        return int(chained.read_text())
     if decided is None and not launchers.claim(run, f"take-over-{slurm.job_id}"):
         deadline = time.monotonic() + GUARD_WAIT_S
         while (decided := launchers.guard_decision(run, slurm.job_id)) is None:
             if time.monotonic() >= deadline:
-                return False
+                return None
             time.sleep(0.5)
     if decided is not None:  # (another launcher of this guard decided; or this job restarted)
-        return decided[0] is not None
+        return decided[0]
     state = (cluster.show_job(guarded, timeout=30) or {}).get("JobState", "")
     led = ledger.read(run)
     attempt = max((int(r["attempt"]) for r in led), default=0)
@@ -170,15 +177,15 @@ def _take_over(run: Path, slurm: SlurmEnv, guarded: str, first_attempt: int, max
             ledger.append(run, events.GaveUp(attempt=attempt, reason=f"guard job {slurm.job_id} did not "
                                              f"take the run over: {why}"))
         launchers.decide_guard(run, slurm.job_id, None, why)
-        return False
+        return None
     ledger.append(run, events.Guard(attempt=attempt, job=guarded, next=slurm.job_id,
                                     state=state or "unknown"))
     RunSpec.add_job(run, slurm.job_id)
-    write_atomic(attempt_file(run, slurm.job_id), f"{attempt + 1}\n")
+    write_atomic(chained, f"{attempt + 1}\n")
     launchers.decide_guard(run, slurm.job_id, attempt + 1)
     print(f"hpcshard: job {guarded} ended {state or 'without a word'} while training: "
           f"guard job {slurm.job_id} takes the run over", file=sys.stderr, flush=True)
-    return True
+    return attempt + 1
 
 
 def _continuations(led: list[dict[str, object]], first_attempt: int) -> int:
@@ -228,9 +235,9 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     run = Path(run_dir)
     taken: int | None = None
     if launchers.guard_file(run, slurm.job_id).exists():  # (a guard: it takes the run over, or not)
-        if not _take_over(run, slurm, launchers.guarded_job(run, slurm.job_id), first_attempt, max_requeues):
+        taken = _take_over(run, slurm, launchers.guarded_job(run, slurm.job_id), first_attempt, max_requeues)
+        if taken is None:
             return 0
-        taken = (launchers.guard_decision(run, slurm.job_id) or (None, ""))[0]
     owner = own_run(run, slurm.ref)
     if owner is None:
         return 0

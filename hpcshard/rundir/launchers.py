@@ -122,8 +122,10 @@ def guard_decision(run_dir: Path, job_id: str) -> tuple[int | None, str] | None:
 
 def guards(run_dir: Path) -> list[str]:
     """The run's guard jobs (pending, run or cancelled by Slurm), oldest first."""
-    found = sorted((run_dir / LAUNCH).glob("job-*.guards"), key=lambda p: p.stat().st_mtime)
-    return [p.name[len("job-"):-len(".guards")] for p in found]
+    # (by job id, which Slurm hands out in submission order: a guard's file is appended to
+    # when it decides, so its mtime is no submission time)
+    found = [p.name[len("job-"):-len(".guards")] for p in (run_dir / LAUNCH).glob("job-*.guards")]
+    return sorted(found, key=lambda job: (0, int(job), job) if job.isdigit() else (1, 0, job))
 
 
 def launchers(run_dir: Path) -> list[int]:

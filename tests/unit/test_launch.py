@@ -243,7 +243,7 @@ def test_a_guard_s_other_launchers_take_its_word_from_the_guard_file_not_a_new_f
     assert launchers.guard_decision(tmp_path, "9") is None
     threading.Timer(0.3, launchers.decide_guard, (tmp_path, "9", 3)).start()
     began = time.monotonic()
-    assert slurm._take_over(tmp_path, env, "7", 0, 2) is True
+    assert slurm._take_over(tmp_path, env, "7", 0, 2) == 3  # (the attempt it trains as)
     assert time.monotonic() - began < 10 and not attempt_file(tmp_path, "9").exists()
     assert launchers.guard_decision(tmp_path, "9") == (3, "") and launchers.guarded_job(tmp_path, "9") == "7"
     # Declined: said at once, and why.
@@ -251,11 +251,20 @@ def test_a_guard_s_other_launchers_take_its_word_from_the_guard_file_not_a_new_f
     launchers.decide_guard(tmp_path, "10", None, "job 8 ended\nCANCELLED")
     other = slurm.SlurmEnv(job_id="10", ref="10", nodes=["n1", "n2"], node_id=1, restart_count=0,
                            gpus_on_node=1)
-    assert slurm._take_over(tmp_path, other, "8", 0, 2) is False
+    assert slurm._take_over(tmp_path, other, "8", 0, 2) is None
     assert launchers.guard_decision(tmp_path, "10") == (None, "job 8 ended CANCELLED")
     # A line still being written is no word yet.
     launchers.guard_file(tmp_path, "11").write_text("8\ntaken 4")
     assert launchers.guard_decision(tmp_path, "11") is None
+    # A guard that took over before its word went into its file (an older hpcshard), then
+    # requeued by Slurm: its attempt file, long there, says the attempt at once.
+    launchers.guard_file(tmp_path, "12").write_text("8\n")
+    assert launchers.claim(tmp_path, "take-over-12")
+    attempt_file(tmp_path, "12").write_text("2\n")
+    again = slurm.SlurmEnv(job_id="12", ref="12", nodes=["n1"], node_id=0, restart_count=1, gpus_on_node=1)
+    assert slurm._take_over(tmp_path, again, "8", 0, 2) == 2
+    # Guards listed in submission order (job ids), though a decision rewrote a file's mtime.
+    assert launchers.guards(tmp_path) == ["9", "10", "11", "12"]
 
 
 @pytest.mark.parametrize("state,records,jobs,owner,takes", [
@@ -294,7 +303,7 @@ def test_a_guard_takes_the_run_over_only_from_a_job_that_failed_without_a_word(
     monkeypatch.setattr(slurm.cluster, "job_alive", lambda job, timeout=0: state not in (
         "FAILED", "NODE_FAIL", "CANCELLED", "COMPLETED"))
     env = slurm.SlurmEnv(job_id="9", ref="9", nodes=["n1", "n2"], node_id=0, restart_count=0, gpus_on_node=1)
-    assert slurm._take_over(tmp_path, env, "7", 0, 2) is takes
+    assert (slurm._take_over(tmp_path, env, "7", 0, 2) is not None) is takes
     if takes:
         now = lease.read(tmp_path)
         assert now is not None and now.job == "9"  # the guard owns the run now
