@@ -306,13 +306,6 @@ def _after(cycles: list[dict[str, Any]], field: str) -> float:
     return statistics.median(c[field] - c["declared"] for c in cycles)
 
 
-def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least squares y = a + b x."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
-    return my - b * mx, b
-
-
 def real_two(repeats: int) -> float:
     """declared -> decided with 2 real launchers, each with a rank (`bench.control`'s cluster,
     through the store), measured here beside the store alone: the term each launcher adds
@@ -400,9 +393,9 @@ def report(results: list[dict[str, Any]], command: str, real_2: float | None = N
         "",
     ]
     if len(set(ns)) >= 3:  # (a line through two points fits their noise)
-        a, b = _fit(ns, [r["decided"] for r in results])
-        sa, sb = _fit(ns, [r["store_ms_s"] for r in results])
-        fa, fb = _fit(ns, [r["fault_ms"] for r in results])
+        b, a = statistics.linear_regression(ns, [r["decided"] for r in results])
+        sb, sa = statistics.linear_regression(ns, [r["store_ms_s"] for r in results])
+        fb, fa = statistics.linear_regression(ns, [r["fault_ms"] for r in results])
         lines += [
             f"Fitted over N (least squares): declared -> decided = {a:.3f} s + {b * 1000:.4f} ms x N; "
             f"the store's steady CPU = {sa:.2f} + {sb:.4f} x N ms a second; its CPU per fault = "
