@@ -12,15 +12,23 @@ wait in a collective, is named as the culprit.
 
 Every time here is on the host's boot clock (`rundir.proc.clock`), as the board's are: a
 step of the wall clock (NTP, an admin's `date`) is neither a hang nor hides one.
+
+A rank that is ready to run but gets no CPU (a host whose cores are oversubscribed: data
+loader workers, a co-located process, a CI machine running three tests' ranks on two
+cores) is starved, not hung: the time it spent waiting in the kernel's run queue since its
+phase began (`rundir.proc.runqueue_wait`) is not counted against its limit. A rank stuck
+in a collective sleeps and one spinning in the job's code runs: neither waits for a CPU,
+and both are found as soon as before.
 """
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hpcshard.rundir.proc import clock, started, stat_fields
+from hpcshard.rundir.proc import clock, runqueue_wait, started, stat_fields
 from hpcshard.rundir.progress import Slot
 
 __all__ = ["Limits", "Watchdog", "process_state", "stat_fields", "started"]
@@ -54,11 +62,17 @@ def process_state(pid: int) -> str:
 class Watchdog:
     """One cycle's view of a node's ranks: what a step takes, and who overran."""
 
-    def __init__(self, limits: Limits, poll_s: float = 0.0) -> None:
+    def __init__(self, limits: Limits, poll_s: float = 0.0,
+                 waited: Callable[[int], float] = runqueue_wait) -> None:
         self.limits = limits
         self.poll_s = poll_s
         """How often `look` is called: a rank that would overrun its limit before the next
         look is declared at this one, so a hang is declared by its limit at the latest."""
+        self.waited = waited
+        """Seconds a pid has waited for a CPU so far (`rundir.proc.runqueue_wait`)."""
+        self.queued: dict[int, tuple[float, float]] = {}
+        """Per rank: the start of the phase it is in, and its run-queue wait when that phase
+        was first seen."""
         self.seen: dict[int, Slot] = {}
         self.samples: list[float] = []
         self.steps: set[int] = set()
@@ -86,6 +100,8 @@ class Watchdog:
                 self.samples.append((s.since - before.since) / done)
                 self.steps.update(range(before.step, s.step))
             self.seen[s.rank] = s
+            if self.queued.get(s.rank, (None, 0.0))[0] != s.since:
+                self.queued[s.rank] = (s.since, self.waited(s.pid))
         steady = self.step_limit()
         overdue = []
         for s in slots:
@@ -93,18 +109,29 @@ class Watchdog:
                 continue
             limit = (steady if s.phase == "step" and steady is not None else
                      self.limits.join_s if s.phase == "join" else self.limits.phase_s)
-            if now - s.since + self.poll_s > limit:
+            wall = now - s.since + self.poll_s
+            # (starved past the outer limit too: declared all the same)
+            if wall > limit and (self._silent(s, now) + self.poll_s > limit or wall > self.limits.phase_s):
                 overdue.append((s, limit))
         if not overdue:
             return None
         states = {s.rank: process_state(s.pid) for s, _ in overdue}
         # A stopped rank first, then one still busy while its peers sleep in a collective,
         # then the one furthest behind.
+        starved = {o.rank: round(now - o.since - self._silent(o, now), 2) for o, _ in overdue}
         s, limit = min(overdue, key=lambda o: ({"T": 0, "t": 0, "R": 1, "D": 1}.get(states[o[0].rank], 2),
                                                o[0].step, o[0].rank))
+        waited = f"; {starved[s.rank]:.1f} s of it waiting for a CPU" if starved[s.rank] >= 0.1 else ""
         return {"cause": f"rank {s.rank} made no progress in phase {s.phase} for "
-                         f"{now - s.since:.1f} s (limit {limit:.1f} s)",
+                         f"{now - s.since:.1f} s (limit {limit:.1f} s{waited})",
                 "rank": s.rank, "step": s.step, "phase": s.phase, "pid": s.pid,
                 "state": states[s.rank], "limit": limit, "silent_s": round(now - s.since, 2),
+                "starved_s": starved[s.rank],
                 "suspects": [{"rank": o.rank, "state": states[o.rank], "step": o.step}
                              for o, _ in overdue]}
+
+    def _silent(self, s: Slot, now: float) -> float:
+        """How long the rank has been in its phase, less the time it waited for a CPU."""
+        since, base = self.queued.get(s.rank, (s.since, 0.0))
+        starved = max(0.0, self.waited(s.pid) - base) if since == s.since else 0.0
+        return now - s.since - starved

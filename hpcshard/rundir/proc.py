@@ -41,6 +41,17 @@ def stat_fields(pid: int | str) -> list[str]:
         return []
 
 
+def runqueue_wait(pid: int) -> float:
+    """Seconds the main thread of `pid` has spent ready to run but waiting for a CPU (the
+    kernel's /proc/PID/schedstat); 0.0 where the kernel keeps no such count or it is gone.
+    A host whose cores are oversubscribed (data loader workers, another job's processes)
+    starves a rank without hanging it: this is how long."""
+    try:
+        return int(Path(f"/proc/{pid}/schedstat").read_text().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def start_ticks(pid: int) -> int | None:
     """When `pid` started, in clock ticks since boot (None if it is gone): with the boot,
     it tells this process from any later one that gets its pid."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -143,10 +144,15 @@ def test_a_time_limit_notice_trains_on_until_the_deadline_less_the_save(tmp_path
     assert proc.returncode == REQUEUE_EXIT, out[-3000:]
     end = ledger.end_of(run, 0)
     assert end is not None and end["reason"] == "stop" and end["saved_step"] == end["step"]
-    assert end["step"] > noticed_step + 5  # it trained on after the notice...
-    assert deadline - 40 < end["time"] < deadline  # ...and was done before the deadline
+    # The ranks planned a stop after the notice (a preemption stops at once), as far before
+    # the deadline as two saves, two steps and the margin they measured (on a slow machine
+    # that is more, and fewer steps fit: the plan is the ranks', the test reads it back).
     log = (run / "logs" / "rank-0.log").read_text()
-    assert "time-limit notice: training on until" in log
+    plans = [float(m) for m in re.findall(r"time-limit notice: training on until \S+, (\d+) s before", log)]
+    assert plans, log[-3000:]
+    planned = int(deadline) - plans[-1]
+    assert end["step"] > noticed_step  # it trained on after the notice...
+    assert planned - 1 <= end["time"] < deadline  # ...until its plan, and was done before the deadline
     # No periodic save once the notice came (each would make the stop's own save later).
     periodic = [int(line.split("checkpoint step ")[1].split()[0]) for line in log.splitlines()
                 if "committed (periodic" in line]

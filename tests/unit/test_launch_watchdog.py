@@ -226,3 +226,49 @@ def test_a_launcher_never_reads_a_slot_half_written_by_its_rank(tmp_path: Path) 
         stop.set()
         writer.join(10)
         board.close(remove=True)
+
+
+def test_a_rank_starved_of_cpu_is_not_hung_until_it_overruns_in_the_time_it_ran() -> None:
+    """Three tests' ranks on two cores (a CI machine), data loader workers or a co-located
+    process: a rank ready to run that waits for a CPU makes no progress, but is not hung.
+    The time it waited in the run queue since its step began is not counted; a rank that
+    hangs beside it (asleep in a collective, or spinning) is found at its limit as before."""
+    queue = {1: 100.0, 2: 100.0}  # pid -> its run-queue wait so far (seconds)
+    dog = Watchdog(LIMITS, waited=lambda pid: queue.get(pid, 0.0))
+    t = trained(dog, 10, 1.0)
+    starved, hung = slot(0, 10, "step", t, pid=1), slot(1, 10, "step", t, pid=2)
+    assert dog.look([starved, hung], t + 0.5) is None  # (the phase's first look)
+    queue[1] += 4.0  # rank 0 waited 4 of the next 7 s for a CPU; rank 1 waited none
+    hang = dog.look([starved, hung], t + 7.0)
+    assert hang is not None and hang["rank"] == 1 and [s["rank"] for s in hang["suspects"]] == [1]
+    assert hang["starved_s"] == 0.0 and "waiting for a CPU" not in hang["cause"]
+    assert dog.look([starved], t + 8.9) is None  # 8.9 s in its step, 4 of them starved
+    hang = dog.look([starved], t + 9.5)  # it ran 5.5 s of its step: over the limit
+    assert hang is not None and hang["rank"] == 0 and hang["starved_s"] == 4.0
+    assert "(limit 5.0 s; 4.0 s of it waiting for a CPU)" in hang["cause"]
+
+
+def test_a_new_phase_counts_its_own_wait_and_a_rank_starved_past_the_outer_limit_is_declared() -> None:
+    queue = {1: 0.0}
+    dog = Watchdog(LIMITS, waited=lambda pid: queue.get(pid, 0.0))
+    t = trained(dog, 10, 1.0)
+    assert dog.look([slot(0, 10, "step", t, pid=1)], t + 0.1) is None
+    queue[1] = 50.0  # a long starvation during step 10...
+    assert dog.look([slot(0, 11, "step", t + 60.0, pid=1)], t + 60.1) is None
+    # ...is not carried into step 11, which starts from its own first look
+    hang = dog.look([slot(0, 11, "step", t + 60.0, pid=1)], t + 65.5)
+    assert hang is not None and hang["starved_s"] == 0.0
+    always = Watchdog(LIMITS, waited=lambda pid: 10_000.0 + queue.get(pid, 0.0))
+    t = trained(always, 10, 1.0)
+    assert always.look([slot(0, 10, "step", t, pid=1)], t) is None
+    queue[1] += 99.0  # waited for a CPU all along: still declared past phase_s (100 s)
+    assert always.look([slot(0, 10, "step", t, pid=1)], t + 99.0) is None
+    queue[1] += 2.0
+    assert always.look([slot(0, 10, "step", t, pid=1)], t + 101.0) is not None
+
+
+def test_a_process_run_queue_wait_is_read_from_the_kernel() -> None:
+    from hpcshard.rundir.proc import runqueue_wait
+
+    assert runqueue_wait(os.getpid()) >= 0.0
+    assert runqueue_wait(2**22 + 1) == 0.0  # no such pid
