@@ -15,10 +15,15 @@ step of the wall clock (NTP, an admin's `date`) is neither a hang nor hides one.
 
 A rank that is ready to run but gets no CPU (a host whose cores are oversubscribed: data
 loader workers, a co-located process, a CI machine running three tests' ranks on two
-cores) is starved, not hung: the time it spent waiting in the kernel's run queue since its
-phase began (`rundir.proc.runqueue_wait`) is not counted against its limit. A rank stuck
-in a collective sleeps and one spinning in the job's code runs: neither waits for a CPU,
-and both are found as soon as before.
+cores) is starved, not hung. The time its main thread waited in the kernel's run queue
+since the watchdog first saw its phase (`rundir.proc.runqueue_wait`) is not counted
+against its limit, nor against the limit of the ranks of this node in the same step (they
+wait for it in a collective, asleep). A rank stuck in a collective waits for no CPU and is
+found as soon as before; one spinning in the job's code on oversubscribed cores waits as
+a starved one does, so every rank is declared at STARVED_CAP times its limit at the
+latest. Not seen: the wait of a rank's other threads (torch's intra-op pool, where
+OMP_NUM_THREADS > 1), and a starved rank's peers on other nodes, whose launchers see them
+asleep in a collective and declare them at their limit.
 """
 
 from __future__ import annotations
@@ -32,6 +37,10 @@ from hpcshard.rundir.proc import clock, runqueue_wait, started, stat_fields
 from hpcshard.rundir.progress import Slot
 
 __all__ = ["Limits", "Watchdog", "process_state", "stat_fields", "started"]
+
+STARVED_CAP = 4.0
+"""However long a rank waited for a CPU, it is declared at this many times its limit (20 s
+at the 5 s floor): a spinning rank on oversubscribed cores is found by then."""
 
 
 @dataclass(frozen=True)
@@ -70,9 +79,9 @@ class Watchdog:
         look is declared at this one, so a hang is declared by its limit at the latest."""
         self.waited = waited
         """Seconds a pid has waited for a CPU so far (`rundir.proc.runqueue_wait`)."""
-        self.queued: dict[int, tuple[float, float]] = {}
-        """Per rank: the start of the phase it is in, and its run-queue wait when that phase
-        was first seen."""
+        self.queued: dict[int, tuple[int, float, float]] = {}
+        """Per rank: its pid, the start of the phase it is in, and its run-queue wait when
+        that phase was first seen."""
         self.seen: dict[int, Slot] = {}
         self.samples: list[float] = []
         self.steps: set[int] = set()
@@ -100,38 +109,44 @@ class Watchdog:
                 self.samples.append((s.since - before.since) / done)
                 self.steps.update(range(before.step, s.step))
             self.seen[s.rank] = s
-            if self.queued.get(s.rank, (None, 0.0))[0] != s.since:
-                self.queued[s.rank] = (s.since, self.waited(s.pid))
+            if self.queued.get(s.rank, (0, 0.0, 0.0))[:2] != (s.pid, s.since):
+                self.queued[s.rank] = (s.pid, s.since, self.waited(s.pid))
         steady = self.step_limit()
-        overdue = []
+        late = []
         for s in slots:
             if s.phase in ("done", "idle"):
                 continue
             limit = (steady if s.phase == "step" and steady is not None else
                      self.limits.join_s if s.phase == "join" else self.limits.phase_s)
-            wall = now - s.since + self.poll_s
-            # (starved past the outer limit too: declared all the same)
-            if wall > limit and (self._silent(s, now) + self.poll_s > limit or wall > self.limits.phase_s):
-                overdue.append((s, limit))
+            if now - s.since + self.poll_s > limit:
+                late.append((s, limit))
+        starved = self._starved(slots) if late else {}
+        overdue = [(s, limit) for s, limit in late
+                   if now - s.since - starved[s.rank] + self.poll_s > limit
+                   or now - s.since + self.poll_s > STARVED_CAP * limit]
         if not overdue:
             return None
         states = {s.rank: process_state(s.pid) for s, _ in overdue}
         # A stopped rank first, then one still busy while its peers sleep in a collective,
         # then the one furthest behind.
-        starved = {o.rank: round(now - o.since - self._silent(o, now), 2) for o, _ in overdue}
         s, limit = min(overdue, key=lambda o: ({"T": 0, "t": 0, "R": 1, "D": 1}.get(states[o[0].rank], 2),
                                                o[0].step, o[0].rank))
-        waited = f"; {starved[s.rank]:.1f} s of it waiting for a CPU" if starved[s.rank] >= 0.1 else ""
+        waited = f"; {starved[s.rank]:.1f} s of it a wait for a CPU" if starved[s.rank] >= 0.1 else ""
         return {"cause": f"rank {s.rank} made no progress in phase {s.phase} for "
                          f"{now - s.since:.1f} s (limit {limit:.1f} s{waited})",
                 "rank": s.rank, "step": s.step, "phase": s.phase, "pid": s.pid,
                 "state": states[s.rank], "limit": limit, "silent_s": round(now - s.since, 2),
-                "starved_s": starved[s.rank],
+                "starved_s": round(starved[s.rank], 2),
                 "suspects": [{"rank": o.rank, "state": states[o.rank], "step": o.step}
                              for o, _ in overdue]}
 
-    def _silent(self, s: Slot, now: float) -> float:
-        """How long the rank has been in its phase, less the time it waited for a CPU."""
-        since, base = self.queued.get(s.rank, (s.since, 0.0))
-        starved = max(0.0, self.waited(s.pid) - base) if since == s.since else 0.0
-        return now - s.since - starved
+    def _starved(self, slots: list[Slot]) -> dict[int, float]:
+        """Per rank: the longest any rank of this board in its phase and step has waited for
+        a CPU since the watchdog first saw that phase (the ranks of a step wait for the
+        slowest of them)."""
+        own = {}
+        for s in slots:
+            base = self.queued[s.rank][2]  # (for this pid and phase: set by this look)
+            own[s.rank] = max(0.0, self.waited(s.pid) - base)
+        return {s.rank: max(own[t.rank] for t in slots if (t.phase, t.step) == (s.phase, s.step))
+                for s in slots}

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import stat
 import struct
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -14,11 +16,15 @@ from pathlib import Path
 import pytest
 
 from hpcshard.launch.procs import ranks_below
-from hpcshard.launch.watchdog import Limits, Watchdog, started
+from hpcshard.launch.watchdog import STARVED_CAP, Limits, Watchdog, started
 from hpcshard.rundir.proc import clock
 from hpcshard.rundir.progress import _SLOT, Board, Slot, board_path, boards
 
 LIMITS = Limits(factor=3.0, floor_s=5.0, warmup_steps=3, phase_s=100.0)
+
+
+def NO_WAIT(pid: int) -> float:  # noqa: N802 (a constant: no rank ever waits for a CPU)
+    return 0.0
 
 
 def slot(rank: int, step: int, phase: str, since: float, pid: int = 0) -> Slot:
@@ -35,18 +41,18 @@ def trained(dog: Watchdog, steps: int, seconds: float, ranks: int = 2) -> float:
 
 
 def test_the_step_limit_is_learned_after_the_warm_up() -> None:
-    dog = Watchdog(LIMITS)
+    dog = Watchdog(LIMITS, waited=NO_WAIT)
     trained(dog, 3, 4.0)
     assert dog.step_limit() is None  # 2 samples: still warming up
     trained(dog, 5, 4.0)
     assert dog.step_limit() == 12.0  # 3 x the median step
-    fast = Watchdog(LIMITS)
+    fast = Watchdog(LIMITS, waited=NO_WAIT)
     trained(fast, 10, 0.1)
     assert fast.step_limit() == 5.0  # never below the floor
 
 
 def test_a_rank_that_overruns_its_step_is_hung_and_named() -> None:
-    dog = Watchdog(LIMITS)
+    dog = Watchdog(LIMITS, waited=NO_WAIT)
     t = trained(dog, 10, 1.0)
     slots = [slot(0, 10, "step", t), slot(1, 9, "step", t - 1.0)]
     assert dog.look(slots, t + 4.0) is None
@@ -56,21 +62,21 @@ def test_a_rank_that_overruns_its_step_is_hung_and_named() -> None:
 
 
 def test_slow_saves_evaluations_and_warm_up_steps_are_not_hangs() -> None:
-    dog = Watchdog(LIMITS)
+    dog = Watchdog(LIMITS, waited=NO_WAIT)
     t = trained(dog, 10, 1.0)
     for phase in ("save", "eval", "load", "setup"):
         assert dog.look([slot(0, 10, phase, t)], t + 99.0) is None  # 20x a step: fine
         assert dog.look([slot(0, 10, phase, t)], t + 101.0) is not None
-    cold = Watchdog(LIMITS)
+    cold = Watchdog(LIMITS, waited=NO_WAIT)
     assert cold.look([slot(0, 0, "step", 0.0)], 99.0) is None  # a first step may compile
 
 
 def test_done_ranks_are_never_hung() -> None:
-    assert Watchdog(LIMITS).look([slot(0, 3, "done", 0.0)], 10_000.0) is None
+    assert Watchdog(LIMITS, waited=NO_WAIT).look([slot(0, 3, "done", 0.0)], 10_000.0) is None
 
 
 def test_steps_faster_than_a_look_still_teach_the_step_time() -> None:
-    dog = Watchdog(LIMITS)
+    dog = Watchdog(LIMITS, waited=NO_WAIT)
     for look in range(6):  # every look sees 5 more steps of 0.04 s
         t = 1000.0 + look * 0.2
         dog.look([slot(0, 5 * look, "step", t)], t + 0.01)
@@ -80,7 +86,7 @@ def test_steps_faster_than_a_look_still_teach_the_step_time() -> None:
 def test_a_hang_is_declared_by_its_limit_at_the_latest() -> None:
     """Looked at every 0.2 s: a rank that would pass its 5 s limit before the next look is
     declared at this one (after 4.85 s), not a look late (5.05 s)."""
-    dog = Watchdog(LIMITS, poll_s=0.2)
+    dog = Watchdog(LIMITS, poll_s=0.2, waited=NO_WAIT)
     t = trained(dog, 10, 0.1)
     stuck = [slot(0, 10, "step", t), slot(1, 11, "step", t)]
     assert dog.look(stuck, t + 4.75) is None
@@ -92,7 +98,7 @@ def test_a_rank_stuck_joining_the_process_group_is_hung_after_the_join_limit() -
     """Joining (init_process_group) gets watchdog_join_s, not the 30 min of other phases: a
     rank stuck connecting to the store once cost a test 240 s; its peers wait for it in
     the same phase, and the one furthest behind on the board is named."""
-    dog = Watchdog(Limits(phase_s=1800.0, join_s=120.0))
+    dog = Watchdog(Limits(phase_s=1800.0, join_s=120.0), waited=NO_WAIT)
     joining = [slot(0, 0, "join", 1000.0), slot(1, 0, "join", 1000.5)]
     assert dog.look(joining, 1119.0) is None
     hung = dog.look(joining, 1121.0)
@@ -135,7 +141,7 @@ def test_a_wall_clock_step_is_no_hang_and_a_real_overrun_is_one(
     """The board's times and the watchdog's are on the boot clock: the wall clock stepping
     30 s forward (NTP, an admin's `date`) while a rank joins (limit 20 s here) is no hang;
     the same rank still joining 20 s later on the boot clock is one."""
-    dog = Watchdog(Limits(join_s=20.0), poll_s=0.2)
+    dog = Watchdog(Limits(join_s=20.0), poll_s=0.2, waited=NO_WAIT)
     board.publish(0, rank=0, step=0, phase="join")
     board.publish(1, rank=1, step=0, phase="join")
     wall = time.time()
@@ -146,7 +152,7 @@ def test_a_wall_clock_step_is_no_hang_and_a_real_overrun_is_one(
 
 
 def test_a_real_overrun_on_the_boot_clock_is_seen_as_it_happens(board: Board) -> None:
-    dog = Watchdog(Limits(join_s=0.3))
+    dog = Watchdog(Limits(join_s=0.3), waited=NO_WAIT)
     board.publish(0, rank=0, step=0, phase="join")
     assert dog.look(board.read()) is None
     time.sleep(0.4)
@@ -228,47 +234,80 @@ def test_a_launcher_never_reads_a_slot_half_written_by_its_rank(tmp_path: Path) 
         board.close(remove=True)
 
 
-def test_a_rank_starved_of_cpu_is_not_hung_until_it_overruns_in_the_time_it_ran() -> None:
+
+def test_a_rank_starved_of_cpu_and_its_peers_in_the_step_are_not_hung_until_it_ran_its_limit() -> None:
     """Three tests' ranks on two cores (a CI machine), data loader workers or a co-located
-    process: a rank ready to run that waits for a CPU makes no progress, but is not hung.
-    The time it waited in the run queue since its step began is not counted; a rank that
-    hangs beside it (asleep in a collective, or spinning) is found at its limit as before."""
+    process: a rank ready to run that waits for a CPU makes no progress, but is not hung,
+    nor are the ranks of its node asleep in the step's collective waiting for it. The time
+    it waited in the run queue since its step was first seen is not counted against any of
+    them; once it has run for its limit, it is named (running, its peers asleep)."""
     queue = {1: 100.0, 2: 100.0}  # pid -> its run-queue wait so far (seconds)
     dog = Watchdog(LIMITS, waited=lambda pid: queue.get(pid, 0.0))
     t = trained(dog, 10, 1.0)
-    starved, hung = slot(0, 10, "step", t, pid=1), slot(1, 10, "step", t, pid=2)
-    assert dog.look([starved, hung], t + 0.5) is None  # (the phase's first look)
-    queue[1] += 4.0  # rank 0 waited 4 of the next 7 s for a CPU; rank 1 waited none
-    hang = dog.look([starved, hung], t + 7.0)
-    assert hang is not None and hang["rank"] == 1 and [s["rank"] for s in hang["suspects"]] == [1]
-    assert hang["starved_s"] == 0.0 and "waiting for a CPU" not in hang["cause"]
-    assert dog.look([starved], t + 8.9) is None  # 8.9 s in its step, 4 of them starved
-    hang = dog.look([starved], t + 9.5)  # it ran 5.5 s of its step: over the limit
-    assert hang is not None and hang["rank"] == 0 and hang["starved_s"] == 4.0
-    assert "(limit 5.0 s; 4.0 s of it waiting for a CPU)" in hang["cause"]
+    starved, peer = slot(0, 10, "step", t, pid=1), slot(1, 10, "step", t, pid=2)
+    assert dog.look([starved, peer], t + 0.5) is None  # (the step's first look)
+    queue[1] += 4.0  # rank 0 waited 4 of the next 7 s for a CPU; rank 1 slept
+    assert dog.look([starved, peer], t + 7.0) is None
+    assert dog.look([starved, peer], t + 8.9) is None  # 8.9 s in its step, 4 of them starved
+    hang = dog.look([starved, peer], t + 9.5)  # it ran 5.5 s of its step: over the limit
+    assert hang is not None and hang["starved_s"] == 4.0
+    assert sorted(s["rank"] for s in hang["suspects"]) == [0, 1]
+    assert "(limit 5.0 s; 4.0 s of it a wait for a CPU)" in hang["cause"]
 
 
-def test_a_new_phase_counts_its_own_wait_and_a_rank_starved_past_the_outer_limit_is_declared() -> None:
-    queue = {1: 0.0}
+def test_a_hung_rank_beside_no_starved_one_is_found_at_its_limit_and_any_rank_at_the_cap() -> None:
+    queue = {1: 0.0, 2: 0.0}
+    dog = Watchdog(LIMITS, waited=lambda pid: queue.get(pid, 0.0))
+    t = trained(dog, 10, 1.0)
+    asleep, behind = slot(0, 10, "step", t, pid=1), slot(1, 9, "step", t - 0.5, pid=2)
+    assert dog.look([asleep, behind], t + 0.1) is None
+    queue[1] = 3.0  # rank 0 waited for a CPU in step 10; rank 1, a step behind, did not
+    hang = dog.look([asleep, behind], t + 5.0)
+    assert hang is not None and hang["rank"] == 1 and hang["starved_s"] == 0.0
+    assert "a wait for a CPU" not in hang["cause"]
+    # A rank spinning on oversubscribed cores waits for a CPU as a starved one does: it is
+    # declared at STARVED_CAP times its limit however long it waited.
+    spin = Watchdog(LIMITS, waited=lambda pid: queue.get(pid, 0.0))
+    t = trained(spin, 10, 1.0)
+    assert spin.look([slot(0, 10, "step", t, pid=2)], t) is None
+    queue[2] += 19.0
+    assert spin.look([slot(0, 10, "step", t, pid=2)], t + 19.9) is None
+    queue[2] += 1.0
+    hang = spin.look([slot(0, 10, "step", t, pid=2)], t + 20.1)
+    assert hang is not None and hang["starved_s"] == 20.0 and STARVED_CAP * 5.0 == 20.0
+
+
+def test_a_new_phase_or_a_new_process_counts_its_own_wait() -> None:
+    queue = {1: 0.0, 3: 7.0}
     dog = Watchdog(LIMITS, waited=lambda pid: queue.get(pid, 0.0))
     t = trained(dog, 10, 1.0)
     assert dog.look([slot(0, 10, "step", t, pid=1)], t + 0.1) is None
     queue[1] = 50.0  # a long starvation during step 10...
     assert dog.look([slot(0, 11, "step", t + 60.0, pid=1)], t + 60.1) is None
-    # ...is not carried into step 11, which starts from its own first look
-    hang = dog.look([slot(0, 11, "step", t + 60.0, pid=1)], t + 65.5)
-    assert hang is not None and hang["starved_s"] == 0.0
-    always = Watchdog(LIMITS, waited=lambda pid: 10_000.0 + queue.get(pid, 0.0))
-    t = trained(always, 10, 1.0)
-    assert always.look([slot(0, 10, "step", t, pid=1)], t) is None
-    queue[1] += 99.0  # waited for a CPU all along: still declared past phase_s (100 s)
-    assert always.look([slot(0, 10, "step", t, pid=1)], t + 99.0) is None
-    queue[1] += 2.0
-    assert always.look([slot(0, 10, "step", t, pid=1)], t + 101.0) is not None
+    queue[1] = 53.0  # ...is not carried into step 11, which counts from its own first look
+    assert dog.look([slot(0, 11, "step", t + 60.0, pid=1)], t + 67.9) is None
+    hang = dog.look([slot(0, 11, "step", t + 60.0, pid=1)], t + 68.5)
+    assert hang is not None and hang["starved_s"] == 3.0
+    # The rank's slot taken by a new process (its pid's count is its own): counted from it
+    assert dog.look([slot(0, 11, "step", t + 60.0, pid=3)], t + 68.6) is not None
 
 
 def test_a_process_run_queue_wait_is_read_from_the_kernel() -> None:
+    """Two busy processes pinned to one core: each waits for it about half the time."""
     from hpcshard.rundir.proc import runqueue_wait
 
-    assert runqueue_wait(os.getpid()) >= 0.0
+    if not Path(f"/proc/{os.getpid()}/schedstat").exists():
+        pytest.skip("this kernel keeps no /proc/PID/schedstat")
+    core = min(os.sched_getaffinity(0))
+    busy = (f"import os, time\nos.sched_setaffinity(0, {{{core}}})\nend = time.time() + 3\n"
+            "while time.time() < end: pass\n")
+    procs = [subprocess.Popen([sys.executable, "-c", busy]) for _ in range(2)]
+    try:
+        time.sleep(1.5)
+        waits = [runqueue_wait(p.pid) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert all(0.1 < w < 1.5 for w in waits), waits
     assert runqueue_wait(2**22 + 1) == 0.0  # no such pid
