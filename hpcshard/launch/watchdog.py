@@ -18,12 +18,14 @@ loader workers, a co-located process, a CI machine running three tests' ranks on
 cores) is starved, not hung. The time its main thread waited in the kernel's run queue
 since the watchdog first saw its phase (`rundir.proc.runqueue_wait`) is not counted
 against its limit, nor against the limit of the ranks of this node in the same step (they
-wait for it in a collective, asleep). A rank stuck in a collective waits for no CPU and is
-found as soon as before; one spinning in the job's code on oversubscribed cores waits as
-a starved one does, so every rank is declared at STARVED_CAP times its limit at the
-latest. Not seen: the wait of a rank's other threads (torch's intra-op pool, where
-OMP_NUM_THREADS > 1), and a starved rank's peers on other nodes, whose launchers see them
-asleep in a collective and declare them at their limit.
+wait for it in a collective, asleep), nor of those a step ahead. A rank stuck in a
+collective waits for no CPU and is found at its limit, later only by what a rank of its
+node at its step waited; one spinning in the job's code on oversubscribed cores waits as a
+starved one does, so every rank is declared at STARVED_CAP times its limit at the latest
+(and a phase's outer limit is never stretched). Not seen: the wait of a rank's other
+threads (torch's intra-op pool, where OMP_NUM_THREADS > 1), and a starved rank's peers on
+other nodes, whose launchers see them asleep in a collective and declare them at their
+limit.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ __all__ = ["Limits", "Watchdog", "process_state", "stat_fields", "started"]
 
 STARVED_CAP = 4.0
 """However long a rank waited for a CPU, it is declared at this many times its limit (20 s
-at the 5 s floor): a spinning rank on oversubscribed cores is found by then."""
+at the 5 s floor), and never after `phase_s`: a spinning rank on oversubscribed cores is
+found by then."""
 
 
 @dataclass(frozen=True)
@@ -120,17 +123,20 @@ class Watchdog:
                      self.limits.join_s if s.phase == "join" else self.limits.phase_s)
             if now - s.since + self.poll_s > limit:
                 late.append((s, limit))
-        starved = self._starved(slots) if late else {}
+        own, starved = self._starved(slots) if late else ({}, {})
         overdue = [(s, limit) for s, limit in late
                    if now - s.since - starved[s.rank] + self.poll_s > limit
-                   or now - s.since + self.poll_s > STARVED_CAP * limit]
+                   or now - s.since + self.poll_s > min(STARVED_CAP * limit, max(limit, self.limits.phase_s))]
         if not overdue:
             return None
+        # Once one is overdue, every rank past its limit is a suspect (a starved rank given
+        # more credit than a peer that waits for it may not be overdue yet).
+        overdue = late
         states = {s.rank: process_state(s.pid) for s, _ in overdue}
         # A stopped rank first, then one still busy while its peers sleep in a collective,
-        # then the one furthest behind.
+        # then the one furthest behind, then the one that waited least for a CPU.
         s, limit = min(overdue, key=lambda o: ({"T": 0, "t": 0, "R": 1, "D": 1}.get(states[o[0].rank], 2),
-                                               o[0].step, o[0].rank))
+                                               o[0].step, own[o[0].rank], o[0].rank))
         waited = f"; {starved[s.rank]:.1f} s of it a wait for a CPU" if starved[s.rank] >= 0.1 else ""
         return {"cause": f"rank {s.rank} made no progress in phase {s.phase} for "
                          f"{now - s.since:.1f} s (limit {limit:.1f} s{waited})",
@@ -140,13 +146,15 @@ class Watchdog:
                 "suspects": [{"rank": o.rank, "state": states[o.rank], "step": o.step}
                              for o, _ in overdue]}
 
-    def _starved(self, slots: list[Slot]) -> dict[int, float]:
-        """Per rank: the longest any rank of this board in its phase and step has waited for
-        a CPU since the watchdog first saw that phase (the ranks of a step wait for the
-        slowest of them)."""
+    def _starved(self, slots: list[Slot]) -> tuple[dict[int, float], dict[int, float]]:
+        """Per rank: how long it waited for a CPU since the watchdog first saw its phase, and
+        its credit: the longest such wait of any rank of this board at its step or an
+        earlier one (a rank waits in a collective for those behind it: one that left a
+        step's last collective and started the next waits for one starved before that)."""
         own = {}
         for s in slots:
             base = self.queued[s.rank][2]  # (for this pid and phase: set by this look)
             own[s.rank] = max(0.0, self.waited(s.pid) - base)
-        return {s.rank: max(own[t.rank] for t in slots if (t.phase, t.step) == (s.phase, s.step))
-                for s in slots}
+        active = [t for t in slots if t.phase not in ("done", "idle")]
+        return own, {s.rank: max([own[s.rank], *(own[t.rank] for t in active if t.step <= s.step)])
+                     for s in slots}

@@ -311,3 +311,56 @@ def test_a_process_run_queue_wait_is_read_from_the_kernel() -> None:
             p.wait()
     assert all(0.1 < w < 1.5 for w in waits), waits
     assert runqueue_wait(2**22 + 1) == 0.0  # no such pid
+
+
+@pytest.fixture
+def asleep() -> Iterator[list[int]]:
+    """Two pids of sleeping processes (state S: ranks asleep in a collective)."""
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def test_a_peer_a_step_ahead_shares_the_credit_and_the_running_starved_rank_is_named(
+        asleep: list[int]) -> None:
+    """Rank 1 left step 10's last collective and sleeps in step 11's, waiting for rank 0,
+    starved before it could leave step 10; and with both past their limits the one still
+    running is named, not its sleeping peer."""
+    me, peer = os.getpid(), asleep[0]  # (this process is running when it reads its own state)
+    queue = {me: 0.0, peer: 0.0}
+    dog = Watchdog(LIMITS, waited=lambda pid: queue.get(pid, 0.0))
+    t = trained(dog, 10, 1.0)
+    starved, ahead = slot(0, 10, "step", t + 0.5, pid=me), slot(1, 11, "step", t + 0.8, pid=peer)
+    assert dog.look([starved, ahead], t + 0.9) is None
+    queue[me] = 4.0
+    assert dog.look([starved, ahead], t + 6.0) is None  # 5.2 s in step 11, 4 s of them rank 0's wait
+    hang = dog.look([starved, ahead], t + 9.9)  # rank 1 overdue; rank 0 past its limit too
+    assert hang is not None and hang["rank"] == 0 and hang["state"] == "R"
+    assert sorted(s["rank"] for s in hang["suspects"]) == [0, 1]
+
+
+def test_of_two_asleep_past_the_limit_the_one_that_waited_least_for_a_cpu_is_named(
+        asleep: list[int]) -> None:
+    queue = {asleep[0]: 0.0, asleep[1]: 0.0}
+    dog = Watchdog(LIMITS, waited=lambda pid: queue.get(pid, 0.0))
+    t = trained(dog, 10, 1.0)
+    ranks = [slot(0, 10, "step", t, pid=asleep[0]), slot(1, 10, "step", t, pid=asleep[1])]
+    assert dog.look(ranks, t + 0.1) is None
+    queue[asleep[0]] = 3.0  # rank 0 was starved early in the step, then slept in its collective
+    assert dog.look(ranks, t + 7.9) is None
+    hang = dog.look(ranks, t + 8.1)  # rank 1, asleep all along, is the one that hangs
+    assert hang is not None and hang["rank"] == 1 and hang["starved_s"] == 3.0
+
+
+def test_a_phases_outer_limit_is_never_stretched_by_a_wait_for_a_cpu() -> None:
+    queue = {1: 0.0}
+    dog = Watchdog(LIMITS, waited=lambda pid: queue.get(pid, 0.0))
+    t = trained(dog, 10, 1.0)
+    assert dog.look([slot(0, 10, "save", t, pid=1)], t) is None
+    queue[1] = 90.0
+    assert dog.look([slot(0, 10, "save", t, pid=1)], t + 99.0) is None
+    assert dog.look([slot(0, 10, "save", t, pid=1)], t + 100.5) is not None  # phase_s: 100 s
