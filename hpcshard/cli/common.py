@@ -14,7 +14,6 @@ from typing import Any, NoReturn
 
 import click
 
-from hpcshard.rundir.launchers import launchers
 from hpcshard.rundir.spec import RunSpec, read_spec
 
 
@@ -84,28 +83,6 @@ def read_run(run_dir: Path) -> RunSpec:
         fail(err)
 
 
-def slurm_state(spec: RunSpec) -> dict[str, str] | None:
-    """What Slurm says of the run's newest job; None for a local run."""
-    if spec.backend != "slurm" or not spec.jobs:
-        return None
-    from hpcshard.slurm import cluster
-
-    return cluster.job_state(spec.jobs[-1], since=spec.created)
-
-
-def slurm_runs(spec: RunSpec) -> list[dict[str, Any]] | None:
-    """Accounting's runs of every Slurm job of the run (a requeue is a run); None for a
-    local run or a cluster without accounting."""
-    if spec.backend != "slurm" or not spec.jobs:
-        return None
-    from dataclasses import asdict
-
-    from hpcshard.slurm import cluster
-
-    runs = cluster.history(list(spec.jobs), since=spec.created)
-    return None if runs is None else [asdict(r) for r in runs]
-
-
 def job_states(jobs: list[str], since: float | None = None) -> dict[str, str]:
     """Each job's state: from accounting in one call where the cluster keeps it (the
     newest run of each), else from scontrol, job by job; "unknown" where neither knows it
@@ -117,18 +94,6 @@ def job_states(jobs: list[str], since: float | None = None) -> dict[str, str]:
     runs = cluster.history(jobs, since=since)
     found = {r.job: r.state for r in runs or []}  # a pending array's tasks are one row: A_[2-3]
     return {job: found.get(job) or cluster.job_state(job).get("JobState", "unknown") for job in jobs}
-
-
-def finished(spec: RunSpec, run_dir: Path) -> bool | None:
-    """Nothing of this run is running: True when its newest Slurm job is over (Slurm says it
-    ended, or has forgotten it) or no local launcher lives; None when Slurm did not answer,
-    never taken for over: `resume` would then start a second job on a live run. (Not
-    accounting's word either: it may lag the controller, and cannot say a job is alive.)"""
-    if spec.backend == "slurm" and spec.jobs:
-        from hpcshard.slurm import cluster
-
-        return cluster.query_job(spec.jobs[-1]).over
-    return not launchers(run_dir)
 
 
 def follow_log(log: Path, done: Callable[[], bool | None], interval: float = 1.0) -> None:

@@ -3,8 +3,6 @@ stdlib; Slurm through `hpcshard.slurm`, matplotlib only inside `plot`)."""
 
 from __future__ import annotations
 
-import contextlib
-import signal
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -13,20 +11,17 @@ import click
 
 from hpcshard.cli.common import (
     fail,
-    finished,
     follow_log,
     job_states,
     read_run,
-    slurm_runs,
-    slurm_state,
     spec_of,
     user_errors,
 )
+from hpcshard.launch import backends
 from hpcshard.rundir import ledger, store
-from hpcshard.rundir.launchers import guards, signal_launchers
 from hpcshard.rundir.metrics import read_metrics, train_records
 from hpcshard.rundir.paths import RunPaths
-from hpcshard.rundir.rankenv import NOTICE, short_name, signal_name
+from hpcshard.rundir.rankenv import NOTICE, signal_name
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.rundir.status import attempts, culprit_lines, report
 from hpcshard.rundir.sweep import is_sweep
@@ -45,28 +40,10 @@ def preempt(run_dir: Path, signame: str | None) -> None:
     spec = read_run(run_dir)
     try:
         name = signal_name(signame or spec.slurm.get("signal", NOTICE))
+        said = backends.reaching(spec).notify(spec, run_dir, name)
     except ValueError as err:
         fail(err)
-    if spec.backend == "slurm" and spec.jobs:
-        # The launchers run on compute nodes: their pids mean nothing here. Slurm delivers
-        # the signal to every process of the job's steps, as its own notice does.
-        _scancel("--signal", short_name(name), spec.jobs[-1])
-        click.echo(f"sent {name} to Slurm job {spec.jobs[-1]} ({run_dir})")
-        return
-    sent = signal_launchers(run_dir, getattr(signal, name))
-    if not sent:
-        fail(ValueError(f"no running launcher in {run_dir} (nothing to preempt); "
-                        "is the run still going?"))
-    click.echo(f"sent {name} to {sent} node launcher(s) of {run_dir}")
-
-
-def _scancel(*args: str) -> None:
-    from hpcshard.slurm import cluster
-
-    try:
-        cluster.scancel(*args)
-    except ValueError as err:
-        fail(err)
+    click.echo(said)
 
 
 @click.command()
@@ -91,7 +68,8 @@ def status(target: str, goodput: bool) -> None:
         for line in account(run_dir, spec.created).lines():
             click.echo(line)
         return
-    for line in report(run_dir, asdict(spec), slurm_state(spec), slurm_runs(spec)):
+    backend = backends.reaching(spec)
+    for line in report(run_dir, asdict(spec), backend.state(spec), backend.history(spec)):
         click.echo(line)
 
 
@@ -117,7 +95,7 @@ def logs(target: str, rank: int, follow: bool, culprit: bool, tail: int | None) 
         ranks = sorted(p.stem for p in paths.logs.glob("rank-*.log"))
         fail(ValueError(f"no log for rank {rank} in {paths.logs}; there are: "
                         f"{', '.join(ranks) or 'none yet'}"))
-    follow_log(log, (lambda: True) if not follow else (lambda: finished(spec, run_dir)))
+    follow_log(log, (lambda: True) if not follow else (lambda: backends.reaching(spec).over(spec, run_dir)))
 
 
 def _culprit_log(run_dir: Path, tail: int) -> None:
@@ -141,37 +119,11 @@ def cancel(target: str) -> None:
             click.echo(cancel_sweep(Path(target)))
         return
     run_dir, spec = spec_of(target)
-    if spec.backend == "slurm" and spec.jobs:
-        from hpcshard.slurm import cluster
-
-        for job in guards(run_dir):  # first: a cancelled job is what a guard waits for
-            with contextlib.suppress(ValueError):  # one that ran or Slurm dropped
-                cluster.scancel(job)
-        _scancel(spec.jobs[-1])
-        click.echo(f"cancelled Slurm job {spec.jobs[-1]} ({run_dir})")
-        return
-    sent = signal_launchers(run_dir, signal.SIGTERM)
-    if not sent and _signal_owner(run_dir, signal.SIGTERM):
-        # Between two attempts (a requeue on the local backend) no launcher runs: the command
-        # that owns the run starts no other one once it has this.
-        click.echo(f"cancelled {run_dir} between two attempts (its command will start no other)")
-        return
-    if not sent:
-        fail(ValueError(f"no running launcher in {run_dir}; nothing to cancel"))
-    click.echo(f"cancelled {sent} node launcher(s) of {run_dir}")
-
-
-def _signal_owner(run_dir: Path, sig: int) -> bool:
-    """Signal the local process that owns the run (`rundir.lease`), if it runs on this host."""
-    from dataclasses import asdict
-
-    from hpcshard.rundir import lease, proc
-
     try:
-        owner = lease.read(run_dir)
-    except (lease.Busy, OSError):
-        return False
-    return owner is not None and owner.process is not None and proc.signal(asdict(owner.process), sig)
+        said = backends.reaching(spec).cancel(spec, run_dir)
+    except ValueError as err:
+        fail(err)
+    click.echo(said)
 
 
 @click.command("ls")
@@ -202,19 +154,19 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
         if not runs:
             return
     specs = [RunSpec.read(run_dir) for run_dir in runs]
-    on_slurm = [spec for spec in specs if spec.backend == "slurm" and spec.jobs]
-    slurm = job_states([spec.jobs[-1] for spec in on_slurm],
-                       since=min((spec.created for spec in on_slurm), default=None))
+    jobs = [backends.reaching(spec).job(spec) for spec in specs]
+    queued = [spec for spec, job in zip(specs, jobs, strict=True) if job]
+    slurm = job_states([job for job in jobs if job], since=min((s.created for s in queued), default=None))
     click.echo(f"{'run':<32} {'backend':<7} {'shape':>5} {'step':>11} {'loss':>7} {'state':<9} "
                f"{'slurm':<11} age")
-    for run_dir, spec in zip(runs, specs, strict=True):
+    for run_dir, spec, job_id in zip(runs, specs, jobs, strict=True):
         total = spec.resolved.get("config", {}).get("steps", "?")
         train = train_records(read_metrics(run_dir))
         rows = attempts(run_dir)
         state = rows[-1].reason if rows else "new"
         step = f"{train[-1]['step'] if train else 0}/{total}"
         loss = f"{train[-1]['loss']:.3f}" if train else "-"
-        job = slurm.get(spec.jobs[-1], "?") if spec.backend == "slurm" and spec.jobs else "-"
+        job = slurm.get(job_id, "?") if job_id else "-"
         click.echo(f"{run_dir.name:<32} {spec.backend:<7} {f'{spec.nodes}x{spec.gpus}':>5} {step:>11} "
                    f"{loss:>7} {state:<9} {job:<11} {store.age(spec.created)}")
 

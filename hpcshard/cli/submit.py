@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 import click
 
 from hpcshard import script, site
-from hpcshard.cli.common import fail, finished, follow_log, user_errors
+from hpcshard.cli.common import fail, follow_log, user_errors
 from hpcshard.cli.options import (
     RESUME,
     SETS,
@@ -31,6 +31,7 @@ from hpcshard.cli.options import (
     spare_options,
 )
 from hpcshard.config import parse_sets
+from hpcshard.launch import backends
 from hpcshard.rundir import lease, ledger, store
 from hpcshard.rundir.ledger import bad_slurm_nodes, next_attempt
 from hpcshard.rundir.metrics import METRICS, last_record
@@ -56,7 +57,7 @@ def pick_backend(backend: str) -> str:
         return backend
     from hpcshard.slurm import cluster
 
-    return "slurm" if cluster.available() else "local"
+    return backends.SLURM if cluster.available() else backends.LOCAL
 
 
 @click.command()
@@ -84,8 +85,7 @@ def submit(job: str | None, nodes: int | None, run_dir: Path | None, name: str |
     create_run_dir(run_dir, spec.run_group)
     # Two commands given one new --run-dir at once both found it empty: one gets the run.
     claim = take_run(run_dir, "hpcshard submit")
-    if spec.backend == "slurm":
-        assert req is not None
+    if req is not None:  # (built for a backend that queues the run)
         _submit_slurm(spec, run_dir, req, resume, follow, claim, fresh=True)
     _launch(spec, run_dir, resume, claim)
 
@@ -126,7 +126,7 @@ def render_cmd(job: str | None, nodes: int | None, run_dir: Path | None, name: s
     from hpcshard.slurm.submit import sbatch_text
 
     spec, run_dir, req = _prepare(job, nodes or 1, run_dir, name, "auto", sets, profile,
-                                  {**opts, "backend": "slurm"}, check_cluster=False,
+                                  {**opts, "backend": backends.SLURM}, check_cluster=False,
                                   check_job=check, module=module, args=args)
     assert req is not None
     click.echo(sbatch_text(req, run_dir.resolve()), nl=False)
@@ -182,7 +182,7 @@ def _prepare(job: str | None, nodes: int, run_dir: Path | None, name: str | None
                         script=own)
         check_spares(spec)
         req = None
-        if spec.backend == "slurm":
+        if backends.of(spec).in_queue:
             req = SbatchRequest.from_settings(v, res.template_dirs, job_name=spec.name,
                                               nodes=spec.nodes, gpus=spec.gpus, run_dir=run_dir,
                                               spares=spec.spares, min_nodes=spec.min_nodes)
@@ -332,9 +332,9 @@ def _resumed(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | N
     the sbatch request on Slurm; every check of `resume`."""
     with user_errors():
         spec = read_spec(run_dir)
-        if spec.backend == "slurm":  # the new job takes them from this environment again
+        if backends.of(spec).in_queue:  # the new job takes them from this environment again
             check_secrets(spec.slurm.get("secrets", []), spec.slurm.get("env", {}), spec.profile)
-        over = finished(spec, run_dir)
+        over = backends.reaching(spec).over(spec, run_dir)
         if over is None:
             raise ValueError(f"Slurm did not answer whether job {spec.jobs[-1]} of {run_dir} is still "
                              "running, so nothing was submitted; try again once `scontrol ping` answers")
@@ -349,7 +349,7 @@ def _resumed(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | N
         check_spares(spec)
         spec.sets = {**spec.sets, **parse_sets(sets)}
         req = None
-        if spec.backend == "slurm":  # the same sbatch settings, on the (new) shape
+        if backends.of(spec).in_queue:  # the same sbatch settings, on the (new) shape
             from hpcshard.slurm import cluster
 
             old = spec.slurm

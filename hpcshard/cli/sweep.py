@@ -20,6 +20,7 @@ from hpcshard import site
 from hpcshard.cli.common import fail, job_states, table, user_errors
 from hpcshard.cli.options import SETS, setting_option, settings, shape_options, slurm_options, spare_options
 from hpcshard.config import parse_sets
+from hpcshard.launch import backends
 from hpcshard.rundir import lease, store
 from hpcshard.rundir.launchers import launchers, signal_launchers
 from hpcshard.rundir.metrics import read_metrics, train_records
@@ -88,7 +89,7 @@ def sweep(job: str, nodes: int | None, grid: tuple[str, ...], configs_file: Path
                           requeue_policy="requeue") for i, config in enumerate(configs)]
         check_spares(specs[0])
         req = None
-        if backend == "slurm":
+        if backends.BACKENDS[backend].in_queue:
             req = _array_request(v, res, name, specs[0], root, len(configs), max_parallel)
         for spec, resolved in zip(specs, preflight_many(specs, configs), strict=True):
             spec.resolved = resolved
@@ -176,7 +177,7 @@ def cancel_sweep(root: Path) -> str:
     record = Sweep.read(root)
     (root / CANCELLED).write_text(f"{time.time()}\n")
     specs = [RunSpec.read(record.task_dir(root, i)) for i in range(len(record.configs))]
-    jobs = [spec.jobs[-1] for spec in specs if spec.backend == "slurm" and spec.jobs]
+    jobs = [job for spec in specs if (job := backends.reaching(spec).job(spec))]
     if jobs:
         from hpcshard.slurm import cluster
 
@@ -243,7 +244,8 @@ def task_rows(root: Path) -> list[tuple[str, str, str, str, str, str]]:
     """Each run of the sweep: task, configuration, state, step, best eval loss, attempts."""
     record = Sweep.read(root)
     specs = [RunSpec.read(record.task_dir(root, i)) for i in range(len(record.configs))]
-    slurm = job_states([s.jobs[-1] for s in specs if s.backend == "slurm" and s.jobs], since=record.created)
+    jobs = [backends.of(spec).job(spec) for spec in specs]
+    slurm = job_states([job for job in jobs if job], since=record.created)
     rows = []
     for i, (spec, config) in enumerate(zip(specs, record.configs, strict=True)):
         run = record.task_dir(root, i)
@@ -251,8 +253,9 @@ def task_rows(root: Path) -> list[tuple[str, str, str, str, str, str]]:
         train = train_records(records)
         evals = [r["eval_loss"] for r in records if r.get("eval_loss") is not None and "event" not in r]
         tried = attempts(run)
-        if spec.backend == "slurm":
-            state = slurm.get(spec.jobs[-1], "-") if spec.jobs else "new"
+        if backends.of(spec).in_queue:
+            job = jobs[i]
+            state = slurm.get(job, "-") if job else "new"
         else:
             state = "running" if launchers(run) else (tried[-1].reason if tried else "waiting")
         total = spec.resolved.get("config", {}).get("steps", "?")

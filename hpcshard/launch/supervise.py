@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hpcshard.launch import coord, exclusion, health, policy
+from hpcshard.launch import backends, coord, exclusion, health, policy
 from hpcshard.launch.liveness import BEAT_S, LOST_S, UNHEARD_S, Peers
 from hpcshard.launch.policy import Decision, Facts
 from hpcshard.launch.ports import listen_ports
@@ -892,9 +892,9 @@ class Supervisor:
         # host's listing may not for NFS's directory cache (30-60 s).
         committed = max([self._committed(), *(int(d.get("committed") or 0) for d in downs)])
         facts = Facts(cycle=cycle, active=self.roster.active, spares=self.roster.spares,
-                      min_nodes=self.spec.min_nodes, local=self.spec.backend == "local", lost=tuple(lost),
-                      unreported=tuple(n for n in missing if n not in lost), ended=ended, bad=bad,
-                      noticed=noticed,
+                      min_nodes=self.spec.min_nodes, local=not backends.of(self.spec).in_queue,
+                      lost=tuple(lost), unreported=tuple(n for n in missing if n not in lost),
+                      ended=ended, bad=bad, noticed=noticed,
                       bug=self._same_bug(cycle), stalled=self._stalled(cycle, committed),
                       committed=committed, storage=storage, max_restarts=self.spec.max_restarts,
                       no_progress_restarts=self.spec.no_progress_restarts)

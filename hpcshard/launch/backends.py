@@ -1,0 +1,148 @@
+"""Where a run's processes live, behind one interface: the local backend (emulated nodes as
+processes of this host, `launch.local`) and Slurm (a batch job whose launchers run on
+compute nodes, `launch.slurm`). What the login node's commands do to a run that already
+exists (is it over, what does the scheduler say of it, send it a notice, cancel it) goes
+through `reaching(spec)`, what the launchers need to know through `of(spec)`; nothing else
+compares a run's backend name.
+
+Submitting is not here yet: `cli.submit` builds the sbatch request or runs the local
+launcher itself (issue 28's request builder).
+
+Login-node code: the stdlib and `hpcshard.slurm` (imported when a Slurm run asks), never
+torch or click. A user error is a ValueError with the one line to show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, ClassVar
+
+from hpcshard.rundir import lease, proc
+from hpcshard.rundir.launchers import guards, launchers, signal_launchers
+from hpcshard.rundir.rankenv import short_name
+from hpcshard.rundir.spec import RunSpec
+
+LOCAL, SLURM = "local", "slurm"
+"""The backends' names, as RunSpec.backend and `--backend` spell them."""
+
+
+class Backend:
+    """The local backend: the run's launchers are processes of this host (pid files in the
+    run directory), owned by the command that started them."""
+
+    name: ClassVar[str] = LOCAL
+    in_queue: ClassVar[bool] = False
+    """A scheduler queues the run's jobs: requeues, guards and continuation jobs are its."""
+
+    def job(self, spec: RunSpec) -> str | None:
+        """The run's newest scheduler job (None: none, or no scheduler)."""
+        return None
+
+    def state(self, spec: RunSpec) -> dict[str, str] | None:
+        """What the scheduler says of the newest job (None: no scheduler)."""
+        return None
+
+    def history(self, spec: RunSpec) -> list[dict[str, Any]] | None:
+        """Accounting's runs of every job of the run (None: no scheduler or no accounting)."""
+        return None
+
+    def over(self, spec: RunSpec, run_dir: Path) -> bool | None:
+        """Nothing of the run is running (None: the scheduler did not answer)."""
+        return not launchers(run_dir)
+
+    def notify(self, spec: RunSpec, run_dir: Path, name: str) -> str:
+        """Send the run the notice signal `name` (SIGUSR2, ...), as Slurm would."""
+        sent = signal_launchers(run_dir, getattr(signal, name))
+        if not sent:
+            raise ValueError(f"no running launcher in {run_dir} (nothing to preempt); "
+                             "is the run still going?")
+        return f"sent {name} to {sent} node launcher(s) of {run_dir}"
+
+    def cancel(self, spec: RunSpec, run_dir: Path) -> str:
+        """Stop the run now, without a checkpoint."""
+        sent = signal_launchers(run_dir, signal.SIGTERM)
+        if not sent and _signal_owner(run_dir, signal.SIGTERM):
+            # Between two attempts (a requeue on the local backend) no launcher runs: the
+            # command that owns the run starts no other one once it has this.
+            return f"cancelled {run_dir} between two attempts (its command will start no other)"
+        if not sent:
+            raise ValueError(f"no running launcher in {run_dir}; nothing to cancel")
+        return f"cancelled {sent} node launcher(s) of {run_dir}"
+
+
+class Slurm(Backend):
+    """Slurm: the run's launchers are a batch job's steps on compute nodes (their pids mean
+    nothing here); Slurm delivers signals and keeps the job's state."""
+
+    name: ClassVar[str] = SLURM
+    in_queue: ClassVar[bool] = True
+
+    def job(self, spec: RunSpec) -> str | None:
+        return spec.jobs[-1] if spec.jobs else None
+
+    def state(self, spec: RunSpec) -> dict[str, str] | None:
+        from hpcshard.slurm import cluster
+
+        return cluster.job_state(spec.jobs[-1], since=spec.created)
+
+    def history(self, spec: RunSpec) -> list[dict[str, Any]] | None:
+        from hpcshard.slurm import cluster
+
+        runs = cluster.history(list(spec.jobs), since=spec.created)
+        return None if runs is None else [asdict(r) for r in runs]
+
+    def over(self, spec: RunSpec, run_dir: Path) -> bool | None:
+        """Slurm says the newest job ended, or has forgotten it; None when it does not
+        answer, never taken for over (`resume` would start a second job on a live run).
+        Not accounting's word either: it may lag the controller."""
+        from hpcshard.slurm import cluster
+
+        return cluster.query_job(spec.jobs[-1]).over
+
+    def notify(self, spec: RunSpec, run_dir: Path, name: str) -> str:
+        from hpcshard.slurm import cluster
+
+        # Slurm delivers the signal to every process of the job's steps, as its own notice does.
+        cluster.scancel("--signal", short_name(name), spec.jobs[-1])
+        return f"sent {name} to Slurm job {spec.jobs[-1]} ({run_dir})"
+
+    def cancel(self, spec: RunSpec, run_dir: Path) -> str:
+        from hpcshard.slurm import cluster
+
+        for job in guards(run_dir):  # first: a cancelled job is what a guard waits for
+            with contextlib.suppress(ValueError):  # one that ran or Slurm dropped
+                cluster.scancel(job)
+        cluster.scancel(spec.jobs[-1])
+        return f"cancelled Slurm job {spec.jobs[-1]} ({run_dir})"
+
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in (Backend(), Slurm())}
+
+
+def of(spec: RunSpec) -> Backend:
+    """The run's backend, as it was submitted with."""
+    backend = BACKENDS.get(spec.backend)
+    if backend is None:
+        raise ValueError(f"backend {spec.backend!r} of run {spec.name!r} is not one of "
+                         f"{', '.join(BACKENDS)}; its spec.json was written by something else")
+    return backend
+
+
+def reaching(spec: RunSpec) -> Backend:
+    """The backend that reaches the run's processes from this host. A Slurm run none of
+    whose jobs was submitted yet (a sweep's task before its array, an sbatch that refused)
+    has no job to ask: only processes of this host could be its, as on the local backend."""
+    backend = of(spec)
+    return backend if not backend.in_queue or backend.job(spec) is not None else BACKENDS[LOCAL]
+
+
+def _signal_owner(run_dir: Path, sig: int) -> bool:
+    """Signal the local process that owns the run (`rundir.lease`), if it runs on this host."""
+    try:
+        owner = lease.read(run_dir)
+    except (lease.Busy, OSError):
+        return False
+    return owner is not None and owner.process is not None and proc.signal(asdict(owner.process), sig)
