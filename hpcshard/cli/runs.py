@@ -155,8 +155,9 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
             return
     specs = [RunSpec.read(run_dir) for run_dir in runs]
     jobs = [backends.reaching(spec).job(spec) for spec in specs]
-    queued = [spec for spec, job in zip(specs, jobs, strict=True) if job]
-    slurm = job_states([job for job in jobs if job], since=min((s.created for s in queued), default=None))
+    queued = [spec for spec, job in zip(specs, jobs, strict=True) if job is not None]
+    slurm = job_states([job for job in jobs if job is not None],
+                       since=min((s.created for s in queued), default=None))
     click.echo(f"{'run':<32} {'backend':<7} {'shape':>5} {'step':>11} {'loss':>7} {'state':<9} "
                f"{'slurm':<11} age")
     for run_dir, spec, job_id in zip(runs, specs, jobs, strict=True):
@@ -166,7 +167,7 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
         state = rows[-1].reason if rows else "new"
         step = f"{train[-1]['step'] if train else 0}/{total}"
         loss = f"{train[-1]['loss']:.3f}" if train else "-"
-        job = slurm.get(job_id, "?") if job_id else "-"
+        job = slurm.get(job_id, "?") if job_id is not None else "-"
         click.echo(f"{run_dir.name:<32} {spec.backend:<7} {f'{spec.nodes}x{spec.gpus}':>5} {step:>11} "
                    f"{loss:>7} {state:<9} {job:<11} {store.age(spec.created)}")
 

@@ -177,7 +177,7 @@ def cancel_sweep(root: Path) -> str:
     record = Sweep.read(root)
     (root / CANCELLED).write_text(f"{time.time()}\n")
     specs = [RunSpec.read(record.task_dir(root, i)) for i in range(len(record.configs))]
-    jobs = [job for spec in specs if (job := backends.reaching(spec).job(spec))]
+    jobs = [job for spec in specs if (job := backends.reaching(spec).job(spec)) is not None]
     if jobs:
         from hpcshard.slurm import cluster
 
@@ -245,7 +245,7 @@ def task_rows(root: Path) -> list[tuple[str, str, str, str, str, str]]:
     record = Sweep.read(root)
     specs = [RunSpec.read(record.task_dir(root, i)) for i in range(len(record.configs))]
     jobs = [backends.of(spec).job(spec) for spec in specs]
-    slurm = job_states([job for job in jobs if job], since=record.created)
+    slurm = job_states([job for job in jobs if job is not None], since=record.created)
     rows = []
     for i, (spec, config) in enumerate(zip(specs, record.configs, strict=True)):
         run = record.task_dir(root, i)
@@ -255,7 +255,7 @@ def task_rows(root: Path) -> list[tuple[str, str, str, str, str, str]]:
         tried = attempts(run)
         if backends.of(spec).in_queue:
             job = jobs[i]
-            state = slurm.get(job, "-") if job else "new"
+            state = slurm.get(job, "-") if job is not None else "new"
         else:
             state = "running" if launchers(run) else (tried[-1].reason if tried else "waiting")
         total = spec.resolved.get("config", {}).get("steps", "?")

@@ -892,7 +892,7 @@ class Supervisor:
         # host's listing may not for NFS's directory cache (30-60 s).
         committed = max([self._committed(), *(int(d.get("committed") or 0) for d in downs)])
         facts = Facts(cycle=cycle, active=self.roster.active, spares=self.roster.spares,
-                      min_nodes=self.spec.min_nodes, local=not backends.of(self.spec).in_queue,
+                      min_nodes=self.spec.min_nodes, local=backends.is_local(self.spec),
                       lost=tuple(lost), unreported=tuple(n for n in missing if n not in lost),
                       ended=ended, bad=bad, noticed=noticed,
                       bug=self._same_bug(cycle), stalled=self._stalled(cycle, committed),

@@ -31,9 +31,13 @@ def test_which_backend_reaches_a_run(backend: str, jobs: tuple[str, ...], reachi
     assert backends.of(run).in_queue is in_queue
 
 
-def test_a_spec_of_an_unknown_backend_is_one_line() -> None:
-    with pytest.raises(ValueError, match="backend 'pbs' of run 'r' is not one of local, slurm"):
-        backends.of(spec("pbs"))
+def test_a_spec_of_a_backend_neither_knows_is_reached_as_a_local_run_but_is_not_local(tmp_path: Path) -> None:
+    """A spec.json written by something else: commands treat it as the local backend did
+    before (no scheduler to ask), and a launcher does not take it for a local run."""
+    run = spec("pbs", ("5",))
+    assert backends.of(run).name == backends.reaching(run).name == backends.LOCAL
+    assert not backends.is_local(run) and backends.is_local(spec("local"))
+    assert backends.reaching(run).over(run, tmp_path) is True
 
 
 def test_slurm_sends_the_notice_and_cancels_through_scancel(tmp_path: Path,
@@ -59,20 +63,49 @@ def test_the_local_backend_says_when_no_launcher_runs(tmp_path: Path) -> None:
     assert backends.reaching(run).state(run) is None and backends.reaching(run).history(run) is None
 
 
+def _names_a_backend(node: ast.AST) -> bool:
+    """A backend's name, as a string or as the module's constant, alone or in a tuple,
+    set or list."""
+    if isinstance(node, ast.Constant):
+        return node.value in (backends.LOCAL, backends.SLURM)
+    if isinstance(node, ast.Name | ast.Attribute):
+        return (node.id if isinstance(node, ast.Name) else node.attr) in ("LOCAL", "SLURM")
+    if isinstance(node, ast.Tuple | ast.Set | ast.List):
+        return any(_names_a_backend(e) for e in node.elts)
+    return False
+
+
+def comparisons_of_backend_names(source: str) -> list[int]:
+    """Lines comparing anything with a backend's name: `==`, `!=`, `in`, a `match` case, a
+    `.startswith`."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Compare) and any(map(_names_a_backend, [node.left, *node.comparators])):
+            lines.append(node.lineno)
+        elif isinstance(node, ast.match_case) and any(
+                _names_a_backend(n) for n in ast.walk(node.pattern) if isinstance(n, ast.expr)):
+            lines.append(node.pattern.lineno)
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+              and node.func.attr in ("startswith", "endswith") and any(map(_names_a_backend, node.args))):
+            lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("line", [
+    'x = spec.backend == "slurm"', 'x = "local" != backend', 'x = kind in ("slurm",)',
+    'x = k in {"local"}', "x = spec.backend == backends.SLURM", 'x = d.get("backend") == "slurm"',
+    'x = (s.backend or "") == "local"', 'x = s.backend.lower().startswith("slurm")',
+    'match s.backend:\n    case "slurm":\n        pass',
+])
+def test_the_source_walk_finds_a_comparison_in_any_form(line: str) -> None:
+    assert comparisons_of_backend_names(line)
+
+
 def test_no_module_but_the_backends_compares_a_backend_name() -> None:
-    """`x.backend == "slurm"`, `backend != "local"`, ...: every such decision is a backend's."""
-    names = {backends.LOCAL, backends.SLURM}
+    """Every decision by a run's backend is a backend's (`launch.backends`)."""
     found = []
     for path in sorted((ROOT / "hpcshard").rglob("*.py")):
         if path.name == "backends.py" and path.parent.name == "launch":
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not isinstance(node, ast.Compare):
-                continue
-            sides = [node.left, *node.comparators]
-            named = any(isinstance(s, ast.Constant) and s.value in names for s in sides)
-            about = any((isinstance(s, ast.Attribute) and s.attr == "backend")
-                        or (isinstance(s, ast.Name) and s.id == "backend") for s in sides)
-            if named and about:
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+        found += [f"{path.relative_to(ROOT)}:{n}" for n in comparisons_of_backend_names(path.read_text())]
     assert not found, found
