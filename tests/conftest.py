@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from filelock import FileLock
@@ -48,6 +50,46 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
                      "slurm-nfs" if item.get_closest_marker("nfs_partition") else "slurm")
         if group:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+CPU_AT_SETUP = pytest.StashKey[float]()
+CPU_SHOWN = 25
+"""The suite's costliest tests by CPU, listed at its end (what to shorten: the suite is
+CPU-bound on 2 cores)."""
+
+
+def cpu_seconds() -> float:
+    """User and system CPU of this process and of every descendant it has waited for (a
+    test's CLI, launchers and ranks; not a Slurm job's, whose processes are slurmd's)."""
+    own, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    item.stash[CPU_AT_SETUP] = cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None],
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if call.when == "teardown" and CPU_AT_SETUP in item.stash:  # (fixtures it started included)
+        report.user_properties.append(("cpu_s", cpu_seconds() - item.stash[CPU_AT_SETUP]))
+    return report
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    costs = sorted(((value, report.nodeid) for reports in terminalreporter.stats.values()
+                    for report in reports for key, value in getattr(report, "user_properties", ())
+                    if key == "cpu_s"), reverse=True)
+    if not costs:
+        return
+    total = sum(cost for cost, _ in costs)
+    terminalreporter.write_sep("=", f"CPU seconds by test: {total:.0f} in all, the {CPU_SHOWN} costliest")
+    for cost, nodeid in costs[:CPU_SHOWN]:
+        terminalreporter.write_line(f"{cost:8.1f}s {100 * cost / total:5.1f}%  {nodeid}")
 
 
 @pytest.fixture(autouse=True)
