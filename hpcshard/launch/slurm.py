@@ -267,6 +267,8 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     # 0 with its own timeout bookkeeping). run_node replaces it: the notice goes to the ranks.
     code = run_node(node_env(slurm, per_node), run, stop_signal=ranks.notice_signal)
     # One launcher sends the job on: node 0's, unless it was lost.
+    if code == REQUEUE_EXIT:
+        _await_end(run, slurm, attempt)
     if code == REQUEUE_EXIT and launchers.claim(run, f"continue-{attempt}"):
         orphan = _orphaned(run, slurm, attempt) if policy == "chain" else ""
         _continue(run, slurm, attempt, first_attempt, max_requeues, policy, owner, after=not orphan)
@@ -341,6 +343,28 @@ def _fewer_nodes(run: Path, slurm: SlurmEnv, attempt: int, bad: list[str]) -> in
         f"{usable} usable node(s); it needs {fewest}: continue elsewhere with "
         f"`hpcshard resume {run} --nodes N`"))
     return 0
+
+
+END_WAIT_S = 10.0
+"""How long a launcher other than node 0's gives the attempt's end record before it may send
+the job on (`_await_end`)."""
+
+
+def _await_end(run: Path, slurm: SlurmEnv, attempt: int) -> None:
+    """A script's attempt is closed by the cycle's leader (node 0's launcher unless it was
+    lost: `node._script_outcome`), after its own ranks exit. A requeue kills the job's
+    every process: another launcher that won the claim first cut that record off (seen on
+    a busy machine: an attempt with a start and a requeue, no end). The others give it up
+    to END_WAIT_S; none waits for more, nor decides by it (a lost node 0 writes nothing, and
+    NFS may show the record late)."""
+    if slurm.node_id == 0:
+        return
+    deadline = time.monotonic() + END_WAIT_S
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if ledger.end_of(run, attempt) is not None:
+                return
+        time.sleep(0.2)
 
 
 def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_requeues: int,

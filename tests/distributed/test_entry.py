@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 from hpcshard.launch.procs import children
@@ -24,12 +23,29 @@ def rank_pids(run: Path) -> list[int]:
             for rank in children(agent)]
 
 
+def catches(pid: int, sig: int) -> bool:
+    """The process has a handler for `sig` (/proc/PID/status SigCgt): past the entry point's
+    first lines. Until then a notice would be lost (a fork not yet exec'd) or kill it."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        # (exec'd: not a fork of the agent yet)
+        entry = b"hpcshard.entry" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    if not entry:
+        return False
+    caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
+    return bool(int(caught, 16) >> (sig - 1) & 1)
+
+
 def test_a_notice_during_start_up_stops_the_run_at_the_first_boundary(tmp_path: Path) -> None:
     run = tmp_path / "early"
     proc = hpcshard_bg("submit", "--nodes", "1", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
                        "--max-requeues", "0", *sets(steps=200), env={"HPCSHARD_WARM_START": "0"})
     wait_for(lambda: len(rank_pids(run)) == 2, 120, "both ranks to start")
-    time.sleep(0.3)  # past the entry point's first lines, long before torch has loaded
+    # past the entry point's first lines, long before torch has loaded (on a busy machine
+    # 0.3 s after the ranks appeared was not always past them: the notice was lost)
+    wait_for(lambda: all(catches(pid, signal.SIGUSR2) for pid in rank_pids(run)), 60, "the notice's handler")
     assert not (run / "metrics.jsonl").exists()  # still starting up
     for pid in rank_pids(run):
         os.kill(pid, signal.SIGUSR2)

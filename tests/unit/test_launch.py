@@ -390,3 +390,29 @@ def test_listen_ports_are_picked_below_the_ephemeral_range(monkeypatch: pytest.M
             s.bind(("127.0.0.1", port))  # (free: given back once picked)
     monkeypatch.setattr(ports, "ephemeral_low", lambda: ports.LOW + 10)  # no room below it
     assert len(set(ports.listen_ports(2, "127.0.0.1"))) == 2
+
+
+def test_a_launcher_other_than_node_0s_gives_the_attempts_end_record_time_before_it_requeues(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A requeue kills every process of the job: node 1's launcher, first to claim the
+    continuation, once cut node 0's end record of a script's attempt off. It now waits for
+    that record (bounded: a lost node 0 writes none); node 0's launcher never waits."""
+    import threading
+
+    from hpcshard.launch import slurm
+    from hpcshard.rundir import ledger
+
+    monkeypatch.setattr(slurm, "END_WAIT_S", 0.6)
+    zero = slurm.SlurmEnv(job_id="9", ref="9", nodes=["n1", "n2"], node_id=0, restart_count=0, gpus_on_node=1)
+    one = slurm.SlurmEnv(job_id="9", ref="9", nodes=["n1", "n2"], node_id=1, restart_count=0, gpus_on_node=1)
+    started = time.monotonic()
+    slurm._await_end(tmp_path, zero, 0)
+    assert time.monotonic() - started < 0.3
+    slurm._await_end(tmp_path, one, 0)  # nothing written: it gives up after END_WAIT_S
+    assert 0.6 <= time.monotonic() - started < 1.5
+    timer = threading.Timer(0.3, lambda: ledger.append(tmp_path, events.End(attempt=1, reason="stop")))
+    timer.start()
+    begun = time.monotonic()
+    slurm._await_end(tmp_path, one, 1)  # returns once the record is there
+    timer.join()
+    assert ledger.end_of(tmp_path, 1) is not None and time.monotonic() - begun < 0.55
