@@ -268,7 +268,7 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     code = run_node(node_env(slurm, per_node), run, stop_signal=ranks.notice_signal)
     # One launcher sends the job on: node 0's, unless it was lost.
     if code == REQUEUE_EXIT:
-        _await_end(run, slurm, attempt)
+        _await_end(run, attempt, END_WAIT_S + float(spec.script.get("grace", 60) if spec.script else 0))
     if code == REQUEUE_EXIT and launchers.claim(run, f"continue-{attempt}"):
         orphan = _orphaned(run, slurm, attempt) if policy == "chain" else ""
         _continue(run, slurm, attempt, first_attempt, max_requeues, policy, owner, after=not orphan)
@@ -346,25 +346,28 @@ def _fewer_nodes(run: Path, slurm: SlurmEnv, attempt: int, bad: list[str]) -> in
 
 
 END_WAIT_S = 10.0
-"""How long a launcher other than node 0's gives the attempt's end record before it may send
-the job on (`_await_end`)."""
+"""How long a launcher gives the attempt's end record before it may send the job on, beyond
+a script's grace period (`_await_end`)."""
+END_POLL_S = 0.5
 
 
-def _await_end(run: Path, slurm: SlurmEnv, attempt: int) -> None:
-    """A script's attempt is closed by the cycle's leader (node 0's launcher unless it was
-    lost: `node._script_outcome`), after its own ranks exit. A requeue kills the job's
-    every process: another launcher that won the claim first cut that record off (seen on
-    a busy machine: an attempt with a start and a requeue, no end). The others give it up
-    to END_WAIT_S; none waits for more, nor decides by it (a lost node 0 writes nothing, and
-    NFS may show the record late)."""
-    if slurm.node_id == 0:
-        return
-    deadline = time.monotonic() + END_WAIT_S
-    while time.monotonic() < deadline:
+def _await_end(run: Path, attempt: int, within: float) -> None:
+    """The attempt is closed by its cycle's leader: rank 0 of an hpcshard job, or for a
+    script the leader's launcher (node 0's unless it was lost or left out,
+    `node._script_outcome`) once its own ranks exit, a save on the notice taking up to the
+    script's grace. A requeue kills the job's every process: a launcher whose ranks exited
+    first and that won the claim to send the job on cut that record off (seen on a busy
+    machine: an attempt with a start and a requeue, no end), and with it a save still under
+    way. Every launcher gives the record up to `within` seconds (the leader finds its own at
+    once); none decides by it: a lost leader writes none, and NFS may show it late."""
+    deadline = time.monotonic() + within
+    while True:
         with contextlib.suppress(OSError):
             if ledger.end_of(run, attempt) is not None:
                 return
-        time.sleep(0.2)
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(END_POLL_S)
 
 
 def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_requeues: int,

@@ -25,14 +25,11 @@ def rank_pids(run: Path) -> list[int]:
 
 def catches(pid: int, sig: int) -> bool:
     """The process has a handler for `sig` (/proc/PID/status SigCgt): past the entry point's
-    first lines. Until then a notice would be lost (a fork not yet exec'd) or kill it."""
+    first line. Until then the notice is lost: the agent ignores it (SIG_IGN), and its forks
+    keep that until the entry point sets the handler."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
-        # (exec'd: not a fork of the agent yet)
-        entry = b"hpcshard.entry" in Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
-        return False
-    if not entry:
         return False
     caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
     return bool(int(caught, 16) >> (sig - 1) & 1)

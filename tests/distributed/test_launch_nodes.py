@@ -161,7 +161,7 @@ def test_a_node_failing_its_health_check_is_replaced_by_a_spare_before_training(
 
 
 def test_a_straggling_node_is_named_and_with_policy_bad_node_a_spare_replaces_it(tmp_path: Path) -> None:
-    """One rank's process gets a fifth of the time (stopped 80 ms of every 100: a node
+    """One rank's process gets a tenth of the time (stopped 90 ms of every 100: a node
     throttled or shared). The probe names it; with straggler_policy=bad_node the ranks save
     and stop at that step, its node is declared bad and the spare takes its place: no step
     is lost or trained twice. The hang watchdog's floor is far above these slow steps: a
@@ -180,9 +180,9 @@ def test_a_straggling_node_is_named_and_with_policy_bad_node_a_spare_replaces_it
         while not done.is_set():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(slow, signal.SIGSTOP)
-                time.sleep(0.08)
+                time.sleep(0.09)
                 os.kill(slow, signal.SIGCONT)
-            time.sleep(0.02)
+            time.sleep(0.01)
 
     threading.Thread(target=throttle, daemon=True).start()
     try:
