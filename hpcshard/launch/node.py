@@ -127,7 +127,7 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
                                 preexec_fn=lambda: signal.signal(stop_signal, signal.SIG_IGN))
 
     ranks = RankEnv.from_environ()
-    grace = float(own.get("grace", 60))
+    grace = spec.grace_s if spec is not None else 0.0
     sup = (Supervisor(node, run_dir, spec, ranks, start, grace=grace if own else None)
            if spec is not None and module == "hpcshard.entry" else None)
     proc: list[Agent] = []

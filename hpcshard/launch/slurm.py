@@ -268,7 +268,7 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     code = run_node(node_env(slurm, per_node), run, stop_signal=ranks.notice_signal)
     # One launcher sends the job on: node 0's, unless it was lost.
     if code == REQUEUE_EXIT:
-        _await_end(run, attempt, END_WAIT_S + float(spec.script.get("grace", 60) if spec.script else 0))
+        _await_end(run, attempt, END_WAIT_S + spec.grace_s)
     if code == REQUEUE_EXIT and launchers.claim(run, f"continue-{attempt}"):
         orphan = _orphaned(run, slurm, attempt) if policy == "chain" else ""
         _continue(run, slurm, attempt, first_attempt, max_requeues, policy, owner, after=not orphan)

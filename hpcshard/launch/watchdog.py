@@ -124,10 +124,9 @@ class Watchdog:
             if now - s.since + self.poll_s > limit:
                 late.append((s, limit))
         own, starved = self._starved(slots) if late else ({}, {})
-        overdue = [(s, limit) for s, limit in late
-                   if now - s.since - starved[s.rank] + self.poll_s > limit
-                   or now - s.since + self.poll_s > min(STARVED_CAP * limit, max(limit, self.limits.phase_s))]
-        if not overdue:
+        if not any(now - s.since - starved[s.rank] + self.poll_s > limit
+                   or now - s.since + self.poll_s > min(STARVED_CAP * limit, max(limit, self.limits.phase_s))
+                   for s, limit in late):
             return None
         # Once one is overdue, every rank past its limit is a suspect (a starved rank given
         # more credit than a peer that waits for it may not be overdue yet).

@@ -23,6 +23,9 @@ from hpcshard.rundir.paths import RunPaths
 
 SPEC = paths.SPEC
 POLICIES = ("requeue", "chain", "none")
+SCRIPT_GRACE_S = 60
+"""A script's seconds from the notice to its ranks' kill where its spec names none (the
+`script_grace` setting's default)."""
 """After a clean stop on Slurm: requeue the job, chain a continuation job (sites that
 forbid requeue), or stop."""
 
@@ -120,6 +123,11 @@ class RunSpec:
         """Slurm: a job that Slurm itself would not requeue when a node fails (--no-kill, or
         --no-requeue for a chain) gets a guard job (`launch.slurm.guard`)."""
         return self.no_kill or self.requeue_policy == "chain"
+
+    @property
+    def grace_s(self) -> float:
+        """A script's seconds from the notice to its ranks' kill; 0 for an hpcshard job."""
+        return float(self.script.get("grace", SCRIPT_GRACE_S)) if self.script else 0.0
 
     def newest_job(self, job_id: str) -> bool:
         """Only the run's newest job may train: a stale requeue or a second continuation

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hpcshard.rundir.rankenv import NOTICE, SCRIPT_SIGNALS, STOP_SIGNALS
-from hpcshard.rundir.spec import POLICIES
+from hpcshard.rundir.spec import POLICIES, SCRIPT_GRACE_S
 from hpcshard.slurm.sbatch import received_names
 from hpcshard.slurm.time import parse_mem, parse_time
 
@@ -149,7 +149,7 @@ SETTINGS: dict[str, Setting] = {
     "script_signal": Setting("str", "TERM", "Scripts (not hpcshard jobs): the signal each rank "
                              "gets when the notice comes, the one its framework listens to; "
                              "none: nothing.", choices=SCRIPT_SIGNALS, option="--script-signal"),
-    "script_grace": Setting("int", 60, "Scripts: seconds after the notice before the ranks are "
+    "script_grace": Setting("int", SCRIPT_GRACE_S, "Scripts: seconds after the notice before the ranks are "
                             "killed and the job requeued (keep it below signal_lead).", minimum=0,
                             option="--grace"),
     "requeue_policy": Setting("str", "chain", "After a clean stop: chain a continuation job "
