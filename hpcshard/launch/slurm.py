@@ -359,12 +359,17 @@ def _await_end(run: Path, attempt: int, within: float) -> None:
     first and that won the claim to send the job on cut that record off (seen on a busy
     machine: an attempt with a start and a requeue, no end), and with it a save still under
     way. Every launcher gives the record up to `within` seconds (the leader finds its own at
-    once); none decides by it: a lost leader writes none, and NFS may show it late."""
-    deadline = time.monotonic() + within
+    once); none decides by it: a lost leader writes none, and NFS may show it late. The
+    ledger is read again only when its size changed (a thousand launchers polling it whole
+    on NFS for a script's grace would be a flood of reads)."""
+    deadline, size = time.monotonic() + within, -1
     while True:
         with contextlib.suppress(OSError):
-            if ledger.end_of(run, attempt) is not None:
-                return
+            now = (run / ledger.LEDGER).stat().st_size
+            if now != size:
+                size = now
+                if ledger.end_of(run, attempt) is not None:
+                    return
         if time.monotonic() >= deadline:
             return
         time.sleep(END_POLL_S)

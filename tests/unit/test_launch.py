@@ -409,8 +409,13 @@ def test_a_launcher_gives_the_attempts_end_record_time_before_it_requeues(
     slurm._await_end(tmp_path, 0, 30.0)  # written (by itself, the leader): no wait
     assert time.monotonic() - started < 2.0
     started = time.monotonic()
-    slurm._await_end(tmp_path, 1, 0.5)  # nothing written: it gives up after `within`
+    reads = []
+    monkeypatch.setattr(ledger, "end_of", lambda run, attempt: reads.append(attempt))
+    slurm._await_end(tmp_path, 1, 0.5)  # nothing written: it gives up after `within`...
     assert 0.5 <= time.monotonic() - started < 3.0
+    assert reads == [1]  # ...having read the unchanged ledger once, not at every poll
+    monkeypatch.undo()
+    monkeypatch.setattr(slurm, "END_POLL_S", 0.05)
     timer = threading.Timer(0.3, lambda: ledger.append(tmp_path, events.End(attempt=2, reason="stop")))
     timer.start()
     begun = time.monotonic()
