@@ -14,6 +14,7 @@ click and the stdlib.
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 import click
 
@@ -40,6 +41,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 """name -> (module:attribute under hpcshard.cli, the one line `--help` shows)."""
 
 
+class BadInput(click.ClickException):
+    """What the edge makes of bad input: click shows it as one line (`Error: ...`) and
+    exits with `hpcshard.errors.UserError.exit_code` (not imported here: `--help` loads
+    click and this module only; a unit test holds the two equal)."""
+
+    exit_code = 2
+
+
 class LazyGroup(click.Group):
     """click's lazily loading group (click docs, "Lazily Loading Subcommands"), with the
     listing's one-line help kept here so that `--help` imports no command module."""
@@ -54,6 +63,21 @@ class LazyGroup(click.Group):
         command = getattr(importlib.import_module(f"hpcshard.cli.{module}"), attr)
         assert isinstance(command, click.Command), f"{module}:{attr} is not a click command"
         return command
+
+    def invoke(self, ctx: click.Context) -> Any:
+        """The command's errors, caught here once (`hpcshard.errors`): bad input is one line
+        and exit 2, a job that crashed in its check prints its traceback and exits 1."""
+        try:
+            return super().invoke(ctx)
+        except ValueError as err:  # a UserError, or a check's own ValueError
+            raise BadInput(str(err)) from None
+        except RuntimeError as err:
+            from hpcshard.errors import JobCrashed
+
+            if not isinstance(err, JobCrashed):
+                raise
+            click.echo(str(err), err=True)
+            ctx.exit(err.exit_code)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         rows = [(name, COMMANDS[name][1]) for name in self.list_commands(ctx)]

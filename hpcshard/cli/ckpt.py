@@ -8,8 +8,9 @@ from pathlib import Path
 
 import click
 
-from hpcshard.cli.common import fail, read_run
+from hpcshard.errors import UserError
 from hpcshard.rundir import store
+from hpcshard.rundir.spec import read_spec
 
 
 @click.group()
@@ -23,7 +24,7 @@ def ckpt_list(run_dir: Path) -> None:
     """Every checkpoint of RUN_DIR: step, status, size, world, age; also what interrupted
     saves and deletions left behind, and quarantined checkpoints (`.tmp`, `.deleting.tmp`,
     `.corrupt` directories: they take room, and are never loaded)."""
-    read_run(run_dir)
+    read_spec(run_dir)
     root = run_dir / store.CHECKPOINTS
     entries = sorted([*store.scan(root), *store.leftovers(root)], key=lambda c: (c.step, c.path.name))
     if not entries:
@@ -76,35 +77,32 @@ def ckpt_export(run_dir: Path, step: int | None, out: Path | None, hf_dir: Path 
     """Write full, unsharded weights from a checkpoint of RUN_DIR: one file (--out), a
     Hugging Face model directory (--hf; LoRA adapters merged in), or a LoRA run's adapter
     in PEFT's format (--adapter)."""
-    read_run(run_dir)
+    read_spec(run_dir)
     if sum(x is not None for x in (out, hf_dir, adapter_dir)) != 1:
-        fail(ValueError("give one of --out FILE, --hf DIR or --adapter DIR"))
+        raise UserError("give one of --out FILE, --hf DIR or --adapter DIR")
     if dtype and out is not None:
-        fail(ValueError("--dtype goes with --hf or --adapter; --out writes the weights in fp32"))
+        raise UserError("--dtype goes with --hf or --adapter; --out writes the weights in fp32")
     if shard_size != "5GB" and hf_dir is None:
-        fail(ValueError("--shard-size goes with --hf"))
+        raise UserError("--shard-size goes with --hf")
     needs = {"--out": "safetensors", "--hf": "transformers", "--adapter": "peft"}
     flag = "--out" if out is not None else "--hf" if hf_dir is not None else "--adapter"
     if (flag != "--out" or out.suffix == ".safetensors") and importlib.util.find_spec(needs[flag]) is None:  # type: ignore[union-attr]
-        fail(ValueError(f"{flag}: needs the {needs[flag]} package (pip install 'hpcshard[hf]')"
-                        + ("; or export to a .pt file" if flag == "--out" else "")))
+        raise UserError(f"{flag}: needs the {needs[flag]} package (pip install 'hpcshard[hf]')"
+                        + ("; or export to a .pt file" if flag == "--out" else ""))
     from hpcshard.runtime.export import export, export_adapter, export_hf  # torch: only here
 
-    try:
-        if adapter_dir is not None:
-            ckpt = export_adapter(run_dir, step, adapter_dir, dtype or "")
-            click.echo(f"wrote {adapter_dir} (PEFT adapter) from {ckpt.path} (step {ckpt.step})")
-            return
-        if hf_dir is not None:
-            with click.progressbar(length=1, label="writing", file=None) as bar:
-                def done(i: int, n: int) -> None:
-                    bar.length = n
-                    bar.update(1)
-                ckpt, files = export_hf(run_dir, step, hf_dir, dtype or "", shard_size, done)
-            click.echo(f"wrote {hf_dir} ({files} safetensors file(s)) from {ckpt.path} (step {ckpt.step})")
-            return
-        assert out is not None
-        ckpt = export(run_dir, step, out)
-    except ValueError as err:
-        fail(err)
+    if adapter_dir is not None:
+        ckpt = export_adapter(run_dir, step, adapter_dir, dtype or "")
+        click.echo(f"wrote {adapter_dir} (PEFT adapter) from {ckpt.path} (step {ckpt.step})")
+        return
+    if hf_dir is not None:
+        with click.progressbar(length=1, label="writing", file=None) as bar:
+            def done(i: int, n: int) -> None:
+                bar.length = n
+                bar.update(1)
+            ckpt, files = export_hf(run_dir, step, hf_dir, dtype or "", shard_size, done)
+        click.echo(f"wrote {hf_dir} ({files} safetensors file(s)) from {ckpt.path} (step {ckpt.step})")
+        return
+    assert out is not None
+    ckpt = export(run_dir, step, out)
     click.echo(f"wrote {out} from {ckpt.path} (step {ckpt.step})")

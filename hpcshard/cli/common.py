@@ -1,43 +1,18 @@
-"""What the command modules share: errors that exit 2, finding a run, following a log,
+"""What the command modules share: finding a run, following a log,
 tables (login node: click and the stdlib)."""
 
 from __future__ import annotations
 
-import contextlib
 import math
 import re
-import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import click
 
 from hpcshard.rundir.spec import RunSpec, read_spec
-
-
-class UserError(click.ClickException):
-    """Bad input: one line, exit code 2, nothing started."""
-
-    exit_code = 2
-
-
-def fail(err: Exception) -> NoReturn:
-    raise UserError(str(err)) from None
-
-
-@contextlib.contextmanager
-def user_errors() -> Iterator[None]:
-    """Bad input (ValueError) is one line and exit 2; a job whose own code crashed in the
-    preflight (RuntimeError, with its traceback) exits 1."""
-    try:
-        yield
-    except ValueError as err:
-        fail(err)
-    except RuntimeError as err:
-        click.echo(str(err), err=True)
-        sys.exit(1)
 
 
 def run_dir_of(target: str) -> Path:
@@ -68,19 +43,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
 
 def spec_of(target: str) -> tuple[Path, RunSpec]:
     """The run a command names (RUN_DIR or a Slurm job id), or a one-line error."""
-    try:
-        run_dir = run_dir_of(target)
-    except ValueError as err:
-        fail(err)
-    return run_dir, read_run(run_dir)
-
-
-def read_run(run_dir: Path) -> RunSpec:
-    """The run in RUN_DIR, or a one-line error (exit 2) when it holds none."""
-    try:
-        return read_spec(run_dir)
-    except ValueError as err:
-        fail(err)
+    run_dir = run_dir_of(target)
+    return run_dir, read_spec(run_dir)
 
 
 def job_states(jobs: list[str], since: float | None = None) -> dict[str, str]:

@@ -24,7 +24,7 @@ from pathlib import Path
 import click
 
 from hpcshard import site
-from hpcshard.cli.common import FiniteFloat, table, user_errors
+from hpcshard.cli.common import FiniteFloat, table
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.spec import probe_writable
 from hpcshard.slurm import cluster
@@ -370,9 +370,8 @@ def _cancel(job: str) -> None:
 def doctor(profile: str | None, smoke: bool, wait: float, min_free: float) -> None:
     """Check that this site and a profile can run jobs: Slurm, partition, GPUs, storage
     (seen from the compute nodes), modules, container runtime, requeue. Exit 1 on any failure."""
-    with user_errors():
-        res = site.resolve(site.load(), profile)
-        site.storage_root(res)  # an unset $VAR in it is bad input, not a failed check
+    res = site.resolve(site.load(), profile)
+    site.storage_root(res)  # an unset $VAR in it is bad input, not a failed check
     click.echo(f"profile: {res.profile or '- (no profile: built-in defaults and files)'}")
     doc = Doctor(res, wait, min_free)
     try:

@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from hpcshard.cli.common import table, user_errors
+from hpcshard.cli.common import table
 from hpcshard.config import PRECISIONS, SHARDING_MODES, parse_sets
 
 UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -88,32 +88,31 @@ def plan(job: str | None, nodes: int, gpus: int, sharding: str, precision: str |
     NODES x GPUS: parameters, gradients, optimizer state, activations, all-gather buffers,
     for each sharding mode; whether it fits, the checkpoint size, the smallest node count
     that fits, and a recommended sharding, AC and micro-batch."""
-    with user_errors():
-        mem = parse_memory(gpu_mem)
-        held = parse_memory(reserve, "--reserve") if reserve.strip() not in ("0", "0B") else 0
-        ac = parse_ac(ac_text) if ac_text is not None else None
-        sources = [x for x in (job, params, hf_config) if x]
-        if len(sources) != 1:
-            raise ValueError("give one model: a JOB, --params with --layers and --hidden, or --hf-config")
-        numbers: dict[str, Any] = {}
-        if params:
-            if layers is None or hidden is None:
-                raise ValueError("--params needs --layers and --hidden (e.g. --params 70B --layers 80 "
-                                 "--hidden 8192)")
-            numbers = {"params": parse_count(params, "--params"), "layers": layers, "hidden": hidden,
-                       "heads": heads or max(1, hidden // 128), "seq_len": seq_len or 4096,
-                       "vocab": vocab or 32000}
-            for key in ("layers", "hidden", "heads", "seq_len", "vocab"):
-                if numbers[key] < 1:
-                    raise ValueError(f"--{key.replace('_', '-')} {numbers[key]} must be at least 1")
-        if hf_config is not None and not hf_config.exists():
-            raise ValueError(f"--hf-config {str(hf_config)!r} does not exist; give a config.json "
-                             "or the directory holding it")
-        from hpcshard.runtime.planner import make_plan
+    mem = parse_memory(gpu_mem)
+    held = parse_memory(reserve, "--reserve") if reserve.strip() not in ("0", "0B") else 0
+    ac = parse_ac(ac_text) if ac_text is not None else None
+    sources = [x for x in (job, params, hf_config) if x]
+    if len(sources) != 1:
+        raise ValueError("give one model: a JOB, --params with --layers and --hidden, or --hf-config")
+    numbers: dict[str, Any] = {}
+    if params:
+        if layers is None or hidden is None:
+            raise ValueError("--params needs --layers and --hidden (e.g. --params 70B --layers 80 "
+                             "--hidden 8192)")
+        numbers = {"params": parse_count(params, "--params"), "layers": layers, "hidden": hidden,
+                   "heads": heads or max(1, hidden // 128), "seq_len": seq_len or 4096,
+                   "vocab": vocab or 32000}
+        for key in ("layers", "hidden", "heads", "seq_len", "vocab"):
+            if numbers[key] < 1:
+                raise ValueError(f"--{key.replace('_', '-')} {numbers[key]} must be at least 1")
+    if hf_config is not None and not hf_config.exists():
+        raise ValueError(f"--hf-config {str(hf_config)!r} does not exist; give a config.json "
+                         "or the directory holding it")
+    from hpcshard.runtime.planner import make_plan
 
-        result = make_plan(job=job, sets=parse_sets(sets), numbers=numbers, hf_config=hf_config,
-                           nodes=nodes, gpus=gpus, sharding=sharding, precision=precision, ac=ac,
-                           micro_batch=micro_batch, gpu_mem=mem, reserve=held)
+    result = make_plan(job=job, sets=parse_sets(sets), numbers=numbers, hf_config=hf_config,
+                       nodes=nodes, gpus=gpus, sharding=sharding, precision=precision, ac=ac,
+                       micro_batch=micro_batch, gpu_mem=mem, reserve=held)
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return

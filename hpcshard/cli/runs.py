@@ -9,20 +9,14 @@ from typing import Any
 
 import click
 
-from hpcshard.cli.common import (
-    fail,
-    follow_log,
-    job_states,
-    read_run,
-    spec_of,
-    user_errors,
-)
+from hpcshard.cli.common import follow_log, job_states, spec_of
+from hpcshard.errors import UserError
 from hpcshard.launch import backends
 from hpcshard.rundir import ledger, store
 from hpcshard.rundir.metrics import read_metrics, train_records
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.rankenv import NOTICE, signal_name
-from hpcshard.rundir.spec import RunSpec
+from hpcshard.rundir.spec import RunSpec, read_spec
 from hpcshard.rundir.status import attempts, culprit_lines, report
 from hpcshard.rundir.sweep import is_sweep
 
@@ -37,13 +31,9 @@ def preempt(run_dir: Path, signame: str | None) -> None:
     The ranks agree to stop at the next step boundary, commit a checkpoint and exit;
     the run is then requeued and resumes where it stopped.
     """
-    spec = read_run(run_dir)
-    try:
-        name = signal_name(signame or spec.slurm.get("signal", NOTICE))
-        said = backends.reaching(spec).notify(spec, run_dir, name)
-    except ValueError as err:
-        fail(err)
-    click.echo(said)
+    spec = read_spec(run_dir)
+    name = signal_name(signame or spec.slurm.get("signal", NOTICE))
+    click.echo(backends.reaching(spec).notify(spec, run_dir, name))
 
 
 @click.command()
@@ -63,8 +53,8 @@ def status(target: str, goodput: bool) -> None:
         from hpcshard.rundir.goodput import account
 
         if spec.script:
-            fail(ValueError(f"{run_dir} runs a script: its steps are its own (no metrics to "
-                            "account); --goodput is for hpcshard jobs"))
+            raise UserError(f"{run_dir} runs a script: its steps are its own (no metrics to "
+                            "account); --goodput is for hpcshard jobs")
         for line in account(run_dir, spec.created).lines():
             click.echo(line)
         return
@@ -93,16 +83,13 @@ def logs(target: str, rank: int, follow: bool, culprit: bool, tail: int | None) 
         return
     if not log.exists() and not follow:
         ranks = sorted(p.stem for p in paths.logs.glob("rank-*.log"))
-        fail(ValueError(f"no log for rank {rank} in {paths.logs}; there are: "
-                        f"{', '.join(ranks) or 'none yet'}"))
+        raise UserError(f"no log for rank {rank} in {paths.logs}; there are: "
+                        f"{', '.join(ranks) or 'none yet'}")
     follow_log(log, (lambda: True) if not follow else (lambda: backends.reaching(spec).over(spec, run_dir)))
 
 
 def _culprit_log(run_dir: Path, tail: int) -> None:
-    try:
-        header, lines = culprit_lines(run_dir, tail)
-    except ValueError as err:
-        fail(err)
+    header, lines = culprit_lines(run_dir, tail)
     click.echo(header)
     click.echo("\n".join(lines))
 
@@ -115,15 +102,10 @@ def cancel(target: str) -> None:
     if is_sweep(Path(target)):
         from hpcshard.cli.sweep import cancel_sweep
 
-        with user_errors():
-            click.echo(cancel_sweep(Path(target)))
+        click.echo(cancel_sweep(Path(target)))
         return
     run_dir, spec = spec_of(target)
-    try:
-        said = backends.reaching(spec).cancel(spec, run_dir)
-    except ValueError as err:
-        fail(err)
-    click.echo(said)
+    click.echo(backends.reaching(spec).cancel(spec, run_dir))
 
 
 @click.command("ls")
@@ -135,10 +117,7 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
     if root is None:
         from hpcshard import site
 
-        try:
-            root = site.storage_root(site.resolve(site.load(), profile))
-        except ValueError as err:
-            fail(err)
+        root = site.storage_root(site.resolve(site.load(), profile))
     runs = sorted((p.parent for p in root.glob("*/spec.json")), key=lambda p: p.stat().st_mtime,
                   reverse=True)[:limit]
     sweeps = sorted((p.parent for p in root.glob("*/sweep.json")), key=lambda p: p.stat().st_mtime,
@@ -184,18 +163,17 @@ def plot(run_dir: Path, out: Path | None) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        fail(ValueError("plot needs matplotlib: pip install 'hpcshard[plot]'"))
+        raise UserError("plot needs matplotlib: pip install 'hpcshard[plot]'") from None
     if is_sweep(run_dir):
         from hpcshard.cli.sweep import plot_sweep
 
-        with user_errors():
-            click.echo(f"wrote {plot_sweep(run_dir, out)}")
+        click.echo(f"wrote {plot_sweep(run_dir, out)}")
         return
-    read_run(run_dir)
+    read_spec(run_dir)
     records = read_metrics(run_dir)
     train = train_records(records)
     if not train:
-        fail(ValueError(f"{run_dir} has no training metrics yet"))
+        raise UserError(f"{run_dir} has no training metrics yet")
     evals = [r for r in records if r.get("eval_loss") is not None and "event" not in r]
     fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
     # One line per start of the ranks: steps trained again after a fault or a rollback

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from hpcshard import site
-from hpcshard.cli.common import table, user_errors
+from hpcshard.cli.common import table
 from hpcshard.cli.options import PROFILE
 from hpcshard.slurm import sbatch
 
@@ -22,9 +22,8 @@ def config() -> None:
 @PROFILE
 def config_show(profile: str | None) -> None:
     """Every setting, its value and the file (and section) it came from."""
-    with user_errors():
-        layers = site.load()
-        res = site.resolve(layers, profile)
+    layers = site.load()
+    res = site.resolve(layers, profile)
     click.echo("files (lowest precedence first):")
     for layer in layers[1:] or []:
         click.echo(f"  {layer.kind:<8} {layer.path}")
@@ -52,18 +51,17 @@ def profiles() -> None:
 @profiles.command("list")
 def profiles_list() -> None:
     """One line per profile: where it is defined and what it asks Slurm for."""
-    with user_errors():
-        layers = site.load()
-        names = site.profile_names(layers)
-        default = site.resolve(layers).profile
-        rows = []
-        for name in sorted(names):
-            v = site.resolve(layers, name).values
-            shape = f"{v['gpus_per_node']} GPU/node"
-            rows.append(("*" if name == default else " ", name, v["partition"] or "-", shape,
-                         v["time"] + (f" (max {v['max_time']})" if v["max_time"] else ""),
-                         ", ".join(str(layer.path) for layer in names[name]),
-                         v["description"]))
+    layers = site.load()
+    names = site.profile_names(layers)
+    default = site.resolve(layers).profile
+    rows = []
+    for name in sorted(names):
+        v = site.resolve(layers, name).values
+        shape = f"{v['gpus_per_node']} GPU/node"
+        rows.append(("*" if name == default else " ", name, v["partition"] or "-", shape,
+                     v["time"] + (f" (max {v['max_time']})" if v["max_time"] else ""),
+                     ", ".join(str(layer.path) for layer in names[name]),
+                     v["description"]))
     if not rows:
         click.echo("no profiles: a site file ($HPCSHARD_SITE or /etc/hpcshard/site.toml) defines "
                    "them under [profiles.NAME]; see docs/admins.md")
@@ -75,8 +73,7 @@ def profiles_list() -> None:
 @click.argument("name")
 def profiles_show(name: str) -> None:
     """The merged settings of profile NAME and where each came from."""
-    with user_errors():
-        res = site.resolve(site.load(), name)
+    res = site.resolve(site.load(), name)
     click.echo(f"profile: {name}\n")
     _settings(res)
 
@@ -90,8 +87,7 @@ def templates() -> None:
 @PROFILE
 def templates_list(profile: str | None) -> None:
     """Every template found, the directory it is in, and which one a profile uses."""
-    with user_errors():
-        res = site.resolve(site.load(), profile)
+    res = site.resolve(site.load(), profile)
     rows = []
     for name, path, shadowed in sbatch.template_names(res.template_dirs):
         mark = "*" if name == res.values["template"] and not shadowed else " "
@@ -104,8 +100,7 @@ def templates_list(profile: str | None) -> None:
 @PROFILE
 def templates_show(name: str, profile: str | None) -> None:
     """Print template NAME as the search path finds it (first its file, then its text)."""
-    with user_errors():
-        res = site.resolve(site.load(), profile)
-        template, _ = sbatch.load_template(sbatch.environment(res.template_dirs), name)
+    res = site.resolve(site.load(), profile)
+    template, _ = sbatch.load_template(sbatch.environment(res.template_dirs), name)
     click.echo(f"# {template.filename}")
     click.echo(Path(str(template.filename)).read_text(), nl=False)

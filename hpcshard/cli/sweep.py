@@ -10,22 +10,23 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import click
 
 from hpcshard import site
-from hpcshard.cli.common import fail, job_states, table, user_errors
+from hpcshard.cli import request
+from hpcshard.cli.common import job_states, table
 from hpcshard.cli.options import SETS, setting_option, settings, shape_options, slurm_options, spare_options
-from hpcshard.config import parse_sets
+from hpcshard.cli.request import Target
+from hpcshard.errors import UserError
 from hpcshard.launch import backends
-from hpcshard.rundir import lease, store
+from hpcshard.rundir import store
 from hpcshard.rundir.launchers import launchers, signal_launchers
 from hpcshard.rundir.metrics import read_metrics, train_records
 from hpcshard.rundir.paths import RunPaths
-from hpcshard.rundir.spec import RunSpec, check_run_dir, create_run_dir, default_run_dir, job_stem
+from hpcshard.rundir.spec import RunSpec, create_run_dir, default_run_dir, job_stem
 from hpcshard.rundir.status import attempts
 from hpcshard.rundir.sweep import Sweep, expand, label, read_configs
 
@@ -53,118 +54,35 @@ def sweep(job: str, nodes: int | None, grid: tuple[str, ...], configs_file: Path
           sets: tuple[str, ...], profile: str | None, **opts: Any) -> None:
     """Run JOB once per configuration: --grid lr=1e-3,3e-4 --grid dim=64,128 is 4 runs (one
     Slurm job array; one after another under the local backend)."""
-    from hpcshard.cli.submit import (
-        check_secrets,
-        check_spares,
-        job_target,
-        pick_backend,
-        preflight_many,
-        run_spec,
-    )
-
-    with user_errors():
-        res = settings(profile, opts)
-        v = res.values
-        check_secrets(v["secrets"], v["env"], res.profile)
-        if not grid and configs_file is None:
-            raise ValueError("nothing to sweep: give --grid KEY=V1,V2 (repeatable) or --configs FILE")
-        configs = expand(list(grid), read_configs(configs_file) if configs_file else None)
-        if v["spares"] or v["min_nodes"]:
-            raise ValueError(f"--spares/--min-nodes ({v['spares']}/{v['min_nodes']}): a sweep's runs do not "
-                             "take spares or shrink yet (a lost node requeues the run); drop them, or "
-                             "submit the configuration alone")
-        if opts.get("requeue_policy") not in (None, "requeue"):
-            raise ValueError(f"--requeue-policy {opts['requeue_policy']}: a sweep's tasks are requeued "
-                             "each by itself (requeue); drop the option")
-        named, ref, own = job_target(job, None, ())
-        if own:
-            raise ValueError(f"{job} is a plain script: a sweep sets an hpcshard job's config "
-                             "(--grid KEY=...); loop over `hpcshard submit` for a script")
-        name = name or job_stem(named)
-        root = sweep_dir or default_run_dir(f"{job_stem(named)}-sweep", site.storage_root(res))
-        check_run_dir(root, v["run_group"])
-        common = {**v["train"], **parse_sets(sets)}
-        backend = pick_backend(v["backend"])
-        specs = [run_spec(res, ref, {**common, **config}, nodes or 1, backend, f"{name}-{i}",
-                          requeue_policy="requeue") for i, config in enumerate(configs)]
-        check_spares(specs[0])
-        req = None
-        if backends.BACKENDS[backend].in_queue:
-            req = _array_request(v, res, name, specs[0], root, len(configs), max_parallel)
-        for spec, resolved in zip(specs, preflight_many(specs, configs), strict=True):
-            spec.resolved = resolved
-    record = Sweep(job=ref, name=name, backend=backend, configs=configs, max_parallel=max_parallel or 0)
-    create_run_dir(root, specs[0].run_group)
-    for i, spec in enumerate(specs):
-        create_run_dir(record.task_dir(root, i), spec.run_group)
-        spec.write(record.task_dir(root, i))
+    res = settings(profile, opts)
+    if not grid and configs_file is None:
+        raise UserError("nothing to sweep: give --grid KEY=V1,V2 (repeatable) or --configs FILE")
+    configs = expand(list(grid), read_configs(configs_file) if configs_file else None)
+    target = Target.parse(job)
+    stem = job_stem(target.label)
+    root = sweep_dir or default_run_dir(f"{stem}-sweep", site.storage_root(res))
+    backend = request.pick_backend(res.values["backend"])
+    runs, array = request.tasks(res, target, configs, nodes=nodes or 1, backend=backend, root=root,
+                                name=name or stem, sets=sets, max_parallel=max_parallel)
+    request.check(runs, configs=configs)
+    record = Sweep(job=target.ref, name=name or stem, backend=backend, configs=configs,
+                   max_parallel=max_parallel or 0)
+    create_run_dir(root, runs[0].spec.run_group)
+    for run in runs:
+        create_run_dir(run.run_dir, run.spec.run_group)
+        run.spec.write(run.run_dir)
     record.write(root)
-    click.echo(f"sweep {name}: {len(configs)} configuration(s) of {job}, {specs[0].nodes} node(s) x "
-               f"{specs[0].gpus} GPU(s) each, in {root}")
-    if req is not None:
-        _submit_array(record, root, specs, req)
-    sys.exit(_run_local(record, root, specs, max_parallel or 1))
-
-
-def _array_request(v: dict[str, Any], res: site.Resolved, name: str, spec: RunSpec, root: Path,
-                   tasks: int, max_parallel: int | None) -> Any:
-    from hpcshard.slurm import cluster
-    from hpcshard.slurm.sbatch import SbatchRequest, render
-
-    req = SbatchRequest.from_settings(v, res.template_dirs, job_name=name, nodes=spec.nodes,
-                                      gpus=spec.gpus, run_dir=root, spares=spec.spares,
-                                      min_nodes=spec.min_nodes)
-    req = replace(req, requeue=True,
-                  array=f"0-{tasks - 1}" + (f"%{max_parallel}" if max_parallel else ""))
-    render(req, "true", RunPaths(root).submitit, site.SETTINGS)
-    cluster.check_request(req)
-    from hpcshard.cli.submit import warn_storage
-
-    warn_storage(root, spec.nodes)
-    limit = cluster.max_array_size()
-    if limit is not None and tasks > limit:
-        raise ValueError(f"{tasks} configurations is more than this cluster's job arrays take "
-                         f"(MaxArraySize={limit}: indices 0 to {limit - 1}); split the grid into "
-                         f"sweeps of at most {limit}")
-    return req
-
-
-def _submit_array(record: Sweep, root: Path, specs: list[RunSpec], req: Any) -> None:
-    import shutil
-
-    from hpcshard.cli.submit import take_run
-    from hpcshard.launch.slurm import node_main
-    from hpcshard.slurm.submit import submit_array
-
-    tasks = [(str(record.task_dir(root, i).resolve()), spec.gpus, 0, spec.max_requeues, "auto", "requeue")
-             for i, spec in enumerate(specs)]
-    claims = []
-    for i, spec in enumerate(specs):  # before sbatch: a task may start at once and reads it
-        task = record.task_dir(root, i)
-        # A task resumed later is a job of its own, in its own directory.
-        spec.slurm = {**asdict(req), "run_dir": str(task.resolve()), "array": ""}
-        spec.write(task)
-        claims.append(take_run(task, "hpcshard sweep"))  # until its task is submitted
-    try:
-        ids = submit_array(req, root.resolve(), node_main, tasks)
-    except ValueError as err:
-        shutil.rmtree(root, ignore_errors=True)
-        fail(err)
+    click.echo(f"sweep {record.name}: {len(configs)} configuration(s) of {job}, {runs[0].spec.nodes} "
+               f"node(s) x {runs[0].spec.gpus} GPU(s) each, in {root}")
+    if array is None:
+        sys.exit(_run_local(record, root, [r.spec for r in runs], max_parallel or 1))
+    ids = request.schedule_array(runs, root)
     record.array = ids[0].split("_")[0]
     record.write(root)
-    for i, job_id in enumerate(ids):
-        RunSpec.add_job(record.task_dir(root, i), job_id)
-        if lease.hand_over(record.task_dir(root, i), claims[i], lease.Owner.of_job(job_id)) is None:
-            from hpcshard.slurm import cluster
-
-            cluster.scancel(job_id)  # another command took the task's directory meanwhile
-            click.echo(f"warning: {record.task_dir(root, i)} was taken over while the array was "
-                       f"submitted: task {job_id} cancelled", err=True)
-    click.echo(f"submitted job array {record.array} ({req.array}): task i runs configuration i")
+    click.echo(f"submitted job array {record.array} ({array.array}): task i runs configuration i")
     for i, config in enumerate(record.configs):
         click.echo(f"  {record.array}_{i}  {label(config)}  -> {record.task_dir(root, i)}")
     click.echo(f"status: hpcshard status {root}; curves: hpcshard plot {root}")
-    sys.exit(0)
 
 
 CANCELLED = "cancelled"

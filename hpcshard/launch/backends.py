@@ -3,10 +3,9 @@ processes of this host, `launch.local`) and Slurm (a batch job whose launchers r
 compute nodes, `launch.slurm`). What the login node's commands do to a run that already
 exists (is it over, what does the scheduler say of it, send it a notice, cancel it) goes
 through `reaching(spec)`, what the launchers need to know through `of(spec)`; nothing else
-compares a run's backend name.
-
-Submitting is not here yet: `cli.submit` builds the sbatch request or runs the local
-launcher itself (issue 28's request builder).
+compares a run's backend name. Starting a run is here too: `run` (local: the launcher
+runs here until the run ends) and `submit` (Slurm: the job is queued), called from the one
+place a request is scheduled (`cli.request.schedule`).
 
 Login-node code: the stdlib and `hpcshard.slurm` (imported when a Slurm run asks), never
 torch or click. A user error is a ValueError with the one line to show.
@@ -18,12 +17,18 @@ import contextlib
 import signal
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from hpcshard.rundir import lease, proc
 from hpcshard.rundir.launchers import guards, launchers, signal_launchers
+from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.rankenv import short_name
 from hpcshard.rundir.spec import RunSpec
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from hpcshard.slurm.sbatch import SbatchRequest
 
 LOCAL, SLURM = "local", "slurm"
 """The backends' names, as RunSpec.backend and `--backend` spell them."""
@@ -36,6 +41,34 @@ class Backend:
     name: ClassVar[str] = LOCAL
     in_queue: ClassVar[bool] = False
     """A scheduler queues the run's jobs: requeues, guards and continuation jobs are its."""
+
+    def run(self, spec: RunSpec, run_dir: Path, resume: str, owner: str,
+            on_attempt: Callable[[int, int], None] | None = None) -> int:
+        """Run it here, on emulated nodes, until it ends (requeued here after a clean stop,
+        `on_attempt` told of each); its exit code. `owner`: the lease token of the command
+        that owns the run."""
+        from hpcshard.launch.local import run_local
+
+        return run_local(run_dir.resolve(), spec.nodes, spec.gpus, spares=spec.spares, resume=resume,
+                         max_requeues=spec.max_requeues, on_attempt=on_attempt, owner=owner)
+
+    def submit(self, spec: RunSpec, run_dir: Path, sbatch: SbatchRequest, resume: str) -> str:
+        """Queue the run as a job; its id. Only a backend that queues runs does."""
+        raise NotImplementedError(f"the {self.name} backend queues nothing; it runs the run (`run`)")
+
+    def submit_array(self, specs: list[RunSpec], run_dirs: list[Path], array: SbatchRequest,
+                     root: Path) -> list[str]:
+        """Queue several runs as one job array; their job ids. Only a backend that queues
+        runs does."""
+        raise NotImplementedError(f"the {self.name} backend queues nothing; it runs each run (`run`)")
+
+    def logs(self, run_dir: Path, job: str | None = None) -> str:
+        """Where the run's logs are, in one line."""
+        return f"{RunPaths(run_dir).logs}/rank-N.log"
+
+    def cancel_job(self, job: str) -> None:
+        """Cancel one scheduler job of the run. Only a backend that queues runs has them."""
+        raise NotImplementedError(f"the {self.name} backend has no jobs to cancel")
 
     def job(self, spec: RunSpec) -> str | None:
         """The run's newest scheduler job (None: none, or no scheduler)."""
@@ -79,6 +112,44 @@ class Slurm(Backend):
 
     name: ClassVar[str] = SLURM
     in_queue: ClassVar[bool] = True
+
+    def run(self, spec: RunSpec, run_dir: Path, resume: str, owner: str,
+            on_attempt: Callable[[int, int], None] | None = None) -> int:
+        raise NotImplementedError("a Slurm run runs in its job (`submit`), not here")
+
+    def submit(self, spec: RunSpec, run_dir: Path, sbatch: SbatchRequest, resume: str) -> str:
+        """sbatch the run's job through submitit (every node's launcher: `launch.slurm`);
+        sbatch's own message when it refuses (ValueError)."""
+        from hpcshard.launch.slurm import node_main
+        from hpcshard.rundir.ledger import next_attempt
+        from hpcshard.slurm.submit import submit
+
+        policy = "requeue" if sbatch.requeue else spec.requeue_policy
+        return submit(sbatch, run_dir.resolve(), node_main, str(run_dir.resolve()), spec.gpus,
+                      next_attempt(run_dir), spec.max_requeues, resume, policy)
+
+    def submit_array(self, specs: list[RunSpec], run_dirs: list[Path], array: SbatchRequest,
+                     root: Path) -> list[str]:
+        """A sweep's runs as one job array (`array.array`) written in `root`: task i runs
+        specs[i] in run_dirs[i], from its newest checkpoint, requeued by itself; the tasks'
+        job ids (ARRAY_i)."""
+        from hpcshard.launch.slurm import node_main
+        from hpcshard.slurm.submit import submit_array
+
+        tasks = [(str(d.resolve()), spec.gpus, 0, spec.max_requeues, "auto", "requeue")
+                 for spec, d in zip(specs, run_dirs, strict=True)]
+        return submit_array(array, root.resolve(), node_main, tasks)
+
+    def logs(self, run_dir: Path, job: str | None = None) -> str:
+        paths = RunPaths(run_dir)
+        return f"{paths.logs}/rank-N.log, {paths.submitit}/{job or '%j'}_N_log.out"
+
+    def cancel_job(self, job: str) -> None:
+        """Cancel one job of the run (a job submitted for a run another command took
+        meanwhile); scancel's message when it fails (ValueError)."""
+        from hpcshard.slurm import cluster
+
+        cluster.scancel(job)
 
     def job(self, spec: RunSpec) -> str | None:
         return spec.jobs[-1] if spec.jobs else None
@@ -126,12 +197,6 @@ def of(spec: RunSpec) -> Backend:
     """The run's backend, as it was submitted with (a name neither knows, in a spec.json
     written by something else: the local backend, which asks no scheduler)."""
     return BACKENDS.get(spec.backend, BACKENDS[LOCAL])
-
-
-def is_local(spec: RunSpec) -> bool:
-    """The run was submitted to the local backend: the command that started it requeues it
-    (a name neither backend knows is not)."""
-    return spec.backend == LOCAL
 
 
 def reaching(spec: RunSpec) -> Backend:

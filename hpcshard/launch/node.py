@@ -84,7 +84,7 @@ def warm_start(module: str, script: dict[str, object]) -> bool:
 
 
 def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_signal,
-             module: str = "hpcshard.entry") -> int:
+             module: str = "hpcshard.entry", local: bool = False) -> int:
     """Run this node's ranks; return the exit code, or REQUEUE_EXIT when the ranks stopped
     on request (the run continues in a requeued attempt). An hpcshard job's ranks are
     supervised (`launch.supervise`), an own script's too: a rank that dies (or, once it
@@ -128,7 +128,7 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
 
     ranks = RankEnv.from_environ()
     grace = spec.grace_s if spec is not None else 0.0
-    sup = (Supervisor(node, run_dir, spec, ranks, start, grace=grace if own else None)
+    sup = (Supervisor(node, run_dir, spec, ranks, start, grace=grace if own else None, local=local)
            if spec is not None and module == "hpcshard.entry" else None)
     proc: list[Agent] = []
     if zygotes and sup is not None:
@@ -219,8 +219,9 @@ def _script_outcome(run_dir: Path, first: bool, attempt: int, code: int, *, noti
 
 
 def main() -> int:
+    """A node of the local backend (`launch.local` starts one process per node)."""
     return run_node(NodeEnv.from_environ(), Path(sys.argv[1]),
-                    stop_signal=RankEnv.from_environ().notice_signal)
+                    stop_signal=RankEnv.from_environ().notice_signal, local=True)
 
 
 if __name__ == "__main__":

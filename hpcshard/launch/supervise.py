@@ -36,7 +36,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hpcshard.launch import backends, coord, exclusion, health, policy
+from hpcshard.launch import coord, exclusion, health, policy
 from hpcshard.launch.liveness import BEAT_S, LOST_S, UNHEARD_S, Peers
 from hpcshard.launch.policy import Decision, Facts
 from hpcshard.launch.ports import listen_ports
@@ -170,8 +170,11 @@ class Supervisor:
 
     def __init__(self, node: Any, run_dir: Path, spec: RunSpec, ranks: RankEnv,
                  start: Callable[[Any, dict[str, str]], Agent],
-                 grace: float | None = None) -> None:
+                 grace: float | None = None, local: bool = False) -> None:
         self.node, self.run_dir, self.spec, self.ranks = node, run_dir, spec, ranks
+        self.local = local
+        """The local backend (`launch.local`) started this launcher: the command that owns
+        the run requeues it, and there is no other node to be given."""
         self.start = start
         self.grace = grace
         """Own scripts: how long after a notice their ranks may run before they are killed."""
@@ -892,7 +895,7 @@ class Supervisor:
         # host's listing may not for NFS's directory cache (30-60 s).
         committed = max([self._committed(), *(int(d.get("committed") or 0) for d in downs)])
         facts = Facts(cycle=cycle, active=self.roster.active, spares=self.roster.spares,
-                      min_nodes=self.spec.min_nodes, local=backends.is_local(self.spec),
+                      min_nodes=self.spec.min_nodes, local=self.local,
                       lost=tuple(lost), unreported=tuple(n for n in missing if n not in lost),
                       ended=ended, bad=bad, noticed=noticed,
                       bug=self._same_bug(cycle), stalled=self._stalled(cycle, committed),

@@ -27,7 +27,8 @@ class Sweep:
     """The Slurm array job's id; empty under the local backend."""
     created: float = field(default_factory=time.time)
 
-    def task_dir(self, root: Path, index: int) -> Path:
+    @staticmethod
+    def task_dir(root: Path, index: int) -> Path:
         return root / f"task-{index}"
 
     def write(self, root: Path) -> None:

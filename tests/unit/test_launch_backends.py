@@ -31,12 +31,11 @@ def test_which_backend_reaches_a_run(backend: str, jobs: tuple[str, ...], reachi
     assert backends.of(run).in_queue is in_queue
 
 
-def test_a_spec_of_a_backend_neither_knows_is_reached_as_a_local_run_but_is_not_local(tmp_path: Path) -> None:
+def test_a_spec_of_a_backend_neither_knows_is_reached_as_a_local_run(tmp_path: Path) -> None:
     """A spec.json written by something else: commands treat it as the local backend did
-    before (no scheduler to ask), and a launcher does not take it for a local run."""
+    before (no scheduler to ask)."""
     run = spec("pbs", ("5",))
     assert backends.of(run).name == backends.reaching(run).name == backends.LOCAL
-    assert not backends.is_local(run) and backends.is_local(spec("local"))
     assert backends.reaching(run).over(run, tmp_path) is True
 
 

@@ -89,7 +89,7 @@ def test_every_launcher_of_one_job_gets_the_run_from_a_command_that_died(
 def test_a_commands_lease_stays_its_own_seen_from_a_host_that_cannot_look_it_up(tmp_path: Path) -> None:
     """A `resume` in its preflight, seen from a compute node: only its beat can tell it is
     alive, so the command renews it while it holds the run."""
-    from hpcshard.cli.submit import take_run
+    from hpcshard.cli.request import take_run
 
     claim = take_run(tmp_path, "hpcshard resume")
     seen = lease.read(tmp_path)

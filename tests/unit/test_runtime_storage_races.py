@@ -70,10 +70,10 @@ def test_a_stale_handle_while_judging_a_failed_save_is_not_raised_by_rank_0_alon
 
 
 def test_the_local_command_reads_an_unparsable_lease_without_a_traceback(tmp_path: Path) -> None:
-    """cli.submit._launch calls _taken_from in a `finally:` before lease.release: its
+    """cli.request._run_here calls _taken_from in a `finally:` before lease.release: its
     lease.read may raise Unreadable (a ValueError) that suppress(OSError) lets through:
     a traceback, and the command's own claim is never released."""
-    from hpcshard.cli.submit import _taken_from
+    from hpcshard.cli.request import _taken_from
 
     claim = lease.take(tmp_path, lease.Owner.of_process("hpcshard submit"), lambda j: None)
     lease.path(tmp_path).write_text("{not json\n")

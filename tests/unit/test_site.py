@@ -422,7 +422,7 @@ def test_a_profile_gives_training_settings_under_the_jobs_own_set(layers: dict[s
                                                                  tmp_path: Path) -> None:
     """`train` (fault limits, nan policy, ...): merged key by key like env, spelled as --set
     would spell them, and a job's --set wins."""
-    from hpcshard.cli.submit import _prepare
+    from hpcshard.cli import request
 
     layers["site"].write_text('[defaults]\ntrain = { watchdog_floor_s = 30, nan_policy = "rollback", '
                               'compile = true }\n')
@@ -430,9 +430,9 @@ def test_a_profile_gives_training_settings_under_the_jobs_own_set(layers: dict[s
     res = site.resolve(site.load())
     assert res.values["train"] == {"watchdog_floor_s": "60", "nan_policy": "rollback", "compile": "true"}
     assert res.source("train.watchdog_floor_s").startswith("user ")
-    spec, _, _ = _prepare(JOB, 1, tmp_path / "r", None, "auto", ("nan_policy=stop",), None,
-                          {"backend": "local"}, check_cluster=False, check_job=False)
-    assert spec.sets == {"watchdog_floor_s": "60", "nan_policy": "stop", "compile": "true"}
+    req = request.new(res, request.Target.parse(JOB), nodes=1, backend="local", run_dir=tmp_path / "r",
+                      sets=("nan_policy=stop",))
+    assert req.spec.sets == {"watchdog_floor_s": "60", "nan_policy": "stop", "compile": "true"}
 
 
 def test_an_unknown_training_setting_in_a_profile_is_one_line(layers: dict[str, Path],

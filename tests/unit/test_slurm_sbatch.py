@@ -144,7 +144,7 @@ def test_submit_warns_when_the_lead_time_is_shorter_than_the_last_save(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import json
 
-    from hpcshard.cli.submit import _warn_lead_time
+    from hpcshard.cli.request import _warn_lead_time
     from hpcshard.rundir import store
 
     ckpt = tmp_path / store.CHECKPOINTS / store.step_name(10)

@@ -1,0 +1,514 @@
+"""The one request builder that `render`, `submit`, `resume` and `sweep` share.
+
+A request is built in three steps, each its own function:
+
+1. `new`, `again` (resume) and `tasks` (a sweep) build the typed `Request` from the
+   command's options, the merged settings and the job. They run nothing, create nothing,
+   ask no scheduler: `render` prints what they built. What they read is the command line's
+   input (the job file, the template, the run directory that must be new or is resumed).
+2. `check` checks it against the world: the job imported and built on the meta device (in
+   a subprocess, `runtime.preflight`: this process never imports torch), the cluster's
+   partitions and limits.
+3. `schedule` (and `schedule_array`, a sweep's tasks in one job array) is the one place a
+   request becomes a run on its backend (`launch.backends`): the spec written as the run's
+   owner, the job submitted or run here, the run handed to it.
+
+Bad input is a `ValueError` (`hpcshard.errors.UserError`) with the one line to show; the
+command line's edge (`hpcshard.cli`) shows it and exits 2. Nothing here exits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import click
+
+from hpcshard import script, site
+from hpcshard.config import parse_sets
+from hpcshard.errors import JobCrashed, UserError
+from hpcshard.launch import backends
+from hpcshard.rundir import lease, ledger, store
+from hpcshard.rundir.ledger import bad_slurm_nodes, next_attempt
+from hpcshard.rundir.metrics import METRICS, last_record
+from hpcshard.rundir.paths import RunPaths
+from hpcshard.rundir.rankenv import REQUEUE_EXIT, STORAGE_EXIT
+from hpcshard.rundir.spec import (
+    RunSpec,
+    check_resume,
+    check_run_dir,
+    default_run_dir,
+    job_ref,
+    job_stem,
+    probe_writable,
+)
+from hpcshard.slurm.sbatch import SbatchRequest, render
+
+NO_RESUME = ("auto", "never")
+"""The --resume values that name no checkpoint (a script finds its own)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Target:
+    """What the command line names: an hpcshard job (file or module), or a script file or
+    `-m` module run as it is."""
+
+    label: str
+    """What the run and its directory are named after."""
+    ref: str
+    """The job reference a rank imports (a file's absolute path, or a module)."""
+    script: dict[str, Any] = field(default_factory=dict)
+    """A script run as it is (`RunSpec.script`): kind, target, args; empty for a job."""
+
+    @classmethod
+    def parse(cls, job: str | None, module: str | None = None, args: tuple[str, ...] = ()) -> Target:
+        if module:
+            script.check_module(module)
+            return cls(label=module, ref=module, script={
+                "kind": "module", "target": module, "args": [*([job] if job is not None else []), *args]})
+        if job is None:
+            raise UserError("nothing to run: give a job (jobs/charlm.py), a script "
+                            "(train.py -- ARGS) or a module (-m package.module -- ARGS)")
+        path = Path(job)
+        if (job.endswith(".py") or path.exists()) and path.is_file() and not script.defines_job(path):
+            return cls(label=job, ref=str(path.resolve()),
+                       script={"kind": "file", "target": str(path.resolve()), "args": list(args)})
+        if args:
+            raise UserError(f"{job} is an hpcshard job: it takes --set KEY=VALUE, not arguments "
+                            f"({shlex.join(args)}); a plain script takes them after --")
+        return cls(label=job, ref=job_ref(job))
+
+
+@dataclass(kw_only=True)
+class Request:
+    """One run, as the command asked for it: its spec, its directory, and, on a backend
+    that queues runs, the sbatch request (None on the local backend)."""
+
+    spec: RunSpec
+    run_dir: Path
+    sbatch: SbatchRequest | None
+    resume: str = "auto"
+    fresh: bool = True
+    """The run directory is made for this request: removed again if the scheduler refuses."""
+
+    @property
+    def backend(self) -> backends.Backend:
+        return backends.of(self.spec)
+
+
+def pick_backend(name: str) -> str:
+    """`auto`: Slurm when its commands are here and a controller answers, else local."""
+    if name != "auto":
+        return name
+    from hpcshard.slurm import cluster
+
+    return backends.SLURM if cluster.available() else backends.LOCAL
+
+
+def new(res: site.Resolved, target: Target, *, nodes: int, backend: str, run_dir: Path | None = None,
+        name: str | None = None, resume: str = "auto", sets: tuple[str, ...] = ()) -> Request:
+    """What `submit` and `render` ask for: a new run of `target` on `nodes` nodes."""
+    v = res.values
+    check_secrets(v["secrets"], v["env"], res.profile)
+    own = dict(target.script)
+    if own:
+        if sets:
+            raise UserError(f"--set {sets[0]}: --set is for hpcshard jobs; pass a script's own "
+                            f"arguments after --, e.g. hpcshard submit {target.label} -- --lr 3e-4")
+        if resume not in NO_RESUME:
+            raise UserError(f"--resume {resume}: a script finds its own checkpoints "
+                            "(in $HPCSHARD_CHECKPOINT_DIR); use auto or never")
+        own.update(cwd=str(Path.cwd()), signal=v["script_signal"], grace=v["script_grace"])
+    run_dir = run_dir or default_run_dir(target.label, site.storage_root(res))
+    check_run_dir(run_dir, v["run_group"])
+    if resume not in NO_RESUME:
+        check_resume(run_dir, resume)
+    # The profile's training settings under the command line's.
+    train = {} if own else {**v["train"], **parse_sets(sets)}
+    spec = run_spec(res, target.ref, train, nodes, backend, name or job_stem(target.label), script=own)
+    check_spares(spec)
+    sbatch = None
+    if backends.of(spec).in_queue:
+        sbatch = _checked(SbatchRequest.from_settings(
+            v, res.template_dirs, job_name=spec.name, nodes=spec.nodes, gpus=spec.gpus, run_dir=run_dir,
+            spares=spec.spares, min_nodes=spec.min_nodes), run_dir)
+        if own and own["grace"] >= sbatch.signal_lead_s:
+            raise UserError(f"--grace {own['grace']} is not below the notice's lead time "
+                            f"({sbatch.signal_lead_s}s): the time limit would kill the script "
+                            "first; lower --grace or raise --signal-lead")
+    return Request(spec=spec, run_dir=run_dir, sbatch=sbatch, resume=resume)
+
+
+def again(spec: RunSpec, run_dir: Path, *, nodes: int | None = None, gpus: int | None = None,
+          spares: int | None = None, min_nodes: int | None = None, sets: tuple[str, ...] = (),
+          resume: str = "auto") -> Request:
+    """What `resume` asks for: the run's spec on its (new) shape, and on Slurm the same sbatch
+    settings as its last submission, sized for it, without the nodes it declared bad."""
+    if backends.of(spec).in_queue:  # the new job takes them from this environment again
+        check_secrets(spec.slurm.get("secrets", []), spec.slurm.get("env", {}), spec.profile)
+    probe_writable(run_dir)
+    check_resume(run_dir, resume)
+    spec.nodes, spec.gpus = nodes or spec.nodes, gpus or spec.gpus
+    spec.spares = spec.spares if spares is None else spares
+    spec.min_nodes = spec.min_nodes if min_nodes is None else min_nodes
+    check_spares(spec)
+    spec.sets = {**spec.sets, **parse_sets(sets)}
+    sbatch = None
+    if backends.of(spec).in_queue:
+        old = spec.slurm
+        per_gpu = old.get("cpus_per_task", 0) // max(1, old.get("gpus_per_node", 1))
+        sbatch = _checked(SbatchRequest(**{
+            **old, "nodes": spec.nodes + spec.spares, "gpus_per_node": spec.gpus,
+            "cpus_per_task": per_gpu * spec.gpus, "run_dir": run_dir.resolve(), "no_kill": spec.no_kill,
+            "exclude": bad_slurm_nodes(run_dir)}), run_dir)
+    return Request(spec=spec, run_dir=run_dir, sbatch=sbatch, resume=resume, fresh=False)
+
+
+def tasks(res: site.Resolved, target: Target, configs: list[dict[str, str]], *, nodes: int, backend: str,
+          root: Path, name: str, sets: tuple[str, ...] = (), max_parallel: int | None = None,
+          ) -> tuple[list[Request], SbatchRequest | None]:
+    """What `sweep` asks for: one run per configuration (task i in `root`/task-i), and on
+    Slurm the one job array that runs them all."""
+    v = res.values
+    check_secrets(v["secrets"], v["env"], res.profile)
+    if target.script:
+        raise UserError(f"{target.label} is a plain script: a sweep sets an hpcshard job's config "
+                        "(--grid KEY=...); loop over `hpcshard submit` for a script")
+    if v["spares"] or v["min_nodes"]:
+        raise UserError(f"--spares/--min-nodes ({v['spares']}/{v['min_nodes']}): a sweep's runs do not "
+                        "take spares or shrink yet (a lost node requeues the run); drop them, or "
+                        "submit the configuration alone")
+    if v["requeue_policy"] != "requeue" and res.source("requeue_policy") == "command line":
+        raise UserError(f"--requeue-policy {v['requeue_policy']}: a sweep's tasks are requeued "
+                        "each by itself (requeue); drop the option")
+    check_run_dir(root, v["run_group"])
+    common = {**v["train"], **parse_sets(sets)}
+    specs = [run_spec(res, target.ref, {**common, **config}, nodes, backend, f"{name}-{i}",
+                      requeue_policy="requeue") for i, config in enumerate(configs)]
+    check_spares(specs[0])
+    array = None
+    if backends.BACKENDS[backend].in_queue:
+        one = specs[0]
+        array = _checked(replace(
+            SbatchRequest.from_settings(v, res.template_dirs, job_name=name, nodes=one.nodes, gpus=one.gpus,
+                                        run_dir=root, spares=one.spares, min_nodes=one.min_nodes),
+            requeue=True, array=f"0-{len(configs) - 1}" + (f"%{max_parallel}" if max_parallel else "")),
+            root)
+    from hpcshard.rundir.sweep import Sweep
+
+    runs = [Request(spec=s, run_dir=Sweep.task_dir(root, i), sbatch=array) for i, s in enumerate(specs)]
+    return runs, array
+
+
+def _checked(sbatch: SbatchRequest, run_dir: Path) -> SbatchRequest:
+    """The template rendered once (its errors now, before anything is made)."""
+    render(sbatch, "true", RunPaths(run_dir).submitit, site.SETTINGS)
+    return sbatch
+
+
+def run_spec(res: site.Resolved, ref: str, sets: dict[str, str], nodes: int, backend: str, name: str,
+             **fields: Any) -> RunSpec:
+    """The run the merged settings describe (a submit's, or one of a sweep's runs)."""
+    v = res.values
+    return RunSpec(**{**dict(job=ref, sets=sets, nodes=nodes, gpus=v["gpus_per_node"], backend=backend,
+                             name=name, max_requeues=v["max_requeues"], requeue_policy=v["requeue_policy"],
+                             max_restarts=v["max_restarts"], no_progress_restarts=v["no_progress_restarts"],
+                             health_check=v["health_check"], spares=v["spares"], min_nodes=v["min_nodes"],
+                             bad_nodes=v["bad_nodes"], run_group=v["run_group"], profile=res.profile),
+                       **fields})
+
+
+def check_secrets(names: list[str], env: dict[str, Any], profile: str | None) -> None:
+    """Every secret the profile names is in this environment (the job takes it from there:
+    Slurm hands the submitting environment to the job, the local backend its own), and none
+    is also a value the script would export."""
+    whose = f"profile {profile!r}" if profile else "the site configuration"
+    for name in names:
+        if name in env:
+            raise UserError(f"{name} is both a secret and an env value of {whose}: a secret's value "
+                            "is never written into the script; drop it from env")
+        if not os.environ.get(name):
+            raise UserError(f"{name} is not set in your environment, and {whose} names it as a "
+                            f"secret the job needs; export {name} first (its value is never written)")
+
+
+def check_spares(spec: RunSpec) -> None:
+    """--min-nodes above --nodes asks for the impossible."""
+    if spec.min_nodes > spec.nodes:
+        raise UserError(f"--min-nodes {spec.min_nodes} is more than --nodes {spec.nodes}; give at "
+                        f"most {spec.nodes} (or 0: never fewer than --nodes)")
+
+
+# -- 2. checked against the world ------------------------------------------------------------
+
+
+def check(requests: list[Request], *, cluster: bool = True, job: bool = True,
+          configs: list[dict[str, str]] | None = None) -> None:
+    """Check `requests` (one run, or a sweep's with its `configs`) against the cluster (its
+    partitions and limits) and the job (imported and built in a subprocess); each spec gets
+    what the job resolved to (`RunSpec.resolved`)."""
+    first = requests[0]
+    if cluster and first.sbatch is not None:
+        from hpcshard.slurm import cluster as slurm
+
+        slurm.check_request(first.sbatch)
+        if first.sbatch.array:
+            _check_array_size(len(requests))
+        if first.fresh:
+            warn_storage(first.sbatch.run_dir, first.spec.nodes)
+    if not job or first.spec.script:
+        return
+    if configs is None:
+        first.spec.resolved = preflight(first.spec)
+        return
+    for one, resolved in zip(requests, preflight_many([r.spec for r in requests], configs), strict=True):
+        one.spec.resolved = resolved
+
+
+def _check_array_size(count: int) -> None:
+    from hpcshard.slurm import cluster
+
+    limit = cluster.max_array_size()
+    if limit is not None and count > limit:
+        raise UserError(f"{count} configurations is more than this cluster's job arrays take "
+                        f"(MaxArraySize={limit}: indices 0 to {limit - 1}); split the grid into "
+                        f"sweeps of at most {limit}")
+
+
+def warn_storage(run_dir: Path, nodes: int) -> None:
+    node_local = ("/tmp", "/var/tmp", "/dev/shm", "/scratch/local")
+    if nodes > 1 and str(run_dir.resolve()).startswith(node_local):
+        click.echo(f"warning: {run_dir} looks node-local; with {nodes} nodes every node must see "
+                   "the same run directory (checkpoints, logs): put it on shared storage", err=True)
+
+
+def preflight(spec: RunSpec) -> dict[str, Any]:
+    """Import the job and check it in a subprocess (torch stays out of the CLI process)."""
+    return _preflight({"job": spec.job, "sets": spec.sets, "nodes": spec.nodes, "gpus": spec.gpus})
+
+
+def preflight_many(specs: list[RunSpec], configs: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """A sweep's runs (one job, a shape, several configurations), checked in one subprocess;
+    a bad configuration is named in the error."""
+    from hpcshard.rundir.sweep import label
+
+    first = specs[0]
+    request = {"job": first.job, "variants": [s.sets for s in specs], "nodes": first.nodes,
+               "gpus": first.gpus}
+    try:
+        return list(_preflight(request)["variants"])
+    except ValueError as err:
+        index, sep, said = str(err).partition(": ")
+        if not sep or not index.startswith("variant "):
+            raise
+        i = int(index.split()[1])
+        raise UserError(f"configuration {i} ({label(configs[i])}): {said}") from None
+
+
+def _preflight(request: dict[str, Any]) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, "-m", "hpcshard.runtime.preflight"],
+                          input=json.dumps(request), capture_output=True, text=True,
+                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if proc.returncode == UserError.exit_code:
+        raise UserError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
+                        else "the job failed its preflight check")
+    if proc.returncode:
+        raise JobCrashed(f"preflight of {request['job']} crashed:\n{proc.stderr}")
+    return dict(json.loads(proc.stdout))
+
+
+# -- 3. scheduled ---------------------------------------------------------------------------
+
+
+def take_run(run_dir: Path, what: str) -> lease.Owner:
+    """This command takes the run (`rundir.lease`) until it hands it to the job it
+    submits, or, on the local backend, until the run ends here; one line and exit 2 while
+    another job or command owns it, or Slurm cannot say whether its job still runs."""
+    from hpcshard.slurm import cluster
+
+    try:
+        claim = lease.take(run_dir, lease.Owner.of_process(what), cluster.job_alive)
+    except lease.Busy as err:
+        raise UserError(str(err)) from None
+    except OSError as err:  # taking the lease is the command's first write into the run
+        raise UserError(f"run directory {run_dir} is not writable ({err.strerror}); its lease "
+                        "could not be taken: fix its permissions or mount") from None
+    lease.keep(run_dir, claim)  # renewed while this command holds it (hosts that cannot see it)
+    return claim
+
+
+def schedule(req: Request, claim: lease.Owner, *, follow: bool = False) -> int:
+    """Hand the run to its backend as the owner of its directory: submitted (Slurm: the
+    job then owns the run) or run here until it ends (local); the command's exit code."""
+    if req.sbatch is None:
+        return _run_here(req, claim)
+    _warn_lead_time(req.run_dir, req.sbatch)
+    req.spec.slurm = {**asdict(req.sbatch), "run_dir": str(req.sbatch.run_dir)}
+    _write_owned(req.spec, req.run_dir, claim)
+    try:
+        job_id = req.backend.submit(req.spec, req.run_dir, req.sbatch, req.resume)
+    except ValueError:
+        if req.fresh:
+            shutil.rmtree(req.run_dir, ignore_errors=True)
+        else:
+            lease.release(req.run_dir, claim)
+        raise
+    spec = RunSpec.add_job(req.run_dir, job_id)
+    # Last: the job's launchers wait for it (`launch.slurm.own_run`) before they train.
+    if lease.hand_over(req.run_dir, claim, lease.Owner.of_job(job_id)) is None:
+        with contextlib.suppress(ValueError):
+            req.backend.cancel_job(job_id)
+        raise UserError(f"{req.run_dir} was taken over while job {job_id} was submitted (its lease: "
+                        f"{lease.path(req.run_dir)}); job {job_id} is cancelled")
+    click.echo(f"submitted job {job_id}: {spec.nodes} node(s){_spares(spec)} x {spec.gpus} GPU(s), "
+               + describe(spec))
+    click.echo(f"run directory: {req.run_dir}")
+    click.echo(f"logs: {req.backend.logs(req.run_dir, job_id)}")
+    paths = RunPaths(req.run_dir)
+    click.echo(f"follow: hpcshard submit ... --follow, or tail -f {paths.rank_log(0)}")
+    return _follow(req.run_dir, job_id) if follow else 0
+
+
+def schedule_array(requests: list[Request], root: Path) -> list[str]:
+    """A sweep's tasks as one job array: each task's spec written and its directory taken
+    before sbatch (a task may start at once), each handed to its task's job after; the
+    tasks' job ids. sbatch refused: the sweep's directory goes again."""
+    array = requests[0].sbatch
+    assert array is not None
+    claims = []
+    for req in requests:  # a task resumed later is a job of its own, in its own directory
+        req.spec.slurm = {**asdict(array), "run_dir": str(req.run_dir.resolve()), "array": ""}
+        req.spec.write(req.run_dir)
+        claims.append(take_run(req.run_dir, "hpcshard sweep"))
+    try:
+        ids = backends.BACKENDS[backends.SLURM].submit_array([r.spec for r in requests],
+                                                             [r.run_dir for r in requests], array, root)
+    except ValueError:
+        shutil.rmtree(root, ignore_errors=True)
+        raise
+    for req, claim, job_id in zip(requests, claims, ids, strict=True):
+        RunSpec.add_job(req.run_dir, job_id)
+        if lease.hand_over(req.run_dir, claim, lease.Owner.of_job(job_id)) is None:
+            req.backend.cancel_job(job_id)  # another command took the task's directory meanwhile
+            click.echo(f"warning: {req.run_dir} was taken over while the array was "
+                       f"submitted: task {job_id} cancelled", err=True)
+    return ids
+
+
+def _warn_lead_time(run_dir: Path, req: SbatchRequest) -> None:
+    """The notice must leave time to save: compare with the last save this run measured."""
+    last = store.committed(run_dir / store.CHECKPOINTS)
+    seconds = last[-1].manifest.get("save_seconds", 0) if last else 0
+    if seconds and req.signal_lead_s < seconds * 1.5:
+        click.echo(f"warning: --signal-lead {req.signal_lead_s}s is short: the last checkpoint of "
+                   f"this run took {seconds:.0f}s to save", err=True)
+
+
+def _follow(run_dir: Path, job_id: str) -> int:
+    """Print rank 0's log as it grows until Slurm says the job is over (requeues included)."""
+    from hpcshard.cli.common import follow_log
+    from hpcshard.slurm import cluster
+
+    final = {"state": ""}
+
+    def over() -> bool:  # a controller that does not answer is asked again, not taken for "over"
+        answer = cluster.query_job(job_id)
+        if answer.over is not None:
+            final["state"] = answer.state
+        return answer.over is True
+
+    follow_log(RunPaths(run_dir).rank_log(0), over)
+    click.echo(f"job {job_id}: {final['state'] or 'no longer known to Slurm'}")
+    return 0 if final["state"] == "COMPLETED" else 1
+
+
+def _write_owned(spec: RunSpec, run_dir: Path, claim: lease.Owner) -> None:
+    """Write the spec this command built, as the run's owner: nobody else writes it while
+    this command owns the run; one that lost the run meanwhile writes nothing."""
+    if not lease.owns(run_dir, claim.token):
+        raise UserError(f"{run_dir} was taken over while this command prepared it ({lease.path(run_dir)}); "
+                        "nothing was written or submitted")
+    spec.write(run_dir)
+
+
+def _run_here(req: Request, claim: lease.Owner) -> int:
+    """The local backend: run it here, as the owner of the run, until it ends."""
+    spec, run_dir = req.spec, req.run_dir
+    _write_owned(spec, run_dir, claim)
+    click.echo(f"run {spec.name}: {spec.nodes} node(s){_spares(spec)} x {spec.gpus} rank(s), "
+               + describe(spec))
+    click.echo(f"run directory: {run_dir}")
+
+    def requeued(attempt: int, count: int) -> None:
+        click.echo(f"stopped on request with a committed checkpoint: requeued as attempt "
+                   f"{attempt} ({count}/{spec.max_requeues})")
+
+    try:
+        code = req.backend.run(spec, run_dir, req.resume, claim.token, requeued)
+    finally:
+        taken = _taken_from(run_dir, claim)
+        lease.release(run_dir, claim)
+    if taken:  # its ranks stopped without committing more: the run is the new owner's
+        click.echo(f"left the run: {taken} owns it now; nothing more was committed or cleaned")
+        return code
+    last = ledger.end_of(run_dir, next_attempt(run_dir) - 1) or {}
+    _report(run_dir, code, last)
+    if code != 0 and last.get("user_error"):
+        # the ranks found bad input only they could check (a changed init_from, say)
+        raise UserError(last.get("error", "bad input"))
+    return code
+
+
+def _report(run_dir: Path, code: int, end: dict[str, Any]) -> None:
+    """What the run came to (`end`: its last attempt's end record, {} if none landed)."""
+    train, test = last_record(run_dir, "loss"), last_record(run_dir, "eval_loss")
+    if train:
+        line = f"step {train['step']}: loss {train['loss']:.4f}"
+        if test:
+            line += f", eval loss {test['eval_loss']:.4f}"
+        click.echo(line)
+    if code == REQUEUE_EXIT:
+        click.echo(f"stopped with a committed checkpoint; continue with: hpcshard resume {run_dir}")
+        return
+    if code == STORAGE_EXIT:  # what is full and what to do (the end record may not have landed)
+        click.echo(end.get("how") or f"stopped: the run directory {run_dir} refused its writes "
+                   "(full, over quota or read-only); free space, then hpcshard resume")
+    metrics = run_dir / METRICS  # a script writes none
+    outcome = "finished" if code == 0 else f"{'stopped' if code == STORAGE_EXIT else 'failed'} (exit {code})"
+    click.echo(f"{outcome}: " + (f"metrics in {metrics}, " if metrics.exists() else "")
+               + f"logs in {RunPaths(run_dir).logs}")
+
+
+def _taken_from(run_dir: Path, claim: lease.Owner) -> str:
+    """Who took the run over from this command while it ran ("" if nobody did)."""
+    with contextlib.suppress(OSError):
+        if not lease.owns(run_dir, claim.token):
+            try:
+                now = lease.read(run_dir)
+            except lease.Busy as err:
+                return f"an owner it cannot read ({err})"
+            return (now.what or now.name) if now is not None else "nobody"
+    return ""
+
+
+def _spares(spec: RunSpec) -> str:
+    return f" + {spec.spares} spare(s)" if spec.spares else ""
+
+
+def describe(spec: RunSpec) -> str:
+    """The run in a few words: the script it runs, or the job's sharding and size."""
+    if spec.script:
+        own = spec.script
+        return (f"script {'-m ' if own['kind'] == 'module' else ''}"
+                f"{shlex.join([own['target'], *own['args']])}")
+    res = spec.resolved
+    return (f"sharding {res['sharding']}, {res['blocks']} x {res['block']}, "
+            f"{res['params'] / 1e6:.2f}M params")

@@ -1,0 +1,234 @@
+"""The one request builder (`cli.request`): `render`, `submit`, `resume` and `sweep` build
+their typed requests with it, without creating, running or asking anything; the one place a
+request is scheduled; bad input caught once, at the command line's edge."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from hpcshard import site
+from hpcshard.cli import BadInput, main, request
+from hpcshard.errors import JobCrashed, UserError
+from hpcshard.launch import backends
+from hpcshard.rundir import lease
+from hpcshard.rundir.spec import RunSpec
+from hpcshard.slurm.sbatch import SbatchRequest
+from tests.conftest import ROOT
+
+JOB = str(ROOT / "jobs" / "charlm.py")
+
+
+@pytest.fixture
+def no_processes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Building a request runs nothing: no preflight, no Slurm command."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError(f"a process was started: {args}")
+
+    monkeypatch.setattr(subprocess, "run", refuse)
+    monkeypatch.setattr(subprocess, "Popen", refuse)
+
+
+def resolved(**cli: Any) -> site.Resolved:
+    return site.resolve(site.load(), None, cli)
+
+
+def test_a_new_slurm_request_is_typed_and_made_of_nothing(tmp_path: Path, no_processes: None) -> None:
+    run_dir = tmp_path / "r"
+    req = request.new(resolved(gpus_per_node=2, time="00:30:00"), request.Target.parse(JOB), nodes=3,
+                      backend=backends.SLURM, run_dir=run_dir, sets=("steps=7",))
+    assert isinstance(req.sbatch, SbatchRequest) and req.backend.in_queue and req.fresh
+    assert (req.sbatch.nodes, req.sbatch.gpus_per_node, req.sbatch.time) == (3, 2, "00:30:00")
+    assert req.sbatch.run_dir == run_dir.resolve()
+    assert (req.spec.nodes, req.spec.gpus, req.spec.sets["steps"]) == (3, 2, "7")
+    assert not run_dir.exists() and list(tmp_path.iterdir()) == []  # nothing made
+
+
+def test_a_local_request_has_no_sbatch_and_a_script_keeps_its_arguments(tmp_path: Path,
+                                                                      no_processes: None) -> None:
+    own = tmp_path / "train.py"
+    own.write_text("print('hi')\n")
+    req = request.new(resolved(), request.Target.parse(str(own), None, ("--lr", "3")), nodes=1,
+                      backend=backends.LOCAL, run_dir=tmp_path / "r")
+    assert req.sbatch is None and not req.backend.in_queue
+    assert req.spec.script["args"] == ["--lr", "3"] and req.spec.script["kind"] == "file"
+    assert req.spec.sets == {}
+
+
+def test_resume_asks_for_the_same_sbatch_settings_on_the_new_shape(tmp_path: Path,
+                                                                   no_processes: None) -> None:
+    first = request.new(resolved(gpus_per_node=2, cpus_per_gpu=4, partition="p"), request.Target.parse(JOB),
+                        nodes=2, backend=backends.SLURM, run_dir=tmp_path / "r")
+    assert first.sbatch is not None
+    (tmp_path / "r").mkdir()
+    spec = first.spec
+    spec.slurm = {**first.sbatch.__dict__, "run_dir": str(first.sbatch.run_dir)}
+    spec.jobs = ["5"]
+    again = request.again(spec, tmp_path / "r", nodes=4, gpus=1, sets=("lr=1e-3",))
+    assert again.sbatch is not None and not again.fresh
+    assert (again.sbatch.nodes, again.sbatch.gpus_per_node, again.sbatch.cpus_per_task) == (4, 1, 4)
+    assert again.sbatch.partition == "p" and again.spec.sets["lr"] == "1e-3"
+
+
+def test_a_sweeps_tasks_share_one_array_request(tmp_path: Path, no_processes: None) -> None:
+    runs, array = request.tasks(resolved(), request.Target.parse(JOB), [{"lr": "1"}, {"lr": "2"}],
+                                nodes=1, backend=backends.SLURM, root=tmp_path / "s", name="s",
+                                max_parallel=1)
+    assert array is not None and array.array == "0-1%1" and array.requeue
+    assert [r.run_dir.name for r in runs] == ["task-0", "task-1"]
+    assert [r.spec.sets["lr"] for r in runs] == ["1", "2"] and all(r.sbatch is array for r in runs)
+    assert [r.spec.name for r in runs] == ["s-0", "s-1"]
+
+
+@pytest.mark.parametrize(("call", "needle"), [
+    (lambda t: request.new(resolved(min_nodes=3), request.Target.parse(JOB), nodes=2,
+                           backend=backends.LOCAL, run_dir=t / "r"), "--min-nodes 3 is more than --nodes 2"),
+    (lambda t: request.tasks(resolved(spares=1), request.Target.parse(JOB), [{}], nodes=1,
+                             backend=backends.LOCAL, root=t / "s", name="s"), "do not take spares"),
+    (lambda t: request.tasks(resolved(requeue_policy="chain"), request.Target.parse(JOB), [{}], nodes=1,
+                             backend=backends.LOCAL, root=t / "s", name="s"), "--requeue-policy chain"),
+    (lambda t: request.Target.parse(None), "nothing to run"),
+])
+def test_bad_input_is_a_user_error(tmp_path: Path, call: Any, needle: str, no_processes: None) -> None:
+    with pytest.raises(UserError, match=needle):
+        call(tmp_path)
+
+
+def test_the_schedule_runs_a_local_request_through_its_backend(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[tuple[Any, ...]] = []
+
+    def run(self: Any, spec: RunSpec, run_dir: Path, resume: str, owner: str, on_attempt: Any) -> int:
+        ran.append((spec.name, run_dir, resume, owner))
+        return 0
+
+    monkeypatch.setattr(backends.Backend, "run", run)
+    req = request.new(resolved(), request.Target.parse(JOB), nodes=1, backend=backends.LOCAL,
+                      run_dir=tmp_path / "r", resume="never")
+    req.spec.resolved = {"sharding": "full", "blocks": 1, "block": "B", "params": 1}
+    (tmp_path / "r").mkdir()
+    claim = request.take_run(req.run_dir, "test")
+    assert request.schedule(req, claim) == 0
+    assert ran == [("charlm", tmp_path / "r", "never", claim.token)]
+    assert RunSpec.read(tmp_path / "r").name == "charlm"
+    assert lease.read(tmp_path / "r") is None  # given back once the run ended here
+
+
+def test_the_schedule_submits_a_slurm_request_and_hands_the_run_to_its_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    submitted: list[tuple[Any, ...]] = []
+
+    def submit(*args: Any) -> str:
+        submitted.append(args)
+        return "42"
+
+    monkeypatch.setattr("hpcshard.slurm.submit.submit", submit)
+    req = request.new(resolved(), request.Target.parse(JOB), nodes=2, backend=backends.SLURM,
+                      run_dir=tmp_path / "r")
+    req.spec.resolved = {"sharding": "full", "blocks": 1, "block": "B", "params": 1}
+    (tmp_path / "r").mkdir()
+    assert request.schedule(req, request.take_run(req.run_dir, "test")) == 0
+    sbatch, run_dir, _fn, *args = submitted[0]
+    assert sbatch is req.sbatch and run_dir == (tmp_path / "r").resolve()
+    policy = "requeue" if req.sbatch is not None and req.sbatch.requeue else req.spec.requeue_policy
+    assert args == [str(run_dir), 1, 0, req.spec.max_requeues, "auto", policy]
+    owner = lease.read(tmp_path / "r")
+    assert owner is not None and owner.job == "42"
+    assert RunSpec.read(tmp_path / "r").jobs == ["42"]
+    assert "submitted job 42: 2 node(s)" in capsys.readouterr().out
+
+
+def test_a_refused_submission_removes_the_run_directory_made_for_it(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*a: Any) -> str:
+        raise ValueError("sbatch refused the job: no partition")
+
+    monkeypatch.setattr("hpcshard.slurm.submit.submit", refuse)
+    req = request.new(resolved(), request.Target.parse(JOB), nodes=1, backend=backends.SLURM,
+                      run_dir=tmp_path / "r")
+    req.spec.resolved = {"sharding": "full", "blocks": 1, "block": "B", "params": 1}
+    (tmp_path / "r").mkdir()
+    with pytest.raises(ValueError, match="no partition"):
+        request.schedule(req, request.take_run(req.run_dir, "test"))
+    assert not (tmp_path / "r").exists()
+
+
+# -- the command line's edge ------------------------------------------------------------------
+
+
+@pytest.fixture
+def command(monkeypatch: pytest.MonkeyPatch) -> list[BaseException]:
+    """A command `boom` in the group that raises what the test puts in the list."""
+    raised: list[BaseException] = []
+
+    @click.command()
+    def boom() -> None:
+        raise raised[0]
+
+    from hpcshard import cli
+
+    monkeypatch.setitem(cli.COMMANDS, "boom", ("x:boom", "raises"))
+    monkeypatch.setattr(cli.LazyGroup, "get_command",
+                        lambda self, ctx, name: boom if name == "boom" else None)
+    return raised
+
+
+def test_the_edge_makes_bad_input_one_line_with_the_user_errors_exit_code(
+        command: list[BaseException]) -> None:
+    assert BadInput.exit_code == UserError.exit_code == 2
+    for err in (UserError("--nodes 0: give at least 1"), ValueError("--nodes 0: give at least 1")):
+        command[:] = [err]
+        result = CliRunner().invoke(main, ["boom"])
+        assert result.exit_code == 2 and result.output == "Error: --nodes 0: give at least 1\n"
+
+
+def test_the_edge_prints_a_crashed_jobs_traceback_and_leaves_bugs_as_tracebacks(
+        command: list[BaseException]) -> None:
+    command[:] = [JobCrashed("preflight of j crashed:\nTraceback ...\nZeroDivisionError")]
+    result = CliRunner().invoke(main, ["boom"])
+    assert result.exit_code == JobCrashed.exit_code == 1 and "ZeroDivisionError" in result.output
+    command[:] = [RuntimeError("a bug")]
+    result = CliRunner().invoke(main, ["boom"])
+    assert isinstance(result.exception, RuntimeError) and str(result.exception) == "a bug"
+
+
+def exits_outside_commands(source: str) -> list[int]:
+    """Lines that leave the process (sys.exit, SystemExit, os._exit) or raise click's own
+    exceptions in a function that is not a click command."""
+    found = []
+    for fn in ast.walk(ast.parse(source)):
+        if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+            continue
+        if any("command" in ast.unparse(d) for d in fn.decorator_list):
+            continue
+        for node in ast.walk(fn):
+            if not isinstance(node, ast.Call | ast.Raise):
+                continue
+            if ast.unparse(node).startswith(("sys.exit(", "os._exit(", "raise SystemExit", "raise click.",
+                                "ctx.exit(", "raise BadInput")):
+                found.append(node.lineno)
+    return found
+
+
+def test_the_source_walk_finds_an_exit_in_a_helper() -> None:
+    assert exits_outside_commands("import sys\ndef f():\n    sys.exit(1)\n") == [3]
+    assert exits_outside_commands("def f():\n    raise SystemExit(2)\n") == [2]
+    assert exits_outside_commands("@click.command()\ndef f():\n    sys.exit(1)\n") == []
+
+
+def test_no_helper_of_the_command_line_exits() -> None:
+    """Control leaves a command through its return or an exception, caught once at the
+    edge: no helper exits on the command's behalf (the edge itself, `LazyGroup.invoke`,
+    is the one place)."""
+    found = []
+    for path in sorted((ROOT / "hpcshard" / "cli").glob("*.py")):
+        if path.name == "__init__.py":
+            continue
+        found += [f"{path.relative_to(ROOT)}:{n}" for n in exits_outside_commands(path.read_text())]
+    assert not found, found
