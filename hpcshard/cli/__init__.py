@@ -70,6 +70,10 @@ class LazyGroup(click.Group):
         try:
             return super().invoke(ctx)
         except ValueError as err:  # a UserError, or a check's own ValueError
+            import json
+
+            if isinstance(err, UnicodeError | json.JSONDecodeError):
+                raise  # a file no check of hpcshard's read (corrupt, or a bug): not bad input
             raise BadInput(str(err)) from None
         except RuntimeError as err:
             from hpcshard.errors import JobCrashed

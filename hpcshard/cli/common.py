@@ -3,6 +3,7 @@ tables (login node: click and the stdlib)."""
 
 from __future__ import annotations
 
+import codecs
 import math
 import re
 import time
@@ -62,14 +63,17 @@ def job_states(jobs: list[str], since: float | None = None) -> dict[str, str]:
 
 def follow_log(log: Path, done: Callable[[], bool | None], interval: float = 1.0) -> None:
     """Print `log` as it grows until `done()` is true (then print what is left); None (not
-    known: Slurm did not answer) is asked again."""
+    known: Slurm did not answer) is asked again. Read as bytes and decoded across reads: a
+    read that ends inside a character finishes it with the next; a byte that is not UTF-8
+    is shown as U+FFFD, not an error."""
     pos = 0
+    decode = codecs.getincrementaldecoder("utf-8")(errors="replace").decode
     while True:
         over = done()
         if log.exists():
-            with log.open() as f:
+            with log.open("rb") as f:
                 f.seek(pos)
-                chunk = f.read()
+                chunk = decode(f.read(), final=bool(over))
                 pos = f.tell()
             if chunk:
                 click.echo(chunk, nl=False)

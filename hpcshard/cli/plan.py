@@ -12,6 +12,7 @@ import click
 
 from hpcshard.cli.common import table
 from hpcshard.config import PRECISIONS, SHARDING_MODES, parse_sets
+from hpcshard.errors import JobCrashed
 
 UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 MEM_UNITS = {"B": 1, "KB": 1e3, "MB": 1e6, "GB": 1e9, "TB": 1e12, "KIB": 2**10, "MIB": 2**20,
@@ -110,9 +111,12 @@ def plan(job: str | None, nodes: int, gpus: int, sharding: str, precision: str |
                          "or the directory holding it")
     from hpcshard.runtime.planner import make_plan
 
-    result = make_plan(job=job, sets=parse_sets(sets), numbers=numbers, hf_config=hf_config,
-                       nodes=nodes, gpus=gpus, sharding=sharding, precision=precision, ac=ac,
-                       micro_batch=micro_batch, gpu_mem=mem, reserve=held)
+    try:
+        result = make_plan(job=job, sets=parse_sets(sets), numbers=numbers, hf_config=hf_config,
+                           nodes=nodes, gpus=gpus, sharding=sharding, precision=precision, ac=ac,
+                           micro_batch=micro_batch, gpu_mem=mem, reserve=held)
+    except RuntimeError as err:  # the job's model failed to build (its own code, or torch's refusal)
+        raise JobCrashed(str(err)) from None
     if as_json:
         click.echo(json.dumps(result, indent=2))
         return

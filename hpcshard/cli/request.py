@@ -113,11 +113,15 @@ def pick_backend(name: str) -> str:
     return backends.SLURM if cluster.available() else backends.LOCAL
 
 
-def new(res: site.Resolved, target: Target, *, nodes: int, backend: str, run_dir: Path | None = None,
-        name: str | None = None, resume: str = "auto", sets: tuple[str, ...] = ()) -> Request:
-    """What `submit` and `render` ask for: a new run of `target` on `nodes` nodes."""
+def new(res: site.Resolved, job: str | None, *, nodes: int, backend: str, module: str | None = None,
+        args: tuple[str, ...] = (), run_dir: Path | None = None, name: str | None = None,
+        resume: str = "auto", sets: tuple[str, ...] = ()) -> Request:
+    """What `submit` and `render` ask for: a new run of `job` (or a script: `Target.parse`)
+    on `nodes` nodes. `backend` "auto" is the one question asked of the world here, after
+    every check of the input (`pick_backend`: does a Slurm controller answer)."""
     v = res.values
     check_secrets(v["secrets"], v["env"], res.profile)
+    target = Target.parse(job, module, args)
     own = dict(target.script)
     if own:
         if sets:
@@ -133,7 +137,8 @@ def new(res: site.Resolved, target: Target, *, nodes: int, backend: str, run_dir
         check_resume(run_dir, resume)
     # The profile's training settings under the command line's.
     train = {} if own else {**v["train"], **parse_sets(sets)}
-    spec = run_spec(res, target.ref, train, nodes, backend, name or job_stem(target.label), script=own)
+    spec = run_spec(res, target.ref, train, nodes, pick_backend(backend), name or job_stem(target.label),
+                    script=own)
     check_spares(spec)
     sbatch = None
     if backends.of(spec).in_queue:
@@ -152,8 +157,7 @@ def again(spec: RunSpec, run_dir: Path, *, nodes: int | None = None, gpus: int |
           resume: str = "auto") -> Request:
     """What `resume` asks for: the run's spec on its (new) shape, and on Slurm the same sbatch
     settings as its last submission, sized for it, without the nodes it declared bad."""
-    if backends.of(spec).in_queue:  # the new job takes them from this environment again
-        check_secrets(spec.slurm.get("secrets", []), spec.slurm.get("env", {}), spec.profile)
+    check_secrets_again(spec)
     probe_writable(run_dir)
     check_resume(run_dir, resume)
     spec.nodes, spec.gpus = nodes or spec.nodes, gpus or spec.gpus
@@ -172,13 +176,30 @@ def again(spec: RunSpec, run_dir: Path, *, nodes: int | None = None, gpus: int |
     return Request(spec=spec, run_dir=run_dir, sbatch=sbatch, resume=resume, fresh=False)
 
 
-def tasks(res: site.Resolved, target: Target, configs: list[dict[str, str]], *, nodes: int, backend: str,
-          root: Path, name: str, sets: tuple[str, ...] = (), max_parallel: int | None = None,
-          ) -> tuple[list[Request], SbatchRequest | None]:
-    """What `sweep` asks for: one run per configuration (task i in `root`/task-i), and on
-    Slurm the one job array that runs them all."""
+@dataclass(kw_only=True)
+class Tasks:
+    """A sweep's request: one run per configuration, each in `root`/task-i, and on Slurm
+    the one job array that runs them all (None on the local backend)."""
+
+    runs: list[Request]
+    array: SbatchRequest | None
+    root: Path
+    name: str
+    job: str
+    """The job reference every run imports."""
+    backend: str
+
+
+def tasks(res: site.Resolved, job: str, configs: list[dict[str, str]], *, nodes: int, backend: str,
+          root: Path | None = None, name: str | None = None, sets: tuple[str, ...] = (),
+          max_parallel: int | None = None) -> Tasks:
+    """What `sweep` asks for: `job` once per configuration. `backend` "auto" is resolved
+    after every check of the input, as in `new`."""
     v = res.values
     check_secrets(v["secrets"], v["env"], res.profile)
+    target = Target.parse(job)
+    name = name or job_stem(target.label)
+    root = root or default_run_dir(f"{job_stem(target.label)}-sweep", site.storage_root(res))
     if target.script:
         raise UserError(f"{target.label} is a plain script: a sweep sets an hpcshard job's config "
                         "(--grid KEY=...); loop over `hpcshard submit` for a script")
@@ -191,6 +212,7 @@ def tasks(res: site.Resolved, target: Target, configs: list[dict[str, str]], *, 
                         "each by itself (requeue); drop the option")
     check_run_dir(root, v["run_group"])
     common = {**v["train"], **parse_sets(sets)}
+    backend = pick_backend(backend)
     specs = [run_spec(res, target.ref, {**common, **config}, nodes, backend, f"{name}-{i}",
                       requeue_policy="requeue") for i, config in enumerate(configs)]
     check_spares(specs[0])
@@ -205,7 +227,14 @@ def tasks(res: site.Resolved, target: Target, configs: list[dict[str, str]], *, 
     from hpcshard.rundir.sweep import Sweep
 
     runs = [Request(spec=s, run_dir=Sweep.task_dir(root, i), sbatch=array) for i, s in enumerate(specs)]
-    return runs, array
+    return Tasks(runs=runs, array=array, root=root, name=name, job=target.ref, backend=backend)
+
+
+def check_secrets_again(spec: RunSpec) -> None:
+    """A run resumed on a backend that queues it: its new job takes the secrets from this
+    environment again."""
+    if backends.of(spec).in_queue:
+        check_secrets(spec.slurm.get("secrets", []), spec.slurm.get("env", {}), spec.profile)
 
 
 def _checked(sbatch: SbatchRequest, run_dir: Path) -> SbatchRequest:
@@ -260,10 +289,10 @@ def check(requests: list[Request], *, cluster: bool = True, job: bool = True,
         from hpcshard.slurm import cluster as slurm
 
         slurm.check_request(first.sbatch)
-        if first.sbatch.array:
-            _check_array_size(len(requests))
         if first.fresh:
             warn_storage(first.sbatch.run_dir, first.spec.nodes)
+        if first.sbatch.array:
+            _check_array_size(len(requests))
     if not job or first.spec.script:
         return
     if configs is None:

@@ -132,7 +132,13 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
             click.echo(f"sweep {sweep_dir.name}: {summary(sweep_dir)}")
         if not runs:
             return
-    specs = [RunSpec.read(run_dir) for run_dir in runs]
+    specs = []
+    for run_dir in list(runs):  # one run's unreadable spec.json hides none of the others
+        try:
+            specs.append(RunSpec.read(run_dir))
+        except (OSError, ValueError) as err:
+            click.echo(f"{run_dir.name}: spec.json unreadable ({err}); skipped", err=True)
+            runs.remove(run_dir)
     jobs = [backends.reaching(spec).job(spec) for spec in specs]
     queued = [spec for spec, job in zip(specs, jobs, strict=True) if job is not None]
     slurm = job_states([job for job in jobs if job is not None],

@@ -22,7 +22,6 @@ from hpcshard.cli.options import (
     slurm_options,
     spare_options,
 )
-from hpcshard.cli.request import Target
 from hpcshard.errors import UserError
 from hpcshard.launch import backends
 from hpcshard.rundir import lease
@@ -50,9 +49,8 @@ def submit(job: str | None, nodes: int | None, run_dir: Path | None, name: str |
     """Run JOB (an hpcshard job file or module) on NODES x GPUS ranks, or any torchrun
     script as it is: `submit train.py -- ARGS`, `submit -m package.module -- ARGS`."""
     res = settings(profile, opts)
-    req = request.new(res, Target.parse(job, module, args), nodes=nodes or 1,
-                      backend=request.pick_backend(res.values["backend"]), run_dir=run_dir, name=name,
-                      resume=resume, sets=sets)
+    req = request.new(res, job, module=module, args=args, nodes=nodes or 1, backend=res.values["backend"],
+                      run_dir=run_dir, name=name, resume=resume, sets=sets)
     request.check([req])
     create_run_dir(req.run_dir, req.spec.run_group)
     # Two commands given one new --run-dir at once both found it empty: one gets the run.
@@ -78,7 +76,7 @@ def render_cmd(job: str | None, nodes: int | None, run_dir: Path | None, name: s
     nothing is imported: it is instant)."""
     from hpcshard.slurm.submit import sbatch_text
 
-    req = request.new(settings(profile, opts), Target.parse(job, module, args), nodes=nodes or 1,
+    req = request.new(settings(profile, opts), job, module=module, args=args, nodes=nodes or 1,
                       backend=backends.SLURM, run_dir=run_dir, name=name, sets=sets)
     request.check([req], cluster=False, job=check)
     assert req.sbatch is not None
@@ -101,10 +99,11 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | Non
     # nothing takes it over while the preflight runs (seconds).
     claim = request.take_run(run_dir, "hpcshard resume")
     try:
-        # read again, now that this command owns the run
-        req = request.again(read_spec(run_dir), run_dir, nodes=nodes, gpus=gpus, spares=spares,
-                            min_nodes=min_nodes, sets=sets, resume=resume)
-        _check_over(req.spec, run_dir)
+        spec = read_spec(run_dir)  # read again, now that this command owns the run
+        request.check_secrets_again(spec)  # before Slurm is asked anything
+        _check_over(spec, run_dir)
+        req = request.again(spec, run_dir, nodes=nodes, gpus=gpus, spares=spares, min_nodes=min_nodes,
+                            sets=sets, resume=resume)
         request.check([req])
     except BaseException:  # the run is given back to whoever had it (a killed CLI's launchers)
         lease.release(run_dir, claim, restore=True)

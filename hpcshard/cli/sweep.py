@@ -15,18 +15,16 @@ from typing import Any
 
 import click
 
-from hpcshard import site
 from hpcshard.cli import request
 from hpcshard.cli.common import job_states, table
 from hpcshard.cli.options import SETS, setting_option, settings, shape_options, slurm_options, spare_options
-from hpcshard.cli.request import Target
 from hpcshard.errors import UserError
 from hpcshard.launch import backends
 from hpcshard.rundir import store
 from hpcshard.rundir.launchers import launchers, signal_launchers
 from hpcshard.rundir.metrics import read_metrics, train_records
 from hpcshard.rundir.paths import RunPaths
-from hpcshard.rundir.spec import RunSpec, create_run_dir, default_run_dir, job_stem
+from hpcshard.rundir.spec import RunSpec, create_run_dir
 from hpcshard.rundir.status import attempts
 from hpcshard.rundir.sweep import Sweep, expand, label, read_configs
 
@@ -58,14 +56,11 @@ def sweep(job: str, nodes: int | None, grid: tuple[str, ...], configs_file: Path
     if not grid and configs_file is None:
         raise UserError("nothing to sweep: give --grid KEY=V1,V2 (repeatable) or --configs FILE")
     configs = expand(list(grid), read_configs(configs_file) if configs_file else None)
-    target = Target.parse(job)
-    stem = job_stem(target.label)
-    root = sweep_dir or default_run_dir(f"{stem}-sweep", site.storage_root(res))
-    backend = request.pick_backend(res.values["backend"])
-    runs, array = request.tasks(res, target, configs, nodes=nodes or 1, backend=backend, root=root,
-                                name=name or stem, sets=sets, max_parallel=max_parallel)
+    asked = request.tasks(res, job, configs, nodes=nodes or 1, backend=res.values["backend"], root=sweep_dir,
+                          name=name, sets=sets, max_parallel=max_parallel)
+    runs, root = asked.runs, asked.root
     request.check(runs, configs=configs)
-    record = Sweep(job=target.ref, name=name or stem, backend=backend, configs=configs,
+    record = Sweep(job=asked.job, name=asked.name, backend=asked.backend, configs=configs,
                    max_parallel=max_parallel or 0)
     create_run_dir(root, runs[0].spec.run_group)
     for run in runs:
@@ -74,12 +69,12 @@ def sweep(job: str, nodes: int | None, grid: tuple[str, ...], configs_file: Path
     record.write(root)
     click.echo(f"sweep {record.name}: {len(configs)} configuration(s) of {job}, {runs[0].spec.nodes} "
                f"node(s) x {runs[0].spec.gpus} GPU(s) each, in {root}")
-    if array is None:
+    if asked.array is None:
         sys.exit(_run_local(record, root, [r.spec for r in runs], max_parallel or 1))
     ids = request.schedule_array(runs, root)
     record.array = ids[0].split("_")[0]
     record.write(root)
-    click.echo(f"submitted job array {record.array} ({array.array}): task i runs configuration i")
+    click.echo(f"submitted job array {record.array} ({asked.array.array}): task i runs configuration i")
     for i, config in enumerate(record.configs):
         click.echo(f"  {record.array}_{i}  {label(config)}  -> {record.task_dir(root, i)}")
     click.echo(f"status: hpcshard status {root}; curves: hpcshard plot {root}")

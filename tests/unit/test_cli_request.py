@@ -41,7 +41,7 @@ def resolved(**cli: Any) -> site.Resolved:
 
 def test_a_new_slurm_request_is_typed_and_made_of_nothing(tmp_path: Path, no_processes: None) -> None:
     run_dir = tmp_path / "r"
-    req = request.new(resolved(gpus_per_node=2, time="00:30:00"), request.Target.parse(JOB), nodes=3,
+    req = request.new(resolved(gpus_per_node=2, time="00:30:00"), JOB, nodes=3,
                       backend=backends.SLURM, run_dir=run_dir, sets=("steps=7",))
     assert isinstance(req.sbatch, SbatchRequest) and req.backend.in_queue and req.fresh
     assert (req.sbatch.nodes, req.sbatch.gpus_per_node, req.sbatch.time) == (3, 2, "00:30:00")
@@ -54,7 +54,7 @@ def test_a_local_request_has_no_sbatch_and_a_script_keeps_its_arguments(tmp_path
                                                                       no_processes: None) -> None:
     own = tmp_path / "train.py"
     own.write_text("print('hi')\n")
-    req = request.new(resolved(), request.Target.parse(str(own), None, ("--lr", "3")), nodes=1,
+    req = request.new(resolved(), str(own), args=("--lr", "3"), nodes=1,
                       backend=backends.LOCAL, run_dir=tmp_path / "r")
     assert req.sbatch is None and not req.backend.in_queue
     assert req.spec.script["args"] == ["--lr", "3"] and req.spec.script["kind"] == "file"
@@ -63,7 +63,7 @@ def test_a_local_request_has_no_sbatch_and_a_script_keeps_its_arguments(tmp_path
 
 def test_resume_asks_for_the_same_sbatch_settings_on_the_new_shape(tmp_path: Path,
                                                                    no_processes: None) -> None:
-    first = request.new(resolved(gpus_per_node=2, cpus_per_gpu=4, partition="p"), request.Target.parse(JOB),
+    first = request.new(resolved(gpus_per_node=2, cpus_per_gpu=4, partition="p"), JOB,
                         nodes=2, backend=backends.SLURM, run_dir=tmp_path / "r")
     assert first.sbatch is not None
     (tmp_path / "r").mkdir()
@@ -77,9 +77,9 @@ def test_resume_asks_for_the_same_sbatch_settings_on_the_new_shape(tmp_path: Pat
 
 
 def test_a_sweeps_tasks_share_one_array_request(tmp_path: Path, no_processes: None) -> None:
-    runs, array = request.tasks(resolved(), request.Target.parse(JOB), [{"lr": "1"}, {"lr": "2"}],
-                                nodes=1, backend=backends.SLURM, root=tmp_path / "s", name="s",
-                                max_parallel=1)
+    asked = request.tasks(resolved(), JOB, [{"lr": "1"}, {"lr": "2"}], nodes=1, backend=backends.SLURM,
+                          root=tmp_path / "s", name="s", max_parallel=1)
+    runs, array = asked.runs, asked.array
     assert array is not None and array.array == "0-1%1" and array.requeue
     assert [r.run_dir.name for r in runs] == ["task-0", "task-1"]
     assert [r.spec.sets["lr"] for r in runs] == ["1", "2"] and all(r.sbatch is array for r in runs)
@@ -87,11 +87,11 @@ def test_a_sweeps_tasks_share_one_array_request(tmp_path: Path, no_processes: No
 
 
 @pytest.mark.parametrize(("call", "needle"), [
-    (lambda t: request.new(resolved(min_nodes=3), request.Target.parse(JOB), nodes=2,
+    (lambda t: request.new(resolved(min_nodes=3), JOB, nodes=2,
                            backend=backends.LOCAL, run_dir=t / "r"), "--min-nodes 3 is more than --nodes 2"),
-    (lambda t: request.tasks(resolved(spares=1), request.Target.parse(JOB), [{}], nodes=1,
+    (lambda t: request.tasks(resolved(spares=1), JOB, [{}], nodes=1,
                              backend=backends.LOCAL, root=t / "s", name="s"), "do not take spares"),
-    (lambda t: request.tasks(resolved(requeue_policy="chain"), request.Target.parse(JOB), [{}], nodes=1,
+    (lambda t: request.tasks(resolved(requeue_policy="chain"), JOB, [{}], nodes=1,
                              backend=backends.LOCAL, root=t / "s", name="s"), "--requeue-policy chain"),
     (lambda t: request.Target.parse(None), "nothing to run"),
 ])
@@ -109,7 +109,7 @@ def test_the_schedule_runs_a_local_request_through_its_backend(tmp_path: Path,
         return 0
 
     monkeypatch.setattr(backends.Backend, "run", run)
-    req = request.new(resolved(), request.Target.parse(JOB), nodes=1, backend=backends.LOCAL,
+    req = request.new(resolved(), JOB, nodes=1, backend=backends.LOCAL,
                       run_dir=tmp_path / "r", resume="never")
     req.spec.resolved = {"sharding": "full", "blocks": 1, "block": "B", "params": 1}
     (tmp_path / "r").mkdir()
@@ -129,7 +129,7 @@ def test_the_schedule_submits_a_slurm_request_and_hands_the_run_to_its_job(
         return "42"
 
     monkeypatch.setattr("hpcshard.slurm.submit.submit", submit)
-    req = request.new(resolved(), request.Target.parse(JOB), nodes=2, backend=backends.SLURM,
+    req = request.new(resolved(), JOB, nodes=2, backend=backends.SLURM,
                       run_dir=tmp_path / "r")
     req.spec.resolved = {"sharding": "full", "blocks": 1, "block": "B", "params": 1}
     (tmp_path / "r").mkdir()
@@ -150,7 +150,7 @@ def test_a_refused_submission_removes_the_run_directory_made_for_it(tmp_path: Pa
         raise ValueError("sbatch refused the job: no partition")
 
     monkeypatch.setattr("hpcshard.slurm.submit.submit", refuse)
-    req = request.new(resolved(), request.Target.parse(JOB), nodes=1, backend=backends.SLURM,
+    req = request.new(resolved(), JOB, nodes=1, backend=backends.SLURM,
                       run_dir=tmp_path / "r")
     req.spec.resolved = {"sharding": "full", "blocks": 1, "block": "B", "params": 1}
     (tmp_path / "r").mkdir()
@@ -232,3 +232,74 @@ def test_no_helper_of_the_command_line_exits() -> None:
             continue
         found += [f"{path.relative_to(ROOT)}:{n}" for n in exits_outside_commands(path.read_text())]
     assert not found, found
+
+
+def test_auto_asks_slurm_only_after_every_check_of_the_input(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            no_processes: None) -> None:
+    """A missing secret, a foreign run directory: one line, before `scontrol ping` (up to
+    15 s where no controller answers) is run."""
+    def asked() -> bool:
+        raise AssertionError("Slurm was asked before the input was checked")
+
+    monkeypatch.setattr("hpcshard.slurm.cluster.available", asked)
+    monkeypatch.delenv("MY_TOKEN", raising=False)
+    with pytest.raises(UserError, match="MY_TOKEN is not set"):
+        request.new(resolved(secrets=["MY_TOKEN"]), JOB, nodes=1, backend="auto", run_dir=tmp_path / "r")
+    with pytest.raises(UserError, match="MY_TOKEN is not set"):
+        request.tasks(resolved(secrets=["MY_TOKEN"]), JOB, [{}], nodes=1, backend="auto", root=tmp_path / "s")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(ValueError, match="is not empty"):
+        request.new(resolved(), JOB, nodes=1, backend="auto", run_dir=tmp_path / "full")
+
+
+def test_a_log_followed_across_a_character_cut_in_two_and_a_byte_that_is_not_utf8(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from hpcshard.cli.common import follow_log
+
+    log = tmp_path / "rank-0.log"
+    parts = iter([b"step 1 \xc3", b"\xa9t\xc3\xa9 \xff\n"])  # "été", the é cut between two reads
+
+    def done() -> bool:
+        with log.open("ab") as f:
+            f.write(next(parts, b""))
+        return log.stat().st_size == 15
+
+    log.write_bytes(b"")
+    follow_log(log, done, interval=0)
+    assert capsys.readouterr().out == "step 1 \u00e9t\u00e9 \ufffd\n"
+
+
+def test_the_edge_leaves_a_corrupt_file_that_no_check_read_as_a_traceback(
+        command: list[BaseException]) -> None:
+    import json
+
+    for err in (json.JSONDecodeError("Expecting value", "{", 1),
+                UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")):
+        command[:] = [err]
+        result = CliRunner().invoke(main, ["boom"])
+        assert result.exit_code == 1 and result.exception is err
+
+
+def test_the_local_backends_nodes_are_local_and_a_slurm_jobs_are_not(monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    """The policy's `local` fact (no other node to be given; the command requeues) comes
+    from who started the launcher: `launch.local` runs `python -m hpcshard.launch.node`."""
+    from hpcshard.launch import node
+
+    seen: list[bool] = []
+    def run_node(*args: Any, local: bool = False, **kwargs: Any) -> int:
+        seen.append(local)
+        return 0
+
+    monkeypatch.setattr(node, "run_node", run_node)
+    monkeypatch.setattr(node.NodeEnv, "from_environ", classmethod(lambda cls: None))
+    monkeypatch.setattr("sys.argv", ["node", str(tmp_path)])
+    node.main()
+    assert seen == [True]
+    import inspect
+
+    from hpcshard.launch import slurm
+
+    assert "local=" not in inspect.getsource(slurm)  # its run_node call keeps the default, False
+    assert inspect.signature(node.run_node).parameters["local"].default is False

@@ -47,7 +47,8 @@ def make_supervisor(run_dir: Path, owner: str, node_rank: int = 0, nnodes: int =
     def start(*_: Any) -> Any:
         raise AssertionError("no agent is started here")
 
-    return Supervisor(node, run_dir, spec, RankEnv(attempt=0, owner=owner), start)
+    return Supervisor(node, run_dir, spec, RankEnv(attempt=0, owner=owner), start,
+                      local=spec.backend == "local")
 
 
 def gone_process() -> lease.Process:

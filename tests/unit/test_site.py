@@ -430,7 +430,7 @@ def test_a_profile_gives_training_settings_under_the_jobs_own_set(layers: dict[s
     res = site.resolve(site.load())
     assert res.values["train"] == {"watchdog_floor_s": "60", "nan_policy": "rollback", "compile": "true"}
     assert res.source("train.watchdog_floor_s").startswith("user ")
-    req = request.new(res, request.Target.parse(JOB), nodes=1, backend="local", run_dir=tmp_path / "r",
+    req = request.new(res, JOB, nodes=1, backend="local", run_dir=tmp_path / "r",
                       sets=("nan_policy=stop",))
     assert req.spec.sets == {"watchdog_floor_s": "60", "nan_policy": "stop", "compile": "true"}
 
