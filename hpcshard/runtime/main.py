@@ -42,7 +42,7 @@ from hpcshard.runtime.job import load_job
 from hpcshard.runtime.logfile import LogFile
 from hpcshard.runtime.pretrained import Stored
 from hpcshard.runtime.stop import StopRequest
-from hpcshard.runtime.train import Summary, Trainer
+from hpcshard.runtime.train import Hooks, Past, Summary, Trainer
 from hpcshard.slurm.env import current_run
 
 USER_ERROR = 2
@@ -114,18 +114,17 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
         job = load_job(spec.job)
         cfg = build_config(job.config, spec.sets)
         stop = StopRequest(f"{cfg.stop_signals},{ranks.notice}").install(early or [])
-        trainer = Trainer(job, cfg, env, run_dir)
-        trainer.report = report
-        _rollbacks(run_dir, trainer, env.is_main)
+        hooks = Hooks(report=report, record=_recorder(run_dir, env.is_main))
+        trainer = Trainer(job, cfg, env, run_dir, hooks=hooks, past=_past(run_dir))
         startup["built"] = time.time()
         loaded = trainer.restore(resume)
-        trainer.startup = {**startup, "loaded": time.time()}
+        startup["loaded"] = time.time()
         if env.is_main:
             _record(run_dir, _started(ranks, env, loaded, trainer.pretrained))
         if ranks.cycle == 0 and env.nodes > 1 and cfg.health_link_mb and _slow_link(run_dir, env, cfg,
                                                                                       attempt):
             return STRAGGLER_EXIT
-        summary = trainer.run(stop)
+        summary = trainer.run(stop, startup)
         if summary.reason == "storage":
             _storage_stop(run_dir, ranks, env, summary, trainer)
     except Disowned as err:  # every rank together; nothing more is written to the run
@@ -247,18 +246,21 @@ def _slow_link(run_dir: Path, env: DistEnv, cfg: TrainConfig, attempt: int) -> b
     return bad is not None
 
 
-def _rollbacks(run_dir: Path, trainer: Trainer, main: bool) -> None:
+def _past(run_dir: Path) -> Past:
     """The run's rollbacks so far (the ledger's, across restarts and requeues): their
-    batches stay skipped and they count against nan_rollbacks; new ones are recorded (rank
-    0's: every rank sees the same)."""
+    batches stay skipped and they count against nan_rollbacks."""
     before = [r for r in ledger.read(run_dir) if r["event"] == "rollback"]
-    trainer.batches.skip.update((int(e), int(o)) for r in before for e, o in r["skipped"])
-    trainer.rollbacks = len(before)
+    return Past(rollbacks=len(before),
+                skipped=frozenset((int(e), int(o)) for r in before for e, o in r["skipped"]))
 
+
+def _recorder(run_dir: Path, main: bool) -> Callable[[events.Event], None]:
+    """Where the Trainer's rollbacks and stragglers go: rank 0's into the ledger (every
+    rank sees the same)."""
     def record(event: events.Event) -> None:
         if main:
             _record(run_dir, event)
-    trainer.record = record
+    return record
 
 
 def _record(run_dir: Path, record: events.Event) -> None:

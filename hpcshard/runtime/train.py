@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
@@ -122,18 +123,109 @@ def stop_time(noticed: float, deadline: float | None, lead: int | None, saves: l
     return at if before is None else min(before, at)
 
 
-class Trainer:
-    """One job on one rank. Build it, then `run()`; the pieces stay usable on their own."""
+def _no_report(phase: str, step: int) -> None:
+    """Outside hpcshard's launchers no one watches a rank's progress."""
 
-    def __init__(self, job: Job, cfg: TrainConfig, env: DistEnv, run_dir: Path | None) -> None:
+
+def _no_record(event: events.Event) -> None:
+    """Without a run directory there is no ledger to tell."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Hooks:
+    """What a Trainer tells the world around it. Given at construction (the runtime's, in
+    `runtime.main`); a Trainer built elsewhere (tests, benches) tells no one."""
+
+    report: Callable[[str, int], None] = _no_report
+    """Where this rank tells its launcher what it does (phase, step): the node's progress
+    board under hpcshard's launchers, nothing elsewhere."""
+    record: Callable[[events.Event], None] = _no_record
+    """Told of each rollback and straggler (the runtime writes them into the ledger)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Past:
+    """The run's rollbacks before this start (the ledger's, across restarts and requeues):
+    they count against nan_rollbacks, and the batches they skipped stay skipped."""
+
+    rollbacks: int = 0
+    skipped: frozenset[tuple[int, int]] = frozenset()
+    """The (epoch, offset) of every global batch an earlier rollback skipped."""
+
+
+@dataclass(frozen=True, slots=True)
+class Built:
+    """The model, sharded and materialised, with what was learnt on the way (`build_model`)."""
+
+    model: nn.Module
+    blocks: list[nn.Module]
+    """The sharded blocks (each its own FSDP unit)."""
+    frozen: frozenset[str]
+    """Canonical names of the parameters that do not train (freeze, or LoRA's base)."""
+    n_params: int
+    flops_per_token: float
+    init_from: Stored | None
+    """init_from's headers, checked against the model (None: not set)."""
+    init_names: dict[str, str]
+    """{model name: checkpoint name} for every tensor init_from supplies."""
+
+
+def build_model(job: Job, cfg: TrainConfig, env: DistEnv, mesh: DeviceMesh, mode: str) -> Built:
+    """The job's model built on the meta device, adapted (LoRA, freeze), tensor parallel
+    where tp > 1, sharded over the data parallel mesh, then materialised on the device."""
+    with on_meta():
+        model = job.model(cfg)
+    apply_lora(model, cfg)  # names change (PEFT's base_layer): before anything reads them
+    apply_freeze(model, cfg.freeze)
+    frozen_names, n_params = frozen(model), sum(p.numel() for p in model.parameters())
+    # init_from: checked against the model's names and shapes now (headers only); what
+    # it supplies is not initialised, only read (restore).
+    init_from = read_dir(cfg.init_from) if cfg.init_from else None
+    init_names = match(model, init_from) if init_from else {}
+    loaded = aliases(model) if init_from else frozenset()
+    flops_per_token = job.flops_per_token(cfg, model)
+    plan = ShardPlan(mode=mode, precision=cfg.precision, block=cfg.block,
+                     block_min_params=cfg.block_min_params, ac_every=cfg.ac_every(),
+                     compile=cfg.compile, cpu_offload=cfg.cpu_offload,
+                     reduce_dtype=cfg.reduce_dtype, output_dtype=cfg.output_dtype,
+                     reshard=cfg.reshard_after_forward, prefetch=cfg.prefetch)
+    tp = tp_mesh(mesh)
+    if tp is not None:
+        require_tp_plan(job, cfg.tp, "this")
+        assert job.tp_plan is not None
+        apply_tp(model, tp, job.tp_plan(cfg, model))
+    if job.shard is not None:  # the job's own sharding, in full
+        blocks = job.shard(cfg, model, dp_mesh(mesh), plan)
+    else:
+        blocks = shard_model(model, dp_mesh(mesh), plan)
+    # Offloaded parameters live in host memory whatever the compute device (FSDP2
+    # refuses them elsewhere); buffers stay with the compute.
+    materialize(model, env.device, cfg.seed, with_adapters(job.init) if cfg.lora_rank else job.init,
+                param_device=torch.device("cpu") if cfg.cpu_offload else None, loaded=loaded)
+    return Built(model=model, blocks=blocks, frozen=frozen_names, n_params=n_params,
+                 flops_per_token=flops_per_token, init_from=init_from, init_names=init_names)
+
+
+class Trainer:
+    """One job on one rank. Build it, then `run()`; the pieces stay usable on their own.
+    Built whole: every collaborator is given here and every attribute is born in
+    `__init__`; nothing outside sets one afterwards (tests/unit/test_runtime_trainer.py)."""
+
+    def __init__(self, job: Job, cfg: TrainConfig, env: DistEnv, run_dir: Path | None, *,
+                 hooks: Hooks | None = None, past: Past | None = None) -> None:
         self.job, self.cfg, self.env, self.run_dir = job, cfg, env, run_dir
+        self.hooks = hooks or Hooks()
+        past = past or Past()
         self.mode = resolve_sharding(cfg.sharding, env.nodes)
         # Tensor parallel ranks share their data: the data parallel rank and world count
         # groups of tp ranks (contiguous: tp is the mesh's innermost dimension).
         self.dp_rank, self.dp_world = env.rank // cfg.tp, env.world // cfg.tp
         self.micro, self.accum = cfg.accumulation(self.dp_world)
         self.mesh = build_mesh(env.device.type, env.nodes, env.per_node, self.mode, cfg.tp)
-        self.model = self._build_model()
+        built = build_model(job, cfg, env, self.mesh, self.mode)
+        self.model, self.blocks, self.frozen = built.model, built.blocks, built.frozen
+        self.n_params, self.flops_per_token = built.n_params, built.flops_per_token
+        self.init_from, self.init_names = built.init_from, built.init_names
         self.params = list(self.model.parameters())
         self.optimizer = build_optimizer(self.model, cfg)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -146,6 +238,7 @@ class Trainer:
         self.batches = GlobalBatches(splits.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
                                      micro=self.micro, rank=self.dp_rank, world=self.dp_world,
                                      seed=cfg.seed, targets=splits.train_targets)
+        self.batches.skip.update(past.skipped)  # an earlier rollback's batches stay skipped
         self.eval_count = eval_batch_count(splits.eval, cfg.seq_len, cfg.batch_size,
                                            cfg.eval_batches) if cfg.eval_every else 0
         if cfg.eval_every and not self.eval_count and env.is_main:
@@ -155,21 +248,14 @@ class Trainer:
         self.pretrained: Stored | None = None
         """The Hugging Face checkpoint this run started from (init_from), once loaded."""
         self.state_bytes: dict[str, int] | None = None
-        self.startup: dict[str, float] = {}
-        """Wall-clock marks of this rank's start (entry, torch, rendezvous, built, loaded)."""
-        self.report: Callable[[str, int], None] = lambda phase, step: None
-        """Where this rank tells its launcher what it does (phase, step): the node's
-        progress board under hpcshard's launchers, nothing elsewhere."""
         self.recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=cfg.nan_skip)
         """Where the last nan_skip global batches started (what a rollback skips)."""
-        self.rollbacks = 0
-        """Rollbacks after a non-finite step so far in this run (the runtime counts the
-        ledger's; `nan_rollbacks` is the budget)."""
+        self.rollbacks = past.rollbacks
+        """Rollbacks after a non-finite step so far in this run (the ledger's before this
+        start, then this process's; `nan_rollbacks` is the budget)."""
         self.paused = {"save_s": 0.0, "eval_s": 0.0}
         """Seconds of saves and evaluations since the last metrics record (the next one
         carries them: the time between records, less these, is training)."""
-        self.record: Callable[[events.Event], None] = lambda event: None
-        """Told of each rollback and straggler (the runtime writes them into the ledger)."""
         self.stragglers = Stragglers(cfg.straggler_margin, cfg.straggler_patience)
         self.hosts: list[str] = []
         self.crowded = ""
@@ -193,41 +279,6 @@ class Trainer:
                      if run_dir is not None else None)
         # Dropout and any other in-step randomness: per rank, seeded, restorable.
         seed_rank(cfg.seed, env.rank)
-
-    def _build_model(self) -> nn.Module:
-        cfg = self.cfg
-        with on_meta():
-            model = self.job.model(cfg)
-        apply_lora(model, cfg)  # names change (PEFT's base_layer): before anything reads them
-        apply_freeze(model, cfg.freeze)
-        self.frozen = frozen(model)
-        self.n_params = sum(p.numel() for p in model.parameters())
-        # init_from: checked against the model's names and shapes now (headers only); what
-        # it supplies is not initialised, only read (restore).
-        self.init_from = read_dir(cfg.init_from) if cfg.init_from else None
-        self.init_names = match(model, self.init_from) if self.init_from else {}
-        loaded = aliases(model) if self.init_from else frozenset()
-        self.flops_per_token = self.job.flops_per_token(cfg, model)
-        plan = ShardPlan(mode=self.mode, precision=cfg.precision, block=cfg.block,
-                         block_min_params=cfg.block_min_params, ac_every=cfg.ac_every(),
-                         compile=cfg.compile, cpu_offload=cfg.cpu_offload,
-                         reduce_dtype=cfg.reduce_dtype, output_dtype=cfg.output_dtype,
-                         reshard=cfg.reshard_after_forward, prefetch=cfg.prefetch)
-        tp = tp_mesh(self.mesh)
-        if tp is not None:
-            require_tp_plan(self.job, cfg.tp, "this")
-            assert self.job.tp_plan is not None
-            apply_tp(model, tp, self.job.tp_plan(cfg, model))
-        if self.job.shard is not None:  # the job's own sharding, in full
-            self.blocks = self.job.shard(cfg, model, dp_mesh(self.mesh), plan)
-        else:
-            self.blocks = shard_model(model, dp_mesh(self.mesh), plan)
-        # Offloaded parameters live in host memory whatever the compute device (FSDP2
-        # refuses them elsewhere); buffers stay with the compute.
-        materialize(model, self.env.device, cfg.seed,
-                    with_adapters(self.job.init) if cfg.lora_rank else self.job.init,
-                    param_device=torch.device("cpu") if cfg.cpu_offload else None, loaded=loaded)
-        return model
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.env.device, non_blocking=True)
@@ -300,7 +351,7 @@ class Trainer:
     def restore(self, how: str = "auto", pretrained: bool = True) -> Loaded | None:
         """Resume from a checkpoint (auto|never|STEP|PATH) before `run`; without one, and
         with `pretrained`, start from `init_from`'s weights if it is set."""
-        self.report("load", self.step)
+        self.hooks.report("load", self.step)
         loaded = self.ckpt.resume(how) if self.ckpt else None
         if loaded is not None:
             self.step = loaded.step
@@ -347,7 +398,7 @@ class Trainer:
         if ckpt is not None and ckpt.pending is not None and not busy:
             ckpt.wait()  # every rank's background write is done: commit it now
         if ckpt is not None and (stop_now or due) and not last:
-            self.report("save", self.step)
+            self.hooks.report("save", self.step)
             start = time.perf_counter()
             ckpt.save(self.step, "stop" if stop_now else "periodic")
             self.paused["save_s"] += time.perf_counter() - start
@@ -405,10 +456,10 @@ class Trainer:
                             cfg.straggler_policy == "bad_node" else "")
                 metrics.event("straggler", step=slow.step, rank=rank, host=slow.host, ratio=slow.ratio,
                               policy=slow.policy)
-            self.record(slow)
+            self.hooks.record(slow)
         if not found or cfg.straggler_policy != "bad_node" or self.ckpt is None:
             return ""
-        self.report("save", self.step)
+        self.hooks.report("save", self.step)
         self.ckpt.save(self.step, "stop")
         return "straggler"
 
@@ -442,7 +493,7 @@ class Trainer:
         if loaded is None:  # nothing committed yet: no state to go back to
             return False
         self.rollbacks += 1
-        self.record(events.Rollback(attempt=self.limits.attempt, cycle=self.limits.cycle, step=bad,
+        self.hooks.record(events.Rollback(attempt=self.limits.attempt, cycle=self.limits.cycle, step=bad,
                                     to=loaded.step, skipped=[list(p) for p in skipped],
                                     rollback=self.rollbacks, of=cfg.nan_rollbacks))
         log.warning("non-finite loss or gradient norm at step %d: rolled back to step %d and "
@@ -450,7 +501,10 @@ class Trainer:
                     len(skipped), self.rollbacks, cfg.nan_rollbacks)
         return True
 
-    def run(self, stop: StopRequest | None = None) -> Summary:
+    def run(self, stop: StopRequest | None = None, startup: dict[str, float] | None = None) -> Summary:
+        """Train to cfg.steps, or until a stop, a non-finite step or the storage ends it.
+        `startup`: wall-clock marks of this rank's start (entry, torch, rendezvous, built,
+        loaded), for the metrics' start record."""
         cfg, env = self.cfg, self.env
         baseline = unigram_entropy(self.splits.train, self.splits.vocab_size)
         peak = cfg.peak_tflops or device_peak_tflops(env.device)
@@ -459,7 +513,7 @@ class Trainer:
                       sharding=self.mode, mesh=list(self.mesh.shape), precision=cfg.precision,
                       accumulation=self.accum, blocks=len(self.blocks), first_step=self.step + 1,
                       unigram_entropy=baseline, train_tokens=len(self.splits.train),
-                      startup=self.startup, **({"data": self.splits.report} if self.splits.report else {}))
+                      startup=startup or {}, **({"data": self.splits.report} if self.splits.report else {}))
         if self.splits.report and env.is_main:
             log.info("data: %s", self.splits.report)
         tokens_per_step = cfg.batch_size * cfg.seq_len
@@ -467,7 +521,7 @@ class Trainer:
         last_t, last_step = time.perf_counter(), self.step
         with metrics.progress(start=self.step) as bar:
             while self.step < cfg.steps:
-                self.report("step", self.step)
+                self.hooks.report("step", self.step)
                 first = self.state_bytes is None
                 began = time.perf_counter()
                 step_loss, norm = self.train_step()
@@ -488,7 +542,7 @@ class Trainer:
                     bar.show(loss)
                     last_t, last_step = time.perf_counter(), self.step
                 if self.eval_count and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
-                    self.report("eval", self.step)
+                    self.hooks.report("eval", self.step)
                     start = time.perf_counter()
                     eval_loss = self.evaluate()
                     self.paused["eval_s"] += time.perf_counter() - start
@@ -507,7 +561,7 @@ class Trainer:
         saved = -1
         if self.ckpt is not None:
             if reason == "done":
-                self.report("save", self.step)
+                self.hooks.report("save", self.step)
                 self.ckpt.save(self.step, "end")
             self.ckpt.wait()
             saved = self.ckpt.last_saved
