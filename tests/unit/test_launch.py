@@ -8,6 +8,7 @@ import pytest
 
 from hpcshard.launch.node import NodeEnv, torchrun_argv
 from hpcshard.rundir import events
+from hpcshard.rundir.events import EndReason
 
 
 def test_node_env_round_trips_through_the_environment() -> None:
@@ -273,7 +274,7 @@ def test_a_guard_s_other_launchers_take_its_word_from_the_guard_file_not_a_new_f
     ("FAILED", [], ["7"], None, True),  # a run of an older hpcshard: no lease
     ("CANCELLED", [], ["7"], "7", False),  # somebody cancelled it
     ("COMPLETED", [], ["7"], "7", False),
-    ("FAILED", [events.End(attempt=0, reason="error")], ["7"], "7", False),  # a real failure
+    ("FAILED", [events.End(attempt=0, reason=EndReason.ERROR)], ["7"], "7", False),  # a real failure
     ("FAILED", [events.Chain(attempt=0, job="7", next="8")], ["7"], "7", False),  # continued already
     ("FAILED", [], ["7", "8"], None, False),  # a newer job has the run
     ("FAILED", [], ["7"], "8", False),  # another job owns the run (a resume)
@@ -404,7 +405,7 @@ def test_a_launcher_gives_the_attempts_end_record_time_before_it_requeues(
     from hpcshard.rundir import ledger
 
     monkeypatch.setattr(slurm, "END_POLL_S", 0.05)
-    ledger.append(tmp_path, events.End(attempt=0, reason="stop"))
+    ledger.append(tmp_path, events.End(attempt=0, reason=EndReason.STOP))
     started = time.monotonic()
     slurm._await_end(tmp_path, 0, 30.0)  # written (by itself, the leader): no wait
     assert time.monotonic() - started < 2.0
@@ -416,7 +417,8 @@ def test_a_launcher_gives_the_attempts_end_record_time_before_it_requeues(
     assert reads == [1]  # ...having read the unchanged ledger once, not at every poll
     monkeypatch.undo()
     monkeypatch.setattr(slurm, "END_POLL_S", 0.05)
-    timer = threading.Timer(0.3, lambda: ledger.append(tmp_path, events.End(attempt=2, reason="stop")))
+    stop = events.End(attempt=2, reason=EndReason.STOP)
+    timer = threading.Timer(0.3, lambda: ledger.append(tmp_path, stop))
     timer.start()
     begun = time.monotonic()
     slurm._await_end(tmp_path, 2, 30.0)  # returns once the record is there, long before 30 s
