@@ -20,7 +20,7 @@ from hpcshard.rundir.launchers import attempt_file
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.rankenv import NOTICE, REQUEUE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
-from hpcshard.slurm import cluster
+from hpcshard.slurm import cluster, states
 from hpcshard.slurm.env import SlurmEnv, expand_nodelist
 from hpcshard.slurm.submit import job_paths
 
@@ -95,8 +95,6 @@ def _owner_name(run_dir: Path) -> str:
 
 GUARD_WAIT_S = 60.0
 """How long a guard's other launchers wait for the one that takes the run over."""
-ENDED = ("CANCELLED", "COMPLETED")
-"""A guarded job that ended so was ended by someone, or finished: its guard does nothing."""
 
 
 def guard(run_dir: Path, job_id: str) -> str:
@@ -162,7 +160,7 @@ def _take_over(run: Path, slurm: SlurmEnv, guarded: str, first_attempt: int, max
     why = (f"job {guarded} no longer owns the run ({_owner_name(run)} does)"
            if owner is not None and owner.name != lease.Owner.of_job(guarded).name else
            "its job is no longer the run's newest" if not RunSpec.read(run).newest_job(guarded) else
-           f"job {guarded} ended {state}" if state in ENDED else
+           f"job {guarded} ended {state}" if states.parse(state).ended_on_purpose else
            f"attempt {attempt} ended ({closed[0]})" if closed else
            f"the cap of {max_requeues} continuations is reached"
            if _continuations(led, first_attempt) >= max_requeues else "")

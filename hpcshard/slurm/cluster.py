@@ -19,11 +19,8 @@ from pathlib import Path
 
 from hpcshard.slurm import client
 from hpcshard.slurm.sbatch import SbatchRequest
+from hpcshard.slurm.states import JobState, parse
 from hpcshard.slurm.time import parse_time
-
-FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                          "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
-"""Job states after which a job runs no more (a requeued job passes through none)."""
 
 
 def ping(timeout: float = 15) -> tuple[bool, str]:
@@ -224,8 +221,8 @@ class JobQuery:
     """Why there was no answer (NO_ANSWER only)."""
 
     @property
-    def state(self) -> str:
-        return self.fields.get("JobState", "")
+    def state(self) -> JobState:
+        return parse(self.fields.get("JobState", ""))
 
     @property
     def over(self) -> bool | None:
@@ -233,7 +230,7 @@ class JobQuery:
         it is pending, running, or on its way back through the queue; None: unknown."""
         if self.said is Said.NO_ANSWER:
             return None
-        return self.said is Said.NO_SUCH_JOB or self.state in FINAL_STATES
+        return self.said is Said.NO_SUCH_JOB or self.state.over
 
 
 def query_job(job_id: str, timeout: float | None = None) -> JobQuery:
@@ -380,7 +377,7 @@ def requeued_by_other(job_id: str, restart_count: int) -> str:
     info = show_job(job_id) or {}
     restarts = int(info.get("Restarts", restart_count) or restart_count)
     state = info.get("JobState", "")
-    if restarts > restart_count or state in ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING"):
+    if restarts > restart_count or parse(state).requeued:
         return f"JobState={state} Restarts={restarts}"
     return ""
 
