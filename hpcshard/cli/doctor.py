@@ -297,13 +297,13 @@ class Doctor:
         deadline = time.monotonic() + self.wait + extra
         state = states.JobState.PENDING.value
         while not done() and time.monotonic() < deadline:
-            info = cluster.job_state(job)
-            state = info.get("JobState", "")
-            if states.parse(state).over:
+            info = cluster.job_state(job) or cluster.JobInfo.forgotten(job)
+            state = info.state_text
+            if info.state.over:
                 time.sleep(1)  # files written just before the end may land a moment later
                 break
-            if states.parse(state).pending:
-                state = f"PENDING, reason {info.get('Reason', '?')}"
+            if info.state.pending:
+                state = f"{state}, reason {info.reason or '?'}"
             time.sleep(0.5)
         return state
 

@@ -284,19 +284,21 @@ def _warn_lead_time(run_dir: Path, req: SbatchRequest) -> None:
 
 def _follow(run_dir: Path, job_id: str) -> int:
     """Print rank 0's log as it grows until Slurm says the job is over (requeues included)."""
-    from hpcshard.slurm import cluster, states
+    from hpcshard.slurm import cluster
+    from hpcshard.slurm.states import JobState
 
-    final = {"state": ""}
+    final = cluster.JobInfo.forgotten(job_id)
 
     def over() -> bool:  # a controller that does not answer is asked again, not taken for "over"
+        nonlocal final
         answer = cluster.query_job(job_id)
         if answer.over is not None:
-            final["state"] = answer.fields.get("JobState", "")
+            final = answer.info or cluster.JobInfo.forgotten(job_id)
         return answer.over is True
 
     follow_log(RunPaths(run_dir).rank_log(0), over)
-    click.echo(f"job {job_id}: {final['state'] or 'no longer known to Slurm'}")
-    return 0 if states.parse(final["state"]) is states.JobState.COMPLETED else 1
+    click.echo(f"job {job_id}: {final.state_text or 'no longer known to Slurm'}")
+    return 0 if final.state is JobState.COMPLETED else 1
 
 
 @click.command()

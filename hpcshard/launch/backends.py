@@ -18,12 +18,15 @@ import contextlib
 import signal
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from hpcshard.rundir import lease, proc
 from hpcshard.rundir.launchers import guards, launchers, signal_launchers
 from hpcshard.rundir.rankenv import short_name
 from hpcshard.rundir.spec import RunSpec
+
+if TYPE_CHECKING:
+    from hpcshard.slurm.cluster import JobInfo
 
 LOCAL, SLURM = "local", "slurm"
 """The backends' names, as RunSpec.backend and `--backend` spell them."""
@@ -41,7 +44,7 @@ class Backend:
         """The run's newest scheduler job (None: none, or no scheduler)."""
         return None
 
-    def state(self, spec: RunSpec) -> dict[str, str] | None:
+    def state(self, spec: RunSpec) -> JobInfo | None:
         """What the scheduler says of the newest job (None: no scheduler)."""
         return None
 
@@ -83,10 +86,11 @@ class Slurm(Backend):
     def job(self, spec: RunSpec) -> str | None:
         return spec.jobs[-1] if spec.jobs else None
 
-    def state(self, spec: RunSpec) -> dict[str, str] | None:
+    def state(self, spec: RunSpec) -> JobInfo | None:
         from hpcshard.slurm import cluster
 
-        return cluster.job_state(spec.jobs[-1], since=spec.created)
+        job = spec.jobs[-1]
+        return cluster.job_state(job, since=spec.created) or cluster.JobInfo.forgotten(job)
 
     def history(self, spec: RunSpec) -> list[dict[str, Any]] | None:
         from hpcshard.slurm import cluster

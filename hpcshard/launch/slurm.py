@@ -20,7 +20,7 @@ from hpcshard.rundir.launchers import attempt_file
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.rankenv import NOTICE, REQUEUE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
-from hpcshard.slurm import cluster, states
+from hpcshard.slurm import cluster
 from hpcshard.slurm.env import SlurmEnv, expand_nodelist
 from hpcshard.slurm.submit import job_paths
 
@@ -147,7 +147,8 @@ def _take_over(run: Path, slurm: SlurmEnv, guarded: str, first_attempt: int, max
             time.sleep(0.5)
     if decided is not None:  # (another launcher of this guard decided; or this job restarted)
         return decided[0]
-    state = (cluster.show_job(guarded, timeout=30) or {}).get("JobState", "")
+    info = cluster.show_job(guarded, timeout=30)
+    state = info.state_text if info else ""
     led = ledger.read(run)
     attempt = max((int(r["attempt"]) for r in led), default=0)
     # Only what came after the attempt's newest start closes it: a rank's `end` (error) of a
@@ -160,7 +161,7 @@ def _take_over(run: Path, slurm: SlurmEnv, guarded: str, first_attempt: int, max
     why = (f"job {guarded} no longer owns the run ({_owner_name(run)} does)"
            if owner is not None and owner.name != lease.Owner.of_job(guarded).name else
            "its job is no longer the run's newest" if not RunSpec.read(run).newest_job(guarded) else
-           f"job {guarded} ended {state}" if states.parse(state).ended_on_purpose else
+           f"job {guarded} ended {state}" if info is not None and info.state.ended_on_purpose else
            f"attempt {attempt} ended ({closed[0]})" if closed else
            f"the cap of {max_requeues} continuations is reached"
            if _continuations(led, first_attempt) >= max_requeues else "")
@@ -284,7 +285,8 @@ def _orphaned(run: Path, slurm: SlurmEnv, attempt: int) -> str:
     from the stop to training again). So its continuation starts at once, on other nodes,
     without waiting for it: nothing of it writes to the run any more (every launcher left
     has stopped, the lost one is marked DOWN next), and only the newest job may train."""
-    batch = (cluster.show_job(slurm.ref, timeout=30) or {}).get("BatchHost", "")
+    info = cluster.show_job(slurm.ref, timeout=30)
+    batch = info.batch_host if info else ""
     lost = {r.get("slurm_node") for r in ledger.bad_nodes(run, attempt, lost=True)}
     return batch if batch and batch in lost else ""
 
@@ -328,7 +330,8 @@ def _fewer_nodes(run: Path, slurm: SlurmEnv, attempt: int, bad: list[str]) -> in
     it is. Fewer: without (some of) its spares, or down to `min_nodes`. 0: not at all:
     the run gives up (recorded) instead of waiting in the queue forever."""
     spec = RunSpec.read(run)
-    partition = (cluster.show_job(slurm.ref, timeout=30) or {}).get("Partition", "")
+    info = cluster.show_job(slurm.ref, timeout=30)
+    partition = info.partition if info else ""
     usable = cluster.usable_nodes(partition, bad) if partition else None
     wanted = len(slurm.nodes)
     if usable is None or usable >= wanted:

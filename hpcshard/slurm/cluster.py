@@ -14,7 +14,7 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpcshard.slurm import client
@@ -114,23 +114,6 @@ def max_array_size(timeout: float | None = None) -> int | None:
     return int(found.group(1)) if found and reply.ok else None
 
 
-def job_state(job_id: str, since: float | None = None) -> dict[str, str]:
-    """`scontrol show job` as a dict (works without accounting; finished jobs stay visible
-    for MinJobAge), else what accounting keeps of it (`Source` is then "sacct"). Empty when
-    Slurm no longer knows the job, or did not answer: good enough to show (status, ls);
-    what decides whether a job is over asks `query_job`, which tells the two apart."""
-    fields = show_job(job_id) if shutil.which("scontrol") else None
-    if fields is not None:
-        return fields
-    runs = history([job_id], since=since)
-    if not runs:
-        return {}
-    last = runs[-1]
-    return {"JobState": last.state, "Restarts": str(len(runs) - 1), "NodeList": last.nodes,
-            "RunTime": last.elapsed, "ExitCode": last.exit_code, "StartTime": last.start,
-            "EndTime": last.end, "Source": "sacct"}
-
-
 @dataclass(frozen=True)
 class SlurmRun:
     """One run of a job as Slurm's accounting keeps it: a requeued job has one per run, in
@@ -195,6 +178,67 @@ def parse_history(text: str, job_ids: list[str]) -> list[SlurmRun]:
     return runs
 
 
+@dataclass(frozen=True)
+class JobInfo:
+    """What Slurm says of one job: scontrol's fields (`of_scontrol`), or what accounting
+    keeps of it once scontrol has forgotten it (`of_runs`: `from_accounting`)."""
+
+    job: str
+    state: JobState
+    state_text: str
+    """Slurm's own word for the state, as shown (a word `states` does not know included)."""
+    restarts: int | None = None
+    """Requeues so far; None: not said."""
+    nodes: str = ""
+    run_time: str = ""
+    exit_code: str = ""
+    """return code:signal."""
+    start: str = ""
+    end: str = ""
+    """When it ended, or when its time limit ends (ISO time)."""
+    reason: str = ""
+    """Why it is pending (scontrol only)."""
+    stdout: str = ""
+    """Its batch script's StdOut path (scontrol only)."""
+    batch_host: str = ""
+    partition: str = ""
+    from_accounting: bool = False
+
+    @classmethod
+    def of_scontrol(cls, job: str, fields: dict[str, str]) -> JobInfo:
+        """From `scontrol show job -o`'s KEY=VALUE fields."""
+        get = fields.get
+        restarts = get("Restarts", "")
+        return cls(job, parse(get("JobState", "")), get("JobState", ""),
+                   int(restarts) if restarts.isdigit() else None, get("NodeList", ""), get("RunTime", ""),
+                   get("ExitCode", ""), get("StartTime", ""), get("EndTime", ""), get("Reason", ""),
+                   get("StdOut", ""), get("BatchHost", ""), get("Partition", ""))
+
+    @classmethod
+    def forgotten(cls, job: str) -> JobInfo:
+        """A job Slurm no longer knows (or did not answer about): nothing to show."""
+        return cls(job, JobState.UNKNOWN, "")
+
+    @classmethod
+    def of_runs(cls, runs: list[SlurmRun]) -> JobInfo:
+        """From accounting's runs of one job: the newest, and how many came before it."""
+        last = runs[-1]
+        return cls(last.job, parse(last.state), last.state, len(runs) - 1, last.nodes, last.elapsed,
+                   last.exit_code, last.start, last.end, from_accounting=True)
+
+
+def job_state(job_id: str, since: float | None = None) -> JobInfo | None:
+    """What scontrol says of a job (works without accounting; finished jobs stay visible
+    for MinJobAge), else what accounting keeps of it. None when Slurm no longer knows the
+    job, or did not answer: good enough to show (status, ls); what decides whether a job
+    is over asks `query_job`, which tells the two apart."""
+    info = show_job(job_id) if shutil.which("scontrol") else None
+    if info is not None:
+        return info
+    runs = history([job_id], since=since)
+    return JobInfo.of_runs(runs) if runs else None
+
+
 class Said(enum.Enum):
     """What the controller said when asked about a job."""
 
@@ -215,14 +259,14 @@ class JobQuery:
 
     job: str
     said: Said
-    fields: dict[str, str] = field(default_factory=dict)
-    """scontrol's fields (KNOWN only), times in ISO form."""
+    info: JobInfo | None = None
+    """What scontrol said of it (KNOWN only), times in ISO form."""
     error: str = ""
     """Why there was no answer (NO_ANSWER only)."""
 
     @property
     def state(self) -> JobState:
-        return parse(self.fields.get("JobState", ""))
+        return self.info.state if self.info else JobState.UNKNOWN
 
     @property
     def over(self) -> bool | None:
@@ -244,7 +288,7 @@ def query_job(job_id: str, timeout: float | None = None) -> JobQuery:
     fields = {key: value for key, sep, value in (t.partition("=") for t in reply.out.split()) if sep}
     if not reply.ok or "JobState" not in fields:
         return JobQuery(job_id, Said.NO_ANSWER, error=reply.said or "scontrol printed no job")
-    return JobQuery(job_id, Said.KNOWN, fields)
+    return JobQuery(job_id, Said.KNOWN, JobInfo.of_scontrol(job_id, fields))
 
 
 def job_alive(job_id: str, timeout: float | None = None) -> bool | None:
@@ -255,17 +299,17 @@ def job_alive(job_id: str, timeout: float | None = None) -> bool | None:
     return None if over is None else not over
 
 
-def show_job(job_id: str, timeout: float | None = None) -> dict[str, str] | None:
-    """`scontrol show job -o` as a dict, times in ISO form whatever the site's
+def show_job(job_id: str, timeout: float | None = None) -> JobInfo | None:
+    """What `scontrol show job` says of a job, times in ISO form whatever the site's
     SLURM_TIME_FORMAT; None when scontrol is missing, fails or hangs past `timeout`, or
     the controller has forgotten the job (`query_job` tells these apart)."""
-    answer = query_job(job_id, timeout)
-    return answer.fields if answer.said is Said.KNOWN else None
+    return query_job(job_id, timeout).info
 
 
 def end_time(job_id: str) -> int | None:
     """When the job's time limit ends (Unix time), for HPCSHARD_DEADLINE."""
-    text = (show_job(job_id, timeout=30) or {}).get("EndTime", "")
+    info = show_job(job_id, timeout=30)
+    text = info.end if info else ""
     try:
         return int(time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S")))
     except ValueError:
@@ -374,11 +418,12 @@ def requeued_by_other(job_id: str, restart_count: int) -> str:
     """Has something else in the job (the script's framework) requeued it already? Slurm
     counts requeues in Restarts before the steps are even killed; a second requeue would
     cost the run a whole extra attempt. Returns what Slurm says, or "" if not."""
-    info = show_job(job_id) or {}
-    restarts = int(info.get("Restarts", restart_count) or restart_count)
-    state = info.get("JobState", "")
-    if restarts > restart_count or parse(state).requeued:
-        return f"JobState={state} Restarts={restarts}"
+    info = show_job(job_id)
+    if info is None:
+        return ""
+    restarts = restart_count if info.restarts is None else info.restarts
+    if restarts > restart_count or info.state.requeued:
+        return f"JobState={info.state_text} Restarts={restarts}"
     return ""
 
 

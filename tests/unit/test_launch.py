@@ -9,6 +9,7 @@ import pytest
 from hpcshard.launch.node import NodeEnv, torchrun_argv
 from hpcshard.rundir import events
 from hpcshard.rundir.events import EndReason
+from hpcshard.slurm.states import JobState
 
 
 def test_node_env_round_trips_through_the_environment() -> None:
@@ -154,12 +155,11 @@ def test_job_state_falls_back_to_sacct_when_scontrol_forgot(tmp_path: Path,
     for name in ("scontrol", "sacct"):
         (tmp_path / name).chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert cluster.job_state("77") == {
-        "JobState": "CANCELLED", "RunTime": "00:03:10", "NodeList": "n[1-2]", "Restarts": "1",
-        "ExitCode": "0:15", "StartTime": "2026-01-01T10:02:00", "EndTime": "2026-01-01T10:05:10",
-        "Source": "sacct"}
+    assert cluster.job_state("77") == cluster.JobInfo(
+        "77", JobState.CANCELLED, "CANCELLED", restarts=1, nodes="n[1-2]", run_time="00:03:10",
+        exit_code="0:15", start="2026-01-01T10:02:00", end="2026-01-01T10:05:10", from_accounting=True)
     (tmp_path / "sacct").write_text("#!/bin/sh\necho 'accounting storage is disabled' >&2\nexit 1\n")
-    assert cluster.job_state("77") == {}
+    assert cluster.job_state("77") is None
 
 
 def test_a_late_notice_cannot_kill_a_finished_rank() -> None:
@@ -300,7 +300,8 @@ def test_a_guard_takes_the_run_over_only_from_a_job_that_failed_without_a_word(
         lease.take(tmp_path, lease.Owner.of_job(owner), lambda job: None)
     for r in records:
         ledger.append(tmp_path, r)
-    monkeypatch.setattr(slurm.cluster, "show_job", lambda job, timeout=0: {"JobState": state})
+    monkeypatch.setattr(slurm.cluster, "show_job",
+                        lambda job, timeout=0: slurm.cluster.JobInfo.of_scontrol(job, {"JobState": state}))
     monkeypatch.setattr(slurm.cluster, "job_alive", lambda job, timeout=0: state not in (
         "FAILED", "NODE_FAIL", "CANCELLED", "COMPLETED"))
     env = slurm.SlurmEnv(job_id="9", ref="9", nodes=["n1", "n2"], node_id=0, restart_count=0, gpus_on_node=1)

@@ -326,7 +326,8 @@ def test_a_guard_takes_over_an_attempt_whose_fault_was_restarted_in_place(
                          error="RuntimeError: CUDA error: an illegal memory access"),
               events.Start(attempt=0, cycle=1, world=2, nodes=2, host="n1")]:
         ledger.append(tmp_path, r)
-    monkeypatch.setattr(slurm.cluster, "show_job", lambda job, timeout=0: {"JobState": "NODE_FAIL"})
+    failed = slurm.cluster.JobInfo.of_scontrol("7", {"JobState": "NODE_FAIL"})
+    monkeypatch.setattr(slurm.cluster, "show_job", lambda job, timeout=0: failed)
     monkeypatch.setattr(slurm.cluster, "job_alive", lambda job, timeout=0: False)
     env = slurm.SlurmEnv(job_id="9", ref="9", nodes=["n1", "n2"], node_id=0, restart_count=0, gpus_on_node=1)
     assert slurm._take_over(tmp_path, env, "7", 0, 2)
