@@ -82,9 +82,12 @@ def chain(run_dir: Path, job_id: str, attempt: int, owner: lease.Owner, after: b
         with contextlib.suppress(ValueError):
             cluster.scancel(new)
         raise ValueError(f"the run was taken over by {_owner_name(run_dir)}: continuation {new} cancelled")
-    refused = "" if after else cluster.release(new)
-    if refused:
-        raise ValueError(f"continuation {new} stays held ({refused}); `scontrol release {new}` starts it")
+    if not after:
+        try:
+            cluster.release(new)
+        except cluster.SlurmError as err:
+            raise ValueError(f"continuation {new} stays held ({err}); `scontrol release {new}` "
+                             "starts it") from None
     return new
 
 
@@ -320,9 +323,10 @@ def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:
     # launcher (the whole step), so nothing after it runs (one call per node downed one).
     for node in lost:
         ledger.append(run, events.NodeDown(attempt=attempt, slurm_node=node))
-    refused = cluster.drain(",".join(lost), f"hpcshard {run.name}: lost: silent", "DOWN")
-    if refused:
-        ledger.append(run, events.NodeDown(attempt=attempt, slurm_node=",".join(lost), error=refused))
+    try:
+        cluster.drain(",".join(lost), f"hpcshard {run.name}: lost: silent", "DOWN")
+    except cluster.SlurmError as err:
+        ledger.append(run, events.NodeDown(attempt=attempt, slurm_node=",".join(lost), error=str(err)))
 
 
 def _fewer_nodes(run: Path, slurm: SlurmEnv, attempt: int, bad: list[str]) -> int | None:
@@ -408,13 +412,14 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
     fewer = _fewer_nodes(run, slurm, attempt, bad) if bad else None
     if fewer == 0:
         return
-    asked = cluster.requeue(slurm.ref, exclude=bad, nodes=fewer)  # retried through a controller's blip
-    if not asked.queued:
-        why = f"requeue failed: {asked.error}; continue with `hpcshard resume {run}`"
+    try:
+        note = cluster.requeue(slurm.ref, exclude=bad, nodes=fewer)  # retried through a controller's blip
+    except cluster.SlurmError as err:
+        why = f"requeue failed: {err}; continue with `hpcshard resume {run}`"
         ledger.append(run, events.GaveUp(attempt=attempt, reason=why))
         print(f"hpcshard: not continued: {why}", file=sys.stderr, flush=True)
         return
-    ledger.append(run, events.Requeue(attempt=attempt, job=slurm.ref, error=asked.error or None,
+    ledger.append(run, events.Requeue(attempt=attempt, job=slurm.ref, error=note or None,
                                       excluded=bad or events.UNSET, nodes=fewer or events.UNSET))
-    print(f"hpcshard: requeued job {slurm.ref}" + (f" ({asked.error})" if asked.error else ""),
+    print(f"hpcshard: requeued job {slurm.ref}" + (f" ({note})" if note else ""),
           file=sys.stderr, flush=True)
