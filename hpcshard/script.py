@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from hpcshard.rundir import events, flight, launchers, ledger, progress
+from hpcshard.rundir.events import EndReason
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.rankenv import (
     ENV_DOC,
@@ -174,7 +175,8 @@ def run(run_dir: Path, script: dict[str, Any], early: list[int]) -> int:
         # torchrun would report a failure and tear the other ranks down mid-save.
         if rank == 0:
             ledger.append(run_dir, events.End.of_script(
-                attempt=attempt, reason="stop", how="the script exited with hpcshard.preemption.REQUEUE",
+                attempt=attempt, reason=EndReason.STOP,
+                how="the script exited with hpcshard.preemption.REQUEUE",
                 save=last_save(run_dir)))
         return 0
     if code and not launchers.over(run_dir, attempt, env.cycle):  # (else: stale, see `over`)

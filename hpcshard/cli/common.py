@@ -9,11 +9,14 @@ import re
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from hpcshard.rundir.spec import RunSpec, read_spec
+
+if TYPE_CHECKING:
+    from hpcshard.slurm.cluster import JobInfo
 
 
 def run_dir_of(target: str) -> Path:
@@ -24,9 +27,9 @@ def run_dir_of(target: str) -> Path:
         return path
     from hpcshard.slurm import cluster
 
-    out = cluster.job_state(target).get("StdOut", "")
-    if out:
-        return Path(out).parent.parent  # RUN_DIR/logs/slurm-%j.out
+    info = cluster.job_state(target)
+    if info is not None and info.stdout:
+        return Path(info.stdout).parent.parent  # RUN_DIR/logs/slurm-%j.out
     submitted = cluster.submitted_from(target)  # forgotten by scontrol: accounting's
     if submitted is None:
         raise ValueError(f"Slurm does not know job {target}; give the run directory instead")
@@ -58,7 +61,11 @@ def job_states(jobs: list[str], since: float | None = None) -> dict[str, str]:
 
     runs = cluster.history(jobs, since=since)
     found = {r.job: r.state for r in runs or []}  # a pending array's tasks are one row: A_[2-3]
-    return {job: found.get(job) or cluster.job_state(job).get("JobState", "unknown") for job in jobs}
+    return {job: found.get(job) or _state_text(cluster.job_state(job)) for job in jobs}
+
+
+def _state_text(info: JobInfo | None) -> str:
+    return info.state_text if info is not None else "unknown"
 
 
 def follow_log(log: Path, done: Callable[[], bool | None], interval: float = 1.0) -> None:

@@ -27,8 +27,8 @@ from hpcshard import site
 from hpcshard.cli.common import FiniteFloat, table
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.spec import probe_writable
-from hpcshard.slurm import cluster
-from hpcshard.slurm.cluster import FINAL_STATES, Partition
+from hpcshard.slurm import cluster, states
+from hpcshard.slurm.cluster import Partition
 from hpcshard.slurm.sbatch import SbatchRequest, render
 from hpcshard.slurm.submit import job_paths
 from hpcshard.slurm.time import hms, parse_time
@@ -266,7 +266,7 @@ class Doctor:
             self.skip("requeue", f"requeue_policy is {self.v['requeue_policy']}")
 
     def _probe_failed(self, job: str, state: str, probe: Path) -> None:
-        if state not in FINAL_STATES:
+        if not states.parse(state).over:
             self.add("storage from compute", False, f"probe job {job} did not run within "
                      f"{self.wait:.0f} s ({state})", "rerun with a longer --wait, or a partition "
                      "with idle nodes")
@@ -295,15 +295,15 @@ class Doctor:
 
     def _wait_for(self, job: str, done: Callable[[], bool], extra: float = 0) -> str:
         deadline = time.monotonic() + self.wait + extra
-        state = "PENDING"
+        state = states.JobState.PENDING.value
         while not done() and time.monotonic() < deadline:
-            info = cluster.job_state(job)
-            state = info.get("JobState", "")
-            if state in FINAL_STATES:
+            info = cluster.job_state(job) or cluster.JobInfo.forgotten(job)
+            state = info.state_text
+            if info.state.over:
                 time.sleep(1)  # files written just before the end may land a moment later
                 break
-            if state == "PENDING":
-                state = f"PENDING, reason {info.get('Reason', '?')}"
+            if info.state.pending:
+                state = f"{state}, reason {info.reason or '?'}"
             time.sleep(0.5)
         return state
 

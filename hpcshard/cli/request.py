@@ -445,18 +445,20 @@ def _follow(run_dir: Path, job_id: str) -> int:
     """Print rank 0's log as it grows until Slurm says the job is over (requeues included)."""
     from hpcshard.cli.common import follow_log
     from hpcshard.slurm import cluster
+    from hpcshard.slurm.states import JobState
 
-    final = {"state": ""}
+    final = cluster.JobInfo.forgotten(job_id)
 
     def over() -> bool:  # a controller that does not answer is asked again, not taken for "over"
+        nonlocal final
         answer = cluster.query_job(job_id)
         if answer.over is not None:
-            final["state"] = answer.state
+            final = answer.info or cluster.JobInfo.forgotten(job_id)
         return answer.over is True
 
     follow_log(RunPaths(run_dir).rank_log(0), over)
-    click.echo(f"job {job_id}: {final['state'] or 'no longer known to Slurm'}")
-    return 0 if final["state"] == "COMPLETED" else 1
+    click.echo(f"job {job_id}: {final.state_text or 'no longer known to Slurm'}")
+    return 0 if final.state is JobState.COMPLETED else 1
 
 
 def _write_owned(spec: RunSpec, run_dir: Path, claim: lease.Owner) -> None:

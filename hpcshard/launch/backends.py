@@ -28,6 +28,7 @@ from hpcshard.rundir.spec import RunSpec
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from hpcshard.slurm.cluster import JobInfo
     from hpcshard.slurm.sbatch import SbatchRequest
 
 LOCAL, SLURM = "local", "slurm"
@@ -74,7 +75,7 @@ class Backend:
         """The run's newest scheduler job (None: none, or no scheduler)."""
         return None
 
-    def state(self, spec: RunSpec) -> dict[str, str] | None:
+    def state(self, spec: RunSpec) -> JobInfo | None:
         """What the scheduler says of the newest job (None: no scheduler)."""
         return None
 
@@ -154,10 +155,11 @@ class Slurm(Backend):
     def job(self, spec: RunSpec) -> str | None:
         return spec.jobs[-1] if spec.jobs else None
 
-    def state(self, spec: RunSpec) -> dict[str, str] | None:
+    def state(self, spec: RunSpec) -> JobInfo | None:
         from hpcshard.slurm import cluster
 
-        return cluster.job_state(spec.jobs[-1], since=spec.created)
+        job = spec.jobs[-1]
+        return cluster.job_state(job, since=spec.created) or cluster.JobInfo.forgotten(job)
 
     def history(self, spec: RunSpec) -> list[dict[str, Any]] | None:
         from hpcshard.slurm import cluster

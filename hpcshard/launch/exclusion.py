@@ -21,8 +21,11 @@ def declare_bad(run_dir: Path, attempt: int, cycle: int, node: int, where: dict[
     if where.get("slurm_node") and drain:
         from hpcshard.slurm import cluster
 
-        refused = cluster.drain(where["slurm_node"], f"hpcshard {run_dir.name}: {reason}")
-        drained, drain_error = not refused, refused or events.UNSET
+        try:
+            cluster.drain(where["slurm_node"], f"hpcshard {run_dir.name}: {reason}")
+            drained = True
+        except cluster.SlurmError as err:
+            drained, drain_error = False, str(err)
     ledger.append(run_dir, events.BadNode(
         attempt=attempt, cycle=cycle, node=node, host=where.get("host", events.UNSET),
         slurm_node=where.get("slurm_node", events.UNSET), reason=reason, drained=drained,

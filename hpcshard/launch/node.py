@@ -19,6 +19,7 @@ from hpcshard.launch.procs import Agent, children, send
 from hpcshard.launch.supervise import Supervisor
 from hpcshard.launch.zygote import Zygote
 from hpcshard.rundir import console, events, ledger
+from hpcshard.rundir.events import EndReason
 from hpcshard.rundir.launchers import write_pid_file
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, STORAGE_EXIT, RankEnv
@@ -175,9 +176,9 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
         return _script_outcome(run_dir, sup.me == sup.roster.leader, ranks.attempt, code,
                                noticed=sup.noticed is not None, killed=sup.killed, grace=grace)
     end = ledger.end_of(run_dir, ranks.attempt)
-    if end is not None and end.get("reason") == "stop":
+    if end is not None and end.get("reason") == EndReason.STOP:
         return REQUEUE_EXIT
-    if end is not None and end.get("reason") == "storage":  # (the agent says 1 for any rank's exit)
+    if end is not None and end.get("reason") == EndReason.STORAGE:  # (the agent says 1 for any rank's exit)
         return STORAGE_EXIT
     return code
 
@@ -191,27 +192,28 @@ def _script_outcome(run_dir: Path, first: bool, attempt: int, code: int, *, noti
     ended early is worse than one more short attempt that resumes from the end. Without a
     notice, a failure is reported and never requeued."""
     end = ledger.end_of(run_dir, attempt)
-    if end is not None and end.get("reason") == "stop":
+    if end is not None and end.get("reason") == EndReason.STOP:
         return REQUEUE_EXIT
     if code == REQUEUE_EXIT:  # the supervisor's: faults spent this allocation's restarts
         if first and end is None:
-            ledger.append(run_dir, events.End.of_script(attempt=attempt, reason="fault", how="the restart "
-                                                        "budget is spent: requeued", save=last_save(run_dir)))
+            ledger.append(run_dir, events.End.of_script(attempt=attempt, reason=EndReason.FAULT,
+                                                        how="the restart budget is spent: requeued",
+                                                        save=last_save(run_dir)))
         return code
     if noticed:
         if first and end is None:
             how = (f"killed {grace:g}s after the notice (the grace period)" if killed
                    else f"exited {code} after the notice")
-            ledger.append(run_dir, events.End.of_script(attempt=attempt, reason="stop", how=how,
+            ledger.append(run_dir, events.End.of_script(attempt=attempt, reason=EndReason.STOP, how=how,
                                                         save=last_save(run_dir)))
         return REQUEUE_EXIT
     if first and end is None:
         if code == 0:
             saved = last_save(run_dir)
-            ledger.append(run_dir, events.End(attempt=attempt, reason="done", saved_step=saved["saved_step"],
-                                              saved=saved["saved"]))
+            ledger.append(run_dir, events.End(attempt=attempt, reason=EndReason.DONE,
+                                              saved_step=saved["saved_step"], saved=saved["saved"]))
         else:
-            ledger.append(run_dir, events.End(attempt=attempt, reason="error", error=f"exit {code}"))
+            ledger.append(run_dir, events.End(attempt=attempt, reason=EndReason.ERROR, error=f"exit {code}"))
     if first and code:  # (the supervisor may have closed the attempt: a bug, a give-up)
         for line in script.failures(run_dir, attempt):
             print(f"hpcshard: {line}", file=sys.stderr, flush=True)

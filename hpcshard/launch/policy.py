@@ -139,40 +139,42 @@ def decide(f: Facts) -> Decision:
     """The decision after a fault in cycle `f.cycle` (see the module's rules)."""
     stop = Decision(action=Action.STOP, code=1, reason="", committed=f.committed, lost=f.lost)
     if f.unreported:
-        return replace(stop, end="unreported", reason=f"node(s) {list(f.unreported)} did not report "
+        return replace(stop, end=EndReason.UNREPORTED, reason=f"node(s) {list(f.unreported)} did not report "
                        "their ranks down, nor went silent: nothing restarts while their ranks may still run")
     if f.storage:
-        return replace(stop, code=STORAGE_EXIT, end="storage", reason=f"{f.storage}; no node is "
+        return replace(stop, code=STORAGE_EXIT, end=EndReason.STORAGE, reason=f"{f.storage}; no node is "
                        "blamed: free space (or fix the mount), then hpcshard resume")
     requeue = replace(stop, action=Action.REQUEUE, code=REQUEUE_EXIT)
     ended = {n: code for n, code in f.ended.items() if n in f.active}
     if REQUEUE_EXIT in ended.values():
-        return replace(requeue, end="stop", reason=f"node(s) {sorted(ended)} stopped on a notice "
+        return replace(requeue, end=EndReason.STOP, reason=f"node(s) {sorted(ended)} stopped on a notice "
                        "while another failed: requeued, not restarted here")
     finished = sorted(n for n, code in ended.items() if code == 0)
     if finished:
-        return replace(stop, end="gave_up", reason=f"node(s) {finished} finished while another "
+        return replace(stop, end=EndReason.GAVE_UP, reason=f"node(s) {finished} finished while another "
                        "failed: nothing to restart with; hpcshard resume continues from the newest "
                        "checkpoint")
     # A launcher that ended otherwise failed itself (its ranks went with it): its node has
     # no launcher for this attempt, like a lost one, but nothing says the node is bad.
     f = replace(f, bad={**f.bad, **{n: f"its launcher ended (exit {code})" for n, code in ended.items()}})
     if f.noticed:
-        return replace(requeue, end="stop", reason="a stop notice came as well: requeued, not restarted here")
+        return replace(requeue, end=EndReason.STOP,
+                       reason="a stop notice came as well: requeued, not restarted here")
     nodes = _without_bad(f)
     if nodes.refused is not None:
         return replace(nodes.refused, committed=f.committed, lost=f.lost)
     why = f"{nodes.why}; " if nodes.why else ""
     if f.bug:
-        return replace(stop, code=BUG_EXIT, end="bug", reason=f"the job's own code raised {f.bug} again "
-                       "at the same step: a bug, not a fault; not restarted")
+        return replace(stop, code=BUG_EXIT, end=EndReason.BUG,
+                       reason=f"the job's own code raised {f.bug} again at the same step: a bug, "
+                       "not a fault; not restarted")
     if f.stalled >= f.no_progress_restarts and not nodes.bad:  # (new nodes: a new chance)
-        return replace(stop, end="gave_up",
+        return replace(stop, end=EndReason.GAVE_UP,
                        reason=f"{f.stalled} restarts in a row without a newer checkpoint")
     if f.cycle + 1 > f.max_restarts:
         # Training advanced, but this allocation has had its share of faults (a flaky
         # node?): back through the queue, as after a preemption, up to max_requeues.
-        return replace(requeue, end="fault", bad=nodes.bad, replaced=nodes.replaced,
+        return replace(requeue, end=EndReason.FAULT, bad=nodes.bad, replaced=nodes.replaced,
                        reason=f"{why}the restart budget ({f.max_restarts}) is spent: requeued")
     return Decision(action=Action.RESTART, active=nodes.active, spares=nodes.spares, bad=nodes.bad,
                     replaced=nodes.replaced, committed=f.committed, lost=f.lost,
@@ -205,10 +207,10 @@ def _without_bad(f: Facts) -> Nodes:
     fewest = f.min_nodes or len(f.active)
     if len(active) < fewest:
         if f.local and not f.lost:
-            refused = Decision(action=Action.STOP, code=1, end="gave_up", bad=gone,
+            refused = Decision(action=Action.STOP, code=1, end=EndReason.GAVE_UP, bad=gone,
                                reason=f"{why}; the local backend has no other node to use")
         else:
-            refused = Decision(action=Action.REQUEUE, code=REQUEUE_EXIT, end="fault",
+            refused = Decision(action=Action.REQUEUE, code=REQUEUE_EXIT, end=EndReason.FAULT,
                                bad=tuple(sorted(f.bad)), reason=f"{why}: requeued without them")
         return Nodes((), (), refused=refused)
     if len(active) == len(f.active):

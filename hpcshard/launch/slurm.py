@@ -82,9 +82,12 @@ def chain(run_dir: Path, job_id: str, attempt: int, owner: lease.Owner, after: b
         with contextlib.suppress(ValueError):
             cluster.scancel(new)
         raise ValueError(f"the run was taken over by {_owner_name(run_dir)}: continuation {new} cancelled")
-    refused = "" if after else cluster.release(new)
-    if refused:
-        raise ValueError(f"continuation {new} stays held ({refused}); `scontrol release {new}` starts it")
+    if not after:
+        try:
+            cluster.release(new)
+        except cluster.SlurmError as err:
+            raise ValueError(f"continuation {new} stays held ({err}); `scontrol release {new}` "
+                             "starts it") from None
     return new
 
 
@@ -95,8 +98,6 @@ def _owner_name(run_dir: Path) -> str:
 
 GUARD_WAIT_S = 60.0
 """How long a guard's other launchers wait for the one that takes the run over."""
-ENDED = ("CANCELLED", "COMPLETED")
-"""A guarded job that ended so was ended by someone, or finished: its guard does nothing."""
 
 
 def guard(run_dir: Path, job_id: str) -> str:
@@ -149,7 +150,8 @@ def _take_over(run: Path, slurm: SlurmEnv, guarded: str, first_attempt: int, max
             time.sleep(0.5)
     if decided is not None:  # (another launcher of this guard decided; or this job restarted)
         return decided[0]
-    state = (cluster.show_job(guarded, timeout=30) or {}).get("JobState", "")
+    info = cluster.show_job(guarded, timeout=30)
+    state = info.state_text if info else ""
     led = ledger.read(run)
     attempt = max((int(r["attempt"]) for r in led), default=0)
     # Only what came after the attempt's newest start closes it: a rank's `end` (error) of a
@@ -162,7 +164,7 @@ def _take_over(run: Path, slurm: SlurmEnv, guarded: str, first_attempt: int, max
     why = (f"job {guarded} no longer owns the run ({_owner_name(run)} does)"
            if owner is not None and owner.name != lease.Owner.of_job(guarded).name else
            "its job is no longer the run's newest" if not RunSpec.read(run).newest_job(guarded) else
-           f"job {guarded} ended {state}" if state in ENDED else
+           f"job {guarded} ended {state}" if info is not None and info.state.ended_on_purpose else
            f"attempt {attempt} ended ({closed[0]})" if closed else
            f"the cap of {max_requeues} continuations is reached"
            if _continuations(led, first_attempt) >= max_requeues else "")
@@ -286,7 +288,8 @@ def _orphaned(run: Path, slurm: SlurmEnv, attempt: int) -> str:
     from the stop to training again). So its continuation starts at once, on other nodes,
     without waiting for it: nothing of it writes to the run any more (every launcher left
     has stopped, the lost one is marked DOWN next), and only the newest job may train."""
-    batch = (cluster.show_job(slurm.ref, timeout=30) or {}).get("BatchHost", "")
+    info = cluster.show_job(slurm.ref, timeout=30)
+    batch = info.batch_host if info else ""
     lost = {r.get("slurm_node") for r in ledger.bad_nodes(run, attempt, lost=True)}
     return batch if batch and batch in lost else ""
 
@@ -320,9 +323,10 @@ def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:
     # launcher (the whole step), so nothing after it runs (one call per node downed one).
     for node in lost:
         ledger.append(run, events.NodeDown(attempt=attempt, slurm_node=node))
-    refused = cluster.drain(",".join(lost), f"hpcshard {run.name}: lost: silent", "DOWN")
-    if refused:
-        ledger.append(run, events.NodeDown(attempt=attempt, slurm_node=",".join(lost), error=refused))
+    try:
+        cluster.drain(",".join(lost), f"hpcshard {run.name}: lost: silent", "DOWN")
+    except cluster.SlurmError as err:
+        ledger.append(run, events.NodeDown(attempt=attempt, slurm_node=",".join(lost), error=str(err)))
 
 
 def _fewer_nodes(run: Path, slurm: SlurmEnv, attempt: int, bad: list[str]) -> int | None:
@@ -330,7 +334,8 @@ def _fewer_nodes(run: Path, slurm: SlurmEnv, attempt: int, bad: list[str]) -> in
     it is. Fewer: without (some of) its spares, or down to `min_nodes`. 0: not at all:
     the run gives up (recorded) instead of waiting in the queue forever."""
     spec = RunSpec.read(run)
-    partition = (cluster.show_job(slurm.ref, timeout=30) or {}).get("Partition", "")
+    info = cluster.show_job(slurm.ref, timeout=30)
+    partition = info.partition if info else ""
     usable = cluster.usable_nodes(partition, bad) if partition else None
     wanted = len(slurm.nodes)
     if usable is None or usable >= wanted:
@@ -407,13 +412,14 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
     fewer = _fewer_nodes(run, slurm, attempt, bad) if bad else None
     if fewer == 0:
         return
-    asked = cluster.requeue(slurm.ref, exclude=bad, nodes=fewer)  # retried through a controller's blip
-    if not asked.queued:
-        why = f"requeue failed: {asked.error}; continue with `hpcshard resume {run}`"
+    try:
+        note = cluster.requeue(slurm.ref, exclude=bad, nodes=fewer)  # retried through a controller's blip
+    except cluster.SlurmError as err:
+        why = f"requeue failed: {err}; continue with `hpcshard resume {run}`"
         ledger.append(run, events.GaveUp(attempt=attempt, reason=why))
         print(f"hpcshard: not continued: {why}", file=sys.stderr, flush=True)
         return
-    ledger.append(run, events.Requeue(attempt=attempt, job=slurm.ref, error=asked.error or None,
+    ledger.append(run, events.Requeue(attempt=attempt, job=slurm.ref, error=note or None,
                                       excluded=bad or events.UNSET, nodes=fewer or events.UNSET))
-    print(f"hpcshard: requeued job {slurm.ref}" + (f" ({asked.error})" if asked.error else ""),
+    print(f"hpcshard: requeued job {slurm.ref}" + (f" ({note})" if note else ""),
           file=sys.stderr, flush=True)

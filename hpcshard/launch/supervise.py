@@ -43,6 +43,7 @@ from hpcshard.launch.ports import listen_ports
 from hpcshard.launch.procs import Agent, alive, children, descendants, kill_below, kill_tree, send
 from hpcshard.launch.watchdog import Limits, Watchdog, process_state
 from hpcshard.rundir import events, flight, launchers, lease, ledger, store
+from hpcshard.rundir.events import EndReason
 from hpcshard.rundir.progress import Board, board_path
 from hpcshard.rundir.rankenv import STORAGE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
@@ -797,8 +798,8 @@ class Supervisor:
         non-finite loss (which stops the run) or storage that took no checkpoint. Not
         faults: a restart changes nothing."""
         end = ledger.end_of(self.run_dir, self.ranks.attempt) or {}
-        return end.get("cycle", 0) == cycle and bool(end.get("user_error")
-                                                       or end.get("reason") in ("nonfinite", "storage"))
+        return end.get("cycle", 0) == cycle and bool(
+            end.get("user_error") or end.get("reason") in (EndReason.NONFINITE, EndReason.STORAGE))
 
     # -- between cycles --------------------------------------------------------------
     def recover(self, cycle: int, watch: Watch) -> Decision:
@@ -835,7 +836,7 @@ class Supervisor:
                 return self.decide(cycle, watch)
             if time.monotonic() >= deadline:
                 return self._conclude(cycle, watch, Decision(
-                    action=policy.Action.STOP, code=1, end="unreported",
+                    action=policy.Action.STOP, code=1, end=EndReason.UNREPORTED,
                     reason="no launcher decided (are they gone?)"), share=False)
             self.chan.wait(POLL_S)
 

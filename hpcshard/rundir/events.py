@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Final, Literal, cast, get_args
+from typing import Any, ClassVar, Final, Literal
 
 
 class Unset(enum.Enum):
@@ -29,30 +29,40 @@ class Unset(enum.Enum):
 
 UNSET: Final = Unset.UNSET
 
-EndReason = Literal["done", "stop", "error", "fault", "nonfinite", "gave_up", "bug", "storage",
-                    "unreported"]
-"""How an attempt ended (the `end` record's `reason`):
+class EndReason(enum.StrEnum):
+    """How an attempt ended (the `end` record's `reason`). A StrEnum: a member is its
+    value, so the ledger's JSON is what the strings wrote, and old ledgers parse."""
 
-- done: every step trained (a script: it exited 0 without a notice);
-- stop: stopped on request (a notice, a time limit) with its checkpoint: requeued or continued;
-- error: a rank failed (its exception, a script's exit code), or a user error (`user_error`);
-- fault: faults spent the allocation's restarts, or bad nodes left too few: requeued;
-- nonfinite: a nan or inf loss or gradient norm stopped it, with no save after it;
-- gave_up: restarts in a row without a newer checkpoint, or too few nodes left;
-- bug: the job's own code raised the same exception at the same step twice;
-- storage: the run directory is full, over quota or read-only (no node is blamed);
-- unreported: nodes never said their ranks were down (nothing restarts beside them).
-"""
+    DONE = "done"
+    """Every step trained (a script: it exited 0 without a notice)."""
+    STOP = "stop"
+    """Stopped on request (a notice, a time limit) with its checkpoint: requeued or continued."""
+    ERROR = "error"
+    """A rank failed (its exception, a script's exit code), or a user error (`user_error`)."""
+    FAULT = "fault"
+    """Faults spent the allocation's restarts, or bad nodes left too few: requeued."""
+    NONFINITE = "nonfinite"
+    """A nan or inf loss or gradient norm stopped it, with no save after it."""
+    GAVE_UP = "gave_up"
+    """Restarts in a row without a newer checkpoint, or too few nodes left."""
+    BUG = "bug"
+    """The job's own code raised the same exception at the same step twice."""
+    STORAGE = "storage"
+    """The run directory is full, over quota or read-only (no node is blamed)."""
+    UNREPORTED = "unreported"
+    """Nodes never said their ranks were down (nothing restarts beside them)."""
 
-END_REASONS: Final = frozenset(get_args(EndReason))
+
+END_REASONS: Final = frozenset(EndReason)
 
 
 def end_reason(text: str) -> EndReason:
-    """`text` as an end reason (from a str-typed source: the runtime's summary, a decision);
-    ValueError for one that no reader knows."""
-    if text in END_REASONS:
-        return cast(EndReason, text)
-    raise ValueError(f"{text!r} is not an end reason; valid: {', '.join(sorted(END_REASONS))}")
+    """`text` as an end reason (from a str-typed source: the runtime's summary, a ledger
+    line); ValueError for one that no reader knows."""
+    try:
+        return EndReason(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not an end reason; valid: {', '.join(sorted(END_REASONS))}") from None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -125,7 +135,9 @@ class End(Event):
     """Reason storage: what the run's storage refused (what is full, over quota or read-only)."""
 
     def __post_init__(self) -> None:
-        end_reason(self.reason)  # a str-typed caller must not slip an unknown reason past mypy
+        # A str-typed caller (a ledger line) must not slip an unknown reason past mypy; a
+        # known one becomes the member, so `parse` gives the enum back.
+        object.__setattr__(self, "reason", end_reason(self.reason))
 
     @classmethod
     def of_script(cls, *, attempt: int, reason: EndReason, how: str, save: Mapping[str, Any]) -> End:
@@ -218,6 +230,10 @@ class Fault(Event):
     """How long the culprit had been silent when a hang was declared (a crash: one look)."""
     collectives: list[dict[str, Any]]
     """The flight recorder's collectives some rank never joined (rundir.flight)."""
+
+    def __post_init__(self) -> None:
+        if self.end:
+            object.__setattr__(self, "end", end_reason(self.end))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from hpcshard.rundir import flight, ledger, store
 from hpcshard.rundir.metrics import read_metrics, train_records
@@ -73,21 +73,38 @@ def _clock(t: float | None) -> str:
     return time.strftime("%H:%M:%S", time.localtime(t)) if t else "-"
 
 
-def report(run_dir: Path, spec: dict[str, Any], slurm_state: dict[str, str] | None,
+class SlurmJob(Protocol):
+    """What status shows of the run's newest Slurm job (`hpcshard.slurm.cluster.JobInfo`;
+    the run directory imports nothing of Slurm's)."""
+
+    @property
+    def state_text(self) -> str: ...
+    @property
+    def restarts(self) -> int | None: ...
+    @property
+    def nodes(self) -> str: ...
+    @property
+    def run_time(self) -> str: ...
+    @property
+    def exit_code(self) -> str: ...
+    @property
+    def from_accounting(self) -> bool: ...
+
+
+def report(run_dir: Path, spec: dict[str, Any], slurm_state: SlurmJob | None,
            slurm_runs: list[dict[str, Any]] | None = None) -> list[str]:
-    """`hpcshard status`'s lines. `slurm_state`: scontrol's fields of the newest job (or
-    accounting's, with Source=sacct); `slurm_runs`: accounting's runs of every job of the
-    run (SlurmRun fields), None without accounting."""
+    """`hpcshard status`'s lines. `slurm_state`: what scontrol (or accounting, once the
+    controller forgot it) says of the newest job, None outside Slurm; `slurm_runs`:
+    accounting's runs of every job of the run (SlurmRun fields), None without accounting."""
     spares = f" + {spec['spares']} spare(s)" if spec.get("spares") else ""
     lines = [f"run {spec.get('name')}: {spec.get('nodes')} node(s){spares} x {spec.get('gpus')} GPU(s), "
              f"backend {spec.get('backend')}, {run_dir}"]
     if slurm_state is not None:
-        job, get = spec["jobs"][-1], slurm_state.get
-        lines.append(f"slurm job {job}: {get('JobState', 'no longer known to Slurm')}, restarts "
-                     f"{get('Restarts', '?')}, nodes {get('NodeList', '-')}, run time {get('RunTime', '-')}"
-                     + (f", exit {get('ExitCode')}" if get("ExitCode") else "")
-                     + (" (from accounting: the controller has forgotten it)" if get("Source") == "sacct"
-                        else ""))
+        job, s = spec["jobs"][-1], slurm_state
+        lines.append(f"slurm job {job}: {s.state_text or 'no longer known to Slurm'}, restarts "
+                     f"{'?' if s.restarts is None else s.restarts}, nodes {s.nodes or '-'}, "
+                     f"run time {s.run_time or '-'}" + (f", exit {s.exit_code}" if s.exit_code else "")
+                     + (" (from accounting: the controller has forgotten it)" if s.from_accounting else ""))
     records = read_metrics(run_dir)
     train = train_records(records)
     total = (spec.get("resolved") or {}).get("config", {}).get("steps", "?")

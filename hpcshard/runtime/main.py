@@ -29,6 +29,7 @@ import torch.distributed as dist
 from hpcshard.config import TrainConfig, build_config
 from hpcshard.errors import UserError
 from hpcshard.rundir import events, flight, launchers, ledger, store
+from hpcshard.rundir.events import EndReason
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.progress import Board
 from hpcshard.rundir.rankenv import STACKS_SIGNAL, STORAGE_EXIT, STRAGGLER_EXIT, RankEnv
@@ -136,8 +137,8 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
         log.debug("user error", exc_info=True)
         if env.is_main:
             print(f"error: {err}", file=sys.stderr)
-            _end(run_dir, events.End(attempt=attempt, reason="error", cycle=ranks.cycle, user_error=True,
-                                     error=str(err)))
+            _end(run_dir, events.End(attempt=attempt, reason=EndReason.ERROR, cycle=ranks.cycle,
+                                     user_error=True, error=str(err)))
         return USER_ERROR
     except BaseException as err:
         _failed(run_dir, ranks, env, trainer.step if trainer else None, err)
@@ -189,7 +190,7 @@ def _storage_stop(run_dir: Path, ranks: RankEnv, env: DistEnv, summary: Summary,
                    else " (--set on_storage_full=train trains on without checkpoints instead)"))
         print(f"error: {line}", file=sys.stderr, flush=True)
         log.debug("%s", line)  # (the log file too, when it takes writes: `hpcshard logs`)
-        _end(run_dir, events.End(attempt=ranks.attempt, reason="storage", cycle=ranks.cycle,
+        _end(run_dir, events.End(attempt=ranks.attempt, reason=EndReason.STORAGE, cycle=ranks.cycle,
                                  step=summary.step, saved_step=summary.saved_step, how=line, storage=full))
     dist.barrier()
 
@@ -311,7 +312,7 @@ def _failed(run_dir: Path, ranks: RankEnv, env: DistEnv, step: int | None, err: 
             message=str(err).strip().splitlines()[0][:300] if str(err).strip() else "",
             log=str(RunPaths(run_dir).rank_log(env.rank))))
     if env.is_main:
-        _end(run_dir, events.End(attempt=ranks.attempt, reason="error", cycle=ranks.cycle,
+        _end(run_dir, events.End(attempt=ranks.attempt, reason=EndReason.ERROR, cycle=ranks.cycle,
                                  error=f"{type(err).__name__}: {err}"))
 
 

@@ -5,6 +5,7 @@ only where they are needed):
     sbatch   the request (SbatchRequest) and its rendering through a jinja2 template
     client   one way to run Slurm's commands: a timeout, a bounded retry where it is safe
     cluster  queries and commands: sinfo, scontrol, sacct, scancel, sbatch
+    states   JobState: Slurm's job states, mapped from its strings once
     submit   submission through submitit, with hpcshard's own sbatch text
     env      SlurmEnv: the one object that reads SLURM_* inside an allocation
 """

@@ -1,7 +1,8 @@
 """One way to run Slurm's client commands (sbatch, scancel, scontrol, sinfo, squeue, sacct):
 under a timeout, with a bounded retry where a retry is safe, and an answer that says
-whether Slurm refused or did not answer at all. Stdlib: the login node and the
-launchers inside an allocation both use it.
+whether Slurm refused or did not answer at all (a `Reply`: nothing here raises; `cluster`
+turns replies into its one error convention). Stdlib: the login node and the launchers
+inside an allocation both use it.
 
 What Slurm 22.05's own client does (src/common/slurm_protocol_api.c): it tries to connect to
 the controller (then its backups) once a second for MessageTimeout seconds (10 by default)

@@ -1,10 +1,23 @@
 """Slurm's client commands, each asked in one place: what the cluster offers (sinfo),
 what a job is doing (scontrol, sacct), and what to do to one (sbatch, scancel, scontrol
-requeue). Stdlib: the login node and the launchers inside an allocation both use it.
-Every command may be missing (a container without Slurm's client) or hang (a controller
-that does not answer): each runs under a timeout, with a bounded retry where repeating it
-is safe (`client`), and callers get None, an empty dict, a typed answer (`query_job`) or a
-ValueError, not a traceback."""
+requeue, release, update). Stdlib: the login node and the launchers inside an allocation
+both use it. Every command may be missing (a container without Slurm's client) or hang (a
+controller that does not answer): each runs under a timeout, with a bounded retry where
+repeating it is safe (`client`, whose `Reply` says how it ended and never raises).
+
+One error convention, for every function here:
+
+- A query (ping, available, max_array_size, submitted_from, history, query_job,
+  job_alive, show_job, job_state, end_time, usable_nodes, requeued_by_other) never
+  raises: that Slurm did not answer is part of its typed answer. None where one value is
+  asked (None: unknown, and never taken for "no"), `JobQuery.said` where "no such job"
+  and "no answer" decide different things, ping's (ok, what it said).
+- A command (sbatch, scancel, requeue, release, drain) raises `SlurmError` when it did not
+  do what was asked, with Slurm's own last line (and how often it was tried); what one
+  that did it has to say besides is its return value (sbatch's id, a requeue's note).
+  So do `partitions` and `check_request`, the first steps of a submission, which cannot
+  go on without them. SlurmError is a ValueError: the CLI prints it as one line and exits
+  2, and a launcher catches it where it goes on without (a drain, a guard's cancel)."""
 
 from __future__ import annotations
 
@@ -14,16 +27,17 @@ import re
 import shutil
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from hpcshard.slurm import client
 from hpcshard.slurm.sbatch import SbatchRequest
+from hpcshard.slurm.states import JobState, parse
 from hpcshard.slurm.time import parse_time
 
-FINAL_STATES = frozenset({"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL",
-                          "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE", "PREEMPTED"})
-"""Job states after which a job runs no more (a requeued job passes through none)."""
+
+class SlurmError(ValueError):
+    """A Slurm command did not do what was asked; the message is Slurm's own (last line)."""
 
 
 def ping(timeout: float = 15) -> tuple[bool, str]:
@@ -60,11 +74,11 @@ def _limit(text: str) -> int | None:
 def partitions() -> dict[str, Partition]:
     """From sinfo: partition, node count, and GPUs per node (gres gpu:N)."""
     if not shutil.which("sinfo"):
-        raise ValueError("Slurm's client commands are not installed here (no sinfo on PATH); "
+        raise SlurmError("Slurm's client commands are not installed here (no sinfo on PATH); "
                          "submit from a login node, or use --backend local")
     reply = client.run(["sinfo", "-h", "-o", "%P|%D|%G|%l"], tries=2, retry=_blip)
     if not reply.ok:
-        raise ValueError(f"Slurm does not answer (sinfo: {reply.said}); check that the controller runs "
+        raise SlurmError(f"Slurm does not answer (sinfo: {reply.said}); check that the controller runs "
                          "and SLURM_CONF points at its slurm.conf, or use --backend local")
     out = reply.out
     found: dict[str, Partition] = {}
@@ -85,20 +99,20 @@ def check_request(req: SbatchRequest) -> str:
     parts = partitions()
     name = req.partition or next((p.name for p in parts.values() if p.default), "")
     if name not in parts:
-        raise ValueError(f"--partition {req.partition!r} does not exist; partitions: "
+        raise SlurmError(f"--partition {req.partition!r} does not exist; partitions: "
                          + ", ".join(sorted(parts)))
     part = parts[name]
     if req.nodes > part.nodes:
-        raise ValueError(f"{req.nodes} nodes (--nodes, plus --spares) is more than partition {name!r} "
+        raise SlurmError(f"{req.nodes} nodes (--nodes, plus --spares) is more than partition {name!r} "
                          f"has ({part.nodes})")
     if req.exclude:
         usable = usable_nodes(name, req.exclude)
         if usable is not None and req.nodes > usable:
-            raise ValueError(f"the run's bad nodes ({','.join(req.exclude)}) and the nodes Slurm cannot "
+            raise SlurmError(f"the run's bad nodes ({','.join(req.exclude)}) and the nodes Slurm cannot "
                              f"use leave partition {name!r} {usable} node(s) for {req.nodes}; resume with "
                              f"fewer (--nodes, --spares 0) or in another partition")
     if req.gpus_per_node > part.gpus_per_node:
-        raise ValueError(f"{req.gpus_per_node} GPUs per node (--gpus, or the profile's gpus_per_node) "
+        raise SlurmError(f"{req.gpus_per_node} GPUs per node (--gpus, or the profile's gpus_per_node) "
                          f"is more than the nodes of partition {name!r} have ({part.gpus_per_node}); "
                          f"use --gpus {part.gpus_per_node} or fewer")
     return name
@@ -115,23 +129,6 @@ def max_array_size(timeout: float | None = None) -> int | None:
     reply = client.run(["scontrol", "show", "config"], timeout=timeout, tries=2, retry=_blip)
     found = re.search(r"^MaxArraySize\s*=\s*(\d+)", reply.out, re.MULTILINE)
     return int(found.group(1)) if found and reply.ok else None
-
-
-def job_state(job_id: str, since: float | None = None) -> dict[str, str]:
-    """`scontrol show job` as a dict (works without accounting; finished jobs stay visible
-    for MinJobAge), else what accounting keeps of it (`Source` is then "sacct"). Empty when
-    Slurm no longer knows the job, or did not answer: good enough to show (status, ls);
-    what decides whether a job is over asks `query_job`, which tells the two apart."""
-    fields = show_job(job_id) if shutil.which("scontrol") else None
-    if fields is not None:
-        return fields
-    runs = history([job_id], since=since)
-    if not runs:
-        return {}
-    last = runs[-1]
-    return {"JobState": last.state, "Restarts": str(len(runs) - 1), "NodeList": last.nodes,
-            "RunTime": last.elapsed, "ExitCode": last.exit_code, "StartTime": last.start,
-            "EndTime": last.end, "Source": "sacct"}
 
 
 @dataclass(frozen=True)
@@ -198,6 +195,67 @@ def parse_history(text: str, job_ids: list[str]) -> list[SlurmRun]:
     return runs
 
 
+@dataclass(frozen=True)
+class JobInfo:
+    """What Slurm says of one job: scontrol's fields (`of_scontrol`), or what accounting
+    keeps of it once scontrol has forgotten it (`of_runs`: `from_accounting`)."""
+
+    job: str
+    state: JobState
+    state_text: str
+    """Slurm's own word for the state, as shown (a word `states` does not know included)."""
+    restarts: int | None = None
+    """Requeues so far; None: not said."""
+    nodes: str = ""
+    run_time: str = ""
+    exit_code: str = ""
+    """return code:signal."""
+    start: str = ""
+    end: str = ""
+    """When it ended, or when its time limit ends (ISO time)."""
+    reason: str = ""
+    """Why it is pending (scontrol only)."""
+    stdout: str = ""
+    """Its batch script's StdOut path (scontrol only)."""
+    batch_host: str = ""
+    partition: str = ""
+    from_accounting: bool = False
+
+    @classmethod
+    def of_scontrol(cls, job: str, fields: dict[str, str]) -> JobInfo:
+        """From `scontrol show job -o`'s KEY=VALUE fields."""
+        get = fields.get
+        restarts = get("Restarts", "")
+        return cls(job, parse(get("JobState", "")), get("JobState", ""),
+                   int(restarts) if restarts.isdigit() else None, get("NodeList", ""), get("RunTime", ""),
+                   get("ExitCode", ""), get("StartTime", ""), get("EndTime", ""), get("Reason", ""),
+                   get("StdOut", ""), get("BatchHost", ""), get("Partition", ""))
+
+    @classmethod
+    def forgotten(cls, job: str) -> JobInfo:
+        """A job Slurm no longer knows (or did not answer about): nothing to show."""
+        return cls(job, JobState.UNKNOWN, "")
+
+    @classmethod
+    def of_runs(cls, runs: list[SlurmRun]) -> JobInfo:
+        """From accounting's runs of one job: the newest, and how many came before it."""
+        last = runs[-1]
+        return cls(last.job, parse(last.state), last.state, len(runs) - 1, last.nodes, last.elapsed,
+                   last.exit_code, last.start, last.end, from_accounting=True)
+
+
+def job_state(job_id: str, since: float | None = None) -> JobInfo | None:
+    """What scontrol says of a job (works without accounting; finished jobs stay visible
+    for MinJobAge), else what accounting keeps of it. None when Slurm no longer knows the
+    job, or did not answer: good enough to show (status, ls); what decides whether a job
+    is over asks `query_job`, which tells the two apart."""
+    info = show_job(job_id) if shutil.which("scontrol") else None
+    if info is not None:
+        return info
+    runs = history([job_id], since=since)
+    return JobInfo.of_runs(runs) if runs else None
+
+
 class Said(enum.Enum):
     """What the controller said when asked about a job."""
 
@@ -218,14 +276,14 @@ class JobQuery:
 
     job: str
     said: Said
-    fields: dict[str, str] = field(default_factory=dict)
-    """scontrol's fields (KNOWN only), times in ISO form."""
+    info: JobInfo | None = None
+    """What scontrol said of it (KNOWN only), times in ISO form."""
     error: str = ""
     """Why there was no answer (NO_ANSWER only)."""
 
     @property
-    def state(self) -> str:
-        return self.fields.get("JobState", "")
+    def state(self) -> JobState:
+        return self.info.state if self.info else JobState.UNKNOWN
 
     @property
     def over(self) -> bool | None:
@@ -233,7 +291,7 @@ class JobQuery:
         it is pending, running, or on its way back through the queue; None: unknown."""
         if self.said is Said.NO_ANSWER:
             return None
-        return self.said is Said.NO_SUCH_JOB or self.state in FINAL_STATES
+        return self.said is Said.NO_SUCH_JOB or self.state.over
 
 
 def query_job(job_id: str, timeout: float | None = None) -> JobQuery:
@@ -247,7 +305,7 @@ def query_job(job_id: str, timeout: float | None = None) -> JobQuery:
     fields = {key: value for key, sep, value in (t.partition("=") for t in reply.out.split()) if sep}
     if not reply.ok or "JobState" not in fields:
         return JobQuery(job_id, Said.NO_ANSWER, error=reply.said or "scontrol printed no job")
-    return JobQuery(job_id, Said.KNOWN, fields)
+    return JobQuery(job_id, Said.KNOWN, JobInfo.of_scontrol(job_id, fields))
 
 
 def job_alive(job_id: str, timeout: float | None = None) -> bool | None:
@@ -258,17 +316,17 @@ def job_alive(job_id: str, timeout: float | None = None) -> bool | None:
     return None if over is None else not over
 
 
-def show_job(job_id: str, timeout: float | None = None) -> dict[str, str] | None:
-    """`scontrol show job -o` as a dict, times in ISO form whatever the site's
+def show_job(job_id: str, timeout: float | None = None) -> JobInfo | None:
+    """What `scontrol show job` says of a job, times in ISO form whatever the site's
     SLURM_TIME_FORMAT; None when scontrol is missing, fails or hangs past `timeout`, or
     the controller has forgotten the job (`query_job` tells these apart)."""
-    answer = query_job(job_id, timeout)
-    return answer.fields if answer.said is Said.KNOWN else None
+    return query_job(job_id, timeout).info
 
 
 def end_time(job_id: str) -> int | None:
     """When the job's time limit ends (Unix time), for HPCSHARD_DEADLINE."""
-    text = (show_job(job_id, timeout=30) or {}).get("EndTime", "")
+    info = show_job(job_id, timeout=30)
+    text = info.end if info else ""
     try:
         return int(time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S")))
     except ValueError:
@@ -318,32 +376,26 @@ def _tried(reply: client.Reply) -> str:
     return reply.said + (f" ({reply.tries} tries)" if reply.tries > 1 else "")
 
 
-@dataclass(frozen=True)
-class Requeue:
-    """How a requeue went."""
-
-    queued: bool
-    """The job is back in the queue and starts again by itself."""
-    error: str = ""
-    """What went wrong, in one line ("" when nothing did); a queued job may have one (its
-    ExcNodeList could not be changed)."""
-
-
-def requeue(job_id: str, exclude: list[str] | tuple[str, ...] = (), nodes: int | None = None) -> Requeue:
+def requeue(job_id: str, exclude: list[str] | tuple[str, ...] = (), nodes: int | None = None) -> str:
     """Ask Slurm to requeue this job. A job that reaches its time limit is never requeued
     by Slurm itself (it ends TIMEOUT), so the job must do it before the limit. `exclude`:
     nodes it must not run on again (held while its ExcNodeList is updated, so the
     scheduler cannot place it first). `nodes`: fewer nodes than it had (what is left of
     the partition once those are excluded). Transient failures are retried for up to
-    REQUEUE_BUDGET_S; a `release` follows every `requeuehold` that may have taken."""
+    REQUEUE_BUDGET_S; a `release` follows every `requeuehold` that may have taken.
+    Returns what went wrong besides, in one line ("" when nothing did: a queued job may
+    keep the nodes it had, its ExcNodeList not changed); SlurmError when the job is not
+    known to be back in the queue (it will not start again by itself)."""
     deadline = time.monotonic() + REQUEUE_BUDGET_S
     if not (exclude or nodes):
         reply = _scontrol(["requeue", job_id], deadline)
-        return Requeue(True) if _requeued(reply) else Requeue(False, f"scontrol requeue: {_tried(reply)}")
+        if not _requeued(reply):
+            raise SlurmError(f"scontrol requeue: {_tried(reply)}")
+        return ""
     # Slurm changes ExcNodeList only while a job is pending: hold it, update, release.
     hold = _scontrol(["requeuehold", job_id], deadline)
     if not _requeued(hold) and not hold.transient:  # refused: nothing is held
-        return Requeue(False, f"scontrol requeuehold: {_tried(hold)}")
+        raise SlurmError(f"scontrol requeuehold: {_tried(hold)}")
     # Held, or maybe (its answer was lost): the release follows whatever the update does,
     # else the job stays held for good. The update gets half the time the release has.
     held = time.monotonic()
@@ -354,39 +406,46 @@ def requeue(job_id: str, exclude: list[str] | tuple[str, ...] = (), nodes: int |
         [] if changed.ok else [f"update: {_tried(changed)} (requeued with the nodes it had)"]) + (
         [] if released.ok else [f"release: {_tried(released)}: job {job_id} may stay held; "
                                 f"release it with `scontrol release {job_id}`"])
-    return Requeue(_requeued(hold) and released.ok, "; ".join(f"scontrol {s}" for s in said))
+    note = "; ".join(f"scontrol {s}" for s in said)
+    if not (_requeued(hold) and released.ok):
+        raise SlurmError(note)
+    return note
 
 
-def release(job_id: str) -> str:
-    """Release a held job (submitted with --hold); "" when it was, else what went wrong."""
+def release(job_id: str) -> None:
+    """Release a held job (submitted with --hold); SlurmError when it stays held."""
     reply = _scontrol(["release", job_id], time.monotonic() + HELD_BUDGET_S)
-    return "" if reply.ok else f"scontrol release: {_tried(reply)}"
+    if not reply.ok:
+        raise SlurmError(f"scontrol release: {_tried(reply)}")
 
 
-def drain(node: str, reason: str, state: str = "DRAIN") -> str:
+def drain(node: str, reason: str, state: str = "DRAIN") -> None:
     """Tell Slurm a node is bad: DRAIN with a reason (no new job lands on it; an admin reads
     why in `sinfo -R`), or DOWN for one that is gone (what Slurm does itself after
     SlurmdTimeout; until then a job step with a task on it cannot end). Needs operator
-    rights; returns "" or what scontrol said. Tried once: the fault path waits on it."""
+    rights; SlurmError with what scontrol said when it was not done. Tried once: the fault
+    path waits on it."""
     reply = client.run_once(["scontrol", "update", f"NodeName={node}", f"State={state}",
                              f"Reason={reason[:200]}"], client.TIMEOUT_S, ignore_term=True)
-    return reply.said
+    if not reply.ok:
+        raise SlurmError(reply.said)
 
 
 def requeued_by_other(job_id: str, restart_count: int) -> str:
     """Has something else in the job (the script's framework) requeued it already? Slurm
     counts requeues in Restarts before the steps are even killed; a second requeue would
     cost the run a whole extra attempt. Returns what Slurm says, or "" if not."""
-    info = show_job(job_id) or {}
-    restarts = int(info.get("Restarts", restart_count) or restart_count)
-    state = info.get("JobState", "")
-    if restarts > restart_count or state in ("REQUEUED", "REQUEUE_HOLD", "REQUEUE_FED", "PENDING"):
-        return f"JobState={state} Restarts={restarts}"
+    info = show_job(job_id)
+    if info is None:
+        return ""
+    restarts = restart_count if info.restarts is None else info.restarts
+    if restarts > restart_count or info.state.requeued:
+        return f"JobState={info.state_text} Restarts={restarts}"
     return ""
 
 
 def sbatch(*args: str, unique: bool = False, timeout: float | None = None) -> str:
-    """`sbatch --parsable ARGS` (the script last): the new job's id, or ValueError with
+    """`sbatch --parsable ARGS` (the script last): the new job's id, or SlurmError with
     sbatch's own last line. sbatch's warnings on success go to stderr.
 
     sbatch is not idempotent: sent twice, it makes two jobs. It is sent again only after a
@@ -405,13 +464,13 @@ def sbatch(*args: str, unique: bool = False, timeout: float | None = None) -> st
             print(reply.err, file=sys.stderr)
         return reply.out.strip().split(";")[0]
     if reply.code is None and not reply.hung:
-        raise ValueError(f"{reply.err}; run this where Slurm's commands are")
+        raise SlurmError(f"{reply.err}; run this where Slurm's commands are")
     if not reply.transient or reply.unsent:  # the controller's answer, or it was never reached
-        raise ValueError(f"sbatch refused the job: {_tried(reply)}")
+        raise SlurmError(f"sbatch refused the job: {_tried(reply)}")
     found = _submitted(args[-1]) if unique and args else None
     if found:
         return found
-    raise ValueError(f"sbatch got no clear answer ({reply.said}); the job may have been submitted "
+    raise SlurmError(f"sbatch got no clear answer ({reply.said}); the job may have been submitted "
                      "all the same: look with `squeue --me` before submitting again")
 
 
@@ -425,7 +484,7 @@ def _submitted(script: str) -> str | None:
 
 
 def scancel(*args: str) -> None:
-    """`scancel ARGS`; ValueError with scancel's message when it fails. A cancel is safe to
+    """`scancel ARGS`; SlurmError with scancel's message when it fails. A cancel is safe to
     repeat: it is sent again after a transient failure (not after a hang: the user, or the
     launcher, has waited the whole timeout already), and then a job already gone counts as
     cancelled (the first one took, and only its answer was lost)."""
@@ -433,5 +492,5 @@ def scancel(*args: str) -> None:
     if reply.ok or (reply.tries > 1 and reply.says("Invalid job id", "already completing or completed")):
         return
     if reply.code is None and not reply.hung:
-        raise ValueError(f"{reply.err}; run this where Slurm's commands are")
-    raise ValueError(f"scancel {' '.join(args)}: {_tried(reply)}")
+        raise SlurmError(f"{reply.err}; run this where Slurm's commands are")
+    raise SlurmError(f"scancel {' '.join(args)}: {_tried(reply)}")

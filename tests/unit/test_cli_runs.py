@@ -167,7 +167,8 @@ def test_status_without_accounting_says_what_scontrol_says(run: Path,
     spec = RunSpec.read(run)
     spec.backend, spec.jobs = "slurm", ["4242"]
     spec.write(run)
-    monkeypatch.setattr(cluster, "show_job", lambda *a, **k: {"JobState": "RUNNING", "Restarts": "1"})
+    running = {"JobState": "RUNNING", "Restarts": "1"}
+    monkeypatch.setattr(cluster, "show_job", lambda job, **k: cluster.JobInfo.of_scontrol(job, running))
     monkeypatch.setattr(cluster, "history", lambda *a, **k: None)  # sacct: accounting disabled
     out = CliRunner().invoke(main, ["status", str(run)])
     assert out.exit_code == 0 and "slurm job 4242: RUNNING, restarts 1" in out.output

@@ -8,6 +8,8 @@ import pytest
 
 from hpcshard.launch.node import NodeEnv, torchrun_argv
 from hpcshard.rundir import events
+from hpcshard.rundir.events import EndReason
+from hpcshard.slurm.states import JobState
 
 
 def test_node_env_round_trips_through_the_environment() -> None:
@@ -153,12 +155,11 @@ def test_job_state_falls_back_to_sacct_when_scontrol_forgot(tmp_path: Path,
     for name in ("scontrol", "sacct"):
         (tmp_path / name).chmod(0o755)
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert cluster.job_state("77") == {
-        "JobState": "CANCELLED", "RunTime": "00:03:10", "NodeList": "n[1-2]", "Restarts": "1",
-        "ExitCode": "0:15", "StartTime": "2026-01-01T10:02:00", "EndTime": "2026-01-01T10:05:10",
-        "Source": "sacct"}
+    assert cluster.job_state("77") == cluster.JobInfo(
+        "77", JobState.CANCELLED, "CANCELLED", restarts=1, nodes="n[1-2]", run_time="00:03:10",
+        exit_code="0:15", start="2026-01-01T10:02:00", end="2026-01-01T10:05:10", from_accounting=True)
     (tmp_path / "sacct").write_text("#!/bin/sh\necho 'accounting storage is disabled' >&2\nexit 1\n")
-    assert cluster.job_state("77") == {}
+    assert cluster.job_state("77") is None
 
 
 def test_a_late_notice_cannot_kill_a_finished_rank() -> None:
@@ -273,7 +274,7 @@ def test_a_guard_s_other_launchers_take_its_word_from_the_guard_file_not_a_new_f
     ("FAILED", [], ["7"], None, True),  # a run of an older hpcshard: no lease
     ("CANCELLED", [], ["7"], "7", False),  # somebody cancelled it
     ("COMPLETED", [], ["7"], "7", False),
-    ("FAILED", [events.End(attempt=0, reason="error")], ["7"], "7", False),  # a real failure
+    ("FAILED", [events.End(attempt=0, reason=EndReason.ERROR)], ["7"], "7", False),  # a real failure
     ("FAILED", [events.Chain(attempt=0, job="7", next="8")], ["7"], "7", False),  # continued already
     ("FAILED", [], ["7", "8"], None, False),  # a newer job has the run
     ("FAILED", [], ["7"], "8", False),  # another job owns the run (a resume)
@@ -299,7 +300,8 @@ def test_a_guard_takes_the_run_over_only_from_a_job_that_failed_without_a_word(
         lease.take(tmp_path, lease.Owner.of_job(owner), lambda job: None)
     for r in records:
         ledger.append(tmp_path, r)
-    monkeypatch.setattr(slurm.cluster, "show_job", lambda job, timeout=0: {"JobState": state})
+    monkeypatch.setattr(slurm.cluster, "show_job",
+                        lambda job, timeout=0: slurm.cluster.JobInfo.of_scontrol(job, {"JobState": state}))
     monkeypatch.setattr(slurm.cluster, "job_alive", lambda job, timeout=0: state not in (
         "FAILED", "NODE_FAIL", "CANCELLED", "COMPLETED"))
     env = slurm.SlurmEnv(job_id="9", ref="9", nodes=["n1", "n2"], node_id=0, restart_count=0, gpus_on_node=1)
@@ -404,7 +406,7 @@ def test_a_launcher_gives_the_attempts_end_record_time_before_it_requeues(
     from hpcshard.rundir import ledger
 
     monkeypatch.setattr(slurm, "END_POLL_S", 0.05)
-    ledger.append(tmp_path, events.End(attempt=0, reason="stop"))
+    ledger.append(tmp_path, events.End(attempt=0, reason=EndReason.STOP))
     started = time.monotonic()
     slurm._await_end(tmp_path, 0, 30.0)  # written (by itself, the leader): no wait
     assert time.monotonic() - started < 2.0
@@ -416,7 +418,8 @@ def test_a_launcher_gives_the_attempts_end_record_time_before_it_requeues(
     assert reads == [1]  # ...having read the unchanged ledger once, not at every poll
     monkeypatch.undo()
     monkeypatch.setattr(slurm, "END_POLL_S", 0.05)
-    timer = threading.Timer(0.3, lambda: ledger.append(tmp_path, events.End(attempt=2, reason="stop")))
+    stop = events.End(attempt=2, reason=EndReason.STOP)
+    timer = threading.Timer(0.3, lambda: ledger.append(tmp_path, stop))
     timer.start()
     begun = time.monotonic()
     slurm._await_end(tmp_path, 2, 30.0)  # returns once the record is there, long before 30 s

@@ -4,6 +4,7 @@ does to it, and that nothing else compares a run's backend name."""
 from __future__ import annotations
 
 import ast
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -62,32 +63,46 @@ def test_the_local_backend_says_when_no_launcher_runs(tmp_path: Path) -> None:
     assert backends.reaching(run).state(run) is None and backends.reaching(run).history(run) is None
 
 
-def _names_a_backend(node: ast.AST) -> bool:
-    """A backend's name, as a string or as the module's constant, alone or in a tuple,
+def names(node: ast.AST, words: frozenset[str], constants: tuple[str, ...] = ()) -> bool:
+    """One of `words` as a string, or one of `constants` by its name, alone or in a tuple,
     set or list."""
     if isinstance(node, ast.Constant):
-        return node.value in (backends.LOCAL, backends.SLURM)
+        return isinstance(node.value, str) and node.value in words
     if isinstance(node, ast.Name | ast.Attribute):
-        return (node.id if isinstance(node, ast.Name) else node.attr) in ("LOCAL", "SLURM")
+        return (node.id if isinstance(node, ast.Name) else node.attr) in constants
     if isinstance(node, ast.Tuple | ast.Set | ast.List):
-        return any(_names_a_backend(e) for e in node.elts)
+        return any(names(e, words, constants) for e in node.elts)
     return False
 
 
-def comparisons_of_backend_names(source: str) -> list[int]:
-    """Lines comparing anything with a backend's name: `==`, `!=`, `in`, a `match` case, a
-    `.startswith`."""
+def comparisons(source: str, named: Callable[[ast.AST], bool]) -> list[int]:
+    """Lines comparing anything with what `named` finds: `==`, `!=`, `in`, a `match` case,
+    a `.startswith`."""
     lines = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Compare) and any(map(_names_a_backend, [node.left, *node.comparators])):
+        if isinstance(node, ast.Compare) and any(map(named, [node.left, *node.comparators])):
             lines.append(node.lineno)
         elif isinstance(node, ast.match_case) and any(
-                _names_a_backend(n) for n in ast.walk(node.pattern) if isinstance(n, ast.expr)):
+                named(n) for n in ast.walk(node.pattern) if isinstance(n, ast.expr)):
             lines.append(node.pattern.lineno)
         elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-              and node.func.attr in ("startswith", "endswith") and any(map(_names_a_backend, node.args))):
+              and node.func.attr in ("startswith", "endswith") and any(map(named, node.args))):
             lines.append(node.lineno)
     return lines
+
+
+def found_outside(owner: str, lines_of: Callable[[str], list[int]]) -> list[str]:
+    """`path:line` of every line `lines_of` finds in hpcshard's modules but `owner`'s."""
+    found = []
+    for path in sorted((ROOT / "hpcshard").rglob("*.py")):
+        if path.relative_to(ROOT).as_posix() != owner:
+            found += [f"{path.relative_to(ROOT)}:{n}" for n in lines_of(path.read_text())]
+    return found
+
+
+def comparisons_of_backend_names(source: str) -> list[int]:
+    return comparisons(source, lambda node: names(node, frozenset((backends.LOCAL, backends.SLURM)),
+                                                  ("LOCAL", "SLURM")))
 
 
 @pytest.mark.parametrize("line", [
@@ -102,9 +117,5 @@ def test_the_source_walk_finds_a_comparison_in_any_form(line: str) -> None:
 
 def test_no_module_but_the_backends_compares_a_backend_name() -> None:
     """Every decision by a run's backend is a backend's (`launch.backends`)."""
-    found = []
-    for path in sorted((ROOT / "hpcshard").rglob("*.py")):
-        if path.name == "backends.py" and path.parent.name == "launch":
-            continue
-        found += [f"{path.relative_to(ROOT)}:{n}" for n in comparisons_of_backend_names(path.read_text())]
+    found = found_outside("hpcshard/launch/backends.py", comparisons_of_backend_names)
     assert not found, found

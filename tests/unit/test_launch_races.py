@@ -25,6 +25,7 @@ from hpcshard.launch import slurm as lslurm
 from hpcshard.launch.liveness import LOST_S
 from hpcshard.launch.supervise import Supervisor, TakenOver
 from hpcshard.rundir import events, files, launchers, lease, ledger, proc
+from hpcshard.rundir.events import EndReason
 from hpcshard.rundir.launchers import LAUNCH, attempt_file
 from hpcshard.rundir.rankenv import BUG_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
@@ -261,7 +262,8 @@ def test_a_scripts_bug_stop_still_names_the_rank_that_failed_first(tmp_path: Pat
         ledger.append(tmp_path, events.RankFailed(attempt=0, cycle=cycle, rank=1, host="n2", code=1, step=7,
                                                   error="exit 1", message="",
                                                   log=str(tmp_path / "logs" / "rank-1.log")))
-    ledger.append(tmp_path, events.End(attempt=0, cycle=1, reason="bug", how="the same error", saved_step=0))
+    ledger.append(tmp_path, events.End(attempt=0, cycle=1, reason=EndReason.BUG, how="the same error",
+                                       saved_step=0))
     capsys.readouterr()
     code = lnode._script_outcome(tmp_path, True, 0, BUG_EXIT, noticed=False, killed=False, grace=60)
     assert code == BUG_EXIT
@@ -321,11 +323,12 @@ def test_a_guard_takes_over_an_attempt_whose_fault_was_restarted_in_place(
     (tmp_path / LAUNCH).mkdir()
     lease.take(tmp_path, lease.Owner.of_job("7"), lambda job: None)
     for r in [events.Start(attempt=0, cycle=0, world=2, nodes=2, host="n1"),
-              events.End(attempt=0, reason="error", cycle=0,
+              events.End(attempt=0, reason=EndReason.ERROR, cycle=0,
                          error="RuntimeError: CUDA error: an illegal memory access"),
               events.Start(attempt=0, cycle=1, world=2, nodes=2, host="n1")]:
         ledger.append(tmp_path, r)
-    monkeypatch.setattr(slurm.cluster, "show_job", lambda job, timeout=0: {"JobState": "NODE_FAIL"})
+    failed = slurm.cluster.JobInfo.of_scontrol("7", {"JobState": "NODE_FAIL"})
+    monkeypatch.setattr(slurm.cluster, "show_job", lambda job, timeout=0: failed)
     monkeypatch.setattr(slurm.cluster, "job_alive", lambda job, timeout=0: False)
     env = slurm.SlurmEnv(job_id="9", ref="9", nodes=["n1", "n2"], node_id=0, restart_count=0, gpus_on_node=1)
     assert slurm._take_over(tmp_path, env, "7", 0, 2)

@@ -16,7 +16,7 @@ import pytest
 from hpcshard.launch.policy import Action, Decision
 from hpcshard.launch.supervise import _fault
 from hpcshard.rundir import events, goodput, ledger, status
-from hpcshard.rundir.events import UNSET
+from hpcshard.rundir.events import UNSET, EndReason
 
 pytestmark = pytest.mark.unit
 
@@ -88,7 +88,7 @@ CASES: list[tuple[float, events.Event, dict[str, Any]]] = [
                            of=3),  # runtime.train
      {"event": "rollback", "attempt": 0, "cycle": 1, "step": 7, "to": 4, "skipped": [[0, 96], [0, 112]],
       "rollback": 1, "of": 3}),
-    (1012, events.End(attempt=0, reason="stop", cycle=1, step=8, saved_step=8),  # runtime.main
+    (1012, events.End(attempt=0, reason=EndReason.STOP, cycle=1, step=8, saved_step=8),  # runtime.main
      {"event": "end", "attempt": 0, "reason": "stop", "cycle": 1, "step": 8, "saved_step": 8}),
     (1013, events.Requeue(attempt=0, job="77", error=None, excluded=["n2"], nodes=1),  # launch.slurm
      {"event": "requeue", "attempt": 0, "job": "77", "error": None, "excluded": ["n2"], "nodes": 1}),
@@ -98,25 +98,27 @@ CASES: list[tuple[float, events.Event, dict[str, Any]]] = [
      {"event": "node_down", "attempt": 0, "slurm_node": "n2,n3", "error": "refused"}),
     (1020, events.Start(attempt=1, cycle=0, script=True, world=2, nodes=1, host="h3"),  # script
      {"event": "start", "attempt": 1, "cycle": 0, "script": True, "world": 2, "nodes": 1, "host": "h3"}),
-    (1022, events.End(attempt=1, reason="error", cycle=0, user_error=True, error="bad value"),
+    (1022, events.End(attempt=1, reason=EndReason.ERROR, cycle=0, user_error=True, error="bad value"),
      {"event": "end", "attempt": 1, "reason": "error", "cycle": 0, "user_error": True, "error": "bad value"}),
-    (1022.5, events.End(attempt=1, reason="error", error="exit 3"),  # launch.node
+    (1022.5, events.End(attempt=1, reason=EndReason.ERROR, error="exit 3"),  # launch.node
      {"event": "end", "attempt": 1, "reason": "error", "error": "exit 3"}),
-    (1023, events.End.of_script(attempt=1, reason="stop", how="exited 0 after the notice",
+    (1023, events.End.of_script(attempt=1, reason=EndReason.STOP, how="exited 0 after the notice",
                                 save={"saved_step": None, "saved": None}),  # launch.node, script
      {"event": "end", "attempt": 1, "reason": "stop", "how": "exited 0 after the notice", "saved_step": None,
       "saved": None}),
-    (1023.5, events.End.of_script(attempt=1, reason="fault", how="the restart budget is spent: requeued",
+    (1023.5, events.End.of_script(attempt=1, reason=EndReason.FAULT,
+                                  how="the restart budget is spent: requeued",
                                   save={"saved_step": 5, "saved": "step-5", "lost_seconds": 2.5}),
      {"event": "end", "attempt": 1, "reason": "fault", "how": "the restart budget is spent: requeued",
       "saved_step": 5, "saved": "step-5", "lost_seconds": 2.5}),
-    (1024, events.End(attempt=1, reason="done", saved_step=5, saved="step-5"),  # launch.node
+    (1024, events.End(attempt=1, reason=EndReason.DONE, saved_step=5, saved="step-5"),  # launch.node
      {"event": "end", "attempt": 1, "reason": "done", "saved_step": 5, "saved": "step-5"}),
-    (1024.5, events.End(attempt=1, cycle=0, reason="storage", how="the run directory is full",
+    (1024.5, events.End(attempt=1, cycle=0, reason=EndReason.STORAGE, how="the run directory is full",
                         saved_step=5),  # launch.supervise
      {"event": "end", "attempt": 1, "cycle": 0, "reason": "storage", "how": "the run directory is full",
       "saved_step": 5}),
-    (1024.6, events.End(attempt=1, cycle=0, reason="storage", step=7, saved_step=5, how="stopped at step 7",
+    (1024.6, events.End(attempt=1, cycle=0, reason=EndReason.STORAGE, step=7, saved_step=5,
+                        how="stopped at step 7",
                         storage="/r is full"),  # runtime.main (a save the storage refused)
      {"event": "end", "attempt": 1, "cycle": 0, "reason": "storage", "step": 7, "saved_step": 5,
       "how": "stopped at step 7", "storage": "/r is full"}),
@@ -185,7 +187,7 @@ def test_an_end_has_a_reason_its_readers_know() -> None:
 def test_a_fault_record_carries_every_field_of_the_decision() -> None:
     """The fault line once spread `Decision.to_dict()`: the typed record names each field, and
     a field the decision gains fails here until the record has it too."""
-    decided = Decision(action=Action.REQUEUE, code=3, reason="requeued without them", end="fault",
+    decided = Decision(action=Action.REQUEUE, code=3, reason="requeued without them", end=EndReason.FAULT,
                        active=(0, 2), spares=(3,), bad=(1,), replaced={"1": 2}, lost=(1,), committed=40,
                        host="h0", port=29500)
     line = events.record(_fault(0, 2, {"cause": "lost", "time": 9.5, "silent_s": 8.0}, None, 44, decided, []))
@@ -199,7 +201,19 @@ def test_unknown_lines_parse_to_none() -> None:
     assert events.parse({"event": "end", "attempt": 0, "reason": "finished"}) is None
     assert events.parse({"event": "end", "reason": "done"}) is None  # no attempt
     end = events.parse({"time": 1.0, "event": "end", "attempt": 3, "reason": "done", "new_field": 1})
-    assert end == events.End(attempt=3, reason="done") and end.cycle is UNSET
+    assert end == events.End(attempt=3, reason=EndReason.DONE) and end.cycle is UNSET
+
+
+def test_end_reasons_are_an_enum_written_as_the_strings_were() -> None:
+    """A StrEnum member is written as its value (the ledger's lines are what the strings
+    wrote), and a line read back gives the member, in an end and in a fault's decision."""
+    line = json.dumps(events.record(events.End(attempt=0, reason=EndReason.GAVE_UP)))
+    assert line == '{"event": "end", "attempt": 0, "reason": "gave_up"}'
+    end = events.parse(json.loads(line))
+    assert isinstance(end, events.End) and end.reason is EndReason.GAVE_UP
+    decided = Decision(action=Action.STOP, code=1, reason="r", end=EndReason.BUG, committed=0)
+    fault = events.parse(json.loads(json.dumps(events.record(_fault(0, 0, {}, None, 0, decided, [])))))
+    assert isinstance(fault, events.Fault) and fault.end is EndReason.BUG
 
 
 def test_no_module_builds_a_ledger_line_by_hand() -> None:

@@ -53,18 +53,17 @@ def calls(log: Path) -> list[str]:
 ])
 def test_release_follows_requeuehold_whatever_the_update_does(bin_dir: Path, update: str) -> None:
     log = fake(bin_dir, "scontrol", f'if [ "$1" = update ]; then {update}fi\nexit 0\n')
-    asked = cluster.requeue("77", exclude=["n3"])
+    note = cluster.requeue("77", exclude=["n3"])  # requeued, only not without n3: said so
     assert [c.split()[0] for c in calls(log) if c.split()[0] != "update"] == ["requeuehold", "release"]
     assert calls(log)[-1] == "release 77"
-    assert asked.queued  # requeued, only not without n3: said so
-    assert "update" in asked.error and "requeued with the nodes it had" in asked.error
+    assert "update" in note and "requeued with the nodes it had" in note
 
 
 def test_a_requeuehold_whose_answer_was_lost_is_released_all_the_same(bin_dir: Path) -> None:
     log = fake(bin_dir, "scontrol", f'if [ "$1" = requeuehold ]; then {HANG}fi\nexit 0\n')
-    asked = cluster.requeue("77", exclude=["n3"])
+    with pytest.raises(cluster.SlurmError, match="gave no answer"):  # not known to be queued: said so
+        cluster.requeue("77", exclude=["n3"])
     assert calls(log)[-1] == "release 77" and "update JobId=77 ExcNodeList=n3" in calls(log)
-    assert not asked.queued and "gave no answer" in asked.error  # not known to be queued: said so
 
 
 def continue_run(tmp_path: Path) -> list[dict[str, object]]:
@@ -217,3 +216,29 @@ def test_resume_refuses_when_slurm_does_not_answer(tmp_path: Path, bin_dir: Path
         f"Error: {run} is in use: Slurm did not answer whether job 4243, which owns the run, still "
         "runs; try again when the controller answers"]
     assert len(calls(submitted)) == 1 and RunSpec.read(run).jobs == ["4243"]
+
+
+def test_a_command_that_was_not_done_raises_slurm_s_own_line(bin_dir: Path) -> None:
+    """The one convention of slurm.cluster: a command raises SlurmError (a ValueError, for
+    the CLI's one line) with what Slurm said; one that was done returns."""
+    fake(bin_dir, "scontrol", 'echo "slurm_update error: Invalid user id" >&2; exit 1\n')
+    for command in (lambda: cluster.drain("n1", "bad"), lambda: cluster.release("77")):
+        with pytest.raises(cluster.SlurmError, match="Invalid user id"):
+            command()
+    fake(bin_dir, "scontrol", "exit 0\n")
+    cluster.drain("n1", "bad")
+    cluster.release("77")
+    assert issubclass(cluster.SlurmError, ValueError)
+
+
+def test_a_refused_drain_is_recorded_with_slurm_s_line(tmp_path: Path, bin_dir: Path) -> None:
+    from hpcshard.launch.exclusion import declare_bad
+
+    where = {"host": "h1", "slurm_node": "n1"}
+    fake(bin_dir, "scontrol", 'echo "slurm_update error: Invalid user id" >&2; exit 1\n')
+    declare_bad(tmp_path, 0, 0, 1, where, "bad on purpose", drain=True)
+    fake(bin_dir, "scontrol", "exit 0\n")
+    declare_bad(tmp_path, 0, 0, 2, where, "bad on purpose", drain=True)
+    refused, done = ledger.read(tmp_path)
+    assert (refused["drained"], refused["drain_error"]) == (False, "slurm_update error: Invalid user id")
+    assert done["drained"] is True and "drain_error" not in done

@@ -188,7 +188,8 @@ def test_task_states_come_from_accounting_and_pending_tasks_from_scontrol(
 
     monkeypatch.setattr(cluster, "history", history)
     monkeypatch.setattr(cluster, "job_state",
-                        lambda job, **k: {"JobState": "PENDING"} if job == "900_1" else {})
+                        lambda job, **k: cluster.JobInfo.of_scontrol(job, {"JobState": "PENDING"})
+                        if job == "900_1" else None)
     assert job_states(["900_0", "900_1", "900_2"], since=1000.0) == {
         "900_0": "RUNNING", "900_1": "PENDING", "900_2": "unknown"}
     assert asked == [1000.0]
