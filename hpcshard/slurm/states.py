@@ -35,6 +35,11 @@ class JobState(enum.Enum):
     SPECIAL_EXIT = "SPECIAL_EXIT"
     STAGE_OUT = "STAGE_OUT"
     STOPPED = "STOPPED"
+    LAUNCH_FAILED = "LAUNCH_FAILED"
+    UPDATE_DB = "UPDATE_DB"
+    RECONFIG_FAIL = "RECONFIG_FAIL"
+    POWER_UP_NODE = "POWER_UP_NODE"
+    RESV_DEL_HOLD = "RESV_DEL_HOLD"
     UNKNOWN = "UNKNOWN"
     """A word this table does not know (a newer Slurm's), or none: records keep Slurm's
     own text beside it for display."""

@@ -33,7 +33,10 @@ def _mentions_trainer(annotation: ast.expr | None) -> bool:
         if isinstance(node, ast.Attribute) and node.attr == "Trainer":
             return True
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and "Trainer" in node.value:
-            return _mentions_trainer(ast.parse(node.value, mode="eval").body)
+            try:
+                return _mentions_trainer(ast.parse(node.value, mode="eval").body)
+            except SyntaxError:  # a string that is not an annotation (Literal["HF Trainer"])
+                continue
     return False
 
 
@@ -201,7 +204,8 @@ def test_every_attribute_is_born_in_init() -> None:
     as a side effect hides what a Trainer holds, and when)."""
     trainer = _trainer_class()
     methods = [n for n in trainer.body if isinstance(n, ast.FunctionDef) and n.name != "__init__"]
-    later = {f"{m.name}: self.{name}" for m in methods for name in _self_sets(m) - born_in_init()}
+    born = born_in_init()
+    later = {f"{m.name}: self.{name}" for m in methods for name in _self_sets(m) - born}
     assert not later, "attributes born outside __init__:\n" + "\n".join(sorted(later))
     assert not any(isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == "setattr"
                    for n in ast.walk(trainer))
@@ -230,7 +234,24 @@ def test_a_built_trainer_holds_what_init_made_and_keeps_to_it(
     assert set(vars(trainer)) == born_in_init()
     assert trainer.rollbacks == 1 and trainer.batches.skip == {(0, 0)}
     assert trainer.batches.upcoming() != (0, 0)
+    assert trainer.restore("never") is None  # the load phase is on the board for the watchdog
     summary = trainer.run(startup={"entry": 1.0})
     assert summary.reason == "done" and summary.step == 2
     assert set(vars(trainer)) == born_in_init()
-    assert reported == [("step", 0), ("step", 1), ("eval", 2)]
+    assert reported == [("load", 0), ("step", 0), ("step", 1), ("eval", 2)]
+
+
+def test_the_runs_rollbacks_come_back_from_the_ledger_across_restarts(tmp_path: Path) -> None:
+    """`main._past`: every rollback the ledger holds (any attempt's) counts, and its batches
+    stay skipped; rank 0's recorder writes there, another rank's nowhere."""
+    from hpcshard.rundir import events, ledger
+    from hpcshard.runtime import main
+
+    assert main._past(tmp_path) == Past(rollbacks=0, skipped=frozenset())
+    main._recorder(tmp_path, True)(events.Rollback(attempt=0, cycle=0, step=7, to=5, skipped=[[0, 6]],
+                                                   rollback=1, of=3))
+    main._recorder(tmp_path, False)(events.Rollback(attempt=0, cycle=0, step=9, to=5, skipped=[[0, 8]],
+                                                    rollback=2, of=3))
+    ledger.append(tmp_path, events.Rollback(attempt=1, cycle=0, step=12, to=10, skipped=[[1, 2], [1, 3]],
+                                            rollback=2, of=3))
+    assert main._past(tmp_path) == Past(rollbacks=2, skipped=frozenset({(0, 6), (1, 2), (1, 3)}))

@@ -16,7 +16,8 @@ NAMES = frozenset(s.value for s in JobState)
 @pytest.mark.parametrize(("text", "state"), [
     ("RUNNING", JobState.RUNNING), ("CANCELLED by 1000", JobState.CANCELLED),
     ("COMPLETED", JobState.COMPLETED), ("OUT_OF_MEMORY", JobState.OUT_OF_MEMORY),
-    ("CANCELLED+", JobState.CANCELLED), ("", JobState.UNKNOWN), ("RESV_DEL_HOLD", JobState.UNKNOWN),
+    ("CANCELLED+", JobState.CANCELLED), ("", JobState.UNKNOWN), ("RESV_DEL_HOLD", JobState.RESV_DEL_HOLD),
+    ("A_NEWER_WORD", JobState.UNKNOWN),
     ("running", JobState.UNKNOWN), ("REQUEUE_HOLD", JobState.REQUEUE_HOLD),
 ])
 def test_parse_maps_slurm_s_words(text: str, state: JobState) -> None:
