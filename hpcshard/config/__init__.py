@@ -43,15 +43,19 @@ def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """Settings every job has. A job's `Config` subclasses this and adds its own fields."""
+    """Settings every job has. A job's `Config` subclasses this and adds its own fields.
+
+    The fields are one flat namespace (`--set`, site files, spec.json, `cfg.lr`); each
+    belongs to one section of `config.sections`, the typed view its component reads."""
 
     steps: int = 200
     """Optimizer steps to train."""
     batch_size: int = 32
     """Global batch in sequences per optimizer step, the same whatever the world size."""
     micro_batch_size: int = 0
-    """Sequences per rank per forward pass; 0 means batch_size / world (no accumulation).
-    Gradient accumulation steps = batch_size / (micro_batch_size * world)."""
+    """Sequences per rank per forward pass; 0 means batch_size / dp world (no accumulation),
+    the data-parallel world being the world divided by tp. Gradient accumulation steps =
+    batch_size / (micro_batch_size * dp world)."""
     seq_len: int = 128
     """Tokens per training sequence."""
     lr: float = 3e-3
