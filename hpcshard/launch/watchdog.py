@@ -31,10 +31,11 @@ limit.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from hpcshard.config.sections import SupervisionSection
 from hpcshard.rundir.proc import clock, runqueue_wait, started, stat_fields
 from hpcshard.rundir.progress import Slot
 
@@ -55,14 +56,17 @@ class Limits:
     join_s: float = 120.0
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> Limits:
-        """The limits a run's resolved config asks for (defaults where it says nothing)."""
-        d = cls()
-        return cls(factor=float(cfg.get("watchdog_factor", d.factor)),
-                   floor_s=float(cfg.get("watchdog_floor_s", d.floor_s)),
-                   warmup_steps=int(cfg.get("watchdog_warmup_steps", d.warmup_steps)),
-                   phase_s=float(cfg.get("watchdog_phase_s", d.phase_s)),
-                   join_s=float(cfg.get("watchdog_join_s", d.join_s)))
+    def of(cls, section: SupervisionSection) -> Limits:
+        return cls(factor=section.watchdog_factor, floor_s=section.watchdog_floor_s,
+                   warmup_steps=section.watchdog_warmup_steps, phase_s=section.watchdog_phase_s,
+                   join_s=section.watchdog_join_s)
+
+    @classmethod
+    def from_config(cls, cfg: Mapping[str, Any]) -> Limits:
+        """The limits a run's resolved config (spec.json's, flat) asks for, read as its typed
+        supervision section: TrainConfig's defaults where it says nothing (a run resolved
+        before a key existed, a script's run)."""
+        return cls.of(SupervisionSection.from_flat(cfg))
 
 
 def process_state(pid: int) -> str:

@@ -26,7 +26,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hpcshard.config import TrainConfig, build_config
+from hpcshard.config import build_config
+from hpcshard.config.sections import SupervisionSection
 from hpcshard.errors import UserError
 from hpcshard.rundir import events, flight, launchers, ledger, store
 from hpcshard.rundir.events import EndReason
@@ -122,8 +123,9 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
         startup["loaded"] = time.time()
         if env.is_main:
             _record(run_dir, _started(ranks, env, loaded, trainer.pretrained))
-        if ranks.cycle == 0 and env.nodes > 1 and cfg.health_link_mb and _slow_link(run_dir, env, cfg,
-                                                                                      attempt):
+        supervision = SupervisionSection.of(cfg)
+        if ranks.cycle == 0 and env.nodes > 1 and supervision.health_link_mb and _slow_link(
+                run_dir, env, supervision, attempt):
             return STRAGGLER_EXIT
         summary = trainer.run(stop, startup)
         if summary.reason == "storage":
@@ -222,7 +224,7 @@ def _started(ranks: RankEnv, env: DistEnv, loaded: Loaded | None, pretrained: St
         init_from=str(pretrained.path) if pretrained else events.UNSET)
 
 
-def _slow_link(run_dir: Path, env: DistEnv, cfg: TrainConfig, attempt: int) -> bool:
+def _slow_link(run_dir: Path, env: DistEnv, cfg: SupervisionSection, attempt: int) -> bool:
     """Time the links between the nodes (runtime.links); True when one node has every link
     under health_link_gbps: it is declared bad (the launchers replace it)."""
     found = links.measure(env, cfg.health_link_mb)

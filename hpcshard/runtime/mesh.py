@@ -5,29 +5,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hpcshard.config import SHARDING_MODES
-from hpcshard.errors import UserError
+from hpcshard.config.sections import Parallel, check_tp, resolve_sharding
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-
-def resolve_sharding(mode: str, nodes: int) -> str:
-    """`auto` is hybrid when there is more than one node, else full."""
-    if mode not in SHARDING_MODES:
-        raise UserError(f"sharding={mode!r} is not valid; choose one of: {', '.join(SHARDING_MODES)}")
-    if mode == "auto":
-        return "hybrid" if nodes > 1 else "full"
-    return mode
-
-
-def check_tp(tp: int, per_node: int) -> None:
-    """A tensor parallel group lives inside one node (its collectives run every layer)."""
-    if tp < 1 or per_node % tp:
-        divisors = [d for d in range(1, per_node + 1) if per_node % d == 0]
-        raise UserError(f"tp={tp} does not divide the {per_node} ranks of a node; "
-                        f"use one of {', '.join(map(str, divisors))}")
-
+# check_tp and resolve_sharding live with Parallel (stdlib, for the login node too); here
+# for the code that imports them from the mesh.
+__all__ = ["build_mesh", "check_tp", "dp_mesh", "mesh_shape", "resolve_sharding", "tp_mesh"]
 
 def mesh_shape(mode: str, nodes: int, per_node: int, tp: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
     """hybrid: (nodes, per_node) as (replicate, shard); none: (world, 1); full/grad-op: (world,).
@@ -37,8 +22,8 @@ def mesh_shape(mode: str, nodes: int, per_node: int, tp: int = 1) -> tuple[tuple
     the tp dimension (innermost) and the shard dimension stay inside a node and only the
     replicate all-reduce crosses nodes.
     """
-    check_tp(tp, per_node)
-    dp, inner = nodes * per_node // tp, per_node // tp
+    degrees = Parallel(nodes=nodes, per_node=per_node, tp=tp)
+    dp, inner = degrees.dp_world, degrees.dp_per_node
     shape: tuple[int, ...]
     names: tuple[str, ...]
     if mode == "hybrid":

@@ -378,12 +378,13 @@ def shape_of_hf(path: Any, seq_len: int | None, micro: int, dtype: torch.dtype) 
 def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf_config: Any,
               nodes: int, gpus: int, sharding: str, precision: str | None, ac: int | None,
               micro_batch: int | None, gpu_mem: int, reserve: int = int(RESERVE)) -> dict[str, Any]:
-    from hpcshard.runtime.mesh import check_tp, resolve_sharding
+    from hpcshard.runtime.mesh import resolve_sharding
 
     world = nodes * gpus
     micro_choices = [1, 2, 4, 8, 16, 32, 64]
     if job:
         from hpcshard.config import build_config
+        from hpcshard.config.sections import Parallel
         from hpcshard.runtime.job import load_job, require_tp_plan
 
         j = load_job(job)
@@ -391,15 +392,15 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
         precision = precision or cfg.precision
         ac = cfg.ac_every() if ac is None else ac
         tp = cfg.tp
-        check_tp(tp, gpus)
+        degrees = Parallel(nodes=nodes, per_node=gpus, tp=tp)
         require_tp_plan(j, tp, job)
-        dp = world // tp
+        dp = degrees.dp_world
         per_rank = cfg.batch_size // dp if cfg.batch_size % dp == 0 else 0
         if not per_rank:
             raise ValueError(f"the job's batch_size {cfg.batch_size} does not divide over {nodes} x "
                              f"{gpus} = {world} GPUs" + (f" in groups of tp={tp}" if tp > 1 else "")
                              + "; pick a shape that divides it, or --set batch_size")
-        micro = micro_batch or cfg.accumulation(dp)[0]
+        micro = micro_batch or degrees.accumulation(cfg)[0]
         micro_choices = [b for b in range(1, per_rank + 1) if per_rank % b == 0]
         mode = resolve_sharding(cfg.sharding if sharding == "auto" else sharding, nodes)
         shape = measure(j, cfg, micro, DTYPES[precision])

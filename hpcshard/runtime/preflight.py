@@ -19,22 +19,22 @@ import traceback
 from typing import Any
 
 from hpcshard.config import build_config
+from hpcshard.config.sections import Parallel
 from hpcshard.errors import UserError
 from hpcshard.runtime.blocks import find_blocks, on_meta
 from hpcshard.runtime.data import GlobalBatches
 from hpcshard.runtime.job import load_job, require_tp_plan
-from hpcshard.runtime.mesh import check_tp, mesh_shape, resolve_sharding
+from hpcshard.runtime.mesh import mesh_shape
 
 
 def preflight(request: dict[str, Any]) -> dict[str, Any]:
     nodes, gpus = int(request["nodes"]), int(request["gpus"])
-    world = nodes * gpus
     job = load_job(request["job"])
     cfg = build_config(job.config, request["sets"])
-    check_tp(cfg.tp, gpus)
+    degrees = Parallel.of(cfg, nodes, gpus)
     require_tp_plan(job, cfg.tp, request["job"])
-    micro, accum = cfg.accumulation(world // cfg.tp)
-    mode = resolve_sharding(cfg.sharding, nodes)
+    micro, accum = degrees.accumulation(cfg)
+    mode = degrees.mode
     if cfg.reshard_after_forward.isdigit():
         shape, names = mesh_shape(mode, nodes, gpus, cfg.tp)
         group = shape[names.index("shard")]
@@ -55,10 +55,10 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
         job.tp_plan(cfg, model)  # its own checks (heads, tied weights), before anything queues
     splits = job.data(cfg)
     GlobalBatches(splits.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, micro=micro,
-                  rank=0, world=world // cfg.tp, seed=cfg.seed)
+                  rank=0, world=degrees.dp_world, seed=cfg.seed)
     return {
         "config": dataclasses.asdict(cfg),
-        "sharding": resolve_sharding(cfg.sharding, nodes),
+        "sharding": mode,
         "block": type(blocks[0]).__name__,
         "blocks": len(blocks),
         "params": sum(p.numel() for p in model.parameters()),

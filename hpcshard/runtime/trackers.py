@@ -23,6 +23,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from hpcshard.config import TrainConfig
+from hpcshard.config.sections import TrackerSection
 from hpcshard.rundir.spec import wandb_id
 
 log = logging.getLogger("hpcshard")
@@ -42,15 +44,18 @@ def scalars(values: dict[str, Any]) -> dict[str, float]:
 class Trackers:
     """The trackers a run asked for, on rank 0 (`Trackers.none()` elsewhere)."""
 
-    def __init__(self, run_dir: Path, cfg: Any, *, resumed: int, logged: int, created: float) -> None:
+    def __init__(self, run_dir: Path, cfg: TrainConfig, *, resumed: int, logged: int,
+                 created: float) -> None:
         self.run_dir, self.cfg = run_dir, cfg
+        """`cfg`: the whole config, W&B's record of the run; what opens follows `settings`."""
+        self.settings = TrackerSection.of(cfg)
         self.tb: Any = None
         self.wandb: Any = None
         self.logged = logged
         """The highest step a tracker already has from an earlier start (W&B skips up to it)."""
-        if cfg.tensorboard:
+        if self.settings.tensorboard:
             self._open_tensorboard(resumed)
-        if cfg.wandb_project:
+        if self.settings.wandb_project:
             self._open_wandb(created, resumed)
 
     @classmethod
@@ -72,13 +77,14 @@ class Trackers:
         import wandb
 
         run_id = wandb_id(self.run_dir, created)
-        settings = wandb.Settings(console="off", silent=True)
+        quiet = wandb.Settings(console="off", silent=True)
+        mode: Any = self.settings.wandb_mode or None  # checked by TrainConfig: online | offline
         self.wandb = wandb.init(
-            project=self.cfg.wandb_project, entity=self.cfg.wandb_entity or None, id=run_id,
+            project=self.settings.wandb_project, entity=self.settings.wandb_entity or None, id=run_id,
             name=self.run_dir.name, resume="allow", dir=str(self.run_dir),
-            mode=self.cfg.wandb_mode or None, config=dataclasses.asdict(self.cfg), settings=settings)
+            mode=mode, config=dataclasses.asdict(self.cfg), settings=quiet)
         log.info("wandb: run %s (%s), resumed after step %d; steps up to %d already logged",
-                 run_id, self.cfg.wandb_mode or "mode from the environment", resumed, self.logged)
+                 run_id, self.settings.wandb_mode or "mode from the environment", resumed, self.logged)
 
     def log(self, step: int, values: dict[str, Any]) -> None:
         numbers = scalars(values)

@@ -24,6 +24,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpcshard.config import TrainConfig
+from hpcshard.config.sections import OptimizerSection, Parallel
 from hpcshard.errors import UserError
 from hpcshard.rundir import events, store
 from hpcshard.rundir.rankenv import RankEnv
@@ -33,7 +34,7 @@ from hpcshard.runtime.checkpoint import Checkpointer, Loaded, TrainParts, seed_r
 from hpcshard.runtime.data import GlobalBatches, eval_batch_count, eval_batches, unigram_entropy
 from hpcshard.runtime.device import DistEnv, device_peak_tflops
 from hpcshard.runtime.job import Job, require_tp_plan
-from hpcshard.runtime.mesh import build_mesh, dp_mesh, resolve_sharding, tp_mesh
+from hpcshard.runtime.mesh import build_mesh, dp_mesh, tp_mesh
 from hpcshard.runtime.metrics import Metrics
 from hpcshard.runtime.pretrained import Stored, aliases, load_pretrained, match, read_dir
 from hpcshard.runtime.shard import ShardPlan, apply_tp, materialize, shard_model, state_bytes
@@ -44,7 +45,7 @@ from hpcshard.runtime.trackers import Trackers
 log = logging.getLogger("hpcshard")
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model: nn.Module, cfg: OptimizerSection) -> torch.optim.AdamW:
     """AdamW with decay on matrices only: biases and norm gains are not regularised."""
     trainable = [p for p in model.parameters() if p.requires_grad]  # frozen: no state at all
     decay = [p for p in trainable if p.ndim >= 2]
@@ -54,7 +55,7 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
 
 
-def lr_factor(step: int, cfg: TrainConfig) -> float:
+def lr_factor(step: int, cfg: OptimizerSection) -> float:
     """Linear warmup to 1, then cosine decay to min_lr_ratio at the last step."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
@@ -216,20 +217,21 @@ class Trainer:
         self.job, self.cfg, self.env, self.run_dir = job, cfg, env, run_dir
         self.hooks = hooks or Hooks()
         past = past or Past()
-        self.mode = resolve_sharding(cfg.sharding, env.nodes)
-        # Tensor parallel ranks share their data: the data parallel rank and world count
-        # groups of tp ranks (contiguous: tp is the mesh's innermost dimension).
-        self.dp_rank, self.dp_world = env.rank // cfg.tp, env.world // cfg.tp
-        self.micro, self.accum = cfg.accumulation(self.dp_world)
+        self.degrees = Parallel.of(cfg, env.nodes, env.per_node)
+        """The parallel degrees: tensor parallel ranks share their data (Parallel)."""
+        self.mode = self.degrees.mode
+        self.dp_rank, self.dp_world = self.degrees.dp_rank(env.rank), self.degrees.dp_world
+        self.micro, self.accum = self.degrees.accumulation(cfg)
         self.mesh = build_mesh(env.device.type, env.nodes, env.per_node, self.mode, cfg.tp)
         built = build_model(job, cfg, env, self.mesh, self.mode)
         self.model, self.blocks, self.frozen = built.model, built.blocks, built.frozen
         self.n_params, self.flops_per_token = built.n_params, built.flops_per_token
         self.init_from, self.init_names = built.init_from, built.init_names
         self.params = list(self.model.parameters())
-        self.optimizer = build_optimizer(self.model, cfg)
+        opt = OptimizerSection.of(cfg)
+        self.optimizer = build_optimizer(self.model, opt)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, cfg))
+            self.optimizer, lambda s: lr_factor(s, opt))
         # fp16 overflows without loss scaling; the sharded scaler agrees on inf/nan across
         # ranks so every shard skips the same step.
         self.scaler = ShardedGradScaler(env.device.type) if cfg.precision == "fp16" else None

@@ -7,6 +7,7 @@ import torch
 import torch.nn as nn
 
 from hpcshard.config import TrainConfig
+from hpcshard.config.sections import OptimizerSection
 from hpcshard.runtime.blocks import canonical_name, find_blocks, module_seed, repeated_classes
 from hpcshard.runtime.mesh import mesh_shape, resolve_sharding
 from hpcshard.runtime.train import lr_factor
@@ -94,7 +95,7 @@ def test_init_seed_ignores_wrappers() -> None:
 
 def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
     cfg = TrainConfig(steps=100, warmup_steps=10, min_lr_ratio=0.1)
-    factors = [lr_factor(s, cfg) for s in range(101)]
+    factors = [lr_factor(s, OptimizerSection.of(cfg)) for s in range(101)]
     assert factors[0] == pytest.approx(0.1) and factors[9] == pytest.approx(1.0)
     assert factors[10] == pytest.approx(1.0) and factors[100] == pytest.approx(0.1)
     assert all(a >= b for a, b in zip(factors[10:], factors[11:], strict=False))

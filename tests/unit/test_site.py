@@ -489,11 +489,12 @@ def test_the_settings_reference_in_the_docs_is_generated_from_the_config_classes
     import os
 
     from hpcshard.config import TrainConfig, markdown_reference
+    from hpcshard.config.sections import SECTIONS
     from hpcshard.runtime.data import DataConfig
     from tests.conftest import ROOT
 
     page = ROOT / "docs" / "user" / "settings.md"
-    text, tables = page.read_text(), markdown_reference(TrainConfig, DataConfig)
+    text, tables = page.read_text(), markdown_reference(TrainConfig, DataConfig, sections=SECTIONS)
     first = text.index("## `")  # (the prose above the tables is written by hand)
     if os.environ.get("HPCSHARD_REFRESH_GOLDEN"):
         page.write_text(text[:first] + tables)

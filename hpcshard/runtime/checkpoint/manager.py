@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpcshard.config import TrainConfig
+from hpcshard.config.sections import CheckpointSection
 from hpcshard.errors import UserError
 from hpcshard.rundir import store
 from hpcshard.rundir.spec import trusted_gid
@@ -105,17 +106,20 @@ class Checkpointer:
     def __init__(self, parts: TrainParts, env: DistEnv, cfg: TrainConfig, run_dir: Path,
                  owner: str = "", newest: int = 0) -> None:
         self.parts, self.env, self.cfg = parts, env, cfg
+        """`cfg`: the whole config, saved with each checkpoint (and its hash) and compared
+        on resume; what the checkpointer itself does follows its section, `settings`."""
+        self.settings = CheckpointSection.of(cfg)
         self.run_dir, self.owner, self.newest = run_dir, owner, newest
         """`owner`: this job's lease token (RankEnv.owner; "": no lease, it always owns);
         `newest`: a restart's newest committed step as the launchers know it (RankEnv)."""
         self.root = run_dir / store.CHECKPOINTS
         # Async saves run their collectives on a gloo group of their own, so they never
         # interleave with training's collectives on the default group.
-        self.group = dist.new_group(backend="gloo") if cfg.async_save else None
+        self.group = dist.new_group(backend="gloo") if self.settings.async_save else None
         # Async saves copy the state in a background thread too (no pinned or shared
         # memory: works on CPU): the step only waits for the copy before it changes the
         # parameters (`staged`), so forward and backward overlap it.
-        self.stager = HandOffStager() if cfg.async_save else None
+        self.stager = HandOffStager() if self.settings.async_save else None
         self.staging: Any = None
         # The state's layout is the same at every save: plan it once (DCP's plan cache; a
         # changed layout is planned again).
@@ -140,7 +144,7 @@ class Checkpointer:
             model, optim = get_state_dict(p.model, p.optimizer, options=SAVE_OPTIONS)
         else:
             self.train_state = self.train_state or TrainState(p.model, p.optimizer)
-            model, optim = self.train_state(copy_buffers=self.cfg.async_save)
+            model, optim = self.train_state(copy_buffers=self.settings.async_save)
         progress = {"step": step, "data": p.batches.state_dict(),
                     "scheduler": p.scheduler.state_dict(), "world": self.env.world}
         if p.scaler is not None:
@@ -168,7 +172,7 @@ class Checkpointer:
     def due(self, step: int) -> bool:
         """Is a periodic save due at this step (steps or wall-time trigger)? Rank-local:
         the caller agrees on it with every rank before acting."""
-        cfg = self.cfg
+        cfg = self.settings
         if cfg.ckpt_every and step % cfg.ckpt_every == 0:
             return True
         return bool(cfg.ckpt_minutes) and time.monotonic() - self.last_time >= cfg.ckpt_minutes * 60
@@ -184,7 +188,7 @@ class Checkpointer:
         start = time.perf_counter()
         self.last_time = time.monotonic()
         try:
-            if self.cfg.async_save:
+            if self.settings.async_save:
                 response = dcp.async_save(self._state(step), storage_writer=writer, planner=self.planner,
                                           process_group=self.group, async_stager=self.stager)
                 future = getattr(response, "upload_completion", response)
@@ -294,7 +298,7 @@ class Checkpointer:
             log.error("checkpoint at step %d FAILED: %s; training state and earlier checkpoints "
                       "are intact", step, one_line(err))
             return FAILED, ""
-        training_on = self.cfg.on_storage_full == "train" and reason == "periodic"
+        training_on = self.settings.on_storage_full == "train" and reason == "periodic"
         (log.warning if training_on else log.debug)(
             "checkpoint at step %d FAILED: %s [%s]; training state and earlier checkpoints are "
             "intact%s", step, full, one_line(err),
@@ -324,7 +328,7 @@ class Checkpointer:
             "world": env.world, "nodes": env.nodes, "per_node": env.per_node,
             **(self.parts.layout or {}), "config_hash": config_hash(self.cfg),
             "config": asdict(self.cfg), "torch": torch.__version__, "reason": reason,
-            "save_seconds": round(seconds, 3)}, self.cfg.keep_last, self.cfg.keep_every,
+            "save_seconds": round(seconds, 3)}, self.settings.keep_last, self.settings.keep_every,
             least=written_by_dcp(tmp))
         self.last_bytes = manifest["bytes"]
         log.info("checkpoint step %d committed (%s, %.1f MB in %.2fs)%s", step, reason,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import inspect
 import math
 import types
 import typing
@@ -42,15 +43,19 @@ def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """Settings every job has. A job's `Config` subclasses this and adds its own fields."""
+    """Settings every job has. A job's `Config` subclasses this and adds its own fields.
+
+    The fields are one flat namespace (`--set`, site files, spec.json, `cfg.lr`); each
+    belongs to one section of `config.sections`, the typed view its component reads."""
 
     steps: int = 200
     """Optimizer steps to train."""
     batch_size: int = 32
     """Global batch in sequences per optimizer step, the same whatever the world size."""
     micro_batch_size: int = 0
-    """Sequences per rank per forward pass; 0 means batch_size / world (no accumulation).
-    Gradient accumulation steps = batch_size / (micro_batch_size * world)."""
+    """Sequences per rank per forward pass; 0 means batch_size / dp world (no accumulation),
+    the data-parallel world being the world divided by tp. Gradient accumulation steps =
+    batch_size / (micro_batch_size * dp world)."""
     seq_len: int = 128
     """Tokens per training sequence."""
     lr: float = 3e-3
@@ -338,7 +343,6 @@ def field_docs(cls: type) -> dict[str, str]:
     """Each field's docstring (the string literal under it), from the source of `cls` and
     of the classes it inherits from: what `--set KEY` means."""
     import ast
-    import inspect
     import textwrap
 
     docs: dict[str, str] = {}
@@ -355,22 +359,30 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def markdown_reference(*classes: type) -> str:
+def markdown_reference(*classes: type, sections: typing.Sequence[type] = ()) -> str:
     """The `--set` keys of these config classes as one markdown table per class (the
-    settings reference in the docs; a unit test keeps it current)."""
+    settings reference in the docs; a unit test keeps it current). A class's own fields
+    that `sections` hold (TrainConfig's: `config.sections.SECTIONS`) get one table per
+    section instead, under its name and the component that owns it."""
     out: list[str] = []
     for cls in classes:
-        docs = field_docs(cls)
-        out += [f"## `{cls.__module__}.{cls.__name__}`", "", "| key | type | default | meaning |",
-                "|---|---|---|---|"]
+        docs, hints = field_docs(cls), typing.get_type_hints(cls)
         inherited = {f.name for base in cls.__bases__ if dataclasses.is_dataclass(base)
                      for f in dataclasses.fields(base)}
-        own = {f.name for f in dataclasses.fields(cls)} - inherited
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            if f.init and f.name in own:
+        own = {f.name: f for f in dataclasses.fields(cls) if f.init and f.name not in inherited}
+        out += [f"## `{cls.__module__}.{cls.__name__}`", ""]
+        groups = [(f"### {s.__name__.removesuffix('Section')} (`{s.__name__}`)\n\n"
+                   + " ".join(inspect.cleandoc(s.__doc__ or "").split()) + "\n",
+                   [own.pop(f.name) for f in dataclasses.fields(s) if f.name in own])
+                  for s in sections]
+        for heading, rows in [*((h, r) for h, r in groups if r), ("", list(own.values()))]:
+            if not rows:
+                continue
+            out += [heading] if heading else []
+            out += ["| key | type | default | meaning |", "|---|---|---|---|"]
+            for f in rows:
                 kind = getattr(hints[f.name], "__name__", str(hints[f.name]))
                 meaning = docs.get(f.name, "").replace("|", "\\|")
                 out.append(f"| `{f.name}` | {kind} | `{f.default!r}` | {meaning} |")
-        out.append("")
+            out.append("")
     return "\n".join(out)
