@@ -35,9 +35,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from hpcshard.config.sections import SupervisionSection
 from hpcshard.rundir.proc import clock, runqueue_wait, started, stat_fields
 from hpcshard.rundir.progress import Slot
+from hpcshard.sections import SupervisionSection
 
 __all__ = ["Limits", "Watchdog", "process_state", "stat_fields", "started"]
 

@@ -27,7 +27,6 @@ from pathlib import Path
 import torch.distributed as dist
 
 from hpcshard.config import build_config
-from hpcshard.config.sections import SupervisionSection
 from hpcshard.errors import UserError
 from hpcshard.rundir import events, flight, launchers, ledger, store
 from hpcshard.rundir.events import EndReason
@@ -45,6 +44,7 @@ from hpcshard.runtime.logfile import LogFile
 from hpcshard.runtime.pretrained import Stored
 from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.train import Hooks, Past, Summary, Trainer
+from hpcshard.sections import SupervisionSection
 from hpcshard.slurm.env import current_run
 
 USER_ERROR = 2

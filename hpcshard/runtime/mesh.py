@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from hpcshard.config.sections import Parallel, check_tp, resolve_sharding
+from hpcshard.sections import Parallel, check_tp, resolve_sharding
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh

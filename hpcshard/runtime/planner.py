@@ -384,8 +384,8 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
     micro_choices = [1, 2, 4, 8, 16, 32, 64]
     if job:
         from hpcshard.config import build_config
-        from hpcshard.config.sections import Parallel
         from hpcshard.runtime.job import load_job, require_tp_plan
+        from hpcshard.sections import Parallel
 
         j = load_job(job)
         cfg = build_config(j.config, sets)

@@ -19,12 +19,12 @@ import traceback
 from typing import Any
 
 from hpcshard.config import build_config
-from hpcshard.config.sections import Parallel
 from hpcshard.errors import UserError
 from hpcshard.runtime.blocks import find_blocks, on_meta
 from hpcshard.runtime.data import GlobalBatches
 from hpcshard.runtime.job import load_job, require_tp_plan
 from hpcshard.runtime.mesh import mesh_shape
+from hpcshard.sections import Parallel
 
 
 def preflight(request: dict[str, Any]) -> dict[str, Any]:

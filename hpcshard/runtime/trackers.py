@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from hpcshard.config import TrainConfig
-from hpcshard.config.sections import TrackerSection
 from hpcshard.rundir.spec import wandb_id
+from hpcshard.sections import TrackerSection
 
 log = logging.getLogger("hpcshard")
 

@@ -24,7 +24,6 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from hpcshard.config import TrainConfig
-from hpcshard.config.sections import OptimizerSection, Parallel
 from hpcshard.errors import UserError
 from hpcshard.rundir import events, store
 from hpcshard.rundir.rankenv import RankEnv
@@ -41,6 +40,7 @@ from hpcshard.runtime.shard import ShardPlan, apply_tp, materialize, shard_model
 from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.straggler import Stragglers, crowded, gather, probe
 from hpcshard.runtime.trackers import Trackers
+from hpcshard.sections import OptimizerSection, Parallel
 
 log = logging.getLogger("hpcshard")
 

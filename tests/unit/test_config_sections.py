@@ -11,7 +11,10 @@ from pathlib import Path
 import pytest
 
 from hpcshard.config import TrainConfig, build_config
-from hpcshard.config.sections import (
+from hpcshard.errors import UserError
+from hpcshard.launch.watchdog import Limits
+from hpcshard.rundir.spec import RunSpec
+from hpcshard.sections import (
     SECTIONS,
     CheckpointSection,
     OptimizerSection,
@@ -19,9 +22,6 @@ from hpcshard.config.sections import (
     SupervisionSection,
     TrackerSection,
 )
-from hpcshard.errors import UserError
-from hpcshard.launch.watchdog import Limits
-from hpcshard.rundir.spec import RunSpec
 
 
 def test_every_field_belongs_to_exactly_one_section_with_its_type() -> None:

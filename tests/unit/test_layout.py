@@ -15,10 +15,12 @@ import pytest
 
 from tests.conftest import ROOT
 
-FLAT = {"__init__.py", "__main__.py", "entry.py", "script.py", "preemption.py", "errors.py"}
+FLAT = {"__init__.py", "__main__.py", "config.py", "sections.py", "entry.py", "script.py", "preemption.py",
+        "errors.py"}
 """The only modules at the top of the package: the user-facing paths that must not move
 (`hpcshard.errors.UserError` is also what a job's own checks raise to stop with exit 2;
-`hpcshard.config`, a package of its own with its sections, keeps its name)."""
+`hpcshard.sections` is the configuration's typed sections, read by a job's own components
+as by hpcshard's)."""
 
 
 def test_nothing_sits_flat_but_the_user_facing_modules() -> None:

@@ -7,10 +7,10 @@ import torch
 import torch.nn as nn
 
 from hpcshard.config import TrainConfig
-from hpcshard.config.sections import OptimizerSection
 from hpcshard.runtime.blocks import canonical_name, find_blocks, module_seed, repeated_classes
 from hpcshard.runtime.mesh import mesh_shape, resolve_sharding
 from hpcshard.runtime.train import lr_factor
+from hpcshard.sections import OptimizerSection
 
 
 class Layer(nn.Module):

@@ -489,8 +489,8 @@ def test_the_settings_reference_in_the_docs_is_generated_from_the_config_classes
     import os
 
     from hpcshard.config import TrainConfig, markdown_reference
-    from hpcshard.config.sections import SECTIONS
     from hpcshard.runtime.data import DataConfig
+    from hpcshard.sections import SECTIONS
     from tests.conftest import ROOT
 
     page = ROOT / "docs" / "user" / "settings.md"

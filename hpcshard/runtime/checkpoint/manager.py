@@ -36,7 +36,6 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from hpcshard.config import TrainConfig
-from hpcshard.config.sections import CheckpointSection
 from hpcshard.errors import UserError
 from hpcshard.rundir import store
 from hpcshard.rundir.spec import trusted_gid
@@ -64,6 +63,7 @@ from hpcshard.runtime.checkpoint.state import (
     tensors,
 )
 from hpcshard.runtime.device import DistEnv
+from hpcshard.sections import CheckpointSection
 
 log = logging.getLogger("hpcshard")
 

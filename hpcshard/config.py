@@ -46,7 +46,7 @@ class TrainConfig:
     """Settings every job has. A job's `Config` subclasses this and adds its own fields.
 
     The fields are one flat namespace (`--set`, site files, spec.json, `cfg.lr`); each
-    belongs to one section of `config.sections`, the typed view its component reads."""
+    belongs to one section of `hpcshard.sections`, the typed view its component reads."""
 
     steps: int = 200
     """Optimizer steps to train."""
@@ -362,7 +362,7 @@ def field_docs(cls: type) -> dict[str, str]:
 def markdown_reference(*classes: type, sections: typing.Sequence[type] = ()) -> str:
     """The `--set` keys of these config classes as one markdown table per class (the
     settings reference in the docs; a unit test keeps it current). A class's own fields
-    that `sections` hold (TrainConfig's: `config.sections.SECTIONS`) get one table per
+    that `sections` hold (TrainConfig's: `sections.SECTIONS`) get one table per
     section instead, under its name and the component that owns it."""
     out: list[str] = []
     for cls in classes:
