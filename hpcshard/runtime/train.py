@@ -40,7 +40,7 @@ from hpcshard.runtime.shard import ShardPlan, apply_tp, materialize, shard_model
 from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.straggler import Stragglers, crowded, gather, probe
 from hpcshard.runtime.trackers import Trackers
-from hpcshard.sections import OptimizerSection, Parallel
+from hpcshard.sections import OptimizerSection, Parallel, SupervisionSection
 
 log = logging.getLogger("hpcshard")
 
@@ -246,11 +246,15 @@ class Trainer:
         if cfg.eval_every and not self.eval_count and env.is_main:
             log.warning("the held-out split holds less than one batch (%d tokens); "
                         "evaluation is off", len(splits.eval))
+        self.supervision = SupervisionSection.of(cfg)
+        """What the Trainer does about non-finite steps and stragglers (its part of the
+        supervision section; the launcher reads the rest)."""
         self.step = 0
         self.pretrained: Stored | None = None
         """The Hugging Face checkpoint this run started from (init_from), once loaded."""
         self.state_bytes: dict[str, int] | None = None
-        self.recent: collections.deque[tuple[int, int]] = collections.deque(maxlen=cfg.nan_skip)
+        self.recent: collections.deque[tuple[int, int]] = collections.deque(
+            maxlen=self.supervision.nan_skip)
         """Where the last nan_skip global batches started (what a rollback skips)."""
         self.rollbacks = past.rollbacks
         """Rollbacks after a non-finite step so far in this run (the ledger's before this
@@ -258,7 +262,8 @@ class Trainer:
         self.paused = {"save_s": 0.0, "eval_s": 0.0}
         """Seconds of saves and evaluations since the last metrics record (the next one
         carries them: the time between records, less these, is training)."""
-        self.stragglers = Stragglers(cfg.straggler_margin, cfg.straggler_patience)
+        self.stragglers = Stragglers(self.supervision.straggler_margin,
+                                     self.supervision.straggler_patience)
         self.hosts: list[str] = []
         self.crowded = ""
         """Why stragglers are not judged in this run ("": they are)."""
@@ -450,16 +455,16 @@ class Trainer:
         for rank, ratio in found:
             slow = events.Straggler(attempt=self.limits.attempt, cycle=self.limits.cycle, step=self.step,
                                     rank=rank, host=self.hosts[rank], ratio=round(ratio, 2),
-                                    policy=cfg.straggler_policy)
+                                    policy=self.supervision.straggler_policy)
             if env.is_main:
                 log.warning("straggler: rank %d on %s computes %.1fx slower than the median of "
                             "the others (%d looks in a row)%s", rank, self.hosts[rank], ratio,
-                            cfg.straggler_patience, "; its node is declared bad" if
-                            cfg.straggler_policy == "bad_node" else "")
+                            self.supervision.straggler_patience, "; its node is declared bad" if
+                            self.supervision.straggler_policy == "bad_node" else "")
                 metrics.event("straggler", step=slow.step, rank=rank, host=slow.host, ratio=slow.ratio,
                               policy=slow.policy)
             self.hooks.record(slow)
-        if not found or cfg.straggler_policy != "bad_node" or self.ckpt is None:
+        if not found or self.supervision.straggler_policy != "bad_node" or self.ckpt is None:
             return ""
         self.hooks.report("save", self.step)
         self.ckpt.save(self.step, "stop")
@@ -485,8 +490,8 @@ class Trainer:
         """nan_policy=rollback, within its budget: reload the newest committed checkpoint
         (every rank: the decision is the all-reduced flag's) and never train on the global
         batches that led here. False: stop instead (no budget left, nothing to reload)."""
-        cfg = self.cfg
-        if cfg.nan_policy != "rollback" or self.rollbacks >= cfg.nan_rollbacks or self.ckpt is None:
+        sup = self.supervision
+        if sup.nan_policy != "rollback" or self.rollbacks >= sup.nan_rollbacks or self.ckpt is None:
             return False
         self.ckpt.wait()  # an async write of an earlier, good step commits first
         bad, skipped = self.step, sorted(self.recent)
@@ -496,11 +501,11 @@ class Trainer:
             return False
         self.rollbacks += 1
         self.hooks.record(events.Rollback(attempt=self.limits.attempt, cycle=self.limits.cycle, step=bad,
-                                    to=loaded.step, skipped=[list(p) for p in skipped],
-                                    rollback=self.rollbacks, of=cfg.nan_rollbacks))
+                                          to=loaded.step, skipped=[list(p) for p in skipped],
+                                          rollback=self.rollbacks, of=sup.nan_rollbacks))
         log.warning("non-finite loss or gradient norm at step %d: rolled back to step %d and "
                     "skipping %d global batch(es) (rollback %d of %d)", bad, loaded.step,
-                    len(skipped), self.rollbacks, cfg.nan_rollbacks)
+                    len(skipped), self.rollbacks, sup.nan_rollbacks)
         return True
 
     def run(self, stop: StopRequest | None = None, startup: dict[str, float] | None = None) -> Summary:
@@ -555,7 +560,8 @@ class Trainer:
                     metrics.rewound(self.step)
                     bar.advance(self.step)
                     continue
-                if not ended and cfg.straggler_every and self.step % cfg.straggler_every == 0:
+                every = self.supervision.straggler_every
+                if not ended and every and self.step % every == 0:
                     ended = self._stragglers(metrics)
                 if ended:
                     reason = ended
