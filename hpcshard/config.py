@@ -46,7 +46,9 @@ class TrainConfig:
     """Settings every job has. A job's `Config` subclasses this and adds its own fields.
 
     The fields are one flat namespace (`--set`, site files, spec.json, `cfg.lr`); each
-    belongs to one section of `hpcshard.sections`, the typed view its component reads."""
+    belongs to one section of `hpcshard.sections`, the typed view its component reads. A
+    component takes its section once, when it is built: a config changed after the Trainer
+    was built changes nothing."""
 
     steps: int = 200
     """Optimizer steps to train."""

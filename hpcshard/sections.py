@@ -43,7 +43,7 @@ class Section:
             value, kind = values.get(f.name, defaults[f.name]), hints[f.name]
             if isinstance(value, str) and kind is not str:
                 value = _convert(value, kind)
-            elif kind in (int, float) and not isinstance(value, bool):
+            elif kind in (int, float):
                 value = kind(value)
             out[f.name] = value
         return cls(**out)
@@ -82,7 +82,8 @@ class DataSection(Section):
 
 @dataclass(frozen=True)
 class ModelSection(Section):
-    """Where the weights start and what trains: `runtime.pretrained`, `runtime.adapters`."""
+    """Where the weights start and what trains: `runtime.train.build_model` (LoRA and freeze
+    through `runtime.adapters`, init_from through `runtime.pretrained`)."""
 
     init_from: str
     freeze: str
@@ -204,7 +205,8 @@ class Parallel:
 
     @classmethod
     def of(cls, cfg: TrainConfig, nodes: int, per_node: int) -> Parallel:
-        return cls(nodes=nodes, per_node=per_node, tp=cfg.tp, sharding=cfg.sharding)
+        asked = ParallelSection.of(cfg)
+        return cls(nodes=nodes, per_node=per_node, tp=asked.tp, sharding=asked.sharding)
 
     @property
     def world(self) -> int:

@@ -47,6 +47,11 @@ at the 5 s floor), and never after `phase_s`: a spinning rank on oversubscribed 
 found by then."""
 
 
+WATCHDOG_KEYS = ("watchdog_factor", "watchdog_floor_s", "watchdog_warmup_steps", "watchdog_phase_s",
+                 "watchdog_join_s")
+"""The supervision section's keys the launcher's watchdog reads (`Limits.of`)."""
+
+
 @dataclass(frozen=True)
 class Limits:
     factor: float = 3.0
@@ -66,7 +71,10 @@ class Limits:
         """The limits a run's resolved config (spec.json's, flat) asks for, read as its typed
         supervision section: TrainConfig's defaults where it says nothing (a run resolved
         before a key existed, a script's run)."""
-        return cls.of(SupervisionSection.from_flat(cfg))
+        # Its own keys only: another supervision key the launcher does not use, odd in a
+        # hand-edited spec.json, never stops the launcher.
+        own = {k: v for k, v in cfg.items() if k in WATCHDOG_KEYS}
+        return cls.of(SupervisionSection.from_flat(own))
 
 
 def process_state(pid: int) -> str:

@@ -40,7 +40,14 @@ from hpcshard.runtime.shard import ShardPlan, apply_tp, materialize, shard_model
 from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.straggler import Stragglers, crowded, gather, probe
 from hpcshard.runtime.trackers import Trackers
-from hpcshard.sections import OptimizerSection, Parallel, SupervisionSection
+from hpcshard.sections import (
+    DataSection,
+    ModelSection,
+    OptimizerSection,
+    Parallel,
+    ParallelSection,
+    SupervisionSection,
+)
 
 log = logging.getLogger("hpcshard")
 
@@ -174,25 +181,26 @@ class Built:
 def build_model(job: Job, cfg: TrainConfig, env: DistEnv, mesh: DeviceMesh, mode: str) -> Built:
     """The job's model built on the meta device, adapted (LoRA, freeze), tensor parallel
     where tp > 1, sharded over the data parallel mesh, then materialised on the device."""
+    own, par = ModelSection.of(cfg), ParallelSection.of(cfg)
     with on_meta():
         model = job.model(cfg)
-    apply_lora(model, cfg)  # names change (PEFT's base_layer): before anything reads them
-    apply_freeze(model, cfg.freeze)
+    apply_lora(model, own)  # names change (PEFT's base_layer): before anything reads them
+    apply_freeze(model, own.freeze)
     frozen_names, n_params = frozen(model), sum(p.numel() for p in model.parameters())
     # init_from: checked against the model's names and shapes now (headers only); what
     # it supplies is not initialised, only read (restore).
-    init_from = read_dir(cfg.init_from) if cfg.init_from else None
+    init_from = read_dir(own.init_from) if own.init_from else None
     init_names = match(model, init_from) if init_from else {}
     loaded = aliases(model) if init_from else frozenset()
     flops_per_token = job.flops_per_token(cfg, model)
-    plan = ShardPlan(mode=mode, precision=cfg.precision, block=cfg.block,
-                     block_min_params=cfg.block_min_params, ac_every=cfg.ac_every(),
-                     compile=cfg.compile, cpu_offload=cfg.cpu_offload,
-                     reduce_dtype=cfg.reduce_dtype, output_dtype=cfg.output_dtype,
-                     reshard=cfg.reshard_after_forward, prefetch=cfg.prefetch)
+    plan = ShardPlan(mode=mode, precision=par.precision, block=par.block,
+                     block_min_params=par.block_min_params, ac_every=cfg.ac_every(),
+                     compile=par.compile, cpu_offload=par.cpu_offload,
+                     reduce_dtype=par.reduce_dtype, output_dtype=par.output_dtype,
+                     reshard=par.reshard_after_forward, prefetch=par.prefetch)
     tp = tp_mesh(mesh)
     if tp is not None:
-        require_tp_plan(job, cfg.tp, "this")
+        require_tp_plan(job, par.tp, "this")
         assert job.tp_plan is not None
         apply_tp(model, tp, job.tp_plan(cfg, model))
     if job.shard is not None:  # the job's own sharding, in full
@@ -201,8 +209,8 @@ def build_model(job: Job, cfg: TrainConfig, env: DistEnv, mesh: DeviceMesh, mode
         blocks = shard_model(model, dp_mesh(mesh), plan)
     # Offloaded parameters live in host memory whatever the compute device (FSDP2
     # refuses them elsewhere); buffers stay with the compute.
-    materialize(model, env.device, cfg.seed, with_adapters(job.init) if cfg.lora_rank else job.init,
-                param_device=torch.device("cpu") if cfg.cpu_offload else None, loaded=loaded)
+    materialize(model, env.device, cfg.seed, with_adapters(job.init) if own.lora_rank else job.init,
+                param_device=torch.device("cpu") if par.cpu_offload else None, loaded=loaded)
     return Built(model=model, blocks=blocks, frozen=frozen_names, n_params=n_params,
                  flops_per_token=flops_per_token, init_from=init_from, init_names=init_names)
 
@@ -235,15 +243,18 @@ class Trainer:
         # fp16 overflows without loss scaling; the sharded scaler agrees on inf/nan across
         # ranks so every shard skips the same step.
         self.scaler = ShardedGradScaler(env.device.type) if cfg.precision == "fp16" else None
+        self.batching = DataSection.of(cfg)
+        """The batches, their order and the evaluation (the data section)."""
         splits = job.data(cfg)
         self.splits = splits
-        self.batches = GlobalBatches(splits.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+        data = self.batching
+        self.batches = GlobalBatches(splits.train, seq_len=data.seq_len, batch_size=data.batch_size,
                                      micro=self.micro, rank=self.dp_rank, world=self.dp_world,
-                                     seed=cfg.seed, targets=splits.train_targets)
+                                     seed=data.seed, targets=splits.train_targets)
         self.batches.skip.update(past.skipped)  # an earlier rollback's batches stay skipped
-        self.eval_count = eval_batch_count(splits.eval, cfg.seq_len, cfg.batch_size,
-                                           cfg.eval_batches) if cfg.eval_every else 0
-        if cfg.eval_every and not self.eval_count and env.is_main:
+        self.eval_count = eval_batch_count(splits.eval, data.seq_len, data.batch_size,
+                                           data.eval_batches) if data.eval_every else 0
+        if data.eval_every and not self.eval_count and env.is_main:
             log.warning("the held-out split holds less than one batch (%d tokens); "
                         "evaluation is off", len(splits.eval))
         self.supervision = SupervisionSection.of(cfg)
@@ -285,7 +296,7 @@ class Trainer:
                                   newest=self.limits.newest)
                      if run_dir is not None else None)
         # Dropout and any other in-step randomness: per rank, seeded, restorable.
-        seed_rank(cfg.seed, env.rank)
+        seed_rank(self.batching.seed, env.rank)
 
     def _to_device(self, t: torch.Tensor) -> torch.Tensor:
         return t.to(self.env.device, non_blocking=True)
@@ -336,10 +347,10 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over the first eval_batches global batches of the held-out split."""
-        cfg, env = self.cfg, self.env
+        data, env = self.batching, self.env
         self.model.eval()
         total = torch.zeros(2, device=env.device)
-        for x, y in eval_batches(self.splits.eval, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+        for x, y in eval_batches(self.splits.eval, seq_len=data.seq_len, batch_size=data.batch_size,
                                  micro=self.micro, rank=self.dp_rank, world=self.dp_world,
                                  count=self.eval_count, targets=self.splits.eval_targets):
             with self._loss_parallel():
@@ -523,7 +534,7 @@ class Trainer:
                       startup=startup or {}, **({"data": self.splits.report} if self.splits.report else {}))
         if self.splits.report and env.is_main:
             log.info("data: %s", self.splits.report)
-        tokens_per_step = cfg.batch_size * cfg.seq_len
+        tokens_per_step = self.batching.batch_size * self.batching.seq_len
         loss, eval_loss, reason = float("nan"), None, "done"
         last_t, last_step = time.perf_counter(), self.step
         with metrics.progress(start=self.step) as bar:
@@ -548,7 +559,7 @@ class Trainer:
                     self.paused = dict.fromkeys(self.paused, 0.0)
                     bar.show(loss)
                     last_t, last_step = time.perf_counter(), self.step
-                if self.eval_count and (self.step % cfg.eval_every == 0 or self.step == cfg.steps):
+                if self.eval_count and (self.step % self.batching.eval_every == 0 or self.step == cfg.steps):
                     self.hooks.report("eval", self.step)
                     start = time.perf_counter()
                     eval_loss = self.evaluate()

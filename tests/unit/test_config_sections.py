@@ -86,6 +86,15 @@ def test_an_old_spec_json_still_loads_to_the_same_config(tmp_path: Path) -> None
     assert Limits.from_config({}) == Limits()  # a script's run: nothing resolved
 
 
+def test_the_launchers_watchdog_reads_its_own_keys_only() -> None:
+    """A key of the supervision section the launcher does not use, odd in a hand-edited
+    spec.json, never stops it; a number written as a bool is read as the number it is."""
+    odd = {"nan_skip": None, "health_link_gbps": None, "straggler_margin": "1,4", "health_link_mb": [64]}
+    assert Limits.from_config({**odd, "watchdog_floor_s": 7}) == Limits(floor_s=7.0)
+    limits = Limits.from_config({"watchdog_factor": True})
+    assert limits.factor == 1.0 and type(limits.factor) is float
+
+
 @pytest.mark.parametrize("nodes,per_node,tp,sharding,rank,want", [
     # (world, dp_world, dp_per_node, mode, dp_rank(rank))
     (1, 1, 1, "auto", 0, (1, 1, 1, "full", 0)),
