@@ -77,8 +77,8 @@ def test_time_limit_notice_comes_before_the_limit_and_the_job_requeues(cluster: 
     assert wait_state(job, DONE, 400) == "COMPLETED"
     records = ledger.read(run)
     ends = [r for r in records if r["event"] == "end"]
-    assert len(ends) >= 2 and ends[-1]["reason"] == "done" and ends[-1]["saved_step"] == 150
-    assert all(e["reason"] == "stop" and "after the notice" in e["how"] for e in ends[:-1])
+    assert len(ends) >= 2 and ends[-1]["reason"] == "done" and ends[-1]["saved_step"] == 150, ends
+    assert all(e["reason"] == "stop" and "after the notice" in e["how"] for e in ends[:-1]), ends
     assert restarts(job) == len(ends) - 1
     start = next(r for r in records if r["event"] == "start")
     log = (run / "logs" / "rank-0.log").read_text()
