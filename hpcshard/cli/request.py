@@ -185,9 +185,15 @@ class Tasks:
     array: SbatchRequest | None
     root: Path
     name: str
-    job: str
-    """The job reference every run imports."""
-    backend: str
+
+    @property
+    def job(self) -> str:
+        """The job reference every run imports."""
+        return self.runs[0].spec.job
+
+    @property
+    def backend(self) -> str:
+        return self.runs[0].spec.backend
 
 
 def tasks(res: site.Resolved, job: str, configs: list[dict[str, str]], *, nodes: int, backend: str,
@@ -227,7 +233,7 @@ def tasks(res: site.Resolved, job: str, configs: list[dict[str, str]], *, nodes:
     from hpcshard.rundir.sweep import Sweep
 
     runs = [Request(spec=s, run_dir=Sweep.task_dir(root, i), sbatch=array) for i, s in enumerate(specs)]
-    return Tasks(runs=runs, array=array, root=root, name=name, job=target.ref, backend=backend)
+    return Tasks(runs=runs, array=array, root=root, name=name)
 
 
 def check_secrets_again(spec: RunSpec) -> None:
@@ -418,8 +424,8 @@ def schedule_array(requests: list[Request], root: Path) -> list[str]:
         req.spec.write(req.run_dir)
         claims.append(take_run(req.run_dir, "hpcshard sweep"))
     try:
-        ids = backends.BACKENDS[backends.SLURM].submit_array([r.spec for r in requests],
-                                                             [r.run_dir for r in requests], array, root)
+        ids = requests[0].backend.submit_array([r.spec for r in requests], [r.run_dir for r in requests],
+                                               array, root)
     except ValueError:
         shutil.rmtree(root, ignore_errors=True)
         raise

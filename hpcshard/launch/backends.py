@@ -126,8 +126,8 @@ class Slurm(Backend):
         from hpcshard.slurm.submit import submit
 
         policy = "requeue" if sbatch.requeue else spec.requeue_policy
-        return submit(sbatch, run_dir.resolve(), node_main, str(run_dir.resolve()), spec.gpus,
-                      next_attempt(run_dir), spec.max_requeues, resume, policy)
+        return submit(sbatch, run_dir.resolve(), node_main,
+                      *_node_args(spec, run_dir, next_attempt(run_dir), resume, policy))
 
     def submit_array(self, specs: list[RunSpec], run_dirs: list[Path], array: SbatchRequest,
                      root: Path) -> list[str]:
@@ -137,8 +137,7 @@ class Slurm(Backend):
         from hpcshard.launch.slurm import node_main
         from hpcshard.slurm.submit import submit_array
 
-        tasks = [(str(d.resolve()), spec.gpus, 0, spec.max_requeues, "auto", "requeue")
-                 for spec, d in zip(specs, run_dirs, strict=True)]
+        tasks = [_node_args(spec, d, 0, "auto", "requeue") for spec, d in zip(specs, run_dirs, strict=True)]
         return submit_array(array, root.resolve(), node_main, tasks)
 
     def logs(self, run_dir: Path, job: str | None = None) -> str:
@@ -190,6 +189,11 @@ class Slurm(Backend):
                 cluster.scancel(job)
         cluster.scancel(spec.jobs[-1])
         return f"cancelled Slurm job {spec.jobs[-1]} ({run_dir})"
+
+
+def _node_args(spec: RunSpec, run_dir: Path, attempt: int, resume: str, policy: str) -> tuple[Any, ...]:
+    """`launch.slurm.node_main`'s arguments for one run's job (a submit's, an array task's)."""
+    return (str(run_dir.resolve()), spec.gpus, attempt, spec.max_requeues, resume, policy)
 
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (Backend(), Slurm())}
