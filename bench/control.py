@@ -101,7 +101,7 @@ class Cluster:
         from hpcshard.launch.node import NodeEnv
         from hpcshard.rundir import lease
         from hpcshard.rundir.rankenv import RankEnv
-        from hpcshard.rundir.spec import RunSpec, create_run_dir
+        from hpcshard.rundir.spec import Resolved, RunSpec, create_run_dir
 
         create_run_dir(self.run_dir)
         self.logs.mkdir()
@@ -110,7 +110,7 @@ class Cluster:
         RunSpec(job=str(ROOT / "bench" / "control_rank.py"), sets={}, nodes=self.n, gpus=1, backend="local",
                 name=f"control-{self.n}", max_restarts=self.faults + 2, no_progress_restarts=self.faults + 2,
                 # (a crash is measured: a rank starved of a core for 5 s must not pass for a hang)
-                resolved={"config": {"watchdog_floor_s": 60.0}}).write(self.run_dir)
+                resolved=Resolved(config={"watchdog_floor_s": 60.0})).write(self.run_dir)
         self.owner = lease.take(self.run_dir, lease.Owner.of_process("bench control"), lambda job: False)
         (port, coord_port), run_id = free_ports(2), f"ctl{uuid.uuid4().hex[:8]}"
         base = env(HPCSHARD_WARM_START="0", BENCH_CONTROL_STAMPS=str(self.stamps),

@@ -44,6 +44,7 @@ from hpcshard.rundir.rankenv import (
     script_environ,
     signal_name,
 )
+from hpcshard.rundir.spec import Script
 from hpcshard.rundir.store import last_save
 
 __all__ = ["ENV_DOC", "SCRIPT_SIGNALS", "check_module", "defines_job", "failures", "last_save", "run"]
@@ -131,15 +132,15 @@ def _notice_handler(notice: signal.Signals, script_signal: str) -> Any:
     return handle
 
 
-def run(run_dir: Path, script: dict[str, Any], early: list[int]) -> int:
+def run(run_dir: Path, script: Script, early: list[int]) -> int:
     """Run `script` (RunSpec.script) on this rank; returns the rank's exit code. `early`:
     notices that came before the entry point called this."""
     rank = int(os.environ.get("RANK", "0"))
     env = RankEnv.from_environ()
     attempt, notice = env.attempt, env.notice_signal
-    handler = _notice_handler(notice, script.get("signal", "TERM"))
+    handler = _notice_handler(notice, script.signal)
     signal.signal(notice, handler)
-    os.environ.update(script_environ(run_dir, attempt, script.get("signal", "TERM")))
+    os.environ.update(script_environ(run_dir, attempt, script.signal))
     os.environ.setdefault("HPCSHARD_RESTART_COUNT", "0")
     paths = RunPaths(run_dir)
     paths.logs.mkdir(exist_ok=True)
@@ -157,8 +158,8 @@ def run(run_dir: Path, script: dict[str, Any], early: list[int]) -> int:
         ledger.append(run_dir, events.Start(attempt=attempt, cycle=env.cycle, script=True, world=world,
                                             nodes=world // int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                                             host=os.uname().nodename))
-    if script.get("cwd") and Path(script["cwd"]).is_dir():
-        os.chdir(script["cwd"])
+    if script.cwd and Path(script.cwd).is_dir():
+        os.chdir(script.cwd)
     for signum in early:  # a notice that came while the interpreter started
         handler(signum, None)
     failure: dict[str, Any] = {}
@@ -189,12 +190,12 @@ def run(run_dir: Path, script: dict[str, Any], early: list[int]) -> int:
     return code
 
 
-def _run_main(script: dict[str, Any], failure: dict[str, Any]) -> int:
+def _run_main(script: Script, failure: dict[str, Any]) -> int:
     """runpy, as `python train.py ARGS` / `python -m pkg.mod ARGS` would run it. An
     exception is named in `failure` (its type and first line)."""
-    target, args = script["target"], list(script.get("args", []))
+    target, args = script.target, list(script.args)
     try:
-        if script["kind"] == "module":
+        if script.kind == "module":
             sys.argv = [target, *args]  # runpy puts the module's file in argv[0]
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:

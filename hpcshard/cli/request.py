@@ -26,7 +26,7 @@ import shlex
 import shutil
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,9 @@ from hpcshard.rundir.metrics import METRICS, last_record
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, STORAGE_EXIT
 from hpcshard.rundir.spec import (
+    Resolved,
     RunSpec,
+    Script,
     check_resume,
     check_run_dir,
     default_run_dir,
@@ -65,22 +67,23 @@ class Target:
     """What the run and its directory are named after."""
     ref: str
     """The job reference a rank imports (a file's absolute path, or a module)."""
-    script: dict[str, Any] = field(default_factory=dict)
-    """A script run as it is (`RunSpec.script`): kind, target, args; empty for a job."""
+    script: Script | None = None
+    """A script run as it is (`RunSpec.script`, without where and how it is stopped, which
+    the settings say); None for a job."""
 
     @classmethod
     def parse(cls, job: str | None, module: str | None = None, args: tuple[str, ...] = ()) -> Target:
         if module:
             script.check_module(module)
-            return cls(label=module, ref=module, script={
-                "kind": "module", "target": module, "args": [*([job] if job is not None else []), *args]})
+            return cls(label=module, ref=module, script=Script(
+                kind="module", target=module, args=(*([job] if job is not None else []), *args)))
         if job is None:
             raise UserError("nothing to run: give a job (jobs/charlm.py), a script "
                             "(train.py -- ARGS) or a module (-m package.module -- ARGS)")
         path = Path(job)
         if (job.endswith(".py") or path.exists()) and path.is_file() and not script.defines_job(path):
             return cls(label=job, ref=str(path.resolve()),
-                       script={"kind": "file", "target": str(path.resolve()), "args": list(args)})
+                       script=Script(kind="file", target=str(path.resolve()), args=args))
         if args:
             raise UserError(f"{job} is an hpcshard job: it takes --set KEY=VALUE, not arguments "
                             f"({shlex.join(args)}); a plain script takes them after --")
@@ -122,7 +125,7 @@ def new(res: site.Resolved, job: str | None, *, nodes: int, backend: str, module
     v = res.values
     check_secrets(v["secrets"], v["env"], res.profile)
     target = Target.parse(job, module, args)
-    own = dict(target.script)
+    own = target.script
     if own:
         if sets:
             raise UserError(f"--set {sets[0]}: --set is for hpcshard jobs; pass a script's own "
@@ -130,7 +133,7 @@ def new(res: site.Resolved, job: str | None, *, nodes: int, backend: str, module
         if resume not in NO_RESUME:
             raise UserError(f"--resume {resume}: a script finds its own checkpoints "
                             "(in $HPCSHARD_CHECKPOINT_DIR); use auto or never")
-        own.update(cwd=str(Path.cwd()), signal=v["script_signal"], grace=v["script_grace"])
+        own = replace(own, cwd=str(Path.cwd()), signal=v["script_signal"], grace=v["script_grace"])
     run_dir = run_dir or default_run_dir(target.label, site.storage_root(res))
     check_run_dir(run_dir, v["run_group"])
     if resume not in NO_RESUME:
@@ -145,8 +148,8 @@ def new(res: site.Resolved, job: str | None, *, nodes: int, backend: str, module
         sbatch = _checked(SbatchRequest.from_settings(
             v, res.template_dirs, job_name=spec.name, nodes=spec.nodes, gpus=spec.gpus, run_dir=run_dir,
             spares=spec.spares, min_nodes=spec.min_nodes), run_dir)
-        if own and own["grace"] >= sbatch.signal_lead_s:
-            raise UserError(f"--grace {own['grace']} is not below the notice's lead time "
+        if own and own.grace >= sbatch.signal_lead_s:
+            raise UserError(f"--grace {own.grace} is not below the notice's lead time "
                             f"({sbatch.signal_lead_s}s): the time limit would kill the script "
                             "first; lower --grace or raise --signal-lead")
     return Request(spec=spec, run_dir=run_dir, sbatch=sbatch, resume=resume)
@@ -167,12 +170,14 @@ def again(spec: RunSpec, run_dir: Path, *, nodes: int | None = None, gpus: int |
     spec.sets = {**spec.sets, **parse_sets(sets)}
     sbatch = None
     if backends.of(spec).in_queue:
-        old = spec.slurm
-        per_gpu = old.get("cpus_per_task", 0) // max(1, old.get("gpus_per_node", 1))
-        sbatch = _checked(SbatchRequest(**{
-            **old, "nodes": spec.nodes + spec.spares, "gpus_per_node": spec.gpus,
-            "cpus_per_task": per_gpu * spec.gpus, "run_dir": run_dir.resolve(), "no_kill": spec.no_kill,
-            "exclude": bad_slurm_nodes(run_dir)}), run_dir)
+        old = SbatchRequest.recorded(spec.slurm)
+        if old is None:
+            raise UserError(f"{run_dir}'s spec.json records no sbatch request for its {spec.backend} job; "
+                            "submit the job again (hpcshard submit)")
+        per_gpu = old.cpus_per_task // max(1, old.gpus_per_node)
+        sbatch = _checked(replace(
+            old, nodes=spec.nodes + spec.spares, gpus_per_node=spec.gpus, cpus_per_task=per_gpu * spec.gpus,
+            run_dir=run_dir.resolve(), no_kill=spec.no_kill, exclude=bad_slurm_nodes(run_dir)), run_dir)
     return Request(spec=spec, run_dir=run_dir, sbatch=sbatch, resume=resume, fresh=False)
 
 
@@ -240,7 +245,9 @@ def check_secrets_again(spec: RunSpec) -> None:
     """A run resumed on a backend that queues it: its new job takes the secrets from this
     environment again."""
     if backends.of(spec).in_queue:
-        check_secrets(spec.slurm.get("secrets", []), spec.slurm.get("env", {}), spec.profile)
+        old = SbatchRequest.recorded(spec.slurm)
+        if old is not None:
+            check_secrets(old.secrets, old.env, spec.profile)
 
 
 def _checked(sbatch: SbatchRequest, run_dir: Path) -> SbatchRequest:
@@ -302,10 +309,10 @@ def check(requests: list[Request], *, cluster: bool = True, job: bool = True,
     if not job or first.spec.script:
         return
     if configs is None:
-        first.spec.resolved = preflight(first.spec)
+        first.spec.resolved = Resolved.of(preflight(first.spec))
         return
     for one, resolved in zip(requests, preflight_many([r.spec for r in requests], configs), strict=True):
-        one.spec.resolved = resolved
+        one.spec.resolved = Resolved.of(resolved)
 
 
 def _check_array_size(count: int) -> None:
@@ -386,7 +393,7 @@ def schedule(req: Request, claim: lease.Owner, *, follow: bool = False) -> int:
     if req.sbatch is None:
         return _run_here(req, claim)
     _warn_lead_time(req.run_dir, req.sbatch)
-    req.spec.slurm = {**asdict(req.sbatch), "run_dir": str(req.sbatch.run_dir)}
+    req.spec.slurm = req.sbatch.record()
     _write_owned(req.spec, req.run_dir, claim)
     try:
         job_id = req.backend.submit(req.spec, req.run_dir, req.sbatch, req.resume)
@@ -420,7 +427,7 @@ def schedule_array(requests: list[Request], root: Path) -> list[str]:
     assert array is not None
     claims = []
     for req in requests:  # a task resumed later is a job of its own, in its own directory
-        req.spec.slurm = {**asdict(array), "run_dir": str(req.run_dir.resolve()), "array": ""}
+        req.spec.slurm = replace(array, run_dir=req.run_dir.resolve(), array="").record()
         req.spec.write(req.run_dir)
         claims.append(take_run(req.run_dir, "hpcshard sweep"))
     try:
@@ -543,9 +550,6 @@ def _spares(spec: RunSpec) -> str:
 def describe(spec: RunSpec) -> str:
     """The run in a few words: the script it runs, or the job's sharding and size."""
     if spec.script:
-        own = spec.script
-        return (f"script {'-m ' if own['kind'] == 'module' else ''}"
-                f"{shlex.join([own['target'], *own['args']])}")
+        return spec.script.command
     res = spec.resolved
-    return (f"sharding {res['sharding']}, {res['blocks']} x {res['block']}, "
-            f"{res['params'] / 1e6:.2f}M params")
+    return f"sharding {res.sharding}, {res.blocks} x {res.block}, {res.params / 1e6:.2f}M params"

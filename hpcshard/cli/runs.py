@@ -3,7 +3,6 @@ stdlib; Slurm through `hpcshard.slurm`, matplotlib only inside `plot`)."""
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +14,11 @@ from hpcshard.launch import backends
 from hpcshard.rundir import ledger, store
 from hpcshard.rundir.metrics import read_metrics, train_records
 from hpcshard.rundir.paths import RunPaths
-from hpcshard.rundir.rankenv import NOTICE, signal_name
+from hpcshard.rundir.rankenv import signal_name
 from hpcshard.rundir.spec import RunSpec, read_spec
 from hpcshard.rundir.status import attempts, culprit_lines, report
 from hpcshard.rundir.sweep import is_sweep
+from hpcshard.sections import TrackerSection
 
 
 @click.command()
@@ -32,8 +32,8 @@ def preempt(run_dir: Path, signame: str | None) -> None:
     the run is then requeued and resumes where it stopped.
     """
     spec = read_spec(run_dir)
-    name = signal_name(signame or spec.slurm.get("signal", NOTICE))
-    click.echo(backends.reaching(spec).notify(spec, run_dir, name))
+    backend = backends.reaching(spec)
+    click.echo(backend.notify(spec, run_dir, signal_name(signame or backend.notice(spec))))
 
 
 @click.command()
@@ -59,7 +59,8 @@ def status(target: str, goodput: bool) -> None:
             click.echo(line)
         return
     backend = backends.reaching(spec)
-    for line in report(run_dir, asdict(spec), backend.state(spec), backend.history(spec)):
+    tracked = None if spec.script else TrackerSection.from_flat(spec.resolved.config)
+    for line in report(run_dir, spec, backend.state(spec), backend.history(spec), tracked):
         click.echo(line)
 
 
@@ -146,7 +147,7 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
     click.echo(f"{'run':<32} {'backend':<7} {'shape':>5} {'step':>11} {'loss':>7} {'state':<9} "
                f"{'slurm':<11} age")
     for run_dir, spec, job_id in zip(runs, specs, jobs, strict=True):
-        total = spec.resolved.get("config", {}).get("steps", "?")
+        total = spec.resolved.steps or "?"
         train = train_records(read_metrics(run_dir))
         rows = attempts(run_dir)
         state = rows[-1].reason if rows else "new"

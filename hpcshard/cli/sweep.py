@@ -171,7 +171,7 @@ def task_rows(root: Path) -> list[tuple[str, str, str, str, str, str]]:
             state = slurm.get(job, "-") if job is not None else "new"
         else:
             state = "running" if launchers(run) else (tried[-1].reason if tried else "waiting")
-        total = spec.resolved.get("config", {}).get("steps", "?")
+        total = spec.resolved.steps or "?"
         rows.append((f"task-{i}", label(config), state, f"{train[-1]['step'] if train else 0}/{total}",
                      f"{min(evals):.4f}" if evals else "-", str(len(tried))))
     return rows

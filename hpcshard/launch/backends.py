@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from hpcshard.rundir import lease, proc
 from hpcshard.rundir.launchers import guards, launchers, signal_launchers
 from hpcshard.rundir.paths import RunPaths
-from hpcshard.rundir.rankenv import short_name
+from hpcshard.rundir.rankenv import NOTICE, short_name
 from hpcshard.rundir.spec import RunSpec
 
 if TYPE_CHECKING:
@@ -86,6 +86,10 @@ class Backend:
     def over(self, spec: RunSpec, run_dir: Path) -> bool | None:
         """Nothing of the run is running (None: the scheduler did not answer)."""
         return not launchers(run_dir)
+
+    def notice(self, spec: RunSpec) -> str:
+        """The signal the run's ranks take for a stop notice (USR2, ...)."""
+        return NOTICE
 
     def notify(self, spec: RunSpec, run_dir: Path, name: str) -> str:
         """Send the run the notice signal `name` (SIGUSR2, ...), as Slurm would."""
@@ -173,6 +177,13 @@ class Slurm(Backend):
         from hpcshard.slurm import cluster
 
         return cluster.query_job(spec.jobs[-1]).over
+
+    def notice(self, spec: RunSpec) -> str:
+        """Its job's `--signal` (the profile's `signal`)."""
+        from hpcshard.slurm.sbatch import SbatchRequest
+
+        recorded = SbatchRequest.recorded(spec.slurm)
+        return recorded.signal if recorded is not None else NOTICE
 
     def notify(self, spec: RunSpec, run_dir: Path, name: str) -> str:
         from hpcshard.slurm import cluster

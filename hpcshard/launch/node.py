@@ -23,7 +23,7 @@ from hpcshard.rundir.events import EndReason
 from hpcshard.rundir.launchers import write_pid_file
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, STORAGE_EXIT, RankEnv
-from hpcshard.rundir.spec import RunSpec
+from hpcshard.rundir.spec import RunSpec, Script
 from hpcshard.rundir.store import last_save
 
 
@@ -79,9 +79,9 @@ def torchrun_argv(node: NodeEnv, run_dir: Path, module: str = "hpcshard.entry",
     return [sys.executable, "-m", "torch.distributed.run", *options, "-m", module, str(run_dir)]
 
 
-def warm_start(module: str, script: dict[str, object]) -> bool:
+def warm_start(module: str, script: Script | None) -> bool:
     """Fork warm ranks for hpcshard jobs unless HPCSHARD_WARM_START=0 (see launch.warm)."""
-    return module == "hpcshard.entry" and not script and os.environ.get("HPCSHARD_WARM_START") != "0"
+    return module == "hpcshard.entry" and script is None and os.environ.get("HPCSHARD_WARM_START") != "0"
 
 
 def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_signal,
@@ -102,7 +102,7 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
     console.harden()  # (under Slurm its console is a file in the run directory, which may fill)
     # (doctor's smoke test runs a module without a spec)
     spec = RunSpec.read(run_dir) if RunPaths(run_dir).spec.exists() else None
-    own = spec.script if spec else {}
+    own = spec.script if spec else None
     env = dict(os.environ)
     # torchrun would set 1 with a warning; on a CPU host, split the cores between ranks.
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // node.per_node)))

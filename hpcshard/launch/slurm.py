@@ -22,6 +22,7 @@ from hpcshard.rundir.rankenv import NOTICE, REQUEUE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.slurm import cluster
 from hpcshard.slurm.env import SlurmEnv, expand_nodelist
+from hpcshard.slurm.sbatch import SbatchRequest
 from hpcshard.slurm.submit import job_paths
 
 __all__ = ["SlurmEnv", "expand_nodelist", "coord_port", "node_env", "node_main", "rdzv_port"]
@@ -260,10 +261,11 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
         attempt = (int(chained.read_text()) if chained.exists() else first_attempt) + slurm.restart_count
         fresh = slurm.restart_count == 0 and not chained.exists()
     # The profile's notice (--signal in the sbatch script): the ranks listen for it too.
+    sbatch = SbatchRequest.recorded(spec.slurm)
     ranks = RankEnv(attempt=attempt, resume=resume if fresh else "auto",
-                    restart_count=slurm.restart_count, notice=spec.slurm.get("signal", NOTICE),
+                    restart_count=slurm.restart_count, notice=sbatch.signal if sbatch else NOTICE,
                     deadline=cluster.end_time(slurm.ref),
-                    lead=spec.slurm.get("signal_lead_s"), owner=owner.token)
+                    lead=sbatch.signal_lead_s if sbatch else None, owner=owner.token)
     os.environ.update(ranks.to_environ())
     # submitit installed its own SIGUSR2 handler (checkpoint, then requeue from global rank
     # 0 with its own timeout bookkeeping). run_node replaces it: the notice goes to the ranks.

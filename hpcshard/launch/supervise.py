@@ -663,7 +663,7 @@ class Supervisor:
 
     def _watch(self, proc: Agent, board: Board, cycle: int) -> Watch:
         attempt = self.ranks.attempt
-        dog = Watchdog(Limits.from_config(self.spec.resolved.get("config", {})), poll_s=POLL_S)
+        dog = Watchdog(Limits.from_config(self.spec.resolved.config), poll_s=POLL_S)
         hang: dict[str, Any] | None = None
         learned = False
         found = self.chan.decision(attempt, cycle - 1) if cycle else None

@@ -10,10 +10,11 @@ import json
 import os
 import re
 import secrets
+import shlex
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,76 @@ from hpcshard.rundir.paths import RunPaths
 
 SPEC = paths.SPEC
 POLICIES = ("requeue", "chain", "none")
+"""After a clean stop on Slurm: requeue the job, chain a continuation job (sites that
+forbid requeue), or stop."""
 SCRIPT_GRACE_S = 60
 """A script's seconds from the notice to its ranks' kill where its spec names none (the
 `script_grace` setting's default)."""
-"""After a clean stop on Slurm: requeue the job, chain a continuation job (sites that
-forbid requeue), or stop."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Script:
+    """A script run as it is (`hpcshard submit train.py -- ARGS`, `-m pkg.mod`), not an
+    hpcshard job: spec.json's `script`, an empty object for a job."""
+
+    kind: str
+    """file | module."""
+    target: str
+    """The file's absolute path, or the module's name."""
+    args: tuple[str, ...] = ()
+    """Its own arguments (after `--`)."""
+    cwd: str = ""
+    """Where it was submitted from: it runs there where that exists on the node."""
+    signal: str = "TERM"
+    """What it is sent on a notice (`script_signal`)."""
+    grace: float = SCRIPT_GRACE_S
+    """Its seconds from the notice to its ranks' kill (`script_grace`)."""
+
+    @classmethod
+    def of(cls, raw: Mapping[str, Any]) -> Script | None:
+        """spec.json's object (None for a job's empty one)."""
+        return cls(**{**raw, "args": tuple(raw.get("args", ()))}) if raw else None
+
+    @property
+    def command(self) -> str:
+        """As it would be typed: `script -m pkg.mod ARGS` or `script /abs/train.py ARGS`."""
+        return f"script {'-m ' if self.kind == 'module' else ''}{shlex.join([self.target, *self.args])}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resolved:
+    """What a job's preflight found at submit (`runtime.preflight`), spec.json's `resolved`;
+    empty for a script, and in a spec whose preflight has not run yet."""
+
+    config: dict[str, Any] = field(default_factory=dict)
+    """The job's whole config as it resolved, flat (TrainConfig's fields): read through its
+    sections (`hpcshard.sections`), never by key."""
+    sharding: str = ""
+    """The sharding mode the degrees give (`Parallel.mode`)."""
+    block: str = ""
+    """The class of the blocks that are sharded (and checkpointed) one by one."""
+    blocks: int = 0
+    params: int = 0
+    """Parameters of the whole model."""
+    micro_batch: int = 0
+    """Samples per micro-batch on each rank."""
+    accumulation: int = 0
+    """Micro-batches per optimizer step on each rank."""
+    train_tokens: int = 0
+    """Tokens in the training data."""
+
+    @classmethod
+    def of(cls, raw: Mapping[str, Any]) -> Resolved:
+        """spec.json's object. A key this version does not know (a newer preflight's) is
+        dropped: what it says cannot be acted on here."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+    @property
+    def steps(self) -> int | None:
+        """The run's optimizer steps (None: not resolved, a script)."""
+        steps = self.config.get("steps")
+        return None if steps is None else int(steps)
 
 
 @dataclass(kw_only=True)
@@ -70,15 +136,16 @@ class RunSpec:
     """The Unix group the run directory is shared with (the profile's `run_group`): its
     checkpoint files are loaded when that group owns them, whoever wrote them. Empty: the
     run is private, and only the user's own files load."""
-    script: dict[str, Any] = field(default_factory=dict)
-    """A script run as is (not an hpcshard job): kind (file|module), target, args, cwd,
-    signal and grace (what it is sent on a notice, and how long it has). Empty for a job."""
+    script: Script | None = None
+    """A script run as it is, not an hpcshard job (None: a job)."""
     jobs: list[str] = field(default_factory=list)
     """Slurm job ids submitted for this run, oldest first."""
     slurm: dict[str, Any] = field(default_factory=dict)
-    """The sbatch request (Slurm backend), reused by `hpcshard resume`."""
-    resolved: dict[str, Any] = field(default_factory=dict)
-    """What the preflight found: the full config, sharding, block, parameters."""
+    """The sbatch request of its newest submission (Slurm backend), reused by `hpcshard
+    resume`: `hpcshard.slurm.sbatch.SbatchRequest`'s fields, stored and read by it alone
+    (`SbatchRequest.record`, `.recorded`; the run directory knows nothing of Slurm)."""
+    resolved: Resolved = field(default_factory=Resolved)
+    """What the preflight found: the whole config, sharding, blocks, parameters."""
     created: float = field(default_factory=time.time)
     coord_key: str = field(default_factory=lambda: secrets.token_hex(16))
     """What a job's launchers show node 0's store (`launch.coord`) to be let in: the run
@@ -88,11 +155,17 @@ class RunSpec:
     anyone)."""
 
     def write(self, run_dir: Path) -> None:
-        write_atomic(run_dir / SPEC, json.dumps(asdict(self), indent=2) + "\n")
+        raw = asdict(self)
+        # (the file's shape since the first spec: an empty object for what there is not)
+        raw["script"] = raw["script"] or {}
+        raw["resolved"] = raw["resolved"] if self.resolved != Resolved() else {}
+        write_atomic(run_dir / SPEC, json.dumps(raw, indent=2) + "\n")
 
     @classmethod
     def read(cls, run_dir: Path) -> RunSpec:
-        return cls(**{"coord_key": "", **json.loads((run_dir / SPEC).read_text())})
+        raw = {"coord_key": "", **json.loads((run_dir / SPEC).read_text())}
+        return cls(**{**raw, "script": Script.of(raw.get("script") or {}),
+                      "resolved": Resolved.of(raw.get("resolved") or {})})
 
     @classmethod
     def update(cls, run_dir: Path, change: Callable[[RunSpec], None]) -> RunSpec:
@@ -127,7 +200,7 @@ class RunSpec:
     @property
     def grace_s(self) -> float:
         """A script's seconds from the notice to its ranks' kill; 0 for an hpcshard job."""
-        return float(self.script.get("grace", SCRIPT_GRACE_S)) if self.script else 0.0
+        return float(self.script.grace) if self.script else 0.0
 
     def newest_job(self, job_id: str) -> bool:
         """Only the run's newest job may train: a stale requeue or a second continuation

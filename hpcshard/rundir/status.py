@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from hpcshard.rundir import flight, ledger, store
 from hpcshard.rundir.metrics import read_metrics, train_records
 from hpcshard.rundir.paths import RunPaths
-from hpcshard.rundir.spec import wandb_id
+from hpcshard.rundir.spec import RunSpec, wandb_id
 
 
 @dataclass
@@ -91,23 +91,38 @@ class SlurmJob(Protocol):
     def from_accounting(self) -> bool: ...
 
 
-def report(run_dir: Path, spec: dict[str, Any], slurm_state: SlurmJob | None,
-           slurm_runs: list[dict[str, Any]] | None = None) -> list[str]:
+class Trackers(Protocol):
+    """Where status finds a run's trackers: its resolved config's tracker section
+    (`hpcshard.sections.TrackerSection`, which the run directory does not import)."""
+
+    @property
+    def tensorboard(self) -> bool: ...
+    @property
+    def wandb_project(self) -> str: ...
+    @property
+    def wandb_entity(self) -> str: ...
+    @property
+    def wandb_mode(self) -> str: ...
+
+
+def report(run_dir: Path, spec: RunSpec, slurm_state: SlurmJob | None,
+           slurm_runs: list[dict[str, Any]] | None = None, tracked: Trackers | None = None) -> list[str]:
     """`hpcshard status`'s lines. `slurm_state`: what scontrol (or accounting, once the
     controller forgot it) says of the newest job, None outside Slurm; `slurm_runs`:
-    accounting's runs of every job of the run (SlurmRun fields), None without accounting."""
-    spares = f" + {spec['spares']} spare(s)" if spec.get("spares") else ""
-    lines = [f"run {spec.get('name')}: {spec.get('nodes')} node(s){spares} x {spec.get('gpus')} GPU(s), "
-             f"backend {spec.get('backend')}, {run_dir}"]
+    accounting's runs of every job of the run (SlurmRun fields), None without accounting;
+    `tracked`: the run's trackers (None: a script, or a run not resolved)."""
+    spares = f" + {spec.spares} spare(s)" if spec.spares else ""
+    lines = [f"run {spec.name}: {spec.nodes} node(s){spares} x {spec.gpus} GPU(s), "
+             f"backend {spec.backend}, {run_dir}"]
     if slurm_state is not None:
-        job, s = spec["jobs"][-1], slurm_state
+        job, s = spec.jobs[-1], slurm_state
         lines.append(f"slurm job {job}: {s.state_text or 'no longer known to Slurm'}, restarts "
                      f"{'?' if s.restarts is None else s.restarts}, nodes {s.nodes or '-'}, "
                      f"run time {s.run_time or '-'}" + (f", exit {s.exit_code}" if s.exit_code else "")
                      + (" (from accounting: the controller has forgotten it)" if s.from_accounting else ""))
     records = read_metrics(run_dir)
     train = train_records(records)
-    total = (spec.get("resolved") or {}).get("config", {}).get("steps", "?")
+    total = spec.resolved.steps or "?"
     if train:
         last = train[-1]
         tps = last.get("tokens_per_s")
@@ -116,9 +131,9 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: SlurmJob | None,
     evals = [r for r in records if r.get("eval_loss") is not None and "event" not in r]
     if evals:
         lines.append(f"eval: loss {evals[-1]['eval_loss']:.4f} at step {evals[-1]['step']}")
-    lines += trackers(run_dir, spec)
+    lines += trackers(run_dir, spec.created, tracked) if tracked is not None else []
     done = store.committed(run_dir / store.CHECKPOINTS)
-    own = store.last_save(run_dir) if spec.get("script") else {}
+    own = store.last_save(run_dir) if spec.script else {}
     if own.get("saved") and not done:  # a script's own checkpoints, by their names
         lines.append(f"checkpoint: the script's newest save is {own['saved']} (step "
                      f"{own['saved_step']}, {store.age(time.time() - own['lost_seconds'])} ago)")
@@ -190,17 +205,17 @@ def report(run_dir: Path, spec: dict[str, Any], slurm_state: SlurmJob | None,
     return lines
 
 
-def trackers(run_dir: Path, spec: dict[str, Any]) -> list[str]:
+def trackers(run_dir: Path, created: float, tracked: Trackers) -> list[str]:
     """Where the run's TensorBoard events and W&B run are (one run across every start)."""
-    config, lines = (spec.get("resolved") or {}).get("config", {}), []
-    if config.get("tensorboard"):
+    lines = []
+    if tracked.tensorboard:
         lines.append(f"tensorboard: tensorboard --logdir {run_dir / 'tensorboard'}")
-    if config.get("wandb_project"):
-        run_id = wandb_id(run_dir, spec.get("created", 0.0))
-        where = "/".join(p for p in (config.get("wandb_entity"), config["wandb_project"]) if p)
+    if tracked.wandb_project:
+        run_id = wandb_id(run_dir, created)
+        where = "/".join(p for p in (tracked.wandb_entity, tracked.wandb_project) if p)
         lines.append(f"wandb: run {run_id} in {where}" + (
-            f" (offline: wandb sync {run_dir / 'wandb'}/offline-run-*)"
-            if config.get("wandb_mode") == "offline" else ""))
+            f" (offline: wandb sync {run_dir / 'wandb'}/offline-run-*)" if tracked.wandb_mode == "offline"
+            else ""))
     return lines
 
 

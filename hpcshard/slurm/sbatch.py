@@ -100,6 +100,20 @@ class SbatchRequest:
                    container=v["container"], python=v["python"], template=v["template"],
                    template_dirs=[str(d) for d in template_dirs], vars=v["vars"])
 
+    def record(self) -> dict[str, Any]:
+        """What `RunSpec.slurm` keeps of it (JSON: the run directory as a string)."""
+        return {**asdict(self), "run_dir": str(self.run_dir)}
+
+    @classmethod
+    def recorded(cls, raw: Mapping[str, Any]) -> SbatchRequest | None:
+        """A run's recorded request (`RunSpec.slurm`; None where it has none: the local
+        backend). A key this version does not know (a newer one's) is dropped."""
+        if not raw:
+            return None
+        known = {f.name for f in fields(cls)}
+        kept = {k: v for k, v in raw.items() if k in known}
+        return cls(**{**kept, "run_dir": Path(kept.get("run_dir", "."))})
+
     def validate(self) -> None:
         for name in ("job_name", "time", "partition", "account", "qos", "constraint", "mem"):
             _single_line(name, getattr(self, name))

@@ -18,7 +18,7 @@ from hpcshard.cli import BadInput, main, request
 from hpcshard.errors import JobCrashed, UserError
 from hpcshard.launch import backends
 from hpcshard.rundir import lease
-from hpcshard.rundir.spec import RunSpec
+from hpcshard.rundir.spec import Resolved, RunSpec
 from hpcshard.slurm.sbatch import SbatchRequest
 from tests.conftest import ROOT
 
@@ -57,7 +57,8 @@ def test_a_local_request_has_no_sbatch_and_a_script_keeps_its_arguments(tmp_path
     req = request.new(resolved(), str(own), args=("--lr", "3"), nodes=1,
                       backend=backends.LOCAL, run_dir=tmp_path / "r")
     assert req.sbatch is None and not req.backend.in_queue
-    assert req.spec.script["args"] == ["--lr", "3"] and req.spec.script["kind"] == "file"
+    assert req.spec.script is not None
+    assert req.spec.script.args == ("--lr", "3") and req.spec.script.kind == "file"
     assert req.spec.sets == {}
 
 
@@ -111,7 +112,7 @@ def test_the_schedule_runs_a_local_request_through_its_backend(tmp_path: Path,
     monkeypatch.setattr(backends.Backend, "run", run)
     req = request.new(resolved(), JOB, nodes=1, backend=backends.LOCAL,
                       run_dir=tmp_path / "r", resume="never")
-    req.spec.resolved = {"sharding": "full", "blocks": 1, "block": "B", "params": 1}
+    req.spec.resolved = Resolved(sharding="full", blocks=1, block="B", params=1)
     (tmp_path / "r").mkdir()
     claim = request.take_run(req.run_dir, "test")
     assert request.schedule(req, claim) == 0
@@ -131,7 +132,7 @@ def test_the_schedule_submits_a_slurm_request_and_hands_the_run_to_its_job(
     monkeypatch.setattr("hpcshard.slurm.submit.submit", submit)
     req = request.new(resolved(), JOB, nodes=2, backend=backends.SLURM,
                       run_dir=tmp_path / "r")
-    req.spec.resolved = {"sharding": "full", "blocks": 1, "block": "B", "params": 1}
+    req.spec.resolved = Resolved(sharding="full", blocks=1, block="B", params=1)
     (tmp_path / "r").mkdir()
     assert request.schedule(req, request.take_run(req.run_dir, "test")) == 0
     sbatch, run_dir, _fn, *args = submitted[0]
@@ -152,7 +153,7 @@ def test_a_refused_submission_removes_the_run_directory_made_for_it(tmp_path: Pa
     monkeypatch.setattr("hpcshard.slurm.submit.submit", refuse)
     req = request.new(resolved(), JOB, nodes=1, backend=backends.SLURM,
                       run_dir=tmp_path / "r")
-    req.spec.resolved = {"sharding": "full", "blocks": 1, "block": "B", "params": 1}
+    req.spec.resolved = Resolved(sharding="full", blocks=1, block="B", params=1)
     (tmp_path / "r").mkdir()
     with pytest.raises(ValueError, match="no partition"):
         request.schedule(req, request.take_run(req.run_dir, "test"))

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpcshard.cli import main
-from hpcshard.rundir.spec import RunSpec
+from hpcshard.rundir.spec import Resolved, RunSpec
 from hpcshard.rundir.status import attempts
 
 
@@ -22,7 +22,7 @@ def run(tmp_path: Path) -> Path:
     run_dir = tmp_path / "runs" / "charlm-1"
     (run_dir / "logs").mkdir(parents=True)
     RunSpec(job="jobs/charlm.py", sets={}, nodes=2, gpus=2, backend="local", name="charlm",
-            resolved={"config": {"steps": 12}}).write(run_dir)
+            resolved=Resolved(config={"steps": 12})).write(run_dir)
     t = 1000.0
     metrics = [{"step": s, "time": t + s, "loss": 5.0 - s * 0.2, "tokens_per_s": 1e4} for s in range(1, 13)]
     metrics.append({"step": 12, "time": t + 12.5, "eval_loss": 2.9})

@@ -80,7 +80,7 @@ def test_an_old_spec_json_still_loads_to_the_same_config(tmp_path: Path) -> None
     cfg = build_config(TrainConfig, spec.sets)
     assert (cfg.steps, cfg.lr, cfg.watchdog_floor_s, cfg.ckpt_every) == (12, 0.01, 8.0, 4)
     assert cfg == TrainConfig(steps=12, lr=0.01, watchdog_floor_s=8.0, ckpt_every=4)
-    limits = Limits.from_config(spec.resolved["config"])
+    limits = Limits.from_config(spec.resolved.config)
     assert limits == Limits(floor_s=8.0, join_s=TrainConfig().watchdog_join_s)
     assert limits == Limits.of(SupervisionSection.of(cfg))
     assert Limits.from_config({}) == Limits()  # a script's run: nothing resolved

@@ -35,6 +35,7 @@ def test_warm_ranks_take_torchruns_own_options(monkeypatch: pytest.MonkeyPatch) 
     import torch.distributed.run as torchrun
 
     from hpcshard.launch.node import warm_start
+    from hpcshard.rundir.spec import Script
 
     node = NodeEnv(node_rank=0, nnodes=2, per_node=4, rdzv_host="n1", rdzv_port=29400, run_id="abc")
     plain, warm = torchrun_argv(node, Path("/runs/x")), torchrun_argv(node, Path("/runs/x"), warm=True)
@@ -43,10 +44,11 @@ def test_warm_ranks_take_torchruns_own_options(monkeypatch: pytest.MonkeyPatch) 
     assert (config.min_nodes, config.max_nodes, config.nproc_per_node) == (2, 2, 4)
     assert config.rdzv_endpoint == "n1:29400" and config.run_id == "abc" and config.max_restarts == 0
     monkeypatch.delenv("HPCSHARD_WARM_START", raising=False)
-    assert warm_start("hpcshard.entry", {})
-    assert not warm_start("hpcshard.entry", {"kind": "path"}) and not warm_start("x.smoke", {})
+    assert warm_start("hpcshard.entry", None)
+    own = Script(kind="file", target="/x/train.py")
+    assert not warm_start("hpcshard.entry", own) and not warm_start("x.smoke", None)
     monkeypatch.setenv("HPCSHARD_WARM_START", "0")
-    assert not warm_start("hpcshard.entry", {})
+    assert not warm_start("hpcshard.entry", None)
 
 
 def test_the_warm_agent_asks_torch_about_cuda_through_nvml_only(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,7 @@ from hpcshard.launch.policy import Action, Decision
 from hpcshard.launch.supervise import _fault
 from hpcshard.rundir import events, goodput, ledger, status
 from hpcshard.rundir.events import UNSET, EndReason
+from hpcshard.rundir.spec import Resolved, RunSpec
 
 pytestmark = pytest.mark.unit
 
@@ -230,8 +231,8 @@ def test_no_module_builds_a_ledger_line_by_hand() -> None:
     assert found == [], "build ledger records with hpcshard.rundir.events"
 
 
-SPEC = {"name": "x", "nodes": 2, "gpus": 2, "backend": "slurm", "jobs": ["77", "78", "79"],
-        "resolved": {"config": {"steps": 12}}}
+SPEC = RunSpec(name="x", job="j", sets={}, nodes=2, gpus=2, backend="slurm", jobs=["77", "78", "79"],
+               resolved=Resolved(config={"steps": 12}))
 
 
 def test_status_and_goodput_read_a_typed_ledger_as_the_old_one(tmp_path: Path,

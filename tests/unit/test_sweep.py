@@ -106,7 +106,7 @@ def test_more_tasks_than_the_clusters_arrays_take_is_refused_before_submitting(
 
 def made_sweep(root: Path, backend: str) -> None:
     """A sweep's directory as `sweep` leaves it: two runs, the first trained to step 4."""
-    from hpcshard.rundir.spec import RunSpec
+    from hpcshard.rundir.spec import Resolved, RunSpec
     from hpcshard.rundir.sweep import Sweep
 
     configs = [{"lr": "1e-3"}, {"lr": "3e-3"}]
@@ -118,7 +118,7 @@ def made_sweep(root: Path, backend: str) -> None:
         task.mkdir()
         RunSpec(job="jobs/charlm.py", sets=config, nodes=1, gpus=1, backend=backend, name=f"charlm-{i}",
                 jobs=[f"900_{i}"] if backend == "slurm" else [],
-                resolved={"config": {"steps": 8}}).write(task)
+                resolved=Resolved(config={"steps": 8})).write(task)
     (root / "task-0" / "metrics.jsonl").write_text(
         "\n".join(json.dumps({"step": s, "time": 1.0 + s, "loss": 3.0, "eval_loss": 2.5 if s == 4 else None})
                   for s in range(1, 5)) + "\n")
