@@ -33,6 +33,8 @@ from typing import Any
 import click
 
 from hpcshard import script, site
+from hpcshard.cli import snapshot
+from hpcshard.cli.snapshot import Snapshot
 from hpcshard.config import parse_sets
 from hpcshard.errors import JobCrashed, UserError
 from hpcshard.launch import backends
@@ -101,6 +103,10 @@ class Request:
     resume: str = "auto"
     fresh: bool = True
     """The run directory is made for this request: removed again if the scheduler refuses."""
+    ask: snapshot.Ask | None = None
+    """The snapshot of the job's code it asks for (None: the run's copy as it is, or `--code
+    live`), read by `check` into `code`, which `schedule` copies into the run directory."""
+    code: Snapshot | None = None
 
     @property
     def backend(self) -> backends.Backend:
@@ -140,6 +146,7 @@ def new(res: site.Resolved, job: str | None, *, nodes: int, backend: str, module
         check_resume(run_dir, resume)
     # The profile's training settings under the command line's.
     train = {} if own else {**v["train"], **parse_sets(sets)}
+    ask = _snapshot(res, target, run_dir)
     spec = run_spec(res, target.ref, train, nodes, pick_backend(backend), name or job_stem(target.label),
                     script=own)
     check_spares(spec)
@@ -152,14 +159,24 @@ def new(res: site.Resolved, job: str | None, *, nodes: int, backend: str, module
             raise UserError(f"--grace {own.grace} is not below the notice's lead time "
                             f"({sbatch.signal_lead_s}s): the time limit would kill the script "
                             "first; lower --grace or raise --signal-lead")
-    return Request(spec=spec, run_dir=run_dir, sbatch=sbatch, resume=resume)
+    return Request(spec=spec, run_dir=run_dir, sbatch=sbatch, resume=resume, ask=ask)
+
+
+def _snapshot(res: site.Resolved, target: Target, run_dir: Path) -> snapshot.Ask | None:
+    """The snapshot of the job's workspace to take (None: `--code live`)."""
+    if res.values["code"] == "live":
+        return None
+    source = target.script.target if target.script else target.ref
+    module = target.script.kind == "module" if target.script else not Path(source).is_file()
+    return snapshot.Ask(source, module, res.values["code_max_mb"], skip=(run_dir,))
 
 
 def again(spec: RunSpec, run_dir: Path, *, nodes: int | None = None, gpus: int | None = None,
           spares: int | None = None, min_nodes: int | None = None, sets: tuple[str, ...] = (),
-          resume: str = "auto") -> Request:
+          resume: str = "auto", code: str = "snapshot", code_max_mb: int = 100) -> Request:
     """What `resume` asks for: the run's spec on its (new) shape, and on Slurm the same sbatch
-    settings as its last submission, sized for it, without the nodes it declared bad."""
+    settings as its last submission, sized for it, without the nodes it declared bad. `code`:
+    the run's copy of its code (snapshot), or a new copy of its source as it is now (current)."""
     check_secrets_again(spec)
     probe_writable(run_dir)
     check_resume(run_dir, resume)
@@ -178,7 +195,18 @@ def again(spec: RunSpec, run_dir: Path, *, nodes: int | None = None, gpus: int |
         sbatch = _checked(replace(
             old, nodes=spec.nodes + spec.spares, gpus_per_node=spec.gpus, cpus_per_task=per_gpu * spec.gpus,
             run_dir=run_dir.resolve(), no_kill=spec.no_kill, exclude=bad_slurm_nodes(run_dir)), run_dir)
-    return Request(spec=spec, run_dir=run_dir, sbatch=sbatch, resume=resume, fresh=False)
+    return Request(spec=spec, run_dir=run_dir, sbatch=sbatch, resume=resume, fresh=False,
+                   ask=_current(spec, run_dir, code_max_mb) if code == "current" else None)
+
+
+def _current(spec: RunSpec, run_dir: Path, limit_mb: int) -> snapshot.Ask:
+    """`resume --code current`: the run's source (what was submitted) read again."""
+    source = spec.code.source if spec.code is not None else (spec.script.target if spec.script else spec.job)
+    module = spec.script.kind == "module" if spec.script else not source.endswith(".py")
+    if not module and not Path(source).is_file():
+        raise UserError(f"--code current: the run's source {source} is gone; resume with the run's "
+                        "copy (--code snapshot), or submit the job again from where it is now")
+    return snapshot.Ask(source, module, limit_mb, skip=(run_dir,))
 
 
 @dataclass(kw_only=True)
@@ -222,6 +250,7 @@ def tasks(res: site.Resolved, job: str, configs: list[dict[str, str]], *, nodes:
         raise UserError(f"--requeue-policy {v['requeue_policy']}: a sweep's tasks are requeued "
                         "each by itself (requeue); drop the option")
     check_run_dir(root, v["run_group"])
+    ask = _snapshot(res, target, root)
     common = {**v["train"], **parse_sets(sets)}
     backend = pick_backend(backend)
     specs = [run_spec(res, target.ref, {**common, **config}, nodes, backend, f"{name}-{i}",
@@ -237,7 +266,8 @@ def tasks(res: site.Resolved, job: str, configs: list[dict[str, str]], *, nodes:
             root)
     from hpcshard.rundir.sweep import Sweep
 
-    runs = [Request(spec=s, run_dir=Sweep.task_dir(root, i), sbatch=array) for i, s in enumerate(specs)]
+    runs = [Request(spec=s, run_dir=Sweep.task_dir(root, i), sbatch=array, ask=ask)
+            for i, s in enumerate(specs)]
     return Tasks(runs=runs, array=array, root=root, name=name)
 
 
@@ -306,7 +336,13 @@ def check(requests: list[Request], *, cluster: bool = True, job: bool = True,
             warn_storage(first.sbatch.run_dir, first.spec.nodes)
         if first.sbatch.array:
             _check_array_size(len(requests))
-    if not job or first.spec.script:
+    if not job:
+        return
+    if first.ask is not None:  # the workspace as it is now: what the run will run
+        taken = first.ask.take()
+        for one in requests:
+            one.code = taken
+    if first.spec.script:
         return
     if configs is None:
         first.spec.resolved = Resolved.of(preflight(first.spec))
@@ -334,7 +370,8 @@ def warn_storage(run_dir: Path, nodes: int) -> None:
 
 def preflight(spec: RunSpec) -> dict[str, Any]:
     """Import the job and check it in a subprocess (torch stays out of the CLI process)."""
-    return _preflight({"job": spec.job, "sets": spec.sets, "nodes": spec.nodes, "gpus": spec.gpus})
+    return _preflight({"job": spec.job, "sets": spec.sets, "nodes": spec.nodes, "gpus": spec.gpus,
+                       "path": list(spec.code.path) if spec.code else []})
 
 
 def preflight_many(specs: list[RunSpec], configs: list[dict[str, str]]) -> list[dict[str, Any]]:
@@ -390,6 +427,8 @@ def take_run(run_dir: Path, what: str) -> lease.Owner:
 def schedule(req: Request, claim: lease.Owner, *, follow: bool = False) -> int:
     """Hand the run to its backend as the owner of its directory: submitted (Slurm: the
     job then owns the run) or run here until it ends (local); the command's exit code."""
+    if req.code is not None:  # (the run is this command's: nothing else writes in it now)
+        snapshot.write(req.code, req.run_dir, req.spec)
     if req.sbatch is None:
         return _run_here(req, claim)
     _warn_lead_time(req.run_dir, req.sbatch)
@@ -413,6 +452,7 @@ def schedule(req: Request, claim: lease.Owner, *, follow: bool = False) -> int:
     click.echo(f"submitted job {job_id}: {spec.nodes} node(s){_spares(spec)} x {spec.gpus} GPU(s), "
                + describe(spec))
     click.echo(f"run directory: {req.run_dir}")
+    _echo_code(spec)
     click.echo(f"logs: {req.backend.logs(req.run_dir, job_id)}")
     paths = RunPaths(req.run_dir)
     click.echo(f"follow: hpcshard submit ... --follow, or tail -f {paths.rank_log(0)}")
@@ -474,6 +514,11 @@ def _follow(run_dir: Path, job_id: str) -> int:
     return 0 if final.state is JobState.COMPLETED else 1
 
 
+def _echo_code(spec: RunSpec) -> None:
+    if spec.code is not None:
+        click.echo(f"code: {spec.code.summary}")
+
+
 def _write_owned(spec: RunSpec, run_dir: Path, claim: lease.Owner) -> None:
     """Write the spec this command built, as the run's owner: nobody else writes it while
     this command owns the run; one that lost the run meanwhile writes nothing."""
@@ -490,6 +535,7 @@ def _run_here(req: Request, claim: lease.Owner) -> int:
     click.echo(f"run {spec.name}: {spec.nodes} node(s){_spares(spec)} x {spec.gpus} rank(s), "
                + describe(spec))
     click.echo(f"run directory: {run_dir}")
+    _echo_code(spec)
 
     def requeued(attempt: int, count: int) -> None:
         click.echo(f"stopped on request with a committed checkpoint: requeued as attempt "

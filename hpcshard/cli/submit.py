@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from hpcshard import site
 from hpcshard.cli import request
 from hpcshard.cli.options import (
     RESUME,
@@ -39,6 +40,7 @@ from hpcshard.rundir.spec import RunSpec, create_run_dir, read_spec
 @click.option("--name", help="Run name [default: the job's name].")
 @setting_option("max_requeues")
 @setting_option("max_restarts")
+@setting_option("code")
 @click.option("--follow", is_flag=True, help="Slurm: show rank 0's log until the job ends.")
 @slurm_options
 @RESUME
@@ -89,10 +91,13 @@ def render_cmd(job: str | None, nodes: int | None, run_dir: Path | None, name: s
 @click.option("--spares", type=click.IntRange(min=0), help="Spare nodes [default: the run's].")
 @click.option("--min-nodes", type=click.IntRange(min=0),
               help="Fewest nodes to go on with after a loss [default: the run's].")
+@click.option("--code", type=click.Choice(["snapshot", "current"]), default="snapshot", show_default=True,
+              help="The run's copy of its code (snapshot), or a new copy of the job's source as it is "
+              "now (current).")
 @RESUME
 @SETS
 def resume(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | None,
-           min_nodes: int | None, resume: str, sets: tuple[str, ...]) -> None:
+           min_nodes: int | None, code: str, resume: str, sets: tuple[str, ...]) -> None:
     """Continue the run in RUN_DIR from its newest checkpoint, on any shape."""
     read_spec(run_dir)  # (a directory that holds no run gets no lease)
     # The run is this command's from here: a job or command that owns it refuses this, and
@@ -103,7 +108,8 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | Non
         request.check_secrets_again(spec)  # before Slurm is asked anything
         _check_over(spec, run_dir)
         req = request.again(spec, run_dir, nodes=nodes, gpus=gpus, spares=spares, min_nodes=min_nodes,
-                            sets=sets, resume=resume)
+                            sets=sets, resume=resume, code=code,
+                            code_max_mb=site.SETTINGS["code_max_mb"].default)
         request.check([req])
     except BaseException:  # the run is given back to whoever had it (a killed CLI's launchers)
         lease.release(run_dir, claim, restore=True)

@@ -15,7 +15,7 @@ from typing import Any
 
 import click
 
-from hpcshard.cli import request
+from hpcshard.cli import request, snapshot
 from hpcshard.cli.common import job_states, table
 from hpcshard.cli.options import SETS, setting_option, settings, shape_options, slurm_options, spare_options
 from hpcshard.errors import UserError
@@ -45,6 +45,7 @@ from hpcshard.rundir.sweep import Sweep, expand, label, read_configs
               help="Where the sweep's runs go (task-0, task-1, ...) [default: runs/JOB-sweep-TIME].")
 @click.option("--name", help="Run name [default: the job's name].")
 @setting_option("max_requeues")
+@setting_option("code")
 @slurm_options
 @SETS
 def sweep(job: str, nodes: int | None, grid: tuple[str, ...], configs_file: Path | None,
@@ -65,6 +66,8 @@ def sweep(job: str, nodes: int | None, grid: tuple[str, ...], configs_file: Path
     create_run_dir(root, runs[0].spec.run_group)
     for run in runs:
         create_run_dir(run.run_dir, run.spec.run_group)
+        if run.code is not None:  # one copy in the sweep's directory, every task's
+            snapshot.write(run.code, root, run.spec)
         run.spec.write(run.run_dir)
     record.write(root)
     click.echo(f"sweep {record.name}: {len(configs)} configuration(s) of {job}, {runs[0].spec.nodes} "

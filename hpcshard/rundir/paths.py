@@ -15,6 +15,7 @@ CHECKPOINTS = "checkpoints"
 LAUNCH = "launch"
 LOGS = "logs"
 SUBMITIT = "submitit"
+CODE = "code"
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,11 @@ class RunPaths:
         """submitit's folder: its pickles, submission scripts, and logs where a site's
         template leaves them there."""
         return self.root / SUBMITIT
+
+    @property
+    def code(self) -> Path:
+        """The copies of the code the run runs, one folder per digest (`cli.snapshot`)."""
+        return self.root / CODE
 
     def rank_log(self, rank: int) -> Path:
         """One rank's log, every attempt and cycle appended."""

@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 import shlex
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
@@ -96,6 +97,56 @@ class Resolved:
         return None if steps is None else int(steps)
 
 
+@dataclass(frozen=True, kw_only=True)
+class Code:
+    """The code a run runs (spec.json's `code`): its workspace as it was at submit, copied
+    into the run directory (`cli.snapshot`). Every start of the run (a requeue, a
+    continuation, a restart, a sweep's task) imports the job from the copy, not from where
+    the user goes on editing; `resume --code current` takes a new copy."""
+
+    source: str
+    """The job (or script) as submitted: a file's absolute path, or a module's name."""
+    dir: str = ""
+    """The copy's root, on sys.path of every rank (empty: nothing copied: the code is an
+    installed package, whose version `versions` records, or the run was submitted with
+    `--code live`)."""
+    path: tuple[str, ...] = ()
+    """Directories of the copy put first on every rank's sys.path: the job's own directory
+    and the one it was submitted from, as they are in the copy."""
+    digest: str = ""
+    """sha256 of the copy (its files' names and bytes, in order)."""
+    files: int = 0
+    bytes: int = 0
+    commit: str = ""
+    """The git commit of the workspace (empty: not a git repository)."""
+    diff_sha256: str = ""
+    """sha256 of `git diff HEAD` at submit (empty: no uncommitted change to tracked files);
+    the diff itself is `DIR.diff` beside the copy."""
+    versions: dict[str, str] = field(default_factory=dict)
+    """Python's, torch's, hpcshard's and the installed distributions the job imports."""
+
+    @classmethod
+    def of(cls, raw: Mapping[str, Any]) -> Code | None:
+        """spec.json's object (None: a spec written before snapshots, or none taken)."""
+        return cls(**{**raw, "path": tuple(raw.get("path", ()))}) if raw else None
+
+    def use(self) -> None:
+        """Put `path` first on this process's sys.path (a rank's, before it imports the
+        job), as `python job.py` puts the job's own directory."""
+        for entry in reversed(self.path):
+            if entry in sys.path:
+                sys.path.remove(entry)
+            sys.path.insert(0, entry)
+
+    @property
+    def summary(self) -> str:
+        """One line: what runs, from where."""
+        where = (f"a copy of {self.files} file(s) ({self.bytes / 1e6:.1f} MB) in {self.dir}" if self.dir
+                 else "installed or live code, not copied")
+        git = f", git {self.commit[:12]}" + (" with uncommitted changes" if self.diff_sha256 else "")
+        return f"{self.source}: {where}" + (git if self.commit else "")
+
+
 @dataclass(kw_only=True)
 class RunSpec:
     """Everything needed to start (or restart) a run, written to RUN_DIR/spec.json."""
@@ -146,6 +197,8 @@ class RunSpec:
     (`SbatchRequest.record`, `.recorded`; the run directory knows nothing of Slurm)."""
     resolved: Resolved = field(default_factory=Resolved)
     """What the preflight found: the whole config, sharding, blocks, parameters."""
+    code: Code | None = None
+    """The code the run runs (None: a spec written before snapshots: the job as named)."""
     created: float = field(default_factory=time.time)
     coord_key: str = field(default_factory=lambda: secrets.token_hex(16))
     """What a job's launchers show node 0's store (`launch.coord`) to be let in: the run
@@ -159,13 +212,18 @@ class RunSpec:
         # (the file's shape since the first spec: an empty object for what there is not)
         raw["script"] = raw["script"] or {}
         raw["resolved"] = raw["resolved"] if self.resolved != Resolved() else {}
+        if self.code is None:
+            del raw["code"]
         write_atomic(run_dir / SPEC, json.dumps(raw, indent=2) + "\n")
 
     @classmethod
     def read(cls, run_dir: Path) -> RunSpec:
         raw = {"coord_key": "", **json.loads((run_dir / SPEC).read_text())}
+        known = {f.name for f in fields(cls)}
+        raw = {k: v for k, v in raw.items() if k in known}  # (a newer hpcshard's key: not acted on here)
         return cls(**{**raw, "script": Script.of(raw.get("script") or {}),
-                      "resolved": Resolved.of(raw.get("resolved") or {})})
+                      "resolved": Resolved.of(raw.get("resolved") or {}),
+                      "code": Code.of(raw.get("code") or {})})
 
     @classmethod
     def update(cls, run_dir: Path, change: Callable[[RunSpec], None]) -> RunSpec:

@@ -44,6 +44,8 @@ def _checkpoint(run_dir: Path, step: int | None) -> tuple[store.Checkpoint, Any,
         raise ValueError(f"no committed checkpoint in {run_dir / store.CHECKPOINTS}")
     store.check_safe(ckpt, trusted_gid(run_dir))
     spec = RunSpec.read(run_dir)
+    if spec.code is not None:
+        spec.code.use()
     job = load_job(spec.job)
     cfg = build_config(job.config, spec.sets)
     with on_meta():

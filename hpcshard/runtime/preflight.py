@@ -1,5 +1,5 @@
 """Check a job before anything runs: `python -m hpcshard.runtime.preflight` reads
-{"job", "sets", "nodes", "gpus"} as JSON on stdin and prints the resolved config.
+{"job", "sets", "nodes", "gpus"[, "path"]} as JSON on stdin and prints the resolved config.
 
 A sweep sends {"job", "variants": [sets, ...], "nodes", "gpus"} and gets one resolved
 config per variant; a bad one is named by its index ("variant 2: ...").
@@ -12,6 +12,7 @@ after hours in a queue. A user error prints one line and exits 2.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -69,7 +70,9 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
 
 
 def preflight_all(request: dict[str, Any]) -> dict[str, Any]:
-    """One variant (`sets`), or each of a sweep's (`variants`), in this one process."""
+    """One variant (`sets`), or each of a sweep's (`variants`), in this one process; `path`:
+    where the job imports from first (a resumed run's copy of its code, `Code.path`)."""
+    sys.path[:0] = request.get("path", [])
     if "variants" not in request:
         return preflight(request)
     resolved = []
@@ -86,7 +89,10 @@ def preflight_all(request: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> int:
     try:
-        result = preflight_all(json.load(sys.stdin))
+        # What the job prints (at import, building its model) is not the answer: stdout
+        # carries the JSON alone.
+        with contextlib.redirect_stdout(sys.stderr):
+            result = preflight_all(json.load(sys.stdin))
     except ValueError as err:
         print(err, file=sys.stderr)
         return 2

@@ -152,6 +152,12 @@ SETTINGS: dict[str, Setting] = {
     "script_grace": Setting("int", SCRIPT_GRACE_S, "Scripts: seconds after the notice before the ranks are "
                             "killed and the job requeued (keep it below signal_lead).", minimum=0,
                             option="--grace"),
+    "code": Setting("str", "snapshot", "The job's code: snapshot (its workspace, the git repository "
+                    "or the job's directory, is copied into the run directory at submit, and every "
+                    "start of the run runs that copy) or live (each start imports what is there "
+                    "then).", choices=("snapshot", "live"), option="--code"),
+    "code_max_mb": Setting("int", 100, "The most a snapshot of the job's workspace may copy (MB); "
+                           "more is refused, naming the largest files.", minimum=1),
     "requeue_policy": Setting("str", "chain", "After a clean stop: chain a continuation job "
                               "(afterany: the fastest road back, measured), requeue the job "
                               "(scontrol requeue: waits requeue_delay), or none.",

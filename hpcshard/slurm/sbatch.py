@@ -112,7 +112,11 @@ class SbatchRequest:
             return None
         known = {f.name for f in fields(cls)}
         kept = {k: v for k, v in raw.items() if k in known}
-        return cls(**{**kept, "run_dir": Path(kept.get("run_dir", "."))})
+        try:
+            return cls(**{**kept, "run_dir": Path(kept.get("run_dir", "."))})
+        except TypeError as err:  # (a hand-edited spec.json)
+            raise ValueError(f"the run's spec.json records an incomplete sbatch request ({err}); "
+                             "restore its `slurm` object, or submit the job again") from None
 
     def validate(self) -> None:
         for name in ("job_name", "time", "partition", "account", "qos", "constraint", "mem"):

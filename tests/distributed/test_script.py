@@ -18,6 +18,7 @@ import pytest
 
 from hpcshard.rundir import ledger
 from hpcshard.rundir.rankenv import BUG_EXIT
+from hpcshard.rundir.spec import RunSpec
 from tests.conftest import ROOT, hpcshard, hpcshard_bg, quiet_env, wait_for
 from tests.distributed.test_runtime_checkpoint import rank_pids
 
@@ -34,10 +35,12 @@ def test_a_script_gets_its_args_byte_for_byte_and_its_variables(tmp_path: Path) 
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert not (tmp_path / "pwned").exists()
     seen = [json.loads((run / f"echo-{r}.json").read_text()) for r in (0, 1)]
+    ran = RunSpec.read(run).job  # the copy of the script taken at submit (`cli.snapshot`)
+    assert ran.startswith(str(run.resolve() / "code")) and ran.endswith("/tests/scripts/echo_env.py")
     for rank, s in enumerate(seen):
-        assert s["argv"] == [ECHO, *NASTY]
+        assert s["argv"] == [ran, *NASTY]
         assert s["name"] == "__main__" and s["cwd"] == str(tmp_path)
-        assert s["path0"] == str(Path(ECHO).parent)  # as `python echo_env.py` sets it
+        assert s["path0"] == str(Path(ran).parent)  # as `python echo_env.py` sets it
         env = s["env"]
         assert env["RANK"] == str(rank) and env["WORLD_SIZE"] == "2"
         assert env["HPCSHARD_RUN_DIR"] == str(run.resolve())
@@ -55,7 +58,10 @@ def test_a_module_runs_as_python_m_would(tmp_path: Path) -> None:
                     "--run-dir", str(run), "--", "--flag", "x y")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     seen = json.loads((run / "echo-0.json").read_text())
-    assert seen["argv"] == [ECHO, "--flag", "x y"] and seen["name"] == "__main__"
+    code = RunSpec.read(run).code
+    assert code is not None and code.source == "tests.scripts.echo_env"  # imported from its copy:
+    assert seen["argv"] == [str(Path(code.path[0], "tests", "scripts", "echo_env.py")), "--flag", "x y"]
+    assert seen["name"] == "__main__"
 
 
 def test_a_script_failing_on_every_rank_stops_after_one_retry_as_a_bug(tmp_path: Path) -> None:

@@ -472,11 +472,13 @@ def test_resuming_a_slurm_run_checks_its_secrets_again(monkeypatch: pytest.Monke
     """The resumed job takes the secrets from the environment `resume` runs in: one missing
     is one line before Slurm is asked anything."""
     from hpcshard.rundir.spec import RunSpec
+    from hpcshard.slurm.sbatch import SbatchRequest
 
     run = tmp_path / "r"
     run.mkdir()
+    recorded = SbatchRequest(job_name="r", nodes=1, gpus_per_node=1, secrets=["HF_TOKEN"]).record()
     RunSpec(job=JOB, sets={}, nodes=1, gpus=1, backend="slurm", name="r", profile="p", jobs=["77"],
-            slurm={"secrets": ["HF_TOKEN"], "env": {}}).write(run)
+            slurm=recorded).write(run)
     monkeypatch.delenv("HF_TOKEN", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))  # no Slurm command is run
     code, out = invoke("resume", str(run))

@@ -1,0 +1,196 @@
+"""The code that was submitted is the code that runs (`cli.snapshot`): the job's workspace is
+copied into the run directory when the run is scheduled, its spec names the job inside the
+copy, and what the user edits afterwards changes nothing; git's commit and diff and the
+package versions are recorded; installed code is not copied; too much is one line."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpcshard import site
+from hpcshard.cli import request, snapshot
+from hpcshard.errors import UserError
+from hpcshard.launch import backends
+from hpcshard.rundir.spec import Code, RunSpec
+
+
+def git(where: Path, *args: str) -> None:
+    subprocess.run(["git", "-C", str(where), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                   check=True, capture_output=True)
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    """A git repository: a job that imports a helper module and finds a file beside itself,
+    a package, ignored data, and an uncommitted change."""
+    root = tmp_path / "repo"
+    (root / "jobs").mkdir(parents=True)
+    (root / "jobs" / "train.py").write_text("import helper\nimport numpy\nfrom lib import util\n")
+    (root / "jobs" / "helper.py").write_text("TAG = 'A'\n")
+    (root / "lib").mkdir()
+    (root / "lib" / "__init__.py").write_text("")
+    (root / "lib" / "util.py").write_text("X = 1\n")
+    (root / "data").mkdir()
+    (root / "data" / "big.bin").write_bytes(b"\0" * 4096)
+    (root / ".gitignore").write_text("data/\n")
+    git(root, "init", "-q")
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", "first")
+    (root / "lib" / "util.py").write_text("X = 2\n")  # uncommitted
+    (root / "notes.txt").write_text("untracked, not ignored\n")
+    return root
+
+
+def test_a_git_workspace_is_copied_whole_with_its_commit_diff_and_versions(
+        repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(repo)
+    job = repo / "jobs" / "train.py"
+    snap = snapshot.take(str(job), module=False, limit_mb=10)
+    assert sorted(snap.files) == [".gitignore", "jobs/helper.py", "jobs/train.py", "lib/__init__.py",
+                                  "lib/util.py", "notes.txt"]  # not the ignored data
+    assert snap.entry == "jobs/train.py" and snap.paths == ("jobs", ".")
+    assert len(snap.commit) == 40 and b"X = 2" in snap.diff
+    assert {"python", "torch", "hpcshard", "numpy"} <= set(snap.versions)
+
+    run = tmp_path / "run"
+    run.mkdir()
+    spec = RunSpec(job=str(job), sets={}, nodes=1, gpus=1, backend="local", name="r")
+    snapshot.write(snap, run, spec)
+    copy = run / "code" / snap.digest[:16]
+    assert spec.job == str(copy.resolve() / "jobs" / "train.py")
+    assert spec.code is not None and spec.code.source == str(job) and spec.code.commit == snap.commit
+    assert spec.code.path == (str((copy / "jobs").resolve()), str(copy.resolve()))
+    assert spec.code.diff_sha256 == hashlib.sha256(snap.diff).hexdigest()
+    assert (copy.with_suffix(".diff")).read_bytes() == snap.diff
+    assert (copy / "lib" / "util.py").read_text() == "X = 2\n"  # the workspace as it is, changes and all
+
+    (repo / "jobs" / "helper.py").write_text("TAG = 'B'\n")  # edited after submit
+    spec.write(run)
+    again = RunSpec.read(run)
+    assert again.code == spec.code and Path(again.job).read_text() == job.read_text()
+    assert (copy / "jobs" / "helper.py").read_text() == "TAG = 'A'\n"
+    assert "git " + snap.commit[:12] + " with uncommitted changes" in spec.code.summary
+
+
+def test_the_copy_is_what_a_rank_imports_first(repo: Path, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    spec = RunSpec(job=str(repo / "jobs" / "train.py"), sets={}, nodes=1, gpus=1, backend="local", name="r")
+    snapshot.write(snapshot.take(spec.job, module=False, limit_mb=10), run, spec)
+    (repo / "jobs" / "helper.py").write_text("TAG = 'B'\n")
+    monkeypatch.chdir(repo)  # the rank's working directory (on its sys.path) is the live one
+    monkeypatch.setattr(sys, "path", ["", *sys.path])
+    monkeypatch.delitem(sys.modules, "helper", raising=False)
+    assert spec.code is not None
+    spec.code.use()
+    spec.code.use()  # (once on the path, however often)
+    assert sys.path[:len(spec.code.path)] == list(spec.code.path) and sys.path.count(spec.code.path[0]) == 1
+    import helper  # type: ignore[import-not-found]
+
+    assert helper.TAG == "A"
+    monkeypatch.delitem(sys.modules, "helper")
+
+
+def test_outside_git_the_jobs_directory_is_copied_without_caches_or_runs(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    (work / "__pycache__").mkdir(parents=True)
+    (work / "__pycache__" / "x.pyc").write_bytes(b"x")
+    (work / ".hidden").mkdir()
+    (work / ".hidden" / "h.py").write_text("")
+    (work / "runs" / "old").mkdir(parents=True)
+    (work / "runs" / "old" / "spec.json").write_text("{}")
+    (work / "runs" / "old" / "ckpt.bin").write_bytes(b"\0" * 100)
+    (work / "job.py").write_text("")
+    (work / "conf.yaml").write_text("a: 1\n")
+    snap = snapshot.take(str(work / "job.py"), module=False, limit_mb=1)
+    assert sorted(snap.files) == ["conf.yaml", "job.py"] and snap.commit == "" and snap.diff == b""
+
+
+def test_too_much_to_copy_is_one_line_naming_the_largest_files(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "job.py").write_text("")
+    (work / "weights.bin").write_bytes(b"\0" * (2 * 2**20))
+    with pytest.raises(UserError, match=r"more than code_max_mb=1 MB .*weights\.bin.*--code live"):
+        snapshot.take(str(work / "job.py"), module=False, limit_mb=1)
+
+
+def test_an_installed_module_is_not_copied_but_its_version_is_recorded(tmp_path: Path) -> None:
+    snap = snapshot.take("hpcshard.jobs_that_need_not_exist", module=True, limit_mb=1)
+    assert snap.root is None and snap.files == {} and "hpcshard" in snap.versions
+    spec = RunSpec(job="hpcshard.x", sets={}, nodes=1, gpus=1, backend="local", name="r")
+    snapshot.write(snap, tmp_path, spec)
+    assert spec.job == "hpcshard.x" and spec.code is not None and spec.code.dir == "" and spec.code.path == ()
+    assert not (tmp_path / "code").exists()
+
+
+def test_a_local_package_module_is_copied_with_its_import_root(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    src = tmp_path / "src"
+    (src / "mypkg" / "jobs").mkdir(parents=True)
+    (src / "mypkg" / "__init__.py").write_text("")
+    (src / "mypkg" / "jobs" / "__init__.py").write_text("")
+    (src / "mypkg" / "jobs" / "lm.py").write_text("")
+    monkeypatch.syspath_prepend(str(src))
+    snap = snapshot.take("mypkg.jobs.lm", module=True, limit_mb=1)
+    assert snap.root == src and snap.entry == "" and snap.paths[0] == "."
+    assert "mypkg/jobs/lm.py" in snap.files
+    spec = RunSpec(job="mypkg.jobs.lm", sets={}, nodes=1, gpus=1, backend="local", name="r")
+    (tmp_path / "run").mkdir()
+    snapshot.write(snap, tmp_path / "run", spec)
+    assert spec.job == "mypkg.jobs.lm"  # imported by name, from the copy first on sys.path
+    assert spec.code is not None and Path(spec.code.path[0], "mypkg", "jobs", "lm.py").is_file()
+
+
+def resolved(**cli: Any) -> site.Resolved:
+    return site.resolve(site.load(), None, cli)
+
+
+def test_a_request_asks_for_a_snapshot_its_check_takes_and_its_schedule_writes(
+        repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    job = str(repo / "jobs" / "train.py")
+    live = request.new(resolved(code="live"), job, nodes=1, backend=backends.LOCAL, run_dir=tmp_path / "l")
+    assert live.ask is None
+    req = request.new(resolved(), job, nodes=1, backend=backends.LOCAL, run_dir=tmp_path / "r")
+    assert req.ask == snapshot.Ask(job, False, 100, skip=(tmp_path / "r",)) and req.code is None
+    monkeypatch.setattr(request, "preflight", lambda spec: {"config": {"steps": 3}})
+    request.check([req])
+    assert req.code is not None and req.code.entry == "jobs/train.py"
+
+
+def test_resume_keeps_the_runs_copy_or_takes_the_current_code(repo: Path, tmp_path: Path) -> None:
+    job = repo / "jobs" / "train.py"
+    run = tmp_path / "run"
+    run.mkdir()
+    spec = RunSpec(job=str(job), sets={}, nodes=1, gpus=1, backend="local", name="r")
+    first = snapshot.take(str(job), module=False, limit_mb=10)
+    snapshot.write(first, run, spec)
+    spec.write(run)
+    kept = request.again(RunSpec.read(run), run)
+    assert kept.ask is None and kept.spec.code == spec.code
+    (repo / "jobs" / "helper.py").write_text("TAG = 'B'\n")
+    now = request.again(RunSpec.read(run), run, code="current")
+    assert now.ask == snapshot.Ask(str(job), False, 100, skip=(run,))
+    second = now.ask.take()
+    snapshot.write(second, run, now.spec)
+    assert second.digest != first.digest and now.spec.code is not None
+    assert Path(now.spec.job).parent.joinpath("helper.py").read_text() == "TAG = 'B'\n"
+    assert (run / "code" / first.digest[:16] / "jobs" / "helper.py").read_text() == "TAG = 'A'\n"
+
+    job.unlink()  # the source is gone: its copy still runs, a new copy cannot be taken
+    with pytest.raises(UserError, match="--code current: the run's source .* is gone"):
+        request.again(RunSpec.read(run), run, code="current")
+
+
+def test_a_spec_without_code_is_one_from_before_snapshots(tmp_path: Path) -> None:
+    spec = RunSpec(job="charlm", sets={}, nodes=1, gpus=1, backend="local", name="r")
+    spec.write(tmp_path)
+    assert "code" not in (tmp_path / "spec.json").read_text() and RunSpec.read(tmp_path).code is None
+    assert Code.of({}) is None
