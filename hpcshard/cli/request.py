@@ -327,7 +327,8 @@ def warn_storage(run_dir: Path, nodes: int) -> None:
 
 def preflight(spec: RunSpec) -> dict[str, Any]:
     """Import the job and check it in a subprocess (torch stays out of the CLI process)."""
-    return _preflight({"job": spec.job, "sets": spec.sets, "nodes": spec.nodes, "gpus": spec.gpus})
+    return _preflight({"job": spec.job, "sets": spec.sets, "nodes": spec.nodes, "gpus": spec.gpus,
+                       "min_nodes": spec.min_nodes})
 
 
 def preflight_many(specs: list[RunSpec], configs: list[dict[str, str]]) -> list[dict[str, Any]]:
@@ -547,5 +548,7 @@ def describe(spec: RunSpec) -> str:
         return (f"script {'-m ' if own['kind'] == 'module' else ''}"
                 f"{shlex.join([own['target'], *own['args']])}")
     res = spec.resolved
-    return (f"sharding {res['sharding']}, {res['blocks']} x {res['block']}, "
+    mesh = (f" (replicate {res['replicate']} x shard {res['shard']})"
+            if res.get("config", {}).get("shard") and res["sharding"] == "hybrid" else "")
+    return (f"sharding {res['sharding']}{mesh}, {res['blocks']} x {res['block']}, "
             f"{res['params'] / 1e6:.2f}M params")
