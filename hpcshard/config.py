@@ -96,7 +96,16 @@ class TrainConfig:
     sharding: str = "auto"
     """auto (hybrid on >1 node, else full) | hybrid (shard in a node, replicate across
     nodes: HSDP) | full (shard over all ranks) | grad-op (full, but keep parameters
-    gathered between forward and backward) | none (replicate only, DDP-like)."""
+    gathered between forward and backward) | none (replicate only, DDP-like). `shard` picks
+    hybrid's shard degree (groups spanning nodes)."""
+    shard: int = 0
+    """The shard degree: FSDP shards every parameter over groups of this many consecutive
+    data-parallel ranks and replicates across the groups (HSDP's (replicate, shard) mesh,
+    replicate = world / tp / shard); a group of 16 on 8-GPU nodes spans two whole nodes. It
+    must divide the data-parallel world. 0: the sharding mode's own (hybrid: the ranks of a
+    node; full, grad-op: every rank; none: 1). With sharding=auto, shard=N is hybrid with
+    that degree (full when it is every rank, none when 1); full, grad-op and none take only
+    their own degree."""
     tp: int = 1
     """Tensor parallel degree: this many ranks of one node share each block's matrices
     (the innermost mesh dimension; FSDP shards over the rest of the node, HSDP replicates
@@ -229,7 +238,7 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq_len", "lr", "log_every", "eval_batches"):
             _positive(name, getattr(self, name))
         for name in ("micro_batch_size", "warmup_steps", "weight_decay", "grad_clip",
-                     "eval_every", "block_min_params", "peak_tflops", "min_lr_ratio", "prefetch",
+                     "eval_every", "block_min_params", "shard", "peak_tflops", "min_lr_ratio", "prefetch",
                      "ckpt_every", "ckpt_minutes", "keep_every", "watchdog_warmup_steps",
                      "nan_rollbacks", "straggler_every", "health_link_mb", "health_link_gbps",
                      "lora_rank", "lora_dropout"):

@@ -99,6 +99,7 @@ class ParallelSection(Section):
     (through `Parallel`) and `runtime.shard` (ShardPlan)."""
 
     sharding: str
+    shard: int
     tp: int
     precision: str
     reduce_dtype: str
@@ -181,6 +182,10 @@ def check_tp(tp: int, per_node: int) -> None:
                         f"use one of {', '.join(map(str, divisors))}")
 
 
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
 @dataclass(frozen=True)
 class Parallel:
     """A run's parallel degrees and everything derived from them, built once where a shape
@@ -191,22 +196,52 @@ class Parallel:
     the data-parallel world (what FSDP shards and replicates over, what the global batch
     divides over) is the world divided by tp, and a rank's data-parallel rank its rank
     divided by tp.
+
+    The data-parallel world is `replicate x shard`, the shard dimension inner: a shard
+    group is `shard` consecutive data-parallel ranks (inside a node for hybrid, whole nodes
+    for a degree that is a multiple of a node's), a replica group the ranks that hold the
+    same shard, one per shard group.
     """
 
     nodes: int
     per_node: int
     tp: int = 1
     sharding: str = "auto"
-    """As asked; `mode` is what it resolves to on this many nodes."""
+    """As asked; `mode` is what it resolves to on this many nodes (and shard degree)."""
+    shard: int = 0
+    """As asked; 0: the mode's own degree. `shard_degree` is the one the mesh gets."""
 
     def __post_init__(self) -> None:
         check_tp(self.tp, self.per_node)
         resolve_sharding(self.sharding, self.nodes)
+        self._check_shard()
 
     @classmethod
     def of(cls, cfg: TrainConfig, nodes: int, per_node: int) -> Parallel:
         asked = ParallelSection.of(cfg)
-        return cls(nodes=nodes, per_node=per_node, tp=asked.tp, sharding=asked.sharding)
+        return cls(nodes=nodes, per_node=per_node, tp=asked.tp, sharding=asked.sharding,
+                   shard=asked.shard)
+
+    def _check_shard(self) -> None:
+        s, dp, mode = self.shard, self.dp_world, self.sharding
+        if not s:
+            return
+        if s < 0:
+            raise UserError(f"shard={s} is not valid; give a shard degree that divides the "
+                            f"{dp} data-parallel ranks ({_divisors(dp)}), or 0 for the sharding mode's")
+        if dp % s:
+            raise UserError(f"shard={s} does not divide the {dp} data-parallel ranks ({self._world_text()}); "
+                            f"use one of {_divisors(dp)}")
+        own = {"full": dp, "grad-op": dp, "none": 1}.get(mode)
+        if own is not None and s != own:
+            what = "replicates without sharding (shard 1)" if mode == "none" else \
+                f"shards over all {dp} data-parallel ranks (shard {dp})"
+            raise UserError(f"shard={s} contradicts sharding={mode}, which {what}; use sharding=auto "
+                            f"or hybrid for {dp // s} replica(s) of {s}, or drop shard")
+
+    def _world_text(self) -> str:
+        text = f"{self.nodes} node(s) x {self.per_node}"
+        return text + (f" / tp {self.tp}" if self.tp > 1 else "")
 
     @property
     def world(self) -> int:
@@ -218,15 +253,93 @@ class Parallel:
 
     @property
     def dp_per_node(self) -> int:
-        """Data-parallel ranks in a node: the shard group of hybrid sharding."""
+        """Data-parallel ranks in a node: the shard group of hybrid sharding by default."""
         return self.per_node // self.tp
 
     @property
     def mode(self) -> str:
+        """hybrid | full | grad-op | none. An explicit shard degree with `auto` is hybrid,
+        unless it is every data-parallel rank (full) or 1 (none)."""
+        if self.shard and self.sharding == "auto":
+            return "full" if self.shard == self.dp_world else "none" if self.shard == 1 else "hybrid"
         return resolve_sharding(self.sharding, self.nodes)
+
+    @property
+    def shard_degree(self) -> int:
+        """Ranks one parameter is sharded over (the mesh's shard dimension)."""
+        mode = self.mode
+        if mode == "hybrid":
+            return self.shard or self.dp_per_node
+        return 1 if mode == "none" else self.dp_world
+
+    @property
+    def replicate(self) -> int:
+        """Copies of each shard (the mesh's replicate dimension; 1 for full and grad-op)."""
+        return self.dp_world // self.shard_degree
+
+    def mesh(self) -> tuple[tuple[int, ...], tuple[str, ...]]:
+        """(shape, dimension names) of the device mesh: hybrid and none (replicate, shard),
+        full and grad-op (shard,); with tp > 1 a `tp` dimension of that size last."""
+        if self.mode in ("hybrid", "none"):
+            shape: tuple[int, ...] = (self.replicate, self.shard_degree)
+            names: tuple[str, ...] = ("replicate", "shard")
+        else:
+            shape, names = (self.dp_world,), ("shard",)
+        return (shape + (self.tp,), names + ("tp",)) if self.tp > 1 else (shape, names)
 
     def dp_rank(self, rank: int) -> int:
         return rank // self.tp
+
+    def shard_group(self, rank: int) -> tuple[int, ...]:
+        """The global ranks `rank` shards its parameters with (itself included)."""
+        first = self.dp_rank(rank) // self.shard_degree * self.shard_degree
+        return tuple((first + s) * self.tp + rank % self.tp for s in range(self.shard_degree))
+
+    def replica_group(self, rank: int) -> tuple[int, ...]:
+        """The global ranks that hold the same shard as `rank` (itself included)."""
+        inner = self.dp_rank(rank) % self.shard_degree
+        return tuple((r * self.shard_degree + inner) * self.tp + rank % self.tp
+                     for r in range(self.replicate))
+
+    def nodes_per_shard_group(self) -> int:
+        """Nodes one shard group spans (1: it stays inside a node, its all-gathers too)."""
+        return max(1, self.shard_degree // self.dp_per_node)
+
+    def check_reshard(self, value: str) -> None:
+        """reshard_after_forward=N keeps parameters sharded over groups of N ranks of the
+        shard group after forward: N must divide it and be smaller."""
+        if not value.isdigit():
+            return
+        n, group = int(value), self.shard_degree
+        if group % n or n >= group:
+            fits = [d for d in range(2, group) if group % d == 0]
+            raise UserError(f"reshard_after_forward={n} must divide the shard group of {group} "
+                            f"ranks and be smaller; use " + (", ".join(map(str, fits)) if fits
+                                                           else "true or false on this shape"))
+
+    def check_fewer_nodes(self, fewest: int) -> None:
+        """A run that may go on with fewer nodes (min_nodes) plans its mesh again on each
+        count down to `fewest`; an explicit shard degree must divide every one of them
+        (refused here, at submit, rather than on the night a node fails). The mode's own
+        degree (shard=0) is derived again on any count."""
+        if not self.shard or not 0 < fewest < self.nodes:
+            return
+        bad = []
+        for n in range(fewest, self.nodes):
+            try:
+                Parallel(nodes=n, per_node=self.per_node, tp=self.tp, sharding=self.sharding,
+                         shard=self.shard)
+            except UserError:
+                bad.append(n)
+        if bad:
+            ok = [n for n in range(fewest, self.nodes + 1) if n > max(bad)]
+            every = [d for d in range(1, self.dp_per_node * fewest + 1)
+                     if all(self.dp_per_node * n % d == 0 for n in range(fewest, self.nodes + 1))]
+            raise UserError(
+                f"shard={self.shard} with min_nodes {fewest}: on {bad[0]} node(s) the "
+                f"{bad[0] * self.dp_per_node} data-parallel ranks do not split into shard groups "
+                f"of {self.shard}; use --min-nodes {ok[0]}, or a shard that divides every count "
+                f"from {fewest} to {self.nodes} nodes ({', '.join(map(str, every))}), or shard=0")
 
     def accumulation(self, cfg: TrainConfig) -> tuple[int, int]:
         """(micro batch per rank, accumulation steps) of cfg's batch over the data-parallel

@@ -60,6 +60,9 @@ def parse_ac(text: str) -> int:
 @click.option("--gpus", type=click.IntRange(min=1), default=8, show_default=True, help="GPUs per node.")
 @click.option("--sharding", type=click.Choice(("auto", *MODES)), default="auto", show_default=True,
               help="auto: hybrid on more than one node, else full.")
+@click.option("--shard", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Shard degree: replicate over groups of this many consecutive ranks (divided "
+              "by tp), e.g. 16 on 8-GPU nodes spans 2 nodes [default: the job's, else the mode's].")
 @click.option("--precision", type=click.Choice(PRECISIONS),
               help="Compute dtype [default: the job's, else bf16].")
 @click.option("--ac", "ac_text", default=None, metavar="none|full|K",
@@ -80,15 +83,16 @@ def parse_ac(text: str) -> int:
               "on the meta device (needs transformers).")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan as JSON.")
 @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE", help="Override a job config field.")
-def plan(job: str | None, nodes: int, gpus: int, sharding: str, precision: str | None,
+def plan(job: str | None, nodes: int, gpus: int, sharding: str, shard: int, precision: str | None,
          ac_text: str | None, micro_batch: int | None, gpu_mem: str, reserve: str,
          params: str | None,
          layers: int | None, hidden: int | None, heads: int | None, seq_len: int | None,
          vocab: int | None, hf_config: Path | None, as_json: bool, sets: tuple[str, ...]) -> None:
     """Per-GPU memory of JOB (or of a model given by numbers or a Hugging Face config) on
     NODES x GPUS: parameters, gradients, optimizer state, activations, all-gather buffers,
-    for each sharding mode; whether it fits, the checkpoint size, the smallest node count
-    that fits, and a recommended sharding, AC and micro-batch."""
+    for each sharding mode (and the shard degree asked for); whether it fits, the checkpoint
+    size, the smallest node count that fits, and a recommended sharding (the smallest shard
+    degree that fits), AC and micro-batch."""
     mem = parse_memory(gpu_mem)
     held = parse_memory(reserve, "--reserve") if reserve.strip() not in ("0", "0B") else 0
     ac = parse_ac(ac_text) if ac_text is not None else None
@@ -114,7 +118,7 @@ def plan(job: str | None, nodes: int, gpus: int, sharding: str, precision: str |
     try:
         result = make_plan(job=job, sets=parse_sets(sets), numbers=numbers, hf_config=hf_config,
                            nodes=nodes, gpus=gpus, sharding=sharding, precision=precision, ac=ac,
-                           micro_batch=micro_batch, gpu_mem=mem, reserve=held)
+                           micro_batch=micro_batch, gpu_mem=mem, reserve=held, shard=shard)
     except RuntimeError as err:  # the job's model failed to build (its own code, or torch's refusal)
         raise JobCrashed(str(err)) from None
     if as_json:
@@ -166,7 +170,8 @@ def show(p: dict[str, Any]) -> None:
                f"{p['ac']}, {nodes(p['min_nodes_full_ac'])} with AC {p['ac_with']}")
     r = p["recommendation"]
     if r:
-        click.echo(f"recommended: --set sharding={r['sharding']} --set ac={r['ac']} --set "
+        how = f"shard={r['shard']}" if r.get("shard") else f"sharding={r['sharding']}"
+        click.echo(f"recommended: --set {how} --set ac={r['ac']} --set "
                    f"micro_batch_size={r['micro_batch']} ({gib(r['total'])} of {gib(p['gpu_mem'])}): "
                    f"{r['why']}")
     else:

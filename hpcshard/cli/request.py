@@ -371,7 +371,7 @@ def warn_storage(run_dir: Path, nodes: int) -> None:
 def preflight(spec: RunSpec) -> dict[str, Any]:
     """Import the job and check it in a subprocess (torch stays out of the CLI process)."""
     return _preflight({"job": spec.job, "sets": spec.sets, "nodes": spec.nodes, "gpus": spec.gpus,
-                       "path": list(spec.code.path) if spec.code else []})
+                       "min_nodes": spec.min_nodes, "path": list(spec.code.path) if spec.code else []})
 
 
 def preflight_many(specs: list[RunSpec], configs: list[dict[str, str]]) -> list[dict[str, Any]]:
@@ -598,4 +598,6 @@ def describe(spec: RunSpec) -> str:
     if spec.script:
         return spec.script.command
     res = spec.resolved
-    return f"sharding {res.sharding}, {res.blocks} x {res.block}, {res.params / 1e6:.2f}M params"
+    hybrid = res.sharding == "hybrid" and res.shard
+    mesh = f" (replicate {res.replicate} x shard {res.shard})" if hybrid else ""
+    return f"sharding {res.sharding}{mesh}, {res.blocks} x {res.block}, {res.params / 1e6:.2f}M params"

@@ -71,6 +71,10 @@ class Resolved:
     sections (`hpcshard.sections`), never by key."""
     sharding: str = ""
     """The sharding mode the degrees give (`Parallel.mode`)."""
+    replicate: int = 0
+    """Replicas of the model on the data-parallel ranks (`Parallel.replicate`)."""
+    shard: int = 0
+    """Ranks each replica is sharded over (`Parallel.shard_degree`)."""
     block: str = ""
     """The class of the blocks that are sharded (and checkpointed) one by one."""
     blocks: int = 0

@@ -14,33 +14,26 @@ if TYPE_CHECKING:
 # for the code that imports them from the mesh.
 __all__ = ["build_mesh", "check_tp", "dp_mesh", "mesh_shape", "resolve_sharding", "tp_mesh"]
 
-def mesh_shape(mode: str, nodes: int, per_node: int, tp: int = 1) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """hybrid: (nodes, per_node) as (replicate, shard); none: (world, 1); full/grad-op: (world,).
-    With tp > 1 a `tp` dimension of that size comes last and the others hold world / tp.
+def mesh_shape(mode: str, nodes: int, per_node: int, tp: int = 1,
+               shard: int = 0) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """hybrid: (world / tp / S, S) as (replicate, shard), S the shard degree (`shard`, or a
+    node's data-parallel ranks); none: (world, 1); full/grad-op: (world,). With tp > 1 a
+    `tp` dimension of that size comes last and the others hold world / tp (`Parallel.mesh`).
 
     Ranks of one node are contiguous (torchrun numbers each agent's workers together), so
-    the tp dimension (innermost) and the shard dimension stay inside a node and only the
-    replicate all-reduce crosses nodes.
+    the tp dimension (innermost) and hybrid's default shard dimension stay inside a node
+    and only the replicate all-reduce crosses nodes; a shard degree larger than a node's
+    spans whole nodes (consecutive ranks).
     """
-    degrees = Parallel(nodes=nodes, per_node=per_node, tp=tp)
-    dp, inner = degrees.dp_world, degrees.dp_per_node
-    shape: tuple[int, ...]
-    names: tuple[str, ...]
-    if mode == "hybrid":
-        shape, names = (nodes, inner), ("replicate", "shard")
-    elif mode == "none":
-        shape, names = (dp, 1), ("replicate", "shard")
-    else:
-        shape, names = (dp,), ("shard",)
-    return (shape + (tp,), names + ("tp",)) if tp > 1 else (shape, names)
+    return Parallel(nodes=nodes, per_node=per_node, tp=tp, sharding=mode, shard=shard).mesh()
 
 
 def build_mesh(device_type: str, nodes: int, per_node: int, sharding: str = "auto",
-               tp: int = 1) -> DeviceMesh:
+               tp: int = 1, shard: int = 0) -> DeviceMesh:
     from torch.distributed.device_mesh import init_device_mesh
 
-    mode = resolve_sharding(sharding, nodes)
-    shape, names = mesh_shape(mode, nodes, per_node, tp)
+    shape, names = Parallel(nodes=nodes, per_node=per_node, tp=tp, sharding=sharding,
+                            shard=shard).mesh()
     return init_device_mesh(device_type, shape, mesh_dim_names=names)
 
 

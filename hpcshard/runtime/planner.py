@@ -220,18 +220,18 @@ class Memory:
         return self.total - self.activations + self.activations_ac
 
 
-def mesh_of(mode: str, nodes: int, gpus: int, tp: int = 1) -> tuple[int, int]:
-    """(replicate, shard) as runtime.mesh builds it (the tp dimension apart)."""
-    from hpcshard.runtime.mesh import mesh_shape
+def mesh_of(mode: str, nodes: int, gpus: int, tp: int = 1, shard: int = 0) -> tuple[int, int]:
+    """(replicate, shard) as runtime.mesh builds it (the tp dimension apart); `shard`: an
+    explicit shard degree (hybrid's), 0: the mode's own."""
+    from hpcshard.sections import Parallel
 
-    shape, names = mesh_shape(mode, nodes, gpus, tp)
-    dims = dict(zip(names, shape, strict=True))
-    return dims.get("replicate", 1), dims["shard"]
+    degrees = Parallel(nodes=nodes, per_node=gpus, tp=tp, sharding=mode, shard=shard)
+    return degrees.replicate, degrees.shard_degree
 
 
 def memory(shape: ModelShape, mode: str, nodes: int, gpus: int, compute_bytes: int,
-           micro_batch: int, ac_every: int, reserve: int = int(RESERVE)) -> Memory:
-    replicate, shard = mesh_of(mode, nodes, gpus, shape.tp)
+           micro_batch: int, ac_every: int, reserve: int = int(RESERVE), shard: int = 0) -> Memory:
+    replicate, shard = mesh_of(mode, nodes, gpus, shape.tp, shard)
     local = shape.local_params(shard) * 4  # fp32 master weights: FSDP2 keeps the shard in fp32
     trained = shape.local_params(shard, trainable=True) * 4  # gradients, AdamW's two moments
     if mode == "none":
@@ -328,26 +328,42 @@ def min_nodes_full(shape: ModelShape, gpus: int, compute_bytes: int, micro: int,
     return lo
 
 
+def node_degrees(nodes: int, gpus: int, tp: int = 1) -> list[int]:
+    """Shard degrees that span whole nodes, more than one and fewer than all (2, 4, ... nodes'
+    data-parallel ranks), smallest first: between hybrid and full."""
+    per = gpus // tp
+    return [k * per for k in range(2, nodes) if nodes % k == 0]
+
+
+WHY = {"none": "everything fits unsharded: no all-gathers at all",
+       "grad-op": "parameters stay gathered from forward to backward: one all-gather per block "
+                  "instead of two",
+       "hybrid": "shards stay inside a node; only gradients cross nodes",
+       "full": "only sharding over every GPU fits"}
+
+
 def recommend(shape: ModelShape, nodes: int, gpus: int, compute_bytes: int,
               micro_choices: list[int], gpu_mem: int, reserve: int) -> dict[str, Any] | None:
-    """The first sharding mode (least communication first) that fits without AC, else with
-    it, at the largest micro-batch that fits (fewer, larger kernels)."""
-    modes = [m for m in MODES if nodes > 1 or m != "hybrid"]
+    """The first sharding (least communication first: none, grad-op, hybrid, then shard
+    degrees spanning 2, 4, ... nodes, the smallest first, then full) that fits without AC,
+    else with it, at the largest micro-batch that fits (fewer, larger kernels)."""
+    choices: list[tuple[str, int]] = [(m, 0) for m in MODES[:2]]
+    if nodes > 1:
+        choices += [("hybrid", 0)] + [("hybrid", s) for s in node_degrees(nodes, gpus, shape.tp)]
+    choices.append(("full", 0))
     for ac in (0, 1):
-        for mode in modes:
+        for mode, degree in choices:
             for micro in sorted(micro_choices, reverse=True):
-                m = memory(shape, mode, nodes, gpus, compute_bytes, micro, ac, reserve)
+                m = memory(shape, mode, nodes, gpus, compute_bytes, micro, ac, reserve, shard=degree)
                 total = m.total_ac if ac else m.total
                 if total <= gpu_mem:
-                    why = {"none": "everything fits unsharded: no all-gathers at all",
-                           "grad-op": "parameters stay gathered from forward to backward: one "
-                                      "all-gather per block instead of two",
-                           "hybrid": "shards stay inside a node; only gradients cross nodes",
-                           "full": "only sharding over every GPU fits"}[mode]
+                    why = WHY[mode] if not degree else (
+                        f"shards span {degree // (gpus // shape.tp)} nodes ({m.replicate} replicas "
+                        f"of {degree}): the smallest shard degree that fits")
                     if ac:
                         why += "; AC is needed for the activations"
-                    return {"sharding": mode, "ac": "full" if ac else "none", "micro_batch": micro,
-                            "total": total, "why": why}
+                    return {"sharding": mode, "shard": degree, "ac": "full" if ac else "none",
+                            "micro_batch": micro, "total": total, "why": why}
     return None
 
 
@@ -377,8 +393,10 @@ def shape_of_hf(path: Any, seq_len: int | None, micro: int, dtype: torch.dtype) 
 
 def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf_config: Any,
               nodes: int, gpus: int, sharding: str, precision: str | None, ac: int | None,
-              micro_batch: int | None, gpu_mem: int, reserve: int = int(RESERVE)) -> dict[str, Any]:
-    from hpcshard.runtime.mesh import resolve_sharding
+              micro_batch: int | None, gpu_mem: int, reserve: int = int(RESERVE),
+              shard: int = 0) -> dict[str, Any]:
+    """`sharding` and `shard` as the command line gave them (auto and 0: the job's)."""
+    from hpcshard.sections import Parallel
 
     world = nodes * gpus
     micro_choices = [1, 2, 4, 8, 16, 32, 64]
@@ -402,7 +420,8 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
                              + "; pick a shape that divides it, or --set batch_size")
         micro = micro_batch or degrees.accumulation(cfg)[0]
         micro_choices = [b for b in range(1, per_rank + 1) if per_rank % b == 0]
-        mode = resolve_sharding(cfg.sharding if sharding == "auto" else sharding, nodes)
+        if sharding == "auto" and not shard:  # the command line's, else the job's
+            sharding, shard = cfg.sharding, cfg.shard
         shape = measure(j, cfg, micro, DTYPES[precision])
         shape.name = f"{job}"
         if tp > 1:
@@ -411,17 +430,22 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
         precision = precision or "bf16"
         ac = ac or 0
         micro = micro_batch or 1
-        mode = resolve_sharding(sharding, nodes)
         if hf_config is not None:
             shape = shape_of_hf(hf_config, numbers.get("seq_len"), micro, DTYPES[precision])
         else:
             shape = from_numbers(micro_batch=micro, dtype_bytes=DTYPES[precision].itemsize, **numbers)
+    chosen = Parallel(nodes=nodes, per_node=gpus, tp=shape.tp, sharding=sharding, shard=shard)
     cbytes = DTYPES[precision].itemsize
+    columns = [(name, name, 0) for name in MODES]
+    mode = chosen.mode
+    if mode == "hybrid" and chosen.shard_degree != chosen.dp_per_node:
+        mode = f"shard={chosen.shard_degree}"
+        columns.insert(3, (mode, "hybrid", chosen.shard_degree))
     modes = {}
-    for name in MODES:
-        m = memory(shape, name, nodes, gpus, cbytes, micro, ac, reserve)
+    for key, name, degree in columns:
+        m = memory(shape, name, nodes, gpus, cbytes, micro, ac, reserve, shard=degree)
         ok, ok_ac = fits(m, gpu_mem)
-        modes[name] = {**vars(m), "total": m.total, "total_ac": m.total_ac, "fits": ok, "fits_ac": ok_ac}
+        modes[key] = {**vars(m), "total": m.total, "total_ac": m.total_ac, "fits": ok, "fits_ac": ok_ac}
     return {
         "activations_unmeasured": shape.act_error or None,
         "model": {"name": shape.name, "params": shape.params, "trainable": shape.trainable_params,
@@ -433,7 +457,7 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
         "ac_with": "full" if (ac or 1) == 1 else f"every {ac}", "sharding": mode, "gpu_mem": gpu_mem,
         "tp": shape.tp,
         "modes": modes, "checkpoint_bytes": checkpoint_bytes(
-            shape, mesh_of(mode, nodes, gpus, shape.tp)[1] * shape.tp, world),
+            shape, chosen.shard_degree * shape.tp, world),
         "min_nodes_full": min_nodes_full(shape, gpus, cbytes, micro, ac or 0, gpu_mem, reserve),
         "min_nodes_full_ac": min_nodes_full(shape, gpus, cbytes, micro, ac or 1, gpu_mem, reserve),
         "recommendation": recommend(shape, nodes, gpus, cbytes, micro_choices, gpu_mem, reserve),

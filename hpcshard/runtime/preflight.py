@@ -1,5 +1,6 @@
 """Check a job before anything runs: `python -m hpcshard.runtime.preflight` reads
-{"job", "sets", "nodes", "gpus"[, "path"]} as JSON on stdin and prints the resolved config.
+{"job", "sets", "nodes", "gpus", "min_nodes"[, "path"]} as JSON on stdin and prints the resolved
+config.
 
 A sweep sends {"job", "variants": [sets, ...], "nodes", "gpus"} and gets one resolved
 config per variant; a bad one is named by its index ("variant 2: ...").
@@ -24,7 +25,6 @@ from hpcshard.errors import UserError
 from hpcshard.runtime.blocks import find_blocks, on_meta
 from hpcshard.runtime.data import GlobalBatches
 from hpcshard.runtime.job import load_job, require_tp_plan
-from hpcshard.runtime.mesh import mesh_shape
 from hpcshard.sections import Parallel
 
 
@@ -35,16 +35,8 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
     degrees = Parallel.of(cfg, nodes, gpus)
     require_tp_plan(job, cfg.tp, request["job"])
     micro, accum = degrees.accumulation(cfg)
-    mode = degrees.mode
-    if cfg.reshard_after_forward.isdigit():
-        shape, names = mesh_shape(mode, nodes, gpus, cfg.tp)
-        group = shape[names.index("shard")]
-        n = int(cfg.reshard_after_forward)
-        if group % n or n >= group:
-            fits = [d for d in range(2, group) if group % d == 0]
-            raise UserError(f"reshard_after_forward={n} must divide the shard group of {group} "
-                            f"ranks and be smaller; use " + (", ".join(map(str, fits)) if fits
-                                                           else "true or false on this shape"))
+    degrees.check_reshard(cfg.reshard_after_forward)
+    degrees.check_fewer_nodes(int(request.get("min_nodes", 0)))
     with on_meta():
         model = job.model(cfg)
     blocks = find_blocks(model, cfg.block, cfg.block_min_params)
@@ -59,7 +51,9 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
                   rank=0, world=degrees.dp_world, seed=cfg.seed)
     return {
         "config": dataclasses.asdict(cfg),
-        "sharding": mode,
+        "sharding": degrees.mode,
+        "replicate": degrees.replicate,
+        "shard": degrees.shard_degree,
         "block": type(blocks[0]).__name__,
         "blocks": len(blocks),
         "params": sum(p.numel() for p in model.parameters()),

@@ -230,7 +230,8 @@ class Trainer:
         self.mode = self.degrees.mode
         self.dp_rank, self.dp_world = self.degrees.dp_rank(env.rank), self.degrees.dp_world
         self.micro, self.accum = self.degrees.accumulation(cfg)
-        self.mesh = build_mesh(env.device.type, env.nodes, env.per_node, self.mode, cfg.tp)
+        self.mesh = build_mesh(env.device.type, env.nodes, env.per_node, self.mode, cfg.tp,
+                               shard=self.degrees.shard)
         built = build_model(job, cfg, env, self.mesh, self.mode)
         self.model, self.blocks, self.frozen = built.model, built.blocks, built.frozen
         self.n_params, self.flops_per_token = built.n_params, built.flops_per_token

@@ -194,17 +194,21 @@ def test_export_loads_into_a_plain_model_with_the_same_eval_loss(uninterrupted: 
     assert plain.keys() == safe.keys() and all(torch.equal(plain[k], safe[k]) for k in plain)
 
 
-@pytest.mark.parametrize("shape", [("1", "2"), ("1", "1"), ("3", "2"), ("1", "4")])
+@pytest.mark.parametrize("shape", [("1", "2"), ("1", "1"), ("3", "2"), ("1", "4"),
+                                   ("4", "1", "shard=2")])  # a shard group over two nodes
 def test_resume_on_another_shape_continues_the_same_samples(uninterrupted: Path, tmp_path: Path,
-                                                            shape: tuple[str, str]) -> None:
+                                                            shape: tuple[str, ...]) -> None:
     run = tmp_path / "reshaped"
     shutil.copytree(uninterrupted, run)
-    proc = hpcshard("resume", str(run), "--nodes", shape[0], "--gpus", shape[1], "--resume", "12")
+    proc = hpcshard("resume", str(run), "--nodes", shape[0], "--gpus", shape[1], "--resume", "12",
+                    *[a for s in shape[2:] for a in ("--set", s)])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     start = [r for r in ledger.read(run) if r["event"] == "start"][-1]
     assert start["resumed_step"] == 12 and start["world"] == int(shape[0]) * int(shape[1])
     mine = [r for r in metrics(run)]
     last_start = max(i for i, r in enumerate(mine) if r.get("event") == "start")
+    if shape[2:]:  # 2 replicas of a shard group over two nodes, from 2x2 hybrid's checkpoint
+        assert (mine[last_start]["sharding"], mine[last_start]["mesh"]) == ("hybrid", [2, 2])
     resumed = {r["step"]: r["loss"] for r in mine[last_start:] if "loss" in r and "event" not in r}
     reference = {r["step"]: r["loss"] for r in step_records(uninterrupted)}
     # Steps 13..16 see the same global batches: a skipped or repeated sample would move

@@ -129,6 +129,20 @@ def test_sharding_modes(four: dict[str, Any], mode: str, placements: list[str],
     assert facts["losses"] == pytest.approx(four["ref_losses"][:2], rel=1e-5)
 
 
+def test_a_chosen_shard_degree_spans_nodes_and_trains_like_full_sharding(four: dict[str, Any]) -> None:
+    """shard=2 on 4 emulated nodes x 1 rank: shard groups {0, 1} and {2, 3} each span two
+    nodes, replicated across them (hybrid would shard inside a node: over 1 rank here)."""
+    facts = four["shard_2_of_4_nodes"]
+    assert facts["mode"] == "hybrid" and facts["mesh"] == [2, 2] and facts["all_placed"]
+    assert facts["mesh_dims"] == ["replicate", "shard"] and facts["local_rows"] * 2 == facts["rows"]
+    assert facts["shard_group"] == [0, 1] and facts["replica_group"] == [0, 2]  # rank 0's
+    # every all-gather inside the two-node shard group, gradients all-reduced across replicas
+    assert facts["gathers"] == facts["gathers_in_shard_group"] > 0
+    assert facts["all_reduces_across_replicas"] > 0
+    assert facts["losses"] == pytest.approx(four["ref_losses"], rel=1e-5)
+    assert facts["losses"][:2] == pytest.approx(four["full"]["losses"], rel=1e-5)
+
+
 def test_mixed_precision(four: dict[str, Any]) -> None:
     assert four["bf16"]["compute_dtype"] == "torch.bfloat16"
     assert four["fp16"]["compute_dtype"] == "torch.float16"

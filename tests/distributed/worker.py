@@ -278,6 +278,24 @@ def logits_layout(t: Trainer) -> dict[str, Any]:
     return seen
 
 
+def chosen_shard(env: Any) -> dict[str, Any]:
+    """The four ranks as 4 nodes x 1 rank with shard=2: a shard group spans two nodes and
+    is replicated on the other two. 4 steps, its collectives counted by group."""
+    from hpcshard.sections import Parallel
+
+    nodes4 = replace(env, per_node=1)
+    t = trainer(nodes4, shard="2")
+    degrees = Parallel(nodes=4, per_node=1, shard=2)
+    with spying() as calls:
+        out: dict[str, Any] = {**placements(t), "mode": t.mode, "losses": losses(t, 4)}
+    shard_group, replicas = degrees.shard_group(env.rank), degrees.replica_group(env.rank)
+    return out | {"shard_group": list(shard_group), "replica_group": list(replicas),
+                  "gathers": count(calls, "all_gather_single"),
+                  "gathers_in_shard_group": count(calls, "all_gather_single", shard_group),
+                  "all_reduces_across_replicas": count(calls, "all_reduce", replicas),
+                  "all_placed": all_block_params_placed(t, (Replicate(), Shard(0)))}
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     env = init_distributed()
@@ -363,6 +381,7 @@ def main() -> None:
                        "norms": norms, "logits": logits_layout(t),
                        "all_dtensors": all(isinstance(p, DTensor) for p in t.params),
                        "dp": [t.dp_rank, t.dp_world]}
+    facts["shard_2_of_4_nodes"] = chosen_shard(env)
     # torch.compile (each block; inductor's C++ on CPU) on 2x2 HSDP, then with tp=2. The
     # ranks compile the same kernels: inductor's cache lets one build them, ~20 s each here.
     facts["compile_2x2"] = compiled(trainer(env, compile="true"))

@@ -44,7 +44,8 @@ def test_an_old_script_run_loads_typed_and_is_written_back_in_its_shape(tmp_path
 
 
 def test_a_job_writes_an_empty_script_and_its_resolved_config(tmp_path: Path) -> None:
-    resolved = {"config": {"steps": 12, "lr": 0.01}, "sharding": "hybrid", "block": "Block", "blocks": 4,
+    resolved = {"config": {"steps": 12, "lr": 0.01}, "sharding": "hybrid", "replicate": 2, "shard": 2,
+                "block": "Block", "blocks": 4,
                 "params": 1000, "micro_batch": 8, "accumulation": 2, "train_tokens": 10**6}
     spec = RunSpec(job="charlm", sets={}, nodes=1, gpus=1, backend="local", name="x",
                    resolved=Resolved.of({**resolved, "a_newer_key": 1}))

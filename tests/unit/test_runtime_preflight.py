@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sysconfig
 from pathlib import Path
 
 import pytest
 
+from hpcshard.rundir.spec import Resolved
 from hpcshard.runtime.preflight import preflight
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,6 +25,8 @@ def test_resolves_config_block_and_shape() -> None:
     assert res["sharding"] == "hybrid" and res["block"] == "Block" and res["blocks"] == 4
     assert res["config"]["batch_size"] == 8 and res["micro_batch"] == 2
     assert 800_000 < res["params"] < 900_000
+    # What it finds is what spec.json's typed part keeps, key for key (`Resolved`).
+    assert set(res) == {f.name for f in dataclasses.fields(Resolved)} and Resolved.of(res).steps == 300
 
 
 @pytest.mark.parametrize("sets,needle", [
