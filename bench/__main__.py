@@ -12,6 +12,7 @@ from bench import (
     cli_latency,
     control,
     coord_scale,
+    data,
     faults,
     nfs,
     nodes,
@@ -28,7 +29,7 @@ from bench.common import RESULTS, show
 BENCHES = {"overhead": overhead, "checkpoint": checkpoint, "resume": resume, "requeue": requeue,
            "cli": cli_latency, "scaling": scaling, "faults": faults,
            "nodes": nodes, "chaos": chaos, "tp": tp, "pretrained": pretrained, "owner": owner,
-           "control": control, "coord": coord_scale, "nfs": nfs}
+           "control": control, "coord": coord_scale, "nfs": nfs, "data": data}
 
 
 def main(names: list[str]) -> int:

@@ -24,6 +24,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 NAN_POLICIES = ("stop", "rollback")
 STRAGGLER_POLICIES = ("warn", "bad_node")
 STORAGE_POLICIES = ("stop", "train")
+DATA_ORDERS = ("feistel", "randperm")
 
 C = typing.TypeVar("C", bound="TrainConfig")
 
@@ -76,6 +77,13 @@ class TrainConfig:
     """Clip the global gradient norm (over all shards) to this; 0 disables clipping."""
     seed: int = 0
     """Seeds initialisation (world-size independent), data order and dropout."""
+    data_order: str = "feistel"
+    """How each epoch shuffles the samples: feistel (a keyed permutation computed per index,
+    no table: memory does not grow with the data) | randperm (a table of 8 bytes per
+    sample, the order of releases before it: resumes their runs exactly mid-epoch)."""
+    data_prefetch: int = 1
+    """Steps whose batches a background thread prepares while the current one trains
+    (pinned for a non-blocking copy on GPU); 0: each step reads its own."""
     init_from: str = ""
     """A Hugging Face checkpoint directory (config.json and *.safetensors, written by
     save_pretrained) to start from: each rank reads only the slices it holds. The run's own
@@ -223,6 +231,7 @@ class TrainConfig:
         _choice("nan_policy", self.nan_policy, NAN_POLICIES)
         _choice("straggler_policy", self.straggler_policy, STRAGGLER_POLICIES)
         _choice("on_storage_full", self.on_storage_full, STORAGE_POLICIES)
+        _choice("data_order", self.data_order, DATA_ORDERS)
         if self.wandb_mode:
             _choice("wandb_mode", self.wandb_mode, ("online", "offline"))
         for package, setting in (("tensorboard", self.tensorboard and "tensorboard=true"),
@@ -241,7 +250,7 @@ class TrainConfig:
                      "eval_every", "block_min_params", "shard", "peak_tflops", "min_lr_ratio", "prefetch",
                      "ckpt_every", "ckpt_minutes", "keep_every", "watchdog_warmup_steps",
                      "nan_rollbacks", "straggler_every", "health_link_mb", "health_link_gbps",
-                     "lora_rank", "lora_dropout"):
+                     "lora_rank", "lora_dropout", "data_prefetch"):
             _positive(name, getattr(self, name), zero_ok=True)
         _positive("lora_alpha", self.lora_alpha)
         if self.lora_rank and self.tp > 1:

@@ -69,13 +69,16 @@ class OptimizerSection(Section):
 
 @dataclass(frozen=True)
 class DataSection(Section):
-    """The batches and their order, evaluation: `runtime.data` (GlobalBatches) through the
-    trainer; the micro batch and accumulation come from `Parallel.accumulation`."""
+    """The batches, their order and their loading, evaluation: `runtime.data` (GlobalBatches,
+    with `runtime.order` and `runtime.loader`) through the trainer; the micro batch and
+    accumulation come from `Parallel.accumulation`."""
 
     batch_size: int
     micro_batch_size: int
     seq_len: int
     seed: int
+    data_order: str
+    data_prefetch: int
     eval_every: int
     eval_batches: int
 

@@ -1,17 +1,20 @@
 """Token data: deterministic, distributed, resumable, and independent of the world size.
 
 A dataset is a flat 1-D token stream (bytes of text files, or a uint16/uint32 token file as
-nanoGPT-style pipelines write) cut into windows of seq_len + 1 tokens. The order is a
-seeded permutation per epoch, and step s takes the global batch perm[s*B:(s+1)*B]; each
-rank takes its contiguous slice of it. So the same steps see the same samples on 1 rank or
-on 64, and the whole position is two integers (epoch, offset): a checkpoint written on one
-shape resumes on another without skipping or repeating a sample.
+nanoGPT-style pipelines write) cut into windows of seq_len + 1 tokens, or prepared corpora
+and mixtures of them (`runtime.corpus`). The order is a keyed permutation per epoch,
+computed per index (`runtime.order`), and step s takes the global batch at positions
+[s*B, (s+1)*B); each rank takes its contiguous slice of it. So the same steps see the same
+samples on 1 rank or on 64, and the whole position is two integers (epoch, offset): a
+checkpoint written on one shape resumes on another without skipping or repeating a sample.
+The next steps' batches are prepared in a background thread (`runtime.loader`).
 """
 
 from __future__ import annotations
 
 import os
 import sysconfig
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,9 @@ import numpy as np
 import torch
 
 from hpcshard.errors import UserError
+from hpcshard.runtime.corpus import DOC_MODES, Blend, load_blend
+from hpcshard.runtime.loader import Ahead
+from hpcshard.runtime.order import sampler
 
 TOKEN_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
 
@@ -30,7 +36,17 @@ class DataConfig:
     whose fields become --set keys, read by `load_splits`."""
 
     data: str = ""
-    """A text file or directory read as bytes; empty: the stdlib's .py sources."""
+    """Prepared corpora (`hpcshard data prepare`'s directories): a directory or a glob of
+    them; a weighted mixture `NAME_OR_PATH:WEIGHT,...` (e.g. `web:0.7,code:0.2,math:0.1`,
+    weights normalised); or a TOML file of `[sources.NAME]` tables with `path` and `weight`.
+    Otherwise a text file or directory read as bytes; empty: the stdlib's .py sources."""
+    data_root: str = ""
+    """Where the relative paths and names of `data` are looked up; empty: the working
+    directory (a TOML file's own paths: its folder)."""
+    doc_mode: str = "stream"
+    """How prepared documents become samples: stream (windows over the concatenated tokens,
+    across documents) | whole (each sample starts at a document: a longer one is truncated,
+    a shorter one padded with its padding masked from the loss)."""
     pattern: str = "*"
     """Glob for files under `data` when it is a directory."""
     tokens: str = ""
@@ -70,6 +86,22 @@ def load_splits(cfg: DataConfig, vocab_size: int | None = None) -> DataSplits:
                               vocab_size=vocab)
         cut = int(len(train) * 0.95)
         return DataSplits(train=train[:cut], eval=train[cut:], vocab_size=vocab)
+    blend = load_blend(cfg.data, cfg.data_root, cfg.doc_mode) if cfg.data else None
+    if blend is not None:
+        vocab = vocab_size or cfg.vocab_size
+        if blend.vocab_size > vocab:
+            fix = (f"set vocab_size={blend.vocab_size}" if vocab_size is None
+                   else "prepare it with the model's tokenizer")
+            raise UserError(f"data {cfg.data!r} was prepared with a vocabulary of {blend.vocab_size} "
+                            f"tokens, more than the model's {vocab}; {fix}")
+        first = blend.sources[0].corpus
+        return DataSplits(train=first.shards[0].data, eval=blend.held_out(), vocab_size=vocab,
+                          source=blend, report=blend.report())
+    if cfg.doc_mode != "stream":
+        if cfg.doc_mode not in DOC_MODES:
+            raise UserError(f"doc_mode={cfg.doc_mode!r} is not valid; choose one of: {', '.join(DOC_MODES)}")
+        raise UserError(f"doc_mode={cfg.doc_mode} needs prepared corpora (documents); data={cfg.data!r} "
+                        "is text read as bytes: use doc_mode=stream or prepare it")
     return bytes_splits(text_files(cfg.data, cfg.pattern) if cfg.data else stdlib_sources())
 
 
@@ -78,6 +110,7 @@ class DataSplits:
     """A job's data: the training stream and a held-out stream for evaluation."""
 
     train: np.ndarray
+    """The training stream; with `source`, its first shard only (for the unigram baseline)."""
     eval: np.ndarray
     vocab_size: int
     train_targets: np.ndarray | None = None
@@ -86,6 +119,14 @@ class DataSplits:
     eval_targets: np.ndarray | None = None
     report: str = ""
     """What was read and skipped, for the log."""
+    source: Blend | None = None
+    """Prepared corpora or their mixture: the batches come from it, not from `train`."""
+
+    @property
+    def train_tokens(self) -> int:
+        if self.source is None:
+            return len(self.train)
+        return sum(s.corpus.train_tokens for s in self.source.sources)
 
 
 def stdlib_sources() -> list[Path]:
@@ -161,63 +202,100 @@ def _windows(tokens: np.ndarray, seq_len: int, index: Iterable[int],
     return t[:, :-1], torch.from_numpy(ys.astype(np.int64))
 
 
+Batch = list[tuple[torch.Tensor, torch.Tensor]]
+
+
 class GlobalBatches:
     """The training batches of one rank, in a world-size independent order.
 
-    State is `(epoch, offset)`: the epoch's permutation is rebuilt from the seed, and
-    `offset` samples of it were consumed. A trailing partial batch of an epoch is dropped.
+    State is `(epoch, offset)`: the epoch's order is computed from the seed, and `offset`
+    samples of it were consumed. A trailing partial batch of an epoch is dropped (a
+    mixture's epoch never ends: its sources wrap around on their own). `prefetch`: the
+    next steps prepared in a background thread (`runtime.loader`), pinned when `pin` (a
+    GPU copies them without blocking); the same batches either way.
     """
 
-    def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, micro: int,
-                 rank: int, world: int, seed: int, targets: np.ndarray | None = None) -> None:
-        self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
-        self.targets = targets
+    def __init__(self, tokens: np.ndarray | Blend, *, seq_len: int, batch_size: int, micro: int,
+                 rank: int, world: int, seed: int, targets: np.ndarray | None = None,
+                 order: str = "feistel", prefetch: int = 0, pin: bool = False) -> None:
+        self.seq_len, self.batch_size = seq_len, batch_size
         self.micro, self.rank, self.world, self.seed = micro, rank, world, seed
-        self.samples = (len(tokens) - 1) // seq_len
+        self.sampler = sampler(tokens, seq_len=seq_len, seed=seed, order=order, targets=targets)
+        self.samples = self.sampler.samples
         if self.samples < batch_size:
             raise UserError(f"the training data has {self.samples} sequences of {seq_len + 1} "
                             f"tokens, fewer than one batch ({batch_size}); lower batch_size or seq_len")
         self.epoch, self.offset = 0, 0
-        self._perm: torch.Tensor | None = None
         self.skip: set[tuple[int, int]] = set()
         """Global batches never to train on, by the (epoch, offset) they start at (a
         rollback after a non-finite loss skips the batches that led to it)."""
+        self.prefetch, self.pin = prefetch, pin
+        self.ahead: Ahead[Batch] | None = Ahead(self.fetch) if prefetch else None
+        self.waited = 0.0
+        """Seconds `next` blocked for its batches since `wait_taken` last read them."""
 
     @property
     def steps_per_epoch(self) -> int:
         return self.samples // self.batch_size
 
-    def _permutation(self) -> torch.Tensor:
-        if self._perm is None:
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-            self._perm = torch.randperm(self.samples, generator=gen)
-        return self._perm
+    def _settle(self, epoch: int, offset: int) -> tuple[int, int]:
+        """The first global batch at or after (epoch, offset) that is whole and not skipped."""
+        while True:
+            if offset + self.batch_size > self.samples:
+                epoch, offset = epoch + 1, 0
+            if (epoch, offset) not in self.skip:
+                return epoch, offset
+            offset += self.batch_size
 
     def upcoming(self) -> tuple[int, int]:
         """Where the next global batch starts, (epoch, offset): the same on every rank and
         for every world size."""
-        while True:
-            if self.offset + self.batch_size > self.samples:
-                self.epoch, self.offset, self._perm = self.epoch + 1, 0, None
-            if (self.epoch, self.offset) not in self.skip:
-                return self.epoch, self.offset
-            self.offset += self.batch_size
+        self.epoch, self.offset = self._settle(self.epoch, self.offset)
+        return self.epoch, self.offset
 
-    def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """This rank's micro-batches for the next optimizer step."""
-        self.upcoming()
+    def fetch(self, epoch: int, offset: int) -> Batch:
+        """This rank's micro-batches of the global batch at (epoch, offset): a pure function
+        of it (safe in the loader's thread)."""
         per_rank = self.batch_size // self.world
-        start = self.offset + self.rank * per_rank
-        mine = self._permutation()[start:start + per_rank].tolist()
+        start = offset + self.rank * per_rank
+        x, y = self.sampler.rows(epoch, np.arange(start, start + per_rank, dtype=np.int64))
+        xs, ys = torch.from_numpy(x), torch.from_numpy(y)
+        out = [(xs[i:i + self.micro], ys[i:i + self.micro]) for i in range(0, per_rank, self.micro)]
+        if self.pin:  # page-locked: the copy to the GPU does not block the host
+            out = [(a.pin_memory(), b.pin_memory()) for a, b in out]
+        return out
+
+    def next(self) -> Batch:
+        """This rank's micro-batches for the next optimizer step."""
+        key = self.upcoming()
+        began = time.perf_counter()
+        batch = self.ahead.take(key) if self.ahead is not None else self.fetch(*key)
+        self.waited += time.perf_counter() - began
         self.offset += self.batch_size
-        return [_windows(self.tokens, self.seq_len, mine[i:i + self.micro], self.targets)
-                for i in range(0, per_rank, self.micro)]
+        if self.ahead is not None:
+            keys, at = [], (self.epoch, self.offset)
+            for _ in range(self.prefetch):
+                at = self._settle(*at)
+                keys.append(at)
+                at = (at[0], at[1] + self.batch_size)
+            self.ahead.plan(keys)
+        return batch
+
+    def wait_taken(self) -> float:
+        """Seconds the loop waited for data since the last call (then zero again)."""
+        waited, self.waited = self.waited, 0.0
+        return waited
+
+    def close(self) -> None:
+        """Stop the loader's thread (what it prepared is dropped)."""
+        if self.ahead is not None:
+            self.ahead.close()
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "offset": self.offset}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.offset, self._perm = int(state["epoch"]), int(state["offset"]), None
+        self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
 
 def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, micro: int, rank: int,

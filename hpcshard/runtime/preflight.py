@@ -47,8 +47,8 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
     if cfg.tp > 1 and job.tp_plan is not None:
         job.tp_plan(cfg, model)  # its own checks (heads, tied weights), before anything queues
     splits = job.data(cfg)
-    GlobalBatches(splits.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size, micro=micro,
-                  rank=0, world=degrees.dp_world, seed=cfg.seed)
+    GlobalBatches(splits.source or splits.train, seq_len=cfg.seq_len, batch_size=cfg.batch_size,
+                  micro=micro, rank=0, world=degrees.dp_world, seed=cfg.seed, order=cfg.data_order)
     return {
         "config": dataclasses.asdict(cfg),
         "sharding": degrees.mode,
@@ -59,7 +59,7 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
         "params": sum(p.numel() for p in model.parameters()),
         "micro_batch": micro,
         "accumulation": accum,
-        "train_tokens": len(splits.train),
+        "train_tokens": splits.train_tokens,
     }
 
 

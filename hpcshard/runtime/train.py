@@ -249,9 +249,11 @@ class Trainer:
         splits = job.data(cfg)
         self.splits = splits
         data = self.batching
-        self.batches = GlobalBatches(splits.train, seq_len=data.seq_len, batch_size=data.batch_size,
-                                     micro=self.micro, rank=self.dp_rank, world=self.dp_world,
-                                     seed=data.seed, targets=splits.train_targets)
+        self.batches = GlobalBatches(splits.source or splits.train, seq_len=data.seq_len,
+                                     batch_size=data.batch_size, micro=self.micro, rank=self.dp_rank,
+                                     world=self.dp_world, seed=data.seed, targets=splits.train_targets,
+                                     order=data.data_order, prefetch=data.data_prefetch,
+                                     pin=env.device.type == "cuda")
         self.batches.skip.update(past.skipped)  # an earlier rollback's batches stay skipped
         self.eval_count = eval_batch_count(splits.eval, data.seq_len, data.batch_size,
                                            data.eval_batches) if data.eval_every else 0
@@ -531,13 +533,14 @@ class Trainer:
         metrics.event("start", params=self.n_params, world=env.world, nodes=env.nodes,
                       sharding=self.mode, mesh=list(self.mesh.shape), precision=cfg.precision,
                       accumulation=self.accum, blocks=len(self.blocks), first_step=self.step + 1,
-                      unigram_entropy=baseline, train_tokens=len(self.splits.train),
+                      unigram_entropy=baseline, train_tokens=self.splits.train_tokens,
                       startup=startup or {}, **({"data": self.splits.report} if self.splits.report else {}))
         if self.splits.report and env.is_main:
             log.info("data: %s", self.splits.report)
         tokens_per_step = self.batching.batch_size * self.batching.seq_len
         loss, eval_loss, reason = float("nan"), None, "done"
         last_t, last_step = time.perf_counter(), self.step
+        self.batches.wait_taken()
         with metrics.progress(start=self.step) as bar:
             while self.step < cfg.steps:
                 self.hooks.report("step", self.step)
@@ -556,6 +559,7 @@ class Trainer:
                                    grad_norm=norm.item(), tokens_per_s=tps,
                                    mfu=tps * self.flops_per_token / (peak * 1e12 * env.world)
                                    if peak else None,
+                                   data_wait_s=self.batches.wait_taken() / max(1, self.step - last_step),
                                    **{k: round(v, 4) for k, v in self.paused.items() if v})
                     self.paused = dict.fromkeys(self.paused, 0.0)
                     bar.show(loss)
@@ -578,6 +582,7 @@ class Trainer:
                 if ended:
                     reason = ended
                     break
+        self.batches.close()  # what the loader prepared beyond the last step is dropped
         saved = -1
         if self.ckpt is not None:
             if reason == "done":
