@@ -330,6 +330,20 @@ def _convert(text: str, kind: Any) -> Any:
     raise UserError(f"fields of type {kind} cannot be set from the command line")
 
 
+BEFORE: dict[str, str] = {"data_order": "randperm"}
+"""Settings whose default changed what a run does, with the value a run resolved before the
+setting existed keeps (its checkpoints' data position means that order)."""
+
+
+def kept_sets(sets: dict[str, str], resolved: dict[str, typing.Any]) -> dict[str, str]:
+    """A run's `--set` values with what `BEFORE` keeps for a run whose resolved config (spec.json's,
+    flat) predates a setting: a run queued, requeued or resumed across an upgrade goes on as
+    it started. A setting the run gives itself is its own."""
+    if not resolved:  # (nothing resolved: a script, or a spec before any preflight)
+        return sets
+    return {**{k: v for k, v in BEFORE.items() if k not in resolved}, **sets}
+
+
 def parse_sets(items: typing.Iterable[str]) -> dict[str, str]:
     """`["a=1", "b=x"]` -> `{"a": "1", "b": "x"}`; a missing `=` is an error."""
     out: dict[str, str] = {}

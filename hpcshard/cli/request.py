@@ -35,7 +35,7 @@ import click
 from hpcshard import script, site
 from hpcshard.cli import snapshot
 from hpcshard.cli.snapshot import Snapshot
-from hpcshard.config import parse_sets
+from hpcshard.config import kept_sets, parse_sets
 from hpcshard.errors import JobCrashed, UserError
 from hpcshard.launch import backends
 from hpcshard.rundir import lease, ledger, store
@@ -184,7 +184,8 @@ def again(spec: RunSpec, run_dir: Path, *, nodes: int | None = None, gpus: int |
     spec.spares = spec.spares if spares is None else spares
     spec.min_nodes = spec.min_nodes if min_nodes is None else min_nodes
     check_spares(spec)
-    spec.sets = {**spec.sets, **parse_sets(sets)}
+    # (pinned into the sets: the preflight's new resolved config no longer shows its age)
+    spec.sets = kept_sets({**spec.sets, **parse_sets(sets)}, spec.resolved.config)
     sbatch = None
     if backends.of(spec).in_queue:
         old = SbatchRequest.recorded(spec.slurm)

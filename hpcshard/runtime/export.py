@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from hpcshard.config import build_config
+from hpcshard.config import build_config, kept_sets
 from hpcshard.rundir import store
 from hpcshard.rundir.spec import RunSpec, trusted_gid
 from hpcshard.runtime.blocks import on_meta
@@ -47,7 +47,7 @@ def _checkpoint(run_dir: Path, step: int | None) -> tuple[store.Checkpoint, Any,
     if spec.code is not None:
         spec.code.use()
     job = load_job(spec.job)
-    cfg = build_config(job.config, spec.sets)
+    cfg = build_config(job.config, kept_sets(spec.sets, spec.resolved.config))
     with on_meta():
         model = job.model(cfg)
     apply_lora(model, cfg)

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from hpcshard.config import build_config
+from hpcshard.config import build_config, kept_sets
 from hpcshard.errors import UserError
 from hpcshard.rundir import events, flight, launchers, ledger, store
 from hpcshard.rundir.events import EndReason
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
         if spec.code is not None:
             spec.code.use()  # the copy of the code submitted (`cli.snapshot`)
         job = load_job(spec.job)
-        cfg = build_config(job.config, spec.sets)
+        cfg = build_config(job.config, kept_sets(spec.sets, spec.resolved.config))
         stop = StopRequest(f"{cfg.stop_signals},{ranks.notice}").install(early or [])
         hooks = Hooks(report=report, record=_recorder(run_dir, env.is_main))
         trainer = Trainer(job, cfg, env, run_dir, hooks=hooks, past=_past(run_dir))

@@ -134,3 +134,21 @@ def test_parallel_refuses_degrees_that_do_not_fit(per_node: int, tp: int, shardi
         Parallel(nodes=1, per_node=per_node, tp=tp, sharding=sharding)
     with pytest.raises(UserError, match="batch_size=30 does not divide over 4 ranks"):
         Parallel(nodes=1, per_node=8, tp=2).accumulation(TrainConfig(batch_size=30))
+
+
+def test_a_run_resolved_before_a_changed_default_keeps_its_old_behaviour(tmp_path: Path) -> None:
+    """The Feistel order replaced torch.randperm's: a run resolved before (its checkpoints'
+    data positions mean randperm's order) keeps randperm when it is requeued or resumed, and
+    a resume pins it into the run's sets; a new run, and a run that says, is its own."""
+    from hpcshard.cli.request import again
+    from hpcshard.config import kept_sets
+
+    (tmp_path / "spec.json").write_text(json.dumps(OLD_SPEC))
+    spec = RunSpec.read(tmp_path)
+    assert build_config(TrainConfig, kept_sets(spec.sets, spec.resolved.config)).data_order == "randperm"
+    assert kept_sets({"data_order": "feistel"}, spec.resolved.config) == {"data_order": "feistel"}
+    assert kept_sets({}, {}) == {}  # (nothing resolved: a script's run)
+    new = {**spec.resolved.config, "data_order": "feistel"}
+    assert build_config(TrainConfig, kept_sets(spec.sets, new)).data_order == "feistel"
+    (tmp_path / "checkpoints").mkdir()
+    assert again(spec, tmp_path).spec.sets["data_order"] == "randperm"
