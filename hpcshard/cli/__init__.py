@@ -8,7 +8,7 @@ click and the stdlib.
     submit   submit, render, resume        runs    status, logs, ls, plot, cancel, preempt
     sweep    sweep                         ckpt    ckpt list, ckpt export
     site     config, profiles, templates   doctor  doctor
-    plan     plan
+    plan     plan                          data    data prepare
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "templates": ("site:templates", "sbatch templates on the search path."),
     "doctor": ("doctor:doctor", "Check that this site and a profile can run jobs."),
     "plan": ("plan:plan", "Will it fit? Per-GPU memory for each sharding mode."),
+    "data": ("data:data", "Tokenize a corpus into token shards (data prepare)."),
 }
 """name -> (module:attribute under hpcshard.cli, the one line `--help` shows)."""
 

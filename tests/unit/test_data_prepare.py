@@ -1,0 +1,307 @@
+"""`hpcshard data prepare`: every source format, a tokenizer from local files (a tiny BPE
+trained here: no downloads), the shards read back with numpy (counts, offsets, checksums,
+dtype), the same bytes for 1 or 2 workers and for array tasks, resume, and bad input (one
+line, exit 2, nothing written)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from hpcshard.cli import main
+from hpcshard.runtime import prepare as prep
+from hpcshard.runtime.sources import SourceSpec, Tokenizer
+
+TEXTS = [f"doc {i}: the quick brown fox jumps over the lazy dog, {'again ' * (i % 5)}héllo\nend {i}"
+         for i in range(120)]
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A byte-level BPE of 300 ids with <|endoftext|>, trained on the test's own text."""
+    from tokenizers import Tokenizer as Fast
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    fast = Fast(models.BPE(unk_token="<unk>"))
+    fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    fast.decoder = decoders.ByteLevel()
+    fast.train_from_iterator(TEXTS, trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+    fast.save(str(path))
+    return path
+
+
+def corpus(tmp_path: Path, kind: str) -> Path:
+    """TEXTS as a source of `kind`."""
+    if kind == "text":
+        folder = tmp_path / "texts"
+        folder.mkdir()
+        for i, text in enumerate(TEXTS):
+            (folder / f"doc-{i:03d}.txt").write_text(text)
+        return folder
+    if kind == "jsonl":
+        path = tmp_path / "c.jsonl"
+        path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" + ("\n" if i == 3 else "")
+                                for i, t in enumerate(TEXTS)))
+        return path
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"id": list(range(len(TEXTS))), "body": TEXTS})
+    if kind == "parquet":
+        path = tmp_path / "c.parquet"
+        pq.write_table(table, path, row_group_size=17)  # documents across row groups
+        return path
+    import datasets
+
+    path = tmp_path / "ds"
+    datasets.Dataset(table).save_to_disk(str(path))
+    return path
+
+
+def run(tmp_path: Path, source: Path, tok: Path, name: str = "out", **kw: Any) -> tuple[Path, prep.Prepared]:
+    out = tmp_path / name
+    spec = SourceSpec(path=str(source), **{k: kw.pop(k) for k in ("format", "field") if k in kw})
+    cfg = prep.PrepareConfig(source=spec, tokenizer=str(tok), output=str(out), progress=False,
+                             **{"shard_tokens": 700, **kw})
+    return out, prep.prepare(cfg)
+
+
+def read_back(out: Path) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """The manifest, and every document's tokens, checked against the format as it goes."""
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["format"] == "hpcshard-tokens" and manifest["version"] == 1
+    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+    docs: list[np.ndarray] = []
+    for shard in manifest["shards"]:
+        data = (out / f"{shard['name']}.bin").read_bytes()
+        assert hashlib.sha256(data).hexdigest() == shard["sha256"]
+        tokens = np.frombuffer(data, dtype=dtype)
+        idx = np.fromfile(out / f"{shard['name']}.idx", dtype="<i8")
+        assert len(tokens) == shard["tokens"] and len(idx) == shard["documents"] + 1
+        assert idx[0] == 0 and idx[-1] == len(tokens) and np.all(np.diff(idx) > 0)
+        docs.extend(tokens[a:b] for a, b in zip(idx[:-1], idx[1:], strict=True))
+    assert manifest["documents"] == len(docs) == sum(s["documents"] for s in manifest["shards"])
+    assert manifest["tokens"] == sum(len(d) for d in docs)
+    return manifest, docs
+
+
+@pytest.mark.parametrize("kind", ["text", "jsonl", "parquet", "hf"])
+def test_each_format_gives_the_documents_tokens(tmp_path: Path, tok: Path, kind: str) -> None:
+    fast = Tokenizer(str(tok))
+    out, result = run(tmp_path, corpus(tmp_path, kind), tok,
+                      **({"field": "body"} if kind in ("parquet", "hf") else {}))
+    manifest, docs = read_back(out)
+    assert result.manifest and result.written == len(manifest["shards"]) > 3
+    assert manifest["dtype"] == "uint16" and manifest["vocab_size"] == 300
+    assert manifest["eos_id"] == fast.eos_id == 1 and manifest["source"]["format"] == kind
+    sha = hashlib.sha256(b"tokenizer.json\0" + tok.read_bytes()).hexdigest()
+    assert manifest["tokenizer"]["sha256"] == sha
+    expected = [[*ids, 1] for ids in fast.encode(TEXTS)]
+    assert [d.tolist() for d in docs] == expected
+
+
+def test_training_reads_what_prepare_wrote(tmp_path: Path, tok: Path) -> None:
+    """The reader (`runtime.corpus`, what `data=DIR` trains on) sees the same documents."""
+    from hpcshard.runtime.corpus import Corpus
+
+    out, _ = run(tmp_path, corpus(tmp_path, "jsonl"), tok)
+    _, docs = read_back(out)
+    read = Corpus([out])
+    assert read.vocab_size == 300 and read.eos_id == 1 and read.tokens == sum(len(d) for d in docs)
+    for d in (0, 7, len(docs) - 1):
+        start, length = read.document(d)
+        assert read.read(start, length).tolist() == docs[d].tolist()
+
+
+def test_a_dataset_from_local_files_and_a_transformers_directory(tmp_path: Path, tok: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """--format hf on a folder of JSONL (datasets.load_dataset, offline), and the tokenizer
+    as a GPT-2 style directory without tokenizer.json (vocab.json, merges.txt: loaded by
+    transformers' AutoTokenizer): the same tokens as the JSONL file with tokenizer.json."""
+    from tokenizers import Tokenizer as Fast
+
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    folder = tmp_path / "jsonl"
+    folder.mkdir()
+    shutil.copy(corpus(tmp_path, "jsonl"), folder / "train.jsonl")
+    saved = tmp_path / "hf-tok"
+    saved.mkdir()
+    Fast.from_file(str(tok)).model.save(str(saved))
+    (saved / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "GPT2Tokenizer", "eos_token": "<|endoftext|>", "unk_token": "<unk>"}))
+    a, _ = run(tmp_path, folder, saved, "a", format="hf")
+    b, _ = run(tmp_path, folder / "train.jsonl", tok, "b")
+    (ma, da), (mb, db) = read_back(a), read_back(b)
+    assert ma["source"]["format"] == "hf" and ma["tokens"] == mb["tokens"] and ma["eos_id"] == 1
+    assert all(np.array_equal(x, y) for x, y in zip(da, db, strict=True))
+
+
+def test_dtype_follows_the_vocabulary(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as Fast
+    from tokenizers import models, pre_tokenizers
+
+    assert prep.dtype_for(65536) == "uint16" and prep.dtype_for(65537) == "uint32"
+    big = Fast(models.WordLevel({f"w{i}": i for i in range(70000)}, unk_token="w0"))
+    big.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    big.save(str(tmp_path / "big.json"))
+    (tmp_path / "a.txt").write_text("w69999 w5 w65536")
+    out, _ = run(tmp_path, tmp_path / "a.txt", tmp_path / "big.json", eos="w42")
+    manifest, docs = read_back(out)
+    assert manifest["dtype"] == "uint32" and manifest["eos_id"] == 42
+    assert docs[0].tolist() == [69999, 5, 65536, 42]
+
+
+def test_no_eos(tmp_path: Path, tok: Path) -> None:
+    out, _ = run(tmp_path, corpus(tmp_path, "jsonl"), tok, eos="none")
+    manifest, docs = read_back(out)
+    assert manifest["eos_id"] is None and [d.tolist() for d in docs] == Tokenizer(str(tok)).encode(TEXTS)
+
+
+def test_workers_and_array_tasks_write_the_same_shards(tmp_path: Path, tok: Path) -> None:
+    source = corpus(tmp_path, "jsonl")
+    one, _ = run(tmp_path, source, tok, "one")
+    two, result = run(tmp_path, source, tok, "two", workers=2)
+    assert result.written > 2
+    # array tasks: the plan saved as the command does, then each task's share
+    cfg = prep.PrepareConfig(source=SourceSpec(path=str(source)), tokenizer=str(tok),
+                             output=str(tmp_path / "arr"), shard_tokens=700, progress=False)
+    src, _t, request, bounds = prep.start(cfg)
+    prep.save_plan(tmp_path / "arr", request, bounds, src)
+    assert not prep.run_task(cfg.output, 0, 3).manifest and not prep.run_task(cfg.output, 2, 3).manifest
+    assert prep.run_task(cfg.output, 1, 3).manifest
+    for other in (two, tmp_path / "arr"):
+        assert (other / "manifest.json").read_text() == (one / "manifest.json").read_text()
+        for shard in one.glob("shard-*"):
+            assert (other / shard.name).read_bytes() == shard.read_bytes()
+
+
+def test_an_interrupted_run_resumes_with_the_missing_shards_only(tmp_path: Path, tok: Path) -> None:
+    source = corpus(tmp_path, "jsonl")
+    out, first = run(tmp_path, source, tok)
+    before = {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()}
+    # as a kill mid-way leaves it: no manifest, a shard not done, another half-written
+    (out / "manifest.json").unlink()
+    (out / "shard-00002.bin").unlink()
+    (out / ".prepare" / "shard-00004.done").unlink()
+    (out / "shard-00003.bin").write_bytes(b"\0" * 5)  # its done file says otherwise: redone
+    (out / "shard-00005.bin.tmp-host-1").write_bytes(b"partial")
+    again = CliRunner().invoke(main, ["data", "prepare", str(source), "--tokenizer", str(tok), "-o", str(out),
+                                      "--shard-tokens", "700", "--no-progress"])
+    assert again.exit_code == 0, again.output
+    assert f"{first.shards - 3} of {first.shards} shard(s) already done: skipped" in again.output
+    assert "(3 written" in again.output
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == before
+    done = CliRunner().invoke(main, ["data", "prepare", str(source), "--tokenizer", str(tok), "-o", str(out),
+                                     "--shard-tokens", "700", "--no-progress"])
+    assert "(0 written" in done.output
+
+
+def test_a_run_stopped_mid_way_finishes_on_a_rerun(tmp_path: Path, tok: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C while the third shard is written (its .bin half there under its temporary
+    name): no manifest, two shards done; the rerun writes the rest, the same bytes."""
+    source = corpus(tmp_path, "jsonl")
+    whole, _ = run(tmp_path, source, tok, "whole")
+    real, calls = prep.write_shard, []
+
+    def stopped(out: Path, k: int, *args: Any) -> dict[str, Any]:
+        calls.append(k)
+        if len(calls) == 3:
+            (out / f"{prep.shard_name(k)}.bin.tmp-host-1").write_bytes(b"half")
+            raise KeyboardInterrupt
+        return real(out, k, *args)
+
+    monkeypatch.setattr(prep, "write_shard", stopped)
+    with pytest.raises(KeyboardInterrupt):
+        run(tmp_path, source, tok)
+    out = tmp_path / "out"
+    assert not (out / "manifest.json").exists() and len(list(out.glob(".prepare/*.done"))) == 2
+    monkeypatch.setattr(prep, "write_shard", real)
+    _, again = run(tmp_path, source, tok)
+    assert again.skipped == 2 and again.written == again.shards - 2 and again.manifest
+    assert not list(out.glob("*.tmp-*"))
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == {
+        p.name: p.read_bytes() for p in whole.iterdir() if p.is_file()}
+
+
+def one_line_error(args: list[str], *text: str) -> None:
+    result = CliRunner().invoke(main, ["data", "prepare", *args, "--no-progress"])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error:"), result.output
+    assert all(t in lines[0] for t in text), result.output
+
+
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path: Path, tok: Path) -> None:
+    out = tmp_path / "out"
+    jsonl = corpus(tmp_path, "jsonl")
+    common = ["--tokenizer", str(tok), "-o", str(out)]
+    (tmp_path / "c.csv").write_text("a,b\n")
+    one_line_error([str(tmp_path / "c.csv"), *common], "cannot tell the format", "--format")
+    bad = CliRunner().invoke(main, ["data", "prepare", str(jsonl), "--format", "xml", *common])
+    assert bad.exit_code == 2 and "Error: Invalid value for '--format': 'xml'" in bad.output  # click's own
+    (tmp_path / "bad.json").write_text("{not json")
+    one_line_error([str(jsonl), "--tokenizer", str(tmp_path / "bad.json"), "-o", str(out)],
+                   "does not load", "bad.json")
+    one_line_error([str(jsonl), "--tokenizer", str(tmp_path / "nope"), "-o", str(out)], "does not exist")
+    (tmp_path / "empty").mkdir()
+    one_line_error([str(tmp_path / "empty"), *common], "no documents")
+    (tmp_path / "blank.txt").write_text("")
+    one_line_error([str(tmp_path / "blank.txt"), *common], "no text")
+    one_line_error([str(jsonl), "--field", "body", *common], "no text field 'body'", "--field")
+    one_line_error([str(corpus(tmp_path, "parquet")), *common], "no column 'text'", "--field")
+    one_line_error([str(jsonl), "--eos", "<nope>", *common], "--eos", "<nope>")
+    (tmp_path / "junk.parquet").write_bytes(b"not parquet at all")
+    one_line_error([str(tmp_path / "junk.parquet"), *common], "does not read as Parquet")
+    one_line_error([str(tmp_path / "empty"), "--format", "hf", *common], "does not load as a Hugging Face")
+    one_line_error([str(tmp_path / "missing.jsonl"), *common], "does not exist")
+    assert not out.exists()
+
+
+def test_another_request_into_a_used_directory_is_refused(tmp_path: Path, tok: Path) -> None:
+    jsonl = corpus(tmp_path, "jsonl")
+    out, _ = run(tmp_path, jsonl, tok)
+    before = sorted(p.name for p in out.rglob("*"))
+    one_line_error([str(jsonl), "--tokenizer", str(tok), "-o", str(out), "--shard-tokens", "900"],
+                   "other arguments", "shard_tokens")
+    assert sorted(p.name for p in out.rglob("*")) == before
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("mine")
+    one_line_error([str(jsonl), "--tokenizer", str(tok), "-o", str(tmp_path / "full")], "not empty")
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_bad_record_later_on_leaves_nothing(tmp_path: Path, tok: Path, workers: str) -> None:
+    """Found while tokenizing (here or in a worker process): one line, and the output
+    directory this run made is gone."""
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS) + '{"other": 1}\n')
+    one_line_error([str(path), "--tokenizer", str(tok), "-o", str(tmp_path / "out"), "--shard-tokens", "700",
+                    "--workers", workers], "document 120 has no text field")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_array_renders_on_the_site_template_and_writes_nothing(tmp_path: Path, tok: Path) -> None:
+    out = tmp_path / "out"
+    result = CliRunner().invoke(main, ["data", "prepare", str(corpus(tmp_path, "jsonl")), "--tokenizer",
+                                       str(tok), "-o", str(out), "--array", "3", "--workers", "4",
+                                       "--render", "--partition", "cpu", "--time", "02:00:00"])
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "#SBATCH --array=0-2" in text and "#SBATCH --cpus-per-task=4" in text
+    assert "#SBATCH --partition=cpu" in text and "--gpus-per-node" not in text
+    assert f"{out.resolve()}/.prepare/slurm/task-%a/logs/slurm-%A_%a.out" in text
+    assert not out.exists()
+    alone = CliRunner().invoke(main, ["data", "prepare", str(tmp_path / "c.jsonl"), "--tokenizer", str(tok),
+                                      "-o", str(out), "--render"])
+    assert alone.exit_code == 2 and "--render prints the job array's script: give --array N" in alone.output
