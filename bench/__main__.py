@@ -18,6 +18,7 @@ from bench import (
     nodes,
     overhead,
     owner,
+    prepare,
     pretrained,
     requeue,
     resume,
@@ -29,7 +30,8 @@ from bench.common import RESULTS, show
 BENCHES = {"overhead": overhead, "checkpoint": checkpoint, "resume": resume, "requeue": requeue,
            "cli": cli_latency, "scaling": scaling, "faults": faults,
            "nodes": nodes, "chaos": chaos, "tp": tp, "pretrained": pretrained, "owner": owner,
-           "control": control, "coord": coord_scale, "nfs": nfs, "data": data}
+           "control": control, "coord": coord_scale, "nfs": nfs, "data": data,
+           "prepare": prepare}
 
 
 def main(names: list[str]) -> int:
