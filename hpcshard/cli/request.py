@@ -44,6 +44,7 @@ from hpcshard.rundir.metrics import METRICS, last_record
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.rankenv import REQUEUE_EXIT, STORAGE_EXIT
 from hpcshard.rundir.spec import (
+    Code,
     Resolved,
     RunSpec,
     Script,
@@ -176,7 +177,8 @@ def again(spec: RunSpec, run_dir: Path, *, nodes: int | None = None, gpus: int |
           resume: str = "auto", code: str = "snapshot", code_max_mb: int = 100) -> Request:
     """What `resume` asks for: the run's spec on its (new) shape, and on Slurm the same sbatch
     settings as its last submission, sized for it, without the nodes it declared bad. `code`:
-    the run's copy of its code (snapshot), or a new copy of its source as it is now (current)."""
+    the run's copy of its code (snapshot), a new copy of its source as it is now (current),
+    or its source itself at every start (live)."""
     check_secrets_again(spec)
     probe_writable(run_dir)
     check_resume(run_dir, resume)
@@ -196,8 +198,19 @@ def again(spec: RunSpec, run_dir: Path, *, nodes: int | None = None, gpus: int |
         sbatch = _checked(replace(
             old, nodes=spec.nodes + spec.spares, gpus_per_node=spec.gpus, cpus_per_task=per_gpu * spec.gpus,
             run_dir=run_dir.resolve(), no_kill=spec.no_kill, exclude=bad_slurm_nodes(run_dir)), run_dir)
+    if code == "live" and spec.code is not None:
+        _live(spec, spec.code)
     return Request(spec=spec, run_dir=run_dir, sbatch=sbatch, resume=resume, fresh=False,
                    ask=_current(spec, run_dir, code_max_mb) if code == "current" else None)
+
+
+def _live(spec: RunSpec, code: Code) -> None:
+    """`resume --code live`: the run imports its source again, as submitted."""
+    if code.dir and spec.job.startswith(code.dir + os.sep):
+        spec.job = code.source
+        if spec.script is not None:
+            spec.script = replace(spec.script, target=code.source)
+    spec.code = None
 
 
 def _current(spec: RunSpec, run_dir: Path, limit_mb: int) -> snapshot.Ask:
@@ -346,9 +359,10 @@ def check(requests: list[Request], *, cluster: bool = True, job: bool = True,
     if first.spec.script:
         return
     if configs is None:
-        first.spec.resolved = Resolved.of(preflight(first.spec))
+        first.spec.resolved = Resolved.of(preflight(first.spec, first.code))
         return
-    for one, resolved in zip(requests, preflight_many([r.spec for r in requests], configs), strict=True):
+    many = preflight_many([r.spec for r in requests], configs, first.code)
+    for one, resolved in zip(requests, many, strict=True):
         one.spec.resolved = Resolved.of(resolved)
 
 
@@ -369,19 +383,29 @@ def warn_storage(run_dir: Path, nodes: int) -> None:
                    "the same run directory (checkpoints, logs): put it on shared storage", err=True)
 
 
-def preflight(spec: RunSpec) -> dict[str, Any]:
-    """Import the job and check it in a subprocess (torch stays out of the CLI process)."""
-    return _preflight({"job": spec.job, "sets": spec.sets, "nodes": spec.nodes, "gpus": spec.gpus,
-                       "min_nodes": spec.min_nodes, "path": list(spec.code.path) if spec.code else []})
+def preflight(spec: RunSpec, code: Snapshot | None = None) -> dict[str, Any]:
+    """Import the job and check it in a subprocess (torch stays out of the CLI process): the
+    code the run will run, from where its ranks will import it (`_code`)."""
+    return _preflight({**_code(spec, code), "sets": spec.sets, "nodes": spec.nodes, "gpus": spec.gpus,
+                       "min_nodes": spec.min_nodes})
 
 
-def preflight_many(specs: list[RunSpec], configs: list[dict[str, str]]) -> list[dict[str, Any]]:
+def _code(spec: RunSpec, code: Snapshot | None) -> dict[str, Any]:
+    """The job and its import path for a preflight: a snapshot just taken (a new run's, a
+    `resume --code current`'s) is its workspace as it is, the run's copy else."""
+    if code is not None:
+        return {"job": code.source, "path": code.live}
+    return {"job": spec.job, "path": list(spec.code.path) if spec.code else []}
+
+
+def preflight_many(specs: list[RunSpec], configs: list[dict[str, str]],
+                   code: Snapshot | None = None) -> list[dict[str, Any]]:
     """A sweep's runs (one job, a shape, several configurations), checked in one subprocess;
     a bad configuration is named in the error."""
     from hpcshard.rundir.sweep import label
 
     first = specs[0]
-    request = {"job": first.job, "variants": [s.sets for s in specs], "nodes": first.nodes,
+    request = {**_code(first, code), "variants": [s.sets for s in specs], "nodes": first.nodes,
                "gpus": first.gpus}
     try:
         return list(_preflight(request)["variants"])
@@ -429,7 +453,11 @@ def schedule(req: Request, claim: lease.Owner, *, follow: bool = False) -> int:
     """Hand the run to its backend as the owner of its directory: submitted (Slurm: the
     job then owns the run) or run here until it ends (local); the command's exit code."""
     if req.code is not None:  # (the run is this command's: nothing else writes in it now)
-        snapshot.write(req.code, req.run_dir, req.spec)
+        try:
+            snapshot.write(req.code, req.run_dir, req.spec)
+        except UserError:
+            _give_back(req, claim)
+            raise
     if req.sbatch is None:
         return _run_here(req, claim)
     _warn_lead_time(req.run_dir, req.sbatch)
@@ -438,10 +466,7 @@ def schedule(req: Request, claim: lease.Owner, *, follow: bool = False) -> int:
     try:
         job_id = req.backend.submit(req.spec, req.run_dir, req.sbatch, req.resume)
     except ValueError:
-        if req.fresh:
-            shutil.rmtree(req.run_dir, ignore_errors=True)
-        else:
-            lease.release(req.run_dir, claim)
+        _give_back(req, claim)
         raise
     spec = RunSpec.add_job(req.run_dir, job_id)
     # Last: the job's launchers wait for it (`launch.slurm.own_run`) before they train.
@@ -458,6 +483,15 @@ def schedule(req: Request, claim: lease.Owner, *, follow: bool = False) -> int:
     paths = RunPaths(req.run_dir)
     click.echo(f"follow: hpcshard submit ... --follow, or tail -f {paths.rank_log(0)}")
     return _follow(req.run_dir, job_id) if follow else 0
+
+
+def _give_back(req: Request, claim: lease.Owner) -> None:
+    """Nothing was started: a run directory made for the request goes, an existing run is
+    given back to whoever had it."""
+    if req.fresh:
+        shutil.rmtree(req.run_dir, ignore_errors=True)
+    else:
+        lease.release(req.run_dir, claim, restore=True)
 
 
 def schedule_array(requests: list[Request], root: Path) -> list[str]:

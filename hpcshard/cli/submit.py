@@ -11,7 +11,6 @@ from typing import Any
 
 import click
 
-from hpcshard import site
 from hpcshard.cli import request
 from hpcshard.cli.options import (
     RESUME,
@@ -91,9 +90,9 @@ def render_cmd(job: str | None, nodes: int | None, run_dir: Path | None, name: s
 @click.option("--spares", type=click.IntRange(min=0), help="Spare nodes [default: the run's].")
 @click.option("--min-nodes", type=click.IntRange(min=0),
               help="Fewest nodes to go on with after a loss [default: the run's].")
-@click.option("--code", type=click.Choice(["snapshot", "current"]), default="snapshot", show_default=True,
-              help="The run's copy of its code (snapshot), or a new copy of the job's source as it is "
-              "now (current).")
+@click.option("--code", type=click.Choice(["snapshot", "current", "live"]), default="snapshot",
+              show_default=True, help="The run's copy of its code (snapshot), a new copy of the job's "
+              "source as it is now (current), or no copy: each start imports the source (live).")
 @RESUME
 @SETS
 def resume(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | None,
@@ -109,7 +108,8 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | Non
         _check_over(spec, run_dir)
         req = request.again(spec, run_dir, nodes=nodes, gpus=gpus, spares=spares, min_nodes=min_nodes,
                             sets=sets, resume=resume, code=code,
-                            code_max_mb=site.SETTINGS["code_max_mb"].default)
+                            code_max_mb=settings(spec.profile or None, {}).values["code_max_mb"]
+                            if code == "current" else 0)
         request.check([req])
     except BaseException:  # the run is given back to whoever had it (a killed CLI's launchers)
         lease.release(run_dir, claim, restore=True)

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +53,7 @@ class Script:
     @classmethod
     def of(cls, raw: Mapping[str, Any]) -> Script | None:
         """spec.json's object (None for a job's empty one)."""
-        return cls(**{**raw, "args": tuple(raw.get("args", ()))}) if raw else None
+        return cls(**{**_known(cls, raw), "args": tuple(raw.get("args", ()))}) if raw else None
 
     @property
     def command(self) -> str:
@@ -91,8 +91,7 @@ class Resolved:
     def of(cls, raw: Mapping[str, Any]) -> Resolved:
         """spec.json's object. A key this version does not know (a newer preflight's) is
         dropped: what it says cannot be acted on here."""
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in raw.items() if k in known})
+        return cls(**_known(cls, raw))
 
     @property
     def steps(self) -> int | None:
@@ -132,7 +131,13 @@ class Code:
     @classmethod
     def of(cls, raw: Mapping[str, Any]) -> Code | None:
         """spec.json's object (None: a spec written before snapshots, or none taken)."""
-        return cls(**{**raw, "path": tuple(raw.get("path", ()))}) if raw else None
+        return cls(**{**_known(cls, raw), "path": tuple(raw.get("path", ()))}) if raw else None
+
+    def moved(self, to: Path) -> Code:
+        """This copy where it is now, `to` (its run directory was moved or copied)."""
+        def there(p: str) -> str:
+            return str(to / Path(p).relative_to(self.dir)) if Path(p).is_relative_to(self.dir) else p
+        return replace(self, dir=str(to), path=tuple(there(p) for p in self.path))
 
     def use(self) -> None:
         """Put `path` first on this process's sys.path (a rank's, before it imports the
@@ -223,11 +228,29 @@ class RunSpec:
     @classmethod
     def read(cls, run_dir: Path) -> RunSpec:
         raw = {"coord_key": "", **json.loads((run_dir / SPEC).read_text())}
-        known = {f.name for f in fields(cls)}
-        raw = {k: v for k, v in raw.items() if k in known}  # (a newer hpcshard's key: not acted on here)
-        return cls(**{**raw, "script": Script.of(raw.get("script") or {}),
+        raw = _known(cls, raw)
+        spec = cls(**{**raw, "script": Script.of(raw.get("script") or {}),
                       "resolved": Resolved.of(raw.get("resolved") or {}),
                       "code": Code.of(raw.get("code") or {})})
+        spec._follow_code(run_dir)
+        return spec
+
+    def _follow_code(self, run_dir: Path) -> None:
+        """A run directory moved (or copied) since its code was: the copy is found where it
+        is now, in the run's `code/` (a sweep's task: the sweep's), by its digest."""
+        code = self.code
+        if code is None or not code.dir or Path(code.dir).is_dir():
+            return
+        name = Path(code.dir).name
+        places = (run_dir / paths.CODE / name, run_dir.parent / paths.CODE / name)
+        now = next((d for d in places if d.is_dir()), None)
+        if now is None:
+            return
+        old, self.code = code.dir, code.moved(now.resolve())
+        if Path(self.job).is_relative_to(old):
+            self.job = str(now.resolve() / Path(self.job).relative_to(old))
+        if self.script is not None and Path(self.script.target).is_relative_to(old):
+            self.script = replace(self.script, target=self.job)
 
     @classmethod
     def update(cls, run_dir: Path, change: Callable[[RunSpec], None]) -> RunSpec:
@@ -268,6 +291,13 @@ class RunSpec:
         """Only the run's newest job may train: a stale requeue or a second continuation
         exits at once instead of racing it for the checkpoints."""
         return not self.jobs or self.jobs[-1] == job_id
+
+
+def _known(cls: type, raw: Mapping[str, Any]) -> dict[str, Any]:
+    """`raw` without the keys `cls` lacks: a newer hpcshard's (what they say is not acted on
+    here; a compute node may run an older release than the login node)."""
+    known = {f.name for f in fields(cls)}
+    return {k: v for k, v in raw.items() if k in known}
 
 
 def read_spec(run_dir: Path) -> RunSpec:

@@ -5,7 +5,9 @@ package versions are recorded; installed code is not copied; too much is one lin
 
 from __future__ import annotations
 
+import errno
 import hashlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -194,3 +196,120 @@ def test_a_spec_without_code_is_one_from_before_snapshots(tmp_path: Path) -> Non
     spec.write(tmp_path)
     assert "code" not in (tmp_path / "spec.json").read_text() and RunSpec.read(tmp_path).code is None
     assert Code.of({}) is None
+
+
+def test_runs_inside_the_workspace_are_never_copied(repo: Path, tmp_path: Path) -> None:
+    """`runs/` at the repository's root and not in .gitignore (storage_root's default): the
+    earlier runs' checkpoints, logs and copies are data, not code."""
+    old = repo / "runs" / "train-0"
+    (old / "checkpoints").mkdir(parents=True)
+    (old / "spec.json").write_text("{}")
+    (old / "checkpoints" / "x.distcp").write_bytes(b"\0" * 4096)
+    (repo / "sweeps" / "s").mkdir(parents=True)
+    (repo / "sweeps" / "s" / "sweep.json").write_text("{}")
+    snap = snapshot.take(str(repo / "jobs" / "train.py"), module=False, limit_mb=10)
+    assert not [n for n in snap.files if n.startswith(("runs/", "sweeps/"))]
+
+
+def test_a_module_is_found_from_the_directory_submitted_from(tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The installed console script's sys.path does not hold the working directory; the
+    ranks' does (torchrun -m in it): the module is looked up as they look it up."""
+    (tmp_path / "mypkg2").mkdir()
+    (tmp_path / "mypkg2" / "__init__.py").write_text("")
+    (tmp_path / "mypkg2" / "lm.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    snap = snapshot.take("mypkg2.lm", module=True, limit_mb=1)
+    assert snap.root == tmp_path and "mypkg2/lm.py" in snap.files
+    with pytest.raises(UserError, match="module 'nothere.lm' is not importable from"):
+        snapshot.take("nothere.lm", module=True, limit_mb=1)
+
+
+def test_pythonpath_entries_in_the_workspace_are_imported_from_the_copy(
+        repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (repo / "src" / "mylib").mkdir(parents=True)
+    (repo / "src" / "mylib" / "__init__.py").write_text("")
+    monkeypatch.setenv("PYTHONPATH", f"{repo / 'src'}{os.pathsep}/elsewhere")
+    snap = snapshot.take(str(repo / "jobs" / "train.py"), module=False, limit_mb=10)
+    assert "src" in snap.paths and "src/mylib/__init__.py" in snap.files
+
+
+def test_the_copy_keeps_modes_and_the_run_directorys_privacy(tmp_path: Path) -> None:
+    work, run = tmp_path / "work", tmp_path / "run"
+    work.mkdir()
+    (work / "job.py").write_text("")
+    (work / "prep.sh").write_text("#!/bin/sh\n")
+    (work / "prep.sh").chmod(0o755)
+    run.mkdir(mode=0o700)
+    run.chmod(0o700)
+    spec = RunSpec(job=str(work / "job.py"), sets={}, nodes=1, gpus=1, backend="local", name="r")
+    snapshot.write(snapshot.take(str(work / "job.py"), module=False, limit_mb=1), run, spec)
+    assert spec.code is not None
+    copy = Path(spec.code.dir)
+    assert (copy / "prep.sh").stat().st_mode & 0o777 == 0o700  # executable, and private as the run
+    assert copy.stat().st_mode & 0o777 == 0o700
+
+
+def test_hidden_files_outside_git_stay_home(tmp_path: Path) -> None:
+    (tmp_path / "job.py").write_text("")
+    (tmp_path / ".env").write_text("WANDB_API_KEY=secret\n")
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai password secret\n")
+    assert sorted(snapshot.take(str(tmp_path / "job.py"), module=False, limit_mb=1).files) == ["job.py"]
+
+
+def test_a_copy_that_fails_on_a_full_disk_is_one_line_and_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    work, run = tmp_path / "work", tmp_path / "run"
+    work.mkdir()
+    run.mkdir()
+    (work / "job.py").write_text("")
+    snap = snapshot.take(str(work / "job.py"), module=False, limit_mb=1)
+
+    def full(self: Path, data: bytes) -> int:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(Path, "write_bytes", full)
+    spec = RunSpec(job=str(work / "job.py"), sets={}, nodes=1, gpus=1, backend="local", name="r")
+    with pytest.raises(UserError, match="copy of the job's code .* failed .No space left on device"):
+        snapshot.write(snap, run, spec)
+    assert list((run / "code").iterdir()) == [] and spec.code is None
+
+
+def test_a_moved_run_directory_finds_its_copy(repo: Path, tmp_path: Path) -> None:
+    run = tmp_path / "a" / "run"
+    run.mkdir(parents=True)
+    job = repo / "jobs" / "train.py"
+    spec = RunSpec(job=str(job), sets={}, nodes=1, gpus=1, backend="local", name="r")
+    snapshot.write(snapshot.take(str(job), module=False, limit_mb=10), run, spec)
+    spec.write(run)
+    moved = tmp_path / "b"
+    run.parent.rename(moved)
+    again = RunSpec.read(moved / "run")
+    assert again.code is not None and Path(again.job).is_file()
+    assert again.job.startswith(str((moved / "run" / "code").resolve()))
+    assert all(p.startswith(str(moved.resolve())) for p in again.code.path)
+
+
+def test_resume_with_live_code_imports_the_source_again(repo: Path, tmp_path: Path) -> None:
+    job = repo / "jobs" / "train.py"
+    run = tmp_path / "run"
+    run.mkdir()
+    spec = RunSpec(job=str(job), sets={}, nodes=1, gpus=1, backend="local", name="r")
+    snapshot.write(snapshot.take(str(job), module=False, limit_mb=10), run, spec)
+    spec.write(run)
+    live = request.again(RunSpec.read(run), run, code="live")
+    assert live.spec.job == str(job) and live.spec.code is None and live.ask is None
+
+
+def test_the_preflight_checks_the_workspace_the_snapshot_was_taken_of(repo: Path, tmp_path: Path) -> None:
+    job = repo / "jobs" / "train.py"
+    run = tmp_path / "run"
+    run.mkdir()
+    spec = RunSpec(job=str(job), sets={}, nodes=1, gpus=1, backend="local", name="r")
+    first = snapshot.take(str(job), module=False, limit_mb=10)
+    snapshot.write(first, run, spec)
+    current = snapshot.take(str(job), module=False, limit_mb=10)
+    assert request._code(spec, current) == {"job": str(job), "path": current.live}
+    assert request._code(spec, None) == {"job": spec.job, "path": list(spec.code.path)}  # type: ignore[union-attr]
+    assert current.live[0] == str(repo / "jobs")
