@@ -305,8 +305,10 @@ class Parallel:
                      for r in range(self.replicate))
 
     def nodes_per_shard_group(self) -> int:
-        """Nodes one shard group spans (1: it stays inside a node, its all-gathers too)."""
-        return max(1, self.shard_degree // self.dp_per_node)
+        """The most nodes a shard group spans (1: each stays inside a node, its all-gathers
+        too); a degree that is not a multiple of a node's ranks straddles nodes."""
+        s, per = self.shard_degree, self.dp_per_node
+        return max(len({(g * s + i) // per for i in range(s)}) for g in range(self.replicate))
 
     def check_reshard(self, value: str) -> None:
         """reshard_after_forward=N keeps parameters sharded over groups of N ranks of the
@@ -320,29 +322,42 @@ class Parallel:
                             f"ranks and be smaller; use " + (", ".join(map(str, fits)) if fits
                                                            else "true or false on this shape"))
 
-    def check_fewer_nodes(self, fewest: int) -> None:
+    def check_fewer_nodes(self, fewest: int, cfg: TrainConfig | None = None) -> None:
         """A run that may go on with fewer nodes (min_nodes) plans its mesh again on each
-        count down to `fewest`; an explicit shard degree must divide every one of them
-        (refused here, at submit, rather than on the night a node fails). The mode's own
-        degree (shard=0) is derived again on any count."""
-        if not self.shard or not 0 < fewest < self.nodes:
+        count down to `fewest`: what depends on the count must hold on every one of them,
+        refused here, at submit, rather than on the night a node fails (a rank's UserError
+        ends the run). An explicit shard degree must divide each count's data-parallel ranks
+        (the mode's own degree, shard=0 or the one the mode means, is derived again); with
+        `cfg`, its batch must divide over them and an integer reshard_after_forward its
+        shard group."""
+        if not 0 < fewest < self.nodes:
             return
-        bad = []
-        for n in range(fewest, self.nodes):
-            try:
-                Parallel(nodes=n, per_node=self.per_node, tp=self.tp, sharding=self.sharding,
-                         shard=self.shard)
-            except UserError:
-                bad.append(n)
+        shard = 0 if self.shard == self._own_degree() else self.shard
+        bad = [n for n in range(fewest, self.nodes) if shard and self.dp_per_node * n % shard]
         if bad:
             ok = [n for n in range(fewest, self.nodes + 1) if n > max(bad)]
             every = [d for d in range(1, self.dp_per_node * fewest + 1)
                      if all(self.dp_per_node * n % d == 0 for n in range(fewest, self.nodes + 1))]
             raise UserError(
-                f"shard={self.shard} with min_nodes {fewest}: on {bad[0]} node(s) the "
+                f"shard={shard} with min_nodes {fewest}: on {bad[0]} node(s) the "
                 f"{bad[0] * self.dp_per_node} data-parallel ranks do not split into shard groups "
-                f"of {self.shard}; use --min-nodes {ok[0]}, or a shard that divides every count "
+                f"of {shard}; use --min-nodes {ok[0]}, or a shard that divides every count "
                 f"from {fewest} to {self.nodes} nodes ({', '.join(map(str, every))}), or shard=0")
+        if cfg is None:
+            return
+        for n in range(fewest, self.nodes):
+            try:
+                fewer = Parallel(nodes=n, per_node=self.per_node, tp=self.tp, sharding=self.sharding,
+                                 shard=shard)
+                fewer.accumulation(cfg)
+                fewer.check_reshard(cfg.reshard_after_forward)
+            except UserError as err:
+                raise UserError(f"min_nodes {fewest}: on {n} node(s) (after losing {self.nodes - n}): "
+                                f"{err}; or raise --min-nodes above {n}") from None
+
+    def _own_degree(self) -> int:
+        """The degree the sharding mode itself means (0: hybrid's and auto's vary)."""
+        return {"full": self.dp_world, "grad-op": self.dp_world, "none": 1}.get(self.sharding, 0)
 
     def accumulation(self, cfg: TrainConfig) -> tuple[int, int]:
         """(micro batch per rank, accumulation steps) of cfg's batch over the data-parallel

@@ -170,7 +170,9 @@ def show(p: dict[str, Any]) -> None:
                f"{p['ac']}, {nodes(p['min_nodes_full_ac'])} with AC {p['ac_with']}")
     r = p["recommendation"]
     if r:
-        how = f"shard={r['shard']}" if r.get("shard") else f"sharding={r['sharding']}"
+        # (both keys: a job's own shard or sharding would contradict the other one alone)
+        how = (f"sharding=hybrid --set shard={r['shard']}" if r.get("shard")
+               else f"sharding={r['sharding']} --set shard=0")
         click.echo(f"recommended: --set {how} --set ac={r['ac']} --set "
                    f"micro_batch_size={r['micro_batch']} ({gib(r['total'])} of {gib(p['gpu_mem'])}): "
                    f"{r['why']}")

@@ -36,7 +36,7 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
     require_tp_plan(job, cfg.tp, request["job"])
     micro, accum = degrees.accumulation(cfg)
     degrees.check_reshard(cfg.reshard_after_forward)
-    degrees.check_fewer_nodes(int(request.get("min_nodes", 0)))
+    degrees.check_fewer_nodes(int(request.get("min_nodes", 0)), cfg)
     with on_meta():
         model = job.model(cfg)
     blocks = find_blocks(model, cfg.block, cfg.block_min_params)

@@ -112,6 +112,21 @@ def test_fewer_nodes_with_an_indivisible_world_are_refused_at_submit(nodes: int,
         p.check_fewer_nodes(fewest)
 
 
+def test_fewer_nodes_check_every_count_for_the_batch_and_reshard_and_a_modes_own_degree() -> None:
+    """What depends on the node count holds on each count down to min_nodes, or the run
+    would end (a rank's UserError) the night a node fails."""
+    p = Parallel(nodes=4, per_node=8)
+    with pytest.raises(UserError, match=r"min_nodes 3: on 3 node\(s\) \(after losing 1\): batch_size=64"):
+        p.check_fewer_nodes(3, TrainConfig(batch_size=64))
+    p.check_fewer_nodes(3, TrainConfig(batch_size=96))
+    full = Parallel(nodes=4, per_node=8, sharding="full", shard=32)  # full's own degree: derived again
+    full.check_fewer_nodes(3, TrainConfig(batch_size=96))
+    with pytest.raises(UserError, match="reshard_after_forward=16 must divide the shard group of 24"):
+        Parallel(nodes=4, per_node=8, sharding="full").check_fewer_nodes(
+            3, TrainConfig(batch_size=96, sharding="full", reshard_after_forward="16"))
+    assert Parallel(nodes=3, per_node=8, shard=12).nodes_per_shard_group() == 2  # straddles
+
+
 def plan_70b(gpu_mem: int, shard: int = 0) -> dict:
     from hpcshard.runtime.planner import make_plan
 
@@ -155,7 +170,7 @@ def test_the_cli_plan_takes_a_shard_degree(capsys: pytest.CaptureFixture[str]) -
                                     "--gpu-mem", "100GiB"])
     assert res.exit_code == 0, res.output
     assert "shard=16 *" in res.output and "2 x 16" in res.output
-    assert "recommended: --set shard=16 --set ac=full" in res.output
+    assert "recommended: --set sharding=hybrid --set shard=16 --set ac=full" in res.output
     bad = CliRunner().invoke(plan, ["--params", "70B", "--layers", "80", "--hidden", "8192", "--nodes", "4",
                                     "--gpus", "8", "--shard", "12"])
     assert isinstance(bad.exception, UserError) and "shard=12 does not divide" in str(bad.exception)
