@@ -61,6 +61,7 @@ def load_splits(cfg: DataConfig, vocab_size: int | None = None) -> DataSplits:
         sft = load_sft(cfg, vocab_size)
         return DataSplits(train=sft.train, eval=sft.eval, vocab_size=vocab_size,
                           train_targets=sft.train_targets, eval_targets=sft.eval_targets,
+                          train_starts=sft.train_starts, eval_starts=sft.eval_starts,
                           report=sft.report)
     if cfg.tokens:
         train = token_file(cfg.tokens, cfg.token_dtype)
@@ -86,6 +87,11 @@ class DataSplits:
     eval_targets: np.ndarray | None = None
     report: str = ""
     """What was read and skipped, for the log."""
+    train_starts: np.ndarray | None = None
+    """Packed records (fine-tuning data): True at the first token of each record. A window
+    then carries position ids that restart at each record (`positions`), for a loss that
+    passes them on so records do not attend across their boundaries; None: one stream."""
+    eval_starts: np.ndarray | None = None
 
 
 def stdlib_sources() -> list[Path]:
@@ -148,17 +154,32 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int, limit: int = 50_000_000
     return float(-(p * np.log(p)).sum())
 
 
+Micro = tuple[torch.Tensor, ...]
+"""One micro-batch: (inputs, targets), and for packed records (inputs, targets, positions)."""
+
+
+def positions(starts: np.ndarray) -> np.ndarray:
+    """Position ids of windows (rows) of packed records: counted from 0 at a window's first
+    token and again at each record's first token (`starts` True), so a record cut by the
+    window's start begins at 0, as if truncated there."""
+    idx = np.arange(starts.shape[-1])
+    return idx - np.maximum.accumulate(np.where(starts, idx, 0), axis=-1)
+
+
 def _windows(tokens: np.ndarray, seq_len: int, index: Iterable[int],
-             targets: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             targets: np.ndarray | None = None, starts: np.ndarray | None = None) -> Micro:
     """Windows of seq_len + 1 tokens: inputs, and the next tokens (or `targets`' values
-    there, where fine-tuning masks the loss)."""
+    there, where fine-tuning masks the loss); with `starts`, the inputs' position ids too."""
     index = list(index)
     rows = np.stack([np.asarray(tokens[i * seq_len: i * seq_len + seq_len + 1]) for i in index])
     t = torch.from_numpy(rows.astype(np.int64))
     if targets is None:
         return t[:, :-1], t[:, 1:]
     ys = np.stack([np.asarray(targets[i * seq_len + 1: i * seq_len + seq_len + 1]) for i in index])
-    return t[:, :-1], torch.from_numpy(ys.astype(np.int64))
+    if starts is None:
+        return t[:, :-1], torch.from_numpy(ys.astype(np.int64))
+    marks = np.stack([np.asarray(starts[i * seq_len: i * seq_len + seq_len]) for i in index])
+    return t[:, :-1], torch.from_numpy(ys.astype(np.int64)), torch.from_numpy(positions(marks))
 
 
 class GlobalBatches:
@@ -169,9 +190,10 @@ class GlobalBatches:
     """
 
     def __init__(self, tokens: np.ndarray, *, seq_len: int, batch_size: int, micro: int,
-                 rank: int, world: int, seed: int, targets: np.ndarray | None = None) -> None:
+                 rank: int, world: int, seed: int, targets: np.ndarray | None = None,
+                 starts: np.ndarray | None = None) -> None:
         self.tokens, self.seq_len, self.batch_size = tokens, seq_len, batch_size
-        self.targets = targets
+        self.targets, self.starts = targets, starts
         self.micro, self.rank, self.world, self.seed = micro, rank, world, seed
         self.samples = (len(tokens) - 1) // seq_len
         if self.samples < batch_size:
@@ -203,14 +225,14 @@ class GlobalBatches:
                 return self.epoch, self.offset
             self.offset += self.batch_size
 
-    def next(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def next(self) -> list[Micro]:
         """This rank's micro-batches for the next optimizer step."""
         self.upcoming()
         per_rank = self.batch_size // self.world
         start = self.offset + self.rank * per_rank
         mine = self._permutation()[start:start + per_rank].tolist()
         self.offset += self.batch_size
-        return [_windows(self.tokens, self.seq_len, mine[i:i + self.micro], self.targets)
+        return [_windows(self.tokens, self.seq_len, mine[i:i + self.micro], self.targets, self.starts)
                 for i in range(0, per_rank, self.micro)]
 
     def state_dict(self) -> dict[str, int]:
@@ -222,7 +244,7 @@ class GlobalBatches:
 
 def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, micro: int, rank: int,
                  world: int, count: int, targets: np.ndarray | None = None,
-                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                 starts: np.ndarray | None = None) -> Iterator[Micro]:
     """The first `count` global batches of the held-out stream, in order, this rank's slice."""
     samples = (len(tokens) - 1) // seq_len
     count = min(count, samples // batch_size)
@@ -230,7 +252,7 @@ def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, micro: in
     for b in range(count):
         start = b * batch_size + rank * per_rank
         for i in range(start, start + per_rank, micro):
-            yield _windows(tokens, seq_len, range(i, min(i + micro, start + per_rank)), targets)
+            yield _windows(tokens, seq_len, range(i, min(i + micro, start + per_rank)), targets, starts)
 
 
 def eval_batch_count(tokens: np.ndarray, seq_len: int, batch_size: int, count: int) -> int:
