@@ -25,6 +25,9 @@ NAN_POLICIES = ("stop", "rollback")
 STRAGGLER_POLICIES = ("warn", "bad_node")
 STORAGE_POLICIES = ("stop", "train")
 DATA_ORDERS = ("feistel", "randperm")
+SCHEDULES = ("cosine", "wsd", "constant")
+DECAY_SHAPES = ("linear", "1-sqrt")
+AC_MODES = ("none", "full", "selective")
 
 C = typing.TypeVar("C", bound="TrainConfig")
 
@@ -64,9 +67,18 @@ class TrainConfig:
     lr: float = 3e-3
     """Peak learning rate (AdamW)."""
     min_lr_ratio: float = 0.1
-    """The cosine schedule decays to lr * min_lr_ratio at the last step."""
+    """The schedule decays to lr * min_lr_ratio at the last step (cosine, wsd)."""
     warmup_steps: int = 20
-    """Linear warmup steps before the cosine decay."""
+    """Linear warmup steps before the schedule's decay."""
+    schedule: str = "cosine"
+    """The learning-rate schedule after warmup (a job's own `schedule` hook replaces it):
+    cosine (decay to min_lr_ratio over the remaining steps) | wsd (warmup-stable-decay: at
+    the peak until the last `decay_fraction` of the steps, then down to min_lr_ratio) |
+    constant (at the peak)."""
+    decay_fraction: float = 0.2
+    """wsd: the share of the steps spent decaying at the end (0 to 1)."""
+    decay_shape: str = "1-sqrt"
+    """wsd: the decay's shape, linear | 1-sqrt (Hägele et al. 2024, which matches cosine)."""
     weight_decay: float = 0.1
     """AdamW decoupled weight decay, applied to matrices only (not biases, norms)."""
     beta1: float = 0.9
@@ -135,7 +147,9 @@ class TrainConfig:
     """Explicitly prefetch the all-gathers of the next N blocks in forward and backward
     (0: FSDP2's own, one block ahead)."""
     ac: str = "none"
-    """Activation checkpointing: none | full (every block) | K (every K-th block)."""
+    """Activation checkpointing: none | full (every block recomputed in backward) | selective
+    (every block, op by op: matmul and attention outputs kept, the rest recomputed) | K
+    (full, every K-th block)."""
     block: str = ""
     """Class name of the repeated block to shard; empty: found automatically."""
     block_min_params: int = 0
@@ -232,6 +246,11 @@ class TrainConfig:
         _choice("straggler_policy", self.straggler_policy, STRAGGLER_POLICIES)
         _choice("on_storage_full", self.on_storage_full, STORAGE_POLICIES)
         _choice("data_order", self.data_order, DATA_ORDERS)
+        _choice("schedule", self.schedule, SCHEDULES)
+        _choice("decay_shape", self.decay_shape, DECAY_SHAPES)
+        if not 0 <= self.decay_fraction <= 1:
+            raise UserError(f"decay_fraction={self.decay_fraction!r} is not valid; it must be between "
+                            "0 and 1 (the share of the steps spent decaying)")
         if self.wandb_mode:
             _choice("wandb_mode", self.wandb_mode, ("online", "offline"))
         for package, setting in (("tensorboard", self.tensorboard and "tensorboard=true"),
@@ -239,9 +258,9 @@ class TrainConfig:
             if setting and importlib.util.find_spec(package) is None:
                 raise UserError(f"{setting} needs the {package} package, which is not installed: "
                                 f"pip install 'hpcshard[{package}]' (or drop the setting)")
-        if self.ac not in ("none", "full") and not (self.ac.isdigit() and int(self.ac) > 0):
+        if self.ac not in AC_MODES and not (self.ac.isdigit() and int(self.ac) > 0):
             raise UserError(
-                f"ac={self.ac!r} is not valid; choose none, full, or a positive integer K "
+                f"ac={self.ac!r} is not valid; choose none, full, selective, or a positive integer K "
                 "(checkpoint every K-th block)"
             )
         for name in ("steps", "batch_size", "seq_len", "lr", "log_every", "eval_batches"):
@@ -279,8 +298,14 @@ class TrainConfig:
         return micro, per_rank // micro
 
     def ac_every(self) -> int:
-        """0: no activation checkpointing; K: checkpoint blocks 0, K, 2K, ..."""
-        return {"none": 0, "full": 1}[self.ac] if self.ac in ("none", "full") else int(self.ac)
+        """0: no activation checkpointing; K: checkpoint blocks 0, K, 2K, ... (selective: every
+        block, `ac_selective` says how)."""
+        named = {"none": 0, "full": 1, "selective": 1}
+        return named[self.ac] if self.ac in named else int(self.ac)
+
+    def ac_selective(self) -> bool:
+        """Op-level checkpointing of the checkpointed blocks (ac=selective)."""
+        return self.ac == "selective"
 
 
 def signal_names(text: str) -> list[str]:

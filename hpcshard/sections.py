@@ -55,12 +55,16 @@ class Section:
 
 @dataclass(frozen=True)
 class OptimizerSection(Section):
-    """AdamW and its schedule: `runtime.train` (`build_optimizer`, `lr_factor`, clipping)."""
+    """AdamW and its schedule: `runtime.optim` (`build_optimizer`, `lr_factor`), unless the job's
+    `optimizer` and `schedule` hooks give their own; gradient clipping: `runtime.train`."""
 
     steps: int
     lr: float
     min_lr_ratio: float
     warmup_steps: int
+    schedule: str
+    decay_fraction: float
+    decay_shape: str
     weight_decay: float
     beta1: float
     beta2: float

@@ -202,12 +202,17 @@ def build_model(cfg: Config) -> nn.Module:
         trust_remote_code=False)
 
 
-def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
+         positions: torch.Tensor | None = None) -> torch.Tensor:
     """Next-token cross entropy on HF's `.logits`, reduced in fp32, over the positions that
-    are learnt (fine-tuning data masks prompts with IGNORE; a window with none is 0, not nan)."""
+    are learnt (fine-tuning data masks prompts with IGNORE; a window with none is 0, not nan).
+    `positions`: packed records' position ids, restarting at each record; transformers'
+    `create_causal_mask` turns them into a mask that keeps each record to itself (sdpa,
+    eager; flash attention reads them as variable-length sequences). No cache: with one,
+    transformers would not look for packed records."""
     from torch.distributed.tensor import DTensor
 
-    logits = model(input_ids=x, use_cache=False).logits
+    logits = model(input_ids=x, position_ids=positions, use_cache=False).logits
     total = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), ignore_index=IGNORE, reduction="sum")
     if isinstance(total, DTensor):  # loss parallel's
         total = total.full_tensor()

@@ -32,6 +32,7 @@ LAYERS = {"unit": "unit", "distributed": "dist", "slurm": "slurm", "gpu": "gpu"}
 # expensive module-scoped fixtures stay in one worker each.
 GROUPS = {"tests/distributed/test_runtime_train.py": "runtime-facts",
           "tests/distributed/test_runtime_tp.py": "tp-run",
+          "tests/distributed/test_runtime_loss.py": "loss-facts",
           "tests/distributed/test_pretrained.py": "pretrained-facts",
           "tests/distributed/test_finetune.py": "finetune-example",
           "tests/unit/test_jobs_hf_causal_lm.py": "hf-model"}

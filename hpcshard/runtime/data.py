@@ -25,7 +25,7 @@ import torch
 from hpcshard.errors import UserError
 from hpcshard.runtime.corpus import DOC_MODES, Blend, load_blend
 from hpcshard.runtime.loader import Ahead
-from hpcshard.runtime.order import sampler
+from hpcshard.runtime.order import positions, sampler
 
 TOKEN_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
 
@@ -77,6 +77,7 @@ def load_splits(cfg: DataConfig, vocab_size: int | None = None) -> DataSplits:
         sft = load_sft(cfg, vocab_size)
         return DataSplits(train=sft.train, eval=sft.eval, vocab_size=vocab_size,
                           train_targets=sft.train_targets, eval_targets=sft.eval_targets,
+                          train_starts=sft.train_starts, eval_starts=sft.eval_starts,
                           report=sft.report)
     if cfg.tokens:
         train = token_file(cfg.tokens, cfg.token_dtype)
@@ -119,6 +120,11 @@ class DataSplits:
     eval_targets: np.ndarray | None = None
     report: str = ""
     """What was read and skipped, for the log."""
+    train_starts: np.ndarray | None = None
+    """Packed records (fine-tuning data): True at the first token of each record. A window
+    then carries position ids that restart at each record (`positions`), for a loss that
+    passes them on so records do not attend across their boundaries; None: one stream."""
+    eval_starts: np.ndarray | None = None
     source: Blend | None = None
     """Prepared corpora or their mixture: the batches come from it, not from `train`."""
 
@@ -189,20 +195,27 @@ def unigram_entropy(tokens: np.ndarray, vocab_size: int, limit: int = 50_000_000
     return float(-(p * np.log(p)).sum())
 
 
+Micro = tuple[torch.Tensor, ...]
+"""One micro-batch: (inputs, targets), and for packed records (inputs, targets, positions)."""
+
+
 def _windows(tokens: np.ndarray, seq_len: int, index: Iterable[int],
-             targets: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             targets: np.ndarray | None = None, starts: np.ndarray | None = None) -> Micro:
     """Windows of seq_len + 1 tokens: inputs, and the next tokens (or `targets`' values
-    there, where fine-tuning masks the loss)."""
+    there, where fine-tuning masks the loss); with `starts`, the inputs' position ids too."""
     index = list(index)
     rows = np.stack([np.asarray(tokens[i * seq_len: i * seq_len + seq_len + 1]) for i in index])
     t = torch.from_numpy(rows.astype(np.int64))
     if targets is None:
         return t[:, :-1], t[:, 1:]
     ys = np.stack([np.asarray(targets[i * seq_len + 1: i * seq_len + seq_len + 1]) for i in index])
-    return t[:, :-1], torch.from_numpy(ys.astype(np.int64))
+    if starts is None:
+        return t[:, :-1], torch.from_numpy(ys.astype(np.int64))
+    marks = np.stack([np.asarray(starts[i * seq_len: i * seq_len + seq_len]) for i in index])
+    return t[:, :-1], torch.from_numpy(ys.astype(np.int64)), torch.from_numpy(positions(marks))
 
 
-Batch = list[tuple[torch.Tensor, torch.Tensor]]
+Batch = list[Micro]
 
 
 class GlobalBatches:
@@ -217,10 +230,12 @@ class GlobalBatches:
 
     def __init__(self, tokens: np.ndarray | Blend, *, seq_len: int, batch_size: int, micro: int,
                  rank: int, world: int, seed: int, targets: np.ndarray | None = None,
-                 order: str = "feistel", prefetch: int = 0, pin: bool = False) -> None:
+                 starts: np.ndarray | None = None, order: str = "feistel", prefetch: int = 0,
+                 pin: bool = False) -> None:
         self.seq_len, self.batch_size = seq_len, batch_size
         self.micro, self.rank, self.world, self.seed = micro, rank, world, seed
-        self.sampler = sampler(tokens, seq_len=seq_len, seed=seed, order=order, targets=targets)
+        self.sampler = sampler(tokens, seq_len=seq_len, seed=seed, order=order, targets=targets,
+                               starts=starts)
         self.samples = self.sampler.samples
         if self.samples < batch_size:
             raise UserError(f"the training data has {self.samples} sequences of {seq_len + 1} "
@@ -258,11 +273,12 @@ class GlobalBatches:
         of it (safe in the loader's thread)."""
         per_rank = self.batch_size // self.world
         start = offset + self.rank * per_rank
-        x, y = self.sampler.rows(epoch, np.arange(start, start + per_rank, dtype=np.int64))
-        xs, ys = torch.from_numpy(x), torch.from_numpy(y)
-        out = [(xs[i:i + self.micro], ys[i:i + self.micro]) for i in range(0, per_rank, self.micro)]
+        # inputs, targets (and packed records' position ids)
+        parts = [torch.from_numpy(a) for a in self.sampler.rows(epoch, np.arange(start, start + per_rank,
+                                                                                dtype=np.int64))]
+        out = [tuple(t[i:i + self.micro] for t in parts) for i in range(0, per_rank, self.micro)]
         if self.pin:  # page-locked: the copy to the GPU does not block the host
-            out = [(a.pin_memory(), b.pin_memory()) for a, b in out]
+            out = [tuple(t.pin_memory() for t in micro) for micro in out]
         return out
 
     def next(self) -> Batch:
@@ -300,7 +316,7 @@ class GlobalBatches:
 
 def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, micro: int, rank: int,
                  world: int, count: int, targets: np.ndarray | None = None,
-                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+                 starts: np.ndarray | None = None) -> Iterator[Micro]:
     """The first `count` global batches of the held-out stream, in order, this rank's slice."""
     samples = (len(tokens) - 1) // seq_len
     count = min(count, samples // batch_size)
@@ -308,7 +324,7 @@ def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, micro: in
     for b in range(count):
         start = b * batch_size + rank * per_rank
         for i in range(start, start + per_rank, micro):
-            yield _windows(tokens, seq_len, range(i, min(i + micro, start + per_rank)), targets)
+            yield _windows(tokens, seq_len, range(i, min(i + micro, start + per_rank)), targets, starts)
 
 
 def eval_batch_count(tokens: np.ndarray, seq_len: int, batch_size: int, count: int) -> int:

@@ -41,6 +41,14 @@ def pick_device(local_rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
+def fused_optimizer(device: torch.device, params_on_host: bool = False) -> bool:
+    """Whether AdamW runs as one fused kernel (`fused=True`) rather than `foreach`: on CUDA,
+    where the fused kernel is the fastest and FSDP2's DTensor parameters support it. Not on
+    CPU (foreach, as before: the same numbers bit for bit) nor with CPU offload, whose
+    parameters and optimizer state live in host memory."""
+    return device.type == "cuda" and not params_on_host
+
+
 def collective_device() -> torch.device:
     """Where a tensor for a collective on the default group must live, for a process
     group someone else created (a script's own init_process_group): its backend decides."""

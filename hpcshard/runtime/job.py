@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,8 +54,12 @@ class Job:
     """Builds the model from the config. Called on the meta device: allocate nothing real."""
     data: Callable[[Any], DataSplits]
     """Returns the train and held-out token streams."""
-    loss: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor] = lm_loss
-    """loss(model, inputs, targets) -> scalar."""
+    loss: Callable[..., torch.Tensor] = lm_loss
+    """loss(model, inputs, targets) -> scalar: the mean over the learnt positions (targets
+    not IGNORE; 0, or nan, where there is none). The runtime weighs micro-batches by their
+    learnt tokens, so a masked step's loss is the mean over all its learnt tokens. A loss
+    with a `positions` keyword also gets the position ids of packed fine-tuning records
+    (restarting at each record), to pass to a model that masks attention by them."""
     init: InitFn = reset_init
     """init(root, name, module) initialises one module's own parameters and buffers in
     place. Called once per module, on full-size tensors, under a seed of its name."""
@@ -72,6 +77,22 @@ class Job:
     SequenceParallel, PrepareModuleInput). Every parameter must end up a DTensor of the
     tp mesh (norms under SequenceParallel, embeddings under RowwiseParallel). None: the
     job cannot run with tp > 1."""
+    optimizer: Callable[[Any, nn.Module], torch.optim.Optimizer] | None = None
+    """optimizer(cfg, model) -> the job's own optimizer, built on the sharded, materialised
+    model's parameters (DTensors; leave out those that do not require grad, the frozen
+    ones). None: AdamW from the optimizer section. Saved and resumed like AdamW's."""
+    schedule: Callable[[Any, torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler] | None = None
+    """schedule(cfg, optimizer) -> the job's own learning-rate scheduler, stepped once per
+    optimizer step; its state_dict is saved and resumed. None: `schedule` of the
+    optimizer section (cosine, wsd or constant)."""
+
+
+def takes_positions(loss: Callable[..., torch.Tensor]) -> bool:
+    """Whether a job's loss accepts packed records' position ids (a `positions` keyword)."""
+    try:
+        return "positions" in inspect.signature(loss).parameters
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to read
+        return False
 
 
 def require_tp_plan(job: Job, tp: int, ref: str) -> None:

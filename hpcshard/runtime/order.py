@@ -84,32 +84,46 @@ class Sampler(Protocol):
     samples: int
     """Samples per epoch."""
 
-    def rows(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Inputs and targets of these positions, (len(positions), seq_len) int64 each."""
+    def rows(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, ...]:
+        """Inputs and targets of these positions, (len(positions), seq_len) int64 each, and
+        packed records' position ids where the data marks its records' starts."""
         ...
 
 
 class Flat:
-    """A flat token array (and fine-tuning's targets) in windows of seq_len + 1."""
+    """A flat token array (and fine-tuning's targets, and its packed records' starts) in
+    windows of seq_len + 1."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, targets: np.ndarray | None = None) -> None:
-        self.tokens, self.seq_len, self.targets = tokens, seq_len, targets
+    def __init__(self, tokens: np.ndarray, seq_len: int, targets: np.ndarray | None = None,
+                 starts: np.ndarray | None = None) -> None:
+        self.tokens, self.seq_len, self.targets, self.starts = tokens, seq_len, targets, starts
         self.count = (len(tokens) - 1) // seq_len
 
-    def rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def rows(self, ids: np.ndarray) -> tuple[np.ndarray, ...]:
         s = self.seq_len
         rows = np.stack([np.asarray(self.tokens[i * s: i * s + s + 1]) for i in ids.tolist()])
         rows = rows.astype(np.int64)
         if self.targets is None:
             return rows[:, :-1], rows[:, 1:]
         ys = np.stack([np.asarray(self.targets[i * s + 1: i * s + s + 1]) for i in ids.tolist()])
-        return rows[:, :-1], ys.astype(np.int64)
+        if self.starts is None:
+            return rows[:, :-1], ys.astype(np.int64)
+        marks = np.stack([np.asarray(self.starts[i * s: i * s + s]) for i in ids.tolist()])
+        return rows[:, :-1], ys.astype(np.int64), positions(marks)
+
+
+def positions(starts: np.ndarray) -> np.ndarray:
+    """Position ids of windows (rows) of packed records: counted from 0 at a window's first
+    token and again at each record's first token (`starts` True), so a record cut by the
+    window's start begins at 0, as if truncated there."""
+    idx = np.arange(starts.shape[-1])
+    return idx - np.maximum.accumulate(np.where(starts, idx, 0), axis=-1)
 
 
 class Samples(Protocol):
     count: int
 
-    def rows(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]: ...
+    def rows(self, ids: np.ndarray) -> tuple[np.ndarray, ...]: ...
 
 
 class Ordered:
@@ -140,7 +154,7 @@ class Ordered:
             return perm[torch.from_numpy(np.asarray(positions, dtype=np.int64))].numpy()
         return perm(positions)
 
-    def rows(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def rows(self, epoch: int, positions: np.ndarray) -> tuple[np.ndarray, ...]:
         return self.source.rows(self.ids(epoch, positions))
 
 
@@ -189,10 +203,10 @@ class Mixed:
 
 
 def sampler(source: np.ndarray | Blend, *, seq_len: int, seed: int, order: str = "feistel",
-            targets: np.ndarray | None = None) -> Ordered | Mixed:
+            targets: np.ndarray | None = None, starts: np.ndarray | None = None) -> Ordered | Mixed:
     """The sampler of a job's training data: a flat token array, or prepared corpora."""
     if not isinstance(source, Blend):
-        return Ordered(Flat(source, seq_len, targets), seed, order)
+        return Ordered(Flat(source, seq_len, targets, starts), seed, order)
     parts = [Ordered(Windows(s.corpus, seq_len, source.doc_mode), seed, order, salt=i + 1)
              for i, s in enumerate(source.sources)]
     for s, part in zip(source.sources, parts, strict=True):

@@ -400,6 +400,9 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
 
     world = nodes * gpus
     micro_choices = [1, 2, 4, 8, 16, 32, 64]
+    # The job's ac=selective is estimated as full AC: the matmul and attention outputs it
+    # keeps (and full AC does not) are not counted, a lower bound on its activations.
+    selective = False
     if job:
         from hpcshard.config import build_config
         from hpcshard.runtime.job import load_job, require_tp_plan
@@ -408,6 +411,7 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
         j = load_job(job)
         cfg = build_config(j.config, sets)
         precision = precision or cfg.precision
+        selective = ac is None and cfg.ac_selective()
         ac = cfg.ac_every() if ac is None else ac
         tp = cfg.tp
         degrees = Parallel(nodes=nodes, per_node=gpus, tp=tp)
@@ -453,7 +457,8 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
                   "block": shape.block_name, "max_block_params": shape.max_block_params,
                   "root_params": shape.root_params, "seq_len": shape.seq_len},
         "nodes": nodes, "gpus": gpus, "precision": precision, "micro_batch": micro,
-        "ac": "none" if not ac else ("full" if ac == 1 else f"every {ac}"),
+        "ac": "selective (estimated as full: a lower bound)" if selective
+        else "none" if not ac else ("full" if ac == 1 else f"every {ac}"),
         "ac_with": "full" if (ac or 1) == 1 else f"every {ac}", "sharding": mode, "gpu_mem": gpu_mem,
         "tp": shape.tp,
         "modes": modes, "checkpoint_bytes": checkpoint_bytes(

@@ -72,6 +72,15 @@ def stream(items: list[tuple[list[int], list[int]]], dtype: Any) -> tuple[np.nda
     return np.asarray(tokens, dtype=dtype), np.asarray(targets, dtype=np.int64)
 
 
+def record_starts(items: list[tuple[list[int], list[int]]]) -> np.ndarray:
+    """Parallel to `stream`'s tokens: True at each record's first token (where position ids
+    restart, so a packed record attends to itself only)."""
+    starts = np.zeros(sum(len(ids) for ids, _ in items), dtype=bool)
+    if items:
+        starts[np.cumsum([0] + [len(ids) for ids, _ in items[:-1]])] = True
+    return starts
+
+
 def tokenizer_dir(cfg: Any) -> str:
     """`tokenizer`, else init_from when it holds one; one line otherwise."""
     source = cfg.tokenizer or cfg.init_from
@@ -162,6 +171,9 @@ class SftData:
     train_targets: np.ndarray
     eval_targets: np.ndarray
     report: str
+    train_starts: np.ndarray
+    """True at each record's first token (`record_starts`)."""
+    eval_starts: np.ndarray
 
 
 def load_sft(cfg: Any, vocab_size: int) -> SftData:
@@ -190,4 +202,5 @@ def load_sft(cfg: Any, vocab_size: int) -> SftData:
     dtype = np.uint32 if vocab_size > 2**16 else np.uint16
     (tokens, targets), (held_tokens, held_targets) = stream(train_items, dtype), stream(held_items, dtype)
     return SftData(train=tokens, eval=held_tokens, train_targets=targets, eval_targets=held_targets,
-                   report=report)
+                   report=report, train_starts=record_starts(train_items),
+                   eval_starts=record_starts(held_items))

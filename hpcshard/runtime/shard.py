@@ -42,6 +42,9 @@ class ShardPlan:
     """Size-based wrapping when no block class is used."""
     ac_every: int = 0
     """0: no activation checkpointing; K: blocks 0, K, 2K, ... are checkpointed."""
+    ac_selective: bool = False
+    """The checkpointed blocks keep their matmul and attention outputs and recompute the
+    rest (op-level, `selective_context`); False: they keep only their input."""
     compile: bool = False
     """torch.compile each block."""
     cpu_offload: bool = False
@@ -74,6 +77,30 @@ class ShardPlan:
     def offload_policy(self) -> OffloadPolicy:
         # pin_memory needs an accelerator; on CPU-only hosts pinning is meaningless anyway.
         return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if self.cpu_offload else OffloadPolicy()
+
+
+SAVED_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "mm", "addmm", "bmm", "_scaled_mm", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_flash_attention_for_cpu") if hasattr(torch.ops.aten, name))
+"""What selective activation checkpointing keeps for backward: the outputs of matmuls and
+attention, the costly ops to recompute (torchtitan's `_save_list`, less its float8 and
+communication entries; torchtitan also recomputes every second mm, this keeps them all).
+Everything else (norms, activations, elementwise) is recomputed from them."""
+
+
+def _save_matmuls(_ctx: Any, func: Any, *_args: Any, **_kwargs: Any) -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if func in SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def selective_context() -> Any:
+    """A fresh pair of forward and recompute contexts per checkpointed call, as
+    `torch.utils.checkpoint`'s `context_fn` takes them."""
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    return create_selective_checkpoint_contexts(_save_matmuls)
 
 
 def _replace_child(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
@@ -140,7 +167,8 @@ def shard_model(model: nn.Module, mesh: DeviceMesh, plan: ShardPlan) -> list[nn.
         if plan.ac_every and i % plan.ac_every == 0:
             # The wrapper strips its prefix from state-dict keys, so AC on and off
             # checkpoints are interchangeable.
-            wrapped = checkpoint_wrapper(block)
+            wrapped = (checkpoint_wrapper(block, context_fn=selective_context) if plan.ac_selective
+                       else checkpoint_wrapper(block))
             _replace_child(model, block, wrapped)
         if plan.compile:
             wrapped.compile()

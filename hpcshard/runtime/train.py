@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import math
 import os
 import socket
 import time
@@ -30,12 +29,14 @@ from hpcshard.rundir.rankenv import RankEnv
 from hpcshard.runtime.adapters import apply_freeze, apply_lora, frozen, with_adapters
 from hpcshard.runtime.blocks import on_meta
 from hpcshard.runtime.checkpoint import Checkpointer, Loaded, TrainParts, seed_rank
-from hpcshard.runtime.data import GlobalBatches, eval_batch_count, eval_batches, unigram_entropy
-from hpcshard.runtime.device import DistEnv, device_peak_tflops
-from hpcshard.runtime.job import Job, require_tp_plan
+from hpcshard.runtime.data import GlobalBatches, Micro, eval_batch_count, eval_batches, unigram_entropy
+from hpcshard.runtime.device import DistEnv, device_peak_tflops, fused_optimizer
+from hpcshard.runtime.job import Job, require_tp_plan, takes_positions
 from hpcshard.runtime.mesh import build_mesh, dp_mesh, tp_mesh
 from hpcshard.runtime.metrics import Metrics
+from hpcshard.runtime.optim import build_optimizer, job_optimizer, job_schedule, lr_factor
 from hpcshard.runtime.pretrained import Stored, aliases, load_pretrained, match, read_dir
+from hpcshard.runtime.sft import IGNORE
 from hpcshard.runtime.shard import ShardPlan, apply_tp, materialize, shard_model, state_bytes
 from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.straggler import Stragglers, crowded, gather, probe
@@ -43,7 +44,6 @@ from hpcshard.runtime.trackers import Trackers
 from hpcshard.sections import (
     DataSection,
     ModelSection,
-    OptimizerSection,
     Parallel,
     ParallelSection,
     SupervisionSection,
@@ -51,24 +51,35 @@ from hpcshard.sections import (
 
 log = logging.getLogger("hpcshard")
 
-
-def build_optimizer(model: nn.Module, cfg: OptimizerSection) -> torch.optim.AdamW:
-    """AdamW with decay on matrices only: biases and norm gains are not regularised."""
-    trainable = [p for p in model.parameters() if p.requires_grad]  # frozen: no state at all
-    decay = [p for p in trainable if p.ndim >= 2]
-    rest = [p for p in trainable if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": rest, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=True)
+__all__ = ["Hooks", "Past", "Summary", "Trainer", "build_model", "build_optimizer", "clip_grad_norm_",
+           "lr_factor", "stop_time"]
 
 
-def lr_factor(step: int, cfg: OptimizerSection) -> float:
-    """Linear warmup to 1, then cosine decay to min_lr_ratio at the last step."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
-    span = max(1, cfg.steps - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+def all_reduce_at(mode: str, micro: int, count: int) -> bool | None:
+    """Whether micro-batch `micro` of a step's `count` all-reduces its gradients across the
+    replicas (FSDPModule.set_requires_all_reduce), or None where that is not asked. hybrid
+    and none replicate (none: every rank a replica of a shard group of one), so with
+    accumulation only the last micro-batch all-reduces, on the summed gradients; the
+    reduce-scatter inside a shard group still runs every micro-batch (a copy for none).
+    full and grad-op have no replica dimension."""
+    if mode not in ("hybrid", "none") or count < 2:
+        return None
+    return micro == count - 1
+
+
+def learnt_weights(counts: list[int], summed: torch.Tensor, world: int) -> torch.Tensor:
+    """What each micro-batch's mean loss is multiplied by so that the gradients FSDP
+    averages over the data-parallel ranks are those of the mean over every learnt token of
+    the step (all micro-batches, all ranks). `counts`: this rank's learnt tokens per
+    micro-batch; `summed`: the counts all-reduced over all `world` ranks (tensor-parallel
+    ranks share their data, so it is tp times the step's count N).
+
+    Rank r's loss is L_r = sum_i mean_i * n_i * dp / N; FSDP averages gradients over dp,
+    giving the gradient of sum over the step's tokens / N. With dp * tp = world and
+    summed = tp * N, the weight n_i * dp / N is n_i * world / summed. A step with no
+    learnt token at all weighs everything 0."""
+    n = torch.tensor(counts, dtype=torch.float32, device=summed.device)
+    return n * world / summed.clamp(min=1).float()
 
 
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
@@ -195,6 +206,7 @@ def build_model(job: Job, cfg: TrainConfig, env: DistEnv, mesh: DeviceMesh, mode
     flops_per_token = job.flops_per_token(cfg, model)
     plan = ShardPlan(mode=mode, precision=par.precision, block=par.block,
                      block_min_params=par.block_min_params, ac_every=cfg.ac_every(),
+                     ac_selective=cfg.ac_selective(),
                      compile=par.compile, cpu_offload=par.cpu_offload,
                      reduce_dtype=par.reduce_dtype, output_dtype=par.output_dtype,
                      reshard=par.reshard_after_forward, prefetch=par.prefetch)
@@ -237,10 +249,9 @@ class Trainer:
         self.n_params, self.flops_per_token = built.n_params, built.flops_per_token
         self.init_from, self.init_names = built.init_from, built.init_names
         self.params = list(self.model.parameters())
-        opt = OptimizerSection.of(cfg)
-        self.optimizer = build_optimizer(self.model, opt)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_factor(s, opt))
+        self.optimizer = job_optimizer(job, cfg, self.model,
+                                       fused_optimizer(env.device, ParallelSection.of(cfg).cpu_offload))
+        self.scheduler = job_schedule(job, cfg, self.optimizer)
         # fp16 overflows without loss scaling; the sharded scaler agrees on inf/nan across
         # ranks so every shard skips the same step.
         self.scaler = ShardedGradScaler(env.device.type) if cfg.precision == "fp16" else None
@@ -252,8 +263,18 @@ class Trainer:
         self.batches = GlobalBatches(splits.source or splits.train, seq_len=data.seq_len,
                                      batch_size=data.batch_size, micro=self.micro, rank=self.dp_rank,
                                      world=self.dp_world, seed=data.seed, targets=splits.train_targets,
-                                     order=data.data_order, prefetch=data.data_prefetch,
-                                     pin=env.device.type == "cuda")
+                                     starts=splits.train_starts, order=data.data_order,
+                                     prefetch=data.data_prefetch, pin=env.device.type == "cuda")
+        self.masked = splits.train_targets is not None or (
+            splits.source is not None and splits.source.doc_mode == "whole")
+        """The data masks its loss (fine-tuning; whole documents padded): micro-batches are
+        weighed by their learnt tokens (`learnt_weights`); else every token is learnt and
+        they weigh alike."""
+        self.positions = takes_positions(job.loss)
+        """The job's loss takes packed records' position ids (`positions`)."""
+        if splits.train_starts is not None and not self.positions and env.is_main:
+            log.warning("packed records attend across their boundaries: this job's loss takes no "
+                        "`positions` to pass to its model (see docs/user/pretrained.md)")
         self.batches.skip.update(past.skipped)  # an earlier rollback's batches stay skipped
         self.eval_count = eval_batch_count(splits.eval, data.seq_len, data.batch_size,
                                            data.eval_batches) if data.eval_every else 0
@@ -311,25 +332,48 @@ class Trainer:
         unaffected."""
         return loss_parallel() if self.cfg.tp > 1 else nullcontext()
 
-    def _loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = self.job.loss(self.model, self._to_device(x), self._to_device(y))
+    def _loss(self, batch: Micro) -> torch.Tensor:
+        x, y, *rest = batch
+        extra = {"positions": self._to_device(rest[0])} if rest and self.positions else {}
+        loss = self.job.loss(self.model, self._to_device(x), self._to_device(y), **extra)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss  # loss parallel's
+
+    def _learnt(self, micro_batches: list[Micro]) -> tuple[list[int], torch.Tensor | None]:
+        """Learnt tokens per micro-batch (counted on the host, where the batches are made),
+        and what each micro-batch's mean loss is multiplied by: a tensor after one
+        all-reduce of this rank's count (no host sync), or None for unmasked data, whose
+        micro-batches all weigh 1/accum as before."""
+        if not self.masked:
+            return [], None
+        counts = [int((y != IGNORE).sum()) for _, y, *_ in micro_batches]
+        summed = torch.tensor(sum(counts), dtype=torch.int64, device=self.env.device)
+        dist.all_reduce(summed)
+        return counts, learnt_weights(counts, summed, self.env.world)
+
+    def forward_backward(self, micro_batches: list[Micro]) -> torch.Tensor:
+        """Forward and backward over this rank's micro-batches, gradients accumulated (and
+        reduced by FSDP); returns this rank's share of the step's loss."""
+        counts, weights = self._learnt(micro_batches)
+        total = torch.zeros((), device=self.env.device)
+        for i, batch in enumerate(micro_batches):
+            # hybrid and none: the all-reduce across replicas runs once per step, on the
+            # summed gradients (for hybrid the slow links carry 1/accum).
+            sync = all_reduce_at(self.mode, i, len(micro_batches))
+            if sync is not None:
+                assert isinstance(self.model, FSDPModule)
+                self.model.set_requires_all_reduce(sync)
+            with self._loss_parallel():
+                loss = self._loss(batch)
+                loss = loss / len(micro_batches) if weights is None else loss * weights[i]
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            if weights is None or counts[i]:  # (a mean over no token may be nan; it weighs 0)
+                total += loss.detach()
+        return total
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches; returns (loss, grad norm)."""
         self.recent.append(self.batches.upcoming())
-        micro_batches = self.batches.next()
-        total = torch.zeros((), device=self.env.device)
-        for i, (x, y) in enumerate(micro_batches):
-            if self.mode == "hybrid" and len(micro_batches) > 1:
-                # HSDP: reduce-scatter inside the node on every micro-batch, but send the
-                # cross-node all-reduce only once per step: the slow links carry 1/accum.
-                assert isinstance(self.model, FSDPModule)
-                self.model.set_requires_all_reduce(i == len(micro_batches) - 1)
-            with self._loss_parallel():
-                loss = self._loss(x, y) / len(micro_batches)
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
-            total += loss.detach()
+        total = self.forward_backward(self.batches.next())
         if self.ckpt is not None:  # an async save may still be copying the parameters
             self.ckpt.staged()
         if self.scaler:
@@ -353,15 +397,21 @@ class Trainer:
         data, env = self.batching, self.env
         self.model.eval()
         total = torch.zeros(2, device=env.device)
-        for x, y in eval_batches(self.splits.eval, seq_len=data.seq_len, batch_size=data.batch_size,
-                                 micro=self.micro, rank=self.dp_rank, world=self.dp_world,
-                                 count=self.eval_count, targets=self.splits.eval_targets):
+        for batch in eval_batches(self.splits.eval, seq_len=data.seq_len, batch_size=data.batch_size,
+                                  micro=self.micro, rank=self.dp_rank, world=self.dp_world,
+                                  count=self.eval_count, targets=self.splits.eval_targets,
+                                  starts=self.splits.eval_starts):
+            # Masked data: the mean over the learnt tokens, as in training; else over windows.
+            # Every rank runs every forward (FSDP's gathers are collective), weighted or not.
+            weight = int((batch[1] != IGNORE).sum()) if self.masked else len(batch[0])
             with self._loss_parallel():
-                total[0] += self._loss(x, y) * len(x)
-            total[1] += len(x)
+                loss = self._loss(batch)
+            if weight:  # (a mean over no token may be nan)
+                total[0] += loss * weight
+            total[1] += weight
         self.model.train()
         dist.all_reduce(total)
-        return (total[0] / total[1]).item()
+        return (total[0] / total[1].clamp(min=1)).item()
 
     def mean_over_ranks(self, value: torch.Tensor) -> float:
         """A CPU-GPU sync point: only called on logging steps."""

@@ -56,7 +56,7 @@ batch = (0, 0)
 """Where the global batch being trained on starts (epoch, offset)."""
 
 
-def _next(self: GlobalBatches) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _next(self: GlobalBatches) -> list[tuple[torch.Tensor, ...]]:
     global batch
     batch = self.upcoming()
     return _batches_next(self)
