@@ -54,7 +54,7 @@ print(json.dumps({"seconds": wall, "cpu": cpu, "tokens": tokens}))
 
 def make_corpus(folder: Path, mb: float) -> tuple[Path, Path]:
     """The JSONL corpus (about `mb` MB) and its tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from examples.finetune.make_base import byte_bpe
 
     rng = random.Random(0)
     path, size = folder / "corpus.jsonl", 0
@@ -68,13 +68,7 @@ def make_corpus(folder: Path, mb: float) -> tuple[Path, Path]:
             size += len(line)
             if len(sample) < 200:
                 sample.append(text)
-    tok = Tokenizer(models.BPE(unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(sample, trainers.BpeTrainer(
-        vocab_size=8192, special_tokens=["<unk>", "<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok.save(str(folder / "tokenizer.json"))
+    byte_bpe(sample, 8192, ["<unk>", "<|endoftext|>"], unk="<unk>").save(str(folder / "tokenizer.json"))
     return path, folder / "tokenizer.json"
 
 

@@ -22,19 +22,26 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content
                  "{% endfor %}")
 
 
+def byte_bpe(texts: list[str], vocab: int, special: list[str], unk: str | None = None) -> Any:
+    """A byte-level BPE `tokenizers.Tokenizer` of at most `vocab` tokens trained on `texts`
+    (no download), `special` tokens first."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE(unk_token=unk))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab, special_tokens=special, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
 def tiny_tokenizer(out: Path, text: str, vocab: int = 300) -> Any:
     """A byte-level BPE tokenizer of at most `vocab` tokens trained on `text` (no download),
     with an end token and a chat template, saved to `out`."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     special = ["<|eos|>", "<|user|>", "<|assistant|>", "<|system|>"]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=special,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator([text], trainer)
+    tok = byte_bpe([text], vocab, special)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|eos|>",
                                    additional_special_tokens=special[1:])
     fast.chat_template = CHAT_TEMPLATE

@@ -8,8 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-import torch.distributed as dist
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
@@ -42,8 +40,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    from tests.distributed import run_worker
+
+    run_worker(main)

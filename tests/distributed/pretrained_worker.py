@@ -113,8 +113,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    from tests.distributed import run_worker
+
+    run_worker(main)

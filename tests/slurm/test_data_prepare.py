@@ -16,15 +16,9 @@ DONE = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMO
 
 
 def tokenizer(folder: Path) -> Path:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from examples.finetune.make_base import byte_bpe
 
-    fast = Tokenizer(models.BPE(unk_token="<unk>"))
-    fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    fast.decoder = decoders.ByteLevel()
-    fast.train_from_iterator(TEXTS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    fast.save(str(folder / "tokenizer.json"))
+    byte_bpe(TEXTS, 300, ["<unk>", "<|endoftext|>"], unk="<unk>").save(str(folder / "tokenizer.json"))
     return folder / "tokenizer.json"
 
 

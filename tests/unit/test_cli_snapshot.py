@@ -49,6 +49,16 @@ def repo(tmp_path: Path) -> Path:
     return root
 
 
+def copied(job: Path, run: Path) -> tuple[RunSpec, snapshot.Snapshot]:
+    """A run of `job` in `run` (made here) with its copy written, as `schedule` leaves it."""
+    run.mkdir(parents=True)
+    spec = RunSpec(job=str(job), sets={}, nodes=1, gpus=1, backend="local", name="r")
+    snap = snapshot.take(str(job), module=False, limit_mb=10)
+    snapshot.write(snap, run, spec)
+    spec.write(run)
+    return spec, snap
+
+
 def test_a_git_workspace_is_copied_whole_with_its_commit_diff_and_versions(
         repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(repo)
@@ -168,13 +178,8 @@ def test_a_request_asks_for_a_snapshot_its_check_takes_and_its_schedule_writes(
 
 
 def test_resume_keeps_the_runs_copy_or_takes_the_current_code(repo: Path, tmp_path: Path) -> None:
-    job = repo / "jobs" / "train.py"
-    run = tmp_path / "run"
-    run.mkdir()
-    spec = RunSpec(job=str(job), sets={}, nodes=1, gpus=1, backend="local", name="r")
-    first = snapshot.take(str(job), module=False, limit_mb=10)
-    snapshot.write(first, run, spec)
-    spec.write(run)
+    job, run = repo / "jobs" / "train.py", tmp_path / "run"
+    spec, first = copied(job, run)
     kept = request.again(RunSpec.read(run), run)
     assert kept.ask is None and kept.spec.code == spec.code
     (repo / "jobs" / "helper.py").write_text("TAG = 'B'\n")
@@ -278,11 +283,7 @@ def test_a_copy_that_fails_on_a_full_disk_is_one_line_and_leaves_nothing(
 
 def test_a_moved_run_directory_finds_its_copy(repo: Path, tmp_path: Path) -> None:
     run = tmp_path / "a" / "run"
-    run.mkdir(parents=True)
-    job = repo / "jobs" / "train.py"
-    spec = RunSpec(job=str(job), sets={}, nodes=1, gpus=1, backend="local", name="r")
-    snapshot.write(snapshot.take(str(job), module=False, limit_mb=10), run, spec)
-    spec.write(run)
+    copied(repo / "jobs" / "train.py", run)
     moved = tmp_path / "b"
     run.parent.rename(moved)
     again = RunSpec.read(moved / "run")
@@ -292,23 +293,15 @@ def test_a_moved_run_directory_finds_its_copy(repo: Path, tmp_path: Path) -> Non
 
 
 def test_resume_with_live_code_imports_the_source_again(repo: Path, tmp_path: Path) -> None:
-    job = repo / "jobs" / "train.py"
-    run = tmp_path / "run"
-    run.mkdir()
-    spec = RunSpec(job=str(job), sets={}, nodes=1, gpus=1, backend="local", name="r")
-    snapshot.write(snapshot.take(str(job), module=False, limit_mb=10), run, spec)
-    spec.write(run)
+    job, run = repo / "jobs" / "train.py", tmp_path / "run"
+    copied(job, run)
     live = request.again(RunSpec.read(run), run, code="live")
     assert live.spec.job == str(job) and live.spec.code is None and live.ask is None
 
 
 def test_the_preflight_checks_the_workspace_the_snapshot_was_taken_of(repo: Path, tmp_path: Path) -> None:
     job = repo / "jobs" / "train.py"
-    run = tmp_path / "run"
-    run.mkdir()
-    spec = RunSpec(job=str(job), sets={}, nodes=1, gpus=1, backend="local", name="r")
-    first = snapshot.take(str(job), module=False, limit_mb=10)
-    snapshot.write(first, run, spec)
+    spec, _ = copied(job, tmp_path / "run")
     current = snapshot.take(str(job), module=False, limit_mb=10)
     assert request._code(spec, current) == {"job": str(job), "path": current.live}
     assert request._code(spec, None) == {"job": spec.job, "path": list(spec.code.path)}  # type: ignore[union-attr]

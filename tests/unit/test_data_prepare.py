@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from examples.finetune.make_base import byte_bpe
 from hpcshard.cli import main
 from hpcshard.runtime import prepare as prep
 from hpcshard.runtime.sources import SourceSpec, Tokenizer
@@ -26,17 +27,8 @@ TEXTS = [f"doc {i}: the quick brown fox jumps over the lazy dog, {'again ' * (i 
 @pytest.fixture(scope="module")
 def tok(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A byte-level BPE of 300 ids with <|endoftext|>, trained on the test's own text."""
-    from tokenizers import Tokenizer as Fast
-    from tokenizers import decoders, models, pre_tokenizers, trainers
-
-    fast = Fast(models.BPE(unk_token="<unk>"))
-    fast.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    fast.decoder = decoders.ByteLevel()
-    fast.train_from_iterator(TEXTS, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>", "<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    fast.save(str(path))
+    byte_bpe(TEXTS, 300, ["<unk>", "<|endoftext|>"], unk="<unk>").save(str(path))
     return path
 
 
