@@ -14,6 +14,7 @@ from bench import (
     coord_scale,
     data,
     faults,
+    loss,
     nfs,
     nodes,
     overhead,
@@ -31,7 +32,7 @@ BENCHES = {"overhead": overhead, "checkpoint": checkpoint, "resume": resume, "re
            "cli": cli_latency, "scaling": scaling, "faults": faults,
            "nodes": nodes, "chaos": chaos, "tp": tp, "pretrained": pretrained, "owner": owner,
            "control": control, "coord": coord_scale, "nfs": nfs, "data": data,
-           "prepare": prepare}
+           "prepare": prepare, "loss": loss}
 
 
 def main(names: list[str]) -> int:
