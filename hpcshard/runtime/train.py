@@ -8,7 +8,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, closing, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -591,7 +591,9 @@ class Trainer:
         loss, eval_loss, reason = float("nan"), None, "done"
         last_t, last_step = time.perf_counter(), self.step
         self.batches.wait_taken()
-        with metrics.progress(start=self.step) as bar:
+        # the loader's thread stops however the loop ends (an exception included); what it
+        # prepared beyond the last step is dropped
+        with metrics.progress(start=self.step) as bar, closing(self.batches):
             while self.step < cfg.steps:
                 self.hooks.report("step", self.step)
                 first = self.state_bytes is None
@@ -632,7 +634,6 @@ class Trainer:
                 if ended:
                     reason = ended
                     break
-        self.batches.close()  # what the loader prepared beyond the last step is dropped
         saved = -1
         if self.ckpt is not None:
             if reason == "done":
