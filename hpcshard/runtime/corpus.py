@@ -253,6 +253,8 @@ class Corpus:
 
     def read_raw(self, start: int, length: int) -> np.ndarray:
         """Tokens [start, start + length) in the shards' own dtype (a view when in one shard)."""
+        if length <= 0:
+            return np.empty(0, dtype=self.shards[-1].dtype)
         k = int(np.searchsorted(self.starts, start, side="right")) - 1
         at = start - int(self.starts[k])
         if at + length <= self.shards[k].tokens:
@@ -341,13 +343,21 @@ class Blend:
     def held_out(self) -> np.ndarray:
         """The held-out tails of the sources, each trimmed to the shortest's length and
         interleaved EVAL_CHUNK tokens at a time, so however little evaluation reads, every
-        source is in it alike (one source: its tail as it is)."""
+        source that holds one is in it alike (one source: its tail as it is)."""
         if len(self.sources) == 1:
             return self.sources[0].corpus.held_out()
-        tails = [s.corpus.held_out() for s in self.sources]
-        length = min(len(t) for t in tails)
+        tails = [t for t in (s.corpus.held_out() for s in self.sources) if len(t)]  # (a tiny one holds none)
+        length = min((len(t) for t in tails), default=0)
         chunks = [t[k: min(k + EVAL_CHUNK, length)] for k in range(0, length, EVAL_CHUNK) for t in tails]
         return np.concatenate(chunks)
+
+    def fingerprint(self) -> dict:
+        """What decides the samples (with seq_len and the order): each source's directories,
+        sizes and weight, and doc_mode. A checkpoint records it; a resume compares it."""
+        return {"doc_mode": self.doc_mode, "sources": [
+            {"name": s.name, "dirs": sorted({str(sh.bin.parent) for sh in s.corpus.shards}),
+             "tokens": s.corpus.tokens, "documents": int(s.corpus.doc_starts[-1]),
+             "weight": f"{s.weight.numerator}/{s.weight.denominator}"} for s in self.sources]}
 
     def report(self) -> str:
         return ", ".join(f"{s.name} ({s.corpus.tokens:,} tokens, weight {float(s.weight):.3g})"
@@ -362,6 +372,8 @@ def parse_sources(value: str, root: str = "") -> list[tuple[str, list[Path], Fra
     if value.endswith(".toml") and (base / value).is_file():
         return _toml_sources(base / value)
     path = Path(value) if Path(value).is_absolute() else base / value
+    if not path.exists() and Path(value).exists():  # text is read from the working directory
+        path = Path(value)
     if path.exists():  # a path first: a comma or a ":2" in its name makes no mixture
         if path.is_dir() and is_prepared(path):
             return [(value, [path], Fraction(1))]

@@ -19,7 +19,14 @@ import torch
 from hpcshard.config import TrainConfig
 from hpcshard.errors import UserError
 from hpcshard.runtime.corpus import IGNORE, Corpus, Windows, load_blend, parse_sources
-from hpcshard.runtime.data import DataConfig, GlobalBatches, eval_batches, load_splits
+from hpcshard.runtime.data import (
+    DataConfig,
+    GlobalBatches,
+    data_changes,
+    data_fingerprint,
+    eval_batches,
+    load_splits,
+)
 from hpcshard.runtime.loader import Ahead
 from hpcshard.runtime.order import Mixed, Ordered, Permutation, split
 
@@ -419,9 +426,12 @@ def test_a_tiny_weight_is_sampled_not_rounded_away(corpora: Path) -> None:
 
 
 @pytest.mark.parametrize("name", ["notes,v2.txt", "log:2", "a,b:0.5"])
-def test_a_text_path_with_a_comma_or_a_colon_is_that_path(tmp_path: Path, name: str) -> None:
+def test_a_text_path_with_a_comma_or_a_colon_is_that_path(tmp_path: Path, name: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     (tmp_path / name).write_text("hello world " * 200)
-    for data, root in ((str(tmp_path / name), ""), (name, str(tmp_path))):
+    (tmp_path / "corpora").mkdir()
+    monkeypatch.chdir(tmp_path)  # text is read from the working directory, whatever data_root says
+    for data, root in ((str(tmp_path / name), ""), (name, str(tmp_path)), (name, "corpora")):
         assert parse_sources(data, root) is None
     splits = load_splits(DataConfig(data=str(tmp_path / name)))
     assert splits.source is None and splits.vocab_size == 256 and len(splits.train) + len(splits.eval) == 2400
@@ -481,3 +491,46 @@ def test_the_loader_hands_a_failed_fetch_to_the_loop() -> None:
         ahead.take((0, 8))
     ahead.close()
     assert ahead.thread.daemon
+
+
+def test_a_resume_onto_changed_data_is_refused_unless_accepted(corpora: Path) -> None:
+    """The position is two integers: on other data (a glob gained a directory, a weight was
+    edited) it silently meant other samples."""
+    from types import SimpleNamespace
+
+    from hpcshard.runtime.checkpoint import Loaded
+    from hpcshard.runtime.train import Trainer
+
+    def fingerprint(data: str, **sets: Any) -> dict | None:
+        splits = load_splits(DataConfig(data=data, data_root=str(corpora), vocab_size=1000, **sets))
+        return data_fingerprint(splits, 64, "feistel")
+
+    saved = fingerprint("web*:0.7,code:0.3")
+    assert saved is not None and json.loads(json.dumps(saved)) == saved  # what the manifest holds
+    assert data_changes(saved, fingerprint("web*:0.7,code:0.3")) == ""
+    assert data_changes(None, fingerprint("web*:0.7,code:0.3")) == ""  # a checkpoint from before
+    assert "source 'code' weight '3/10' -> '1/5'" in data_changes(saved, fingerprint("web*:0.8,code:0.2"))
+    assert "doc_mode 'stream' -> 'whole'" in data_changes(saved, fingerprint("web*:0.7,code:0.3",
+                                                                             doc_mode="whole"))
+    write_corpus(corpora / "web2", documents(30, 100))
+    grown = fingerprint("web*:0.7,code:0.3")
+    assert "source 'web*' dirs" in data_changes(saved, grown) and "tokens" in data_changes(saved, grown)
+    assert data_fingerprint(load_splits(DataConfig(data="", vocab_size=1000)), 64, "feistel") is None
+
+    loaded = Loaded(step=8, path="/run/checkpoints/step-8", skipped=[], world_changed=False,
+                    manifest={"data": saved})
+    for accept, refused in ((False, True), (True, False)):
+        trainer = SimpleNamespace(data_fingerprint=grown, splits=SimpleNamespace(accept_changed=accept),
+                                  env=SimpleNamespace(is_main=True))
+        if refused:
+            with pytest.raises(UserError) as err:
+                Trainer._same_data(trainer, loaded)  # type: ignore[arg-type]
+            assert "the data differs from what step-8 was trained on" in str(err.value)
+            assert "data_changed=accept" in str(err.value) and "\n" not in str(err.value)
+        else:
+            Trainer._same_data(trainer, loaded)  # type: ignore[arg-type]
+    accepted = load_splits(DataConfig(data="web", data_root=str(corpora), data_changed="accept"),
+                           vocab_size=1000)
+    assert accepted.accept_changed
+    with pytest.raises(UserError, match="data_changed='maybe' is not valid"):
+        load_splits(DataConfig(data="web", data_root=str(corpora), data_changed="maybe"), vocab_size=1000)
