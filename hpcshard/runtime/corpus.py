@@ -5,7 +5,10 @@ A prepared corpus is a directory: `manifest.json` ({"format": "hpcshard-tokens",
 and per shard `NAME.bin` (the tokens, little-endian, documents concatenated) and `NAME.idx`
 (little-endian int64, each document's first token in the shard, then the shard's length).
 Every file is memory-mapped and read a window at a time: a rank's memory does not grow
-with the corpus, only with its number of shards (a few integers each).
+with the corpus, only with its number of shards (a few integers each). At most MAX_OPEN
+files are mapped at once (the least recently read is unmapped), so a corpus of any number
+of shards stays within the open-file and map-count limits; each file is checked against its
+manifest when first opened, not all at startup.
 
 `data` names the sources (`parse_sources`): a prepared directory, or a glob of them (one
 source); a mixture `NAME_OR_PATH:WEIGHT,...`; or a TOML file with `[sources.NAME]` tables
@@ -17,11 +20,14 @@ from __future__ import annotations
 import glob
 import json
 import math
+import threading
 import tomllib
+from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -36,15 +42,61 @@ value as fine-tuning's, runtime.sft)."""
 HELD_OUT = 1 << 20
 """At most this many tokens at the end of a corpus are held out for evaluation (5% of
 its last shard when that is less)."""
+EVAL_CHUNK = 1024
+"""A mixture's held-out tails are interleaved this many tokens at a time (`Blend.held_out`)."""
+
+
+MAX_OPEN = 64
+"""At most this many shard files are memory-mapped at once (each map holds a file
+descriptor and a map: a corpus of 1e5 shards would pass both limits)."""
 
 
 def is_prepared(path: Path) -> bool:
-    return (path / "manifest.json").is_file()
+    """A directory `hpcshard data prepare` wrote (a manifest.json that names our format; a
+    stray manifest.json of something else leaves a text directory text)."""
+    manifest = path / "manifest.json"
+    if not manifest.is_file():
+        return False
+    try:
+        with manifest.open("rb") as f:
+            head = f.read(1 << 16)
+    except OSError:
+        return True  # ours or not, reading it fails: read_manifest says so in one line
+    return FORMAT.encode() in head
+
+
+class _Maps:
+    """The shard files mapped now, least recently read first (at most MAX_OPEN; the loader's
+    thread reads too, hence the lock). A file is checked against its manifest the first
+    time it is opened."""
+
+    def __init__(self) -> None:
+        self.open: OrderedDict[tuple[Shard, str], np.ndarray] = OrderedDict()
+        self.checked: set[tuple[Shard, str]] = set()
+        self.lock = threading.Lock()
+
+    def get(self, shard: Shard, kind: str) -> np.ndarray:
+        key = (shard, kind)
+        with self.lock:
+            found = self.open.get(key)
+            if found is not None:
+                self.open.move_to_end(key)
+                return found
+        array = shard.map(kind, check=key not in self.checked)
+        with self.lock:
+            self.checked.add(key)
+            self.open[key] = array
+            while len(self.open) > MAX_OPEN:
+                self.open.popitem(last=False)  # unmapped once the last reader drops it
+        return array
+
+
+MAPS = _Maps()
 
 
 @dataclass(frozen=True)
 class Shard:
-    """One shard of a prepared corpus: its files and sizes (read lazily)."""
+    """One shard of a prepared corpus: its files and sizes (mapped lazily, `MAPS`)."""
 
     bin: Path
     idx: Path
@@ -52,13 +104,36 @@ class Shard:
     documents: int
     dtype: np.dtype
 
-    @cached_property
+    @property
     def data(self) -> np.ndarray:
-        return np.memmap(self.bin, dtype=self.dtype, mode="r", shape=(self.tokens,))
+        return MAPS.get(self, "data")
 
-    @cached_property
+    @property
     def offsets(self) -> np.ndarray:
-        return np.memmap(self.idx, dtype="<i8", mode="r", shape=(self.documents + 1,))
+        return MAPS.get(self, "offsets")
+
+    def map(self, kind: str, check: bool) -> np.ndarray:
+        """The tokens or the document offsets, memory-mapped; `check`: their size against
+        the manifest first, and the offsets' values (one line naming the file)."""
+        path, dtype, count = ((self.bin, self.dtype, self.tokens) if kind == "data"
+                              else (self.idx, np.dtype("<i8"), self.documents + 1))
+        if check:
+            try:
+                size = path.stat().st_size
+            except FileNotFoundError:
+                raise UserError(f"{path} is missing; prepare the corpus again with "
+                                "`hpcshard data prepare`") from None
+            if size != count * dtype.itemsize:
+                raise UserError(f"{path} holds {size} bytes, its manifest says {count * dtype.itemsize}; "
+                                "the corpus is damaged or still being written: prepare it again")
+        array = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+        if check and kind == "offsets":
+            first, last = int(array[0]), int(array[-1])
+            if first != 0 or last != self.tokens or bool((np.diff(array) < 0).any()):
+                raise UserError(f"{path}: its document offsets are not 0, non-decreasing, up to the "
+                                f"shard's {self.tokens} tokens (first {first}, last {last}); the corpus is "
+                                "damaged: prepare it again")
+        return array
 
 
 def read_manifest(folder: Path) -> dict:
@@ -69,12 +144,50 @@ def read_manifest(folder: Path) -> dict:
     except (OSError, ValueError) as err:
         raise UserError(f"{path}: not a readable manifest ({err}); prepare the corpus again "
                         "with `hpcshard data prepare`") from None
+    if not isinstance(manifest, dict):
+        raise UserError(f"{path}: a {type(manifest).__name__}, not an object; the corpus is damaged: "
+                        "prepare it again with `hpcshard data prepare`")
     if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
         raise UserError(f"{path}: format {manifest.get('format')!r} version {manifest.get('version')!r} "
                         f"is not {FORMAT!r} version {VERSION}; prepare it with `hpcshard data prepare`")
     if manifest.get("dtype") not in DTYPES:
         raise UserError(f"{path}: dtype {manifest.get('dtype')!r} is not one of {', '.join(DTYPES)}")
+    _field(path, manifest, "vocab_size", _count, "a positive integer", positive=True)
+    _field(path, manifest, "tokens", _count, "an integer")
+    if manifest.get("eos_id") is not None:
+        _field(path, manifest, "eos_id", _count, "an integer or null")
+    shards = _field(path, manifest, "shards", lambda v: isinstance(v, list), "a list")
+    for k, entry in enumerate(shards):
+        where = f"shards[{k}]"
+        if not isinstance(entry, dict):
+            raise UserError(f"{path}: {where} is {entry!r}, not an object; the corpus is damaged: "
+                            "prepare it again")
+        _field(path, entry, "name", lambda v: isinstance(v, str) and bool(v) and "/" not in v and v[0] != ".",
+               "a file name", where=where)
+        _field(path, entry, "tokens", _count, "an integer", where=where)
+        _field(path, entry, "documents", _count, "an integer", where=where)
+    if sum(e["tokens"] for e in shards) != manifest["tokens"]:
+        raise UserError(f"{path}: its shards hold {sum(e['tokens'] for e in shards)} tokens, its "
+                        f"`tokens` says {manifest['tokens']}; the corpus is damaged: prepare it again")
     return manifest
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _field(path: Path, table: dict, name: str, valid: Callable[[Any], bool], what: str, where: str = "",
+           positive: bool = False) -> Any:
+    """table[name], or one line naming the file and the field when it is missing or not `what`."""
+    label = f"{where}.{name}" if where else name
+    if name not in table:
+        raise UserError(f"{path}: {label} is missing; the corpus is damaged: prepare it again with "
+                        "`hpcshard data prepare`")
+    value = table[name]
+    if not valid(value) or (positive and not value):
+        raise UserError(f"{path}: {label} is {json.dumps(value)}, not {what}; the corpus is damaged: "
+                        "prepare it again with `hpcshard data prepare`")
+    return value
 
 
 class Corpus:
@@ -86,15 +199,19 @@ class Corpus:
         self.name = name or str(folders[0])
         self.shards: list[Shard] = []
         self.vocab_size, self.eos_id = 0, None
+        self.tokenizer: Tokenization | None = None
+        """What every folder was prepared with (`same_tokenizer`), and the first folder."""
         for folder in folders:
             manifest = read_manifest(folder)
-            self.vocab_size = max(self.vocab_size, int(manifest["vocab_size"]))
-            self.eos_id = manifest.get("eos_id")
+            mine = Tokenization.of(manifest, folder)
+            if self.tokenizer is None:
+                self.tokenizer = mine
+            self.tokenizer.same_as(mine)
+            self.vocab_size, self.eos_id = mine.vocab_size, mine.eos_id
             dtype = DTYPES[manifest["dtype"]]
-            for entry in manifest["shards"]:
+            for entry in manifest["shards"]:  # files checked when first read (`Shard.map`)
                 shard = Shard(folder / f"{entry['name']}.bin", folder / f"{entry['name']}.idx",
                               int(entry["tokens"]), int(entry["documents"]), dtype)
-                _check_shard(shard)
                 if shard.tokens:
                     self.shards.append(shard)
         if not self.shards:
@@ -134,18 +251,44 @@ class Corpus:
         lo, hi = self.shards[k].offsets[d - int(self.doc_starts[k]): d - int(self.doc_starts[k]) + 2]
         return int(self.starts[k]) + int(lo), int(hi - lo)
 
+    def read_raw(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start + length) in the shards' own dtype (a view when in one shard)."""
+        if length <= 0:
+            return np.empty(0, dtype=self.shards[-1].dtype)
+        k = int(np.searchsorted(self.starts, start, side="right")) - 1
+        at = start - int(self.starts[k])
+        if at + length <= self.shards[k].tokens:
+            return self.shards[k].data[at: at + length]
+        return self.read(start, length).astype(self.shards[k].dtype)
+
     def held_out(self) -> np.ndarray:
-        return self.read(self.train_tokens, self.tokens - self.train_tokens)
+        return self.read_raw(self.train_tokens, self.tokens - self.train_tokens)
 
 
-def _check_shard(shard: Shard) -> None:
-    expected = ((shard.bin, shard.tokens * shard.dtype.itemsize), (shard.idx, (shard.documents + 1) * 8))
-    for path, size in expected:
-        if not path.is_file():
-            raise UserError(f"{path} is missing; prepare the corpus again with `hpcshard data prepare`")
-        if path.stat().st_size != size:
-            raise UserError(f"{path} holds {path.stat().st_size} bytes, its manifest says {size}; "
-                            "the corpus is damaged or still being written: prepare it again")
+@dataclass(frozen=True)
+class Tokenization:
+    """What a prepared folder's tokens mean: its vocabulary, tokenizer and end of text."""
+
+    folder: Path
+    vocab_size: int
+    sha256: object
+    eos_id: object
+
+    @classmethod
+    def of(cls, manifest: dict, folder: Path) -> Tokenization:
+        tok = manifest.get("tokenizer")
+        return cls(folder, int(manifest["vocab_size"]), tok.get("sha256") if isinstance(tok, dict) else None,
+                   manifest.get("eos_id"))
+
+    def same_as(self, other: Tokenization) -> None:
+        """One line naming both folders when `other` was prepared otherwise: the same ids
+        would mean different text."""
+        for what, a, b in (("vocabulary size", self.vocab_size, other.vocab_size),
+                           ("tokenizer (sha256)", self.sha256, other.sha256),
+                           ("eos_id", self.eos_id, other.eos_id)):
+            if a != b:
+                raise UserError(f"{self.folder} and {other.folder} were prepared with a different {what} "
+                                f"({a!r} and {b!r}); prepare every source with the same tokenizer")
 
 
 class Windows:
@@ -198,8 +341,23 @@ class Blend:
         return max(s.corpus.vocab_size for s in self.sources)
 
     def held_out(self) -> np.ndarray:
-        """The held-out tail of every source, one after another."""
-        return np.concatenate([s.corpus.held_out() for s in self.sources])
+        """The held-out tails of the sources, each trimmed to the shortest's length and
+        interleaved EVAL_CHUNK tokens at a time, so however little evaluation reads, every
+        source that holds one is in it alike (one source: its tail as it is)."""
+        if len(self.sources) == 1:
+            return self.sources[0].corpus.held_out()
+        tails = [t for t in (s.corpus.held_out() for s in self.sources) if len(t)]  # (a tiny one holds none)
+        length = min((len(t) for t in tails), default=0)
+        chunks = [t[k: min(k + EVAL_CHUNK, length)] for k in range(0, length, EVAL_CHUNK) for t in tails]
+        return np.concatenate(chunks)
+
+    def fingerprint(self) -> dict:
+        """What decides the samples (with seq_len and the order): each source's directories,
+        sizes and weight, and doc_mode. A checkpoint records it; a resume compares it."""
+        return {"doc_mode": self.doc_mode, "sources": [
+            {"name": s.name, "dirs": sorted({str(sh.bin.parent) for sh in s.corpus.shards}),
+             "tokens": s.corpus.tokens, "documents": int(s.corpus.doc_starts[-1]),
+             "weight": f"{s.weight.numerator}/{s.weight.denominator}"} for s in self.sources]}
 
     def report(self) -> str:
         return ", ".join(f"{s.name} ({s.corpus.tokens:,} tokens, weight {float(s.weight):.3g})"
@@ -213,6 +371,14 @@ def parse_sources(value: str, root: str = "") -> list[tuple[str, list[Path], Fra
     base = Path(root or ".")
     if value.endswith(".toml") and (base / value).is_file():
         return _toml_sources(base / value)
+    path = Path(value) if Path(value).is_absolute() else base / value
+    if not path.exists() and Path(value).exists():  # text is read from the working directory
+        path = Path(value)
+    if path.exists():  # a path first: a comma or a ":2" in its name makes no mixture
+        if path.is_dir() and is_prepared(path):
+            return [(value, [path], Fraction(1))]
+        _unfinished(path)
+        return None
     if "," in value or _weighted(value):
         out = []
         for entry in value.split(","):
@@ -242,18 +408,38 @@ def _weight(name: str, text: object) -> Fraction:
     if not (math.isfinite(weight) and weight > 0):
         raise UserError(f"data source {name!r} has weight {text!r}; a weight must be a positive "
                         "number (weights are normalised: web:7,code:3 is web:0.7,code:0.3)")
-    return Fraction(str(weight)).limit_denominator(10**6)
+    return Fraction(str(weight))  # exact: normalising never rounds a small weight to 0
 
 
 def _folders(pattern: str, base: Path, required: bool = True) -> list[Path]:
     """The prepared directories a source's path (or glob) names, sorted."""
     full = pattern if Path(pattern).is_absolute() else str(base / pattern)
-    found = sorted(Path(p) for p in glob.glob(full) if is_prepared(Path(p)))
+    matches = [Path(p) for p in glob.glob(full)]
+    found = sorted(p for p in matches if is_prepared(p))
+    for p in matches:
+        if p not in found:
+            _unfinished(p)
     if not found and required:
         raise UserError(f"data source {pattern!r} names no prepared corpus (a directory with a "
                         f"manifest.json under {str(base)!r}); prepare it with `hpcshard data prepare` "
                         "or fix the path")
     return found
+
+
+def _unfinished(path: Path) -> None:
+    """One line when a directory without a manifest is a corpus being prepared (or whose
+    preparation stopped: the manifest is written last) or holds prepared corpora below it:
+    read as text, its tokens would train as bytes."""
+    if not path.is_dir():
+        return
+    if (path / ".prepare").exists() or any(path.glob("shard-*.bin")) or any(path.glob("shard-*.idx")):
+        raise UserError(f"data directory {str(path)!r} has no manifest.json: its preparation did not "
+                        "finish; run `hpcshard data prepare` again (it goes on where it stopped), then train")
+    below = sorted(p.parent.name for p in path.glob("*/manifest.json") if is_prepared(p.parent))
+    if below:
+        raise UserError(f"data directory {str(path)!r} is no prepared corpus, its subdirectories "
+                        f"{', '.join(below[:3])}{', ...' if len(below) > 3 else ''} are: name them "
+                        f"(data={str(path)}/* for all as one source, or a mixture NAME:WEIGHT,...)")
 
 
 def _toml_sources(path: Path) -> list[tuple[str, list[Path], Fraction]]:
@@ -289,9 +475,7 @@ def load_blend(value: str, root: str = "", doc_mode: str = "stream") -> Blend | 
         return None
     total = sum(w for _, _, w in parsed)
     sources = tuple(Source(name, Corpus(folders, name), w / total) for name, folders, w in parsed)
-    vocabs = {s.corpus.vocab_size for s in sources}
-    if len(vocabs) > 1:
-        sizes = ", ".join(map(str, sorted(vocabs)))
-        raise UserError(f"the data sources have different vocabulary sizes ({sizes}); prepare every "
-                        "source with the same tokenizer")
+    for s in sources[1:]:
+        assert sources[0].corpus.tokenizer is not None and s.corpus.tokenizer is not None
+        sources[0].corpus.tokenizer.same_as(s.corpus.tokenizer)
     return Blend(sources, doc_mode)

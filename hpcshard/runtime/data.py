@@ -28,6 +28,7 @@ from hpcshard.runtime.loader import Ahead
 from hpcshard.runtime.order import positions, sampler
 
 TOKEN_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
+DATA_CHANGED = ("refuse", "accept")
 
 
 @dataclass(kw_only=True)
@@ -64,6 +65,11 @@ class DataConfig:
     """Held-out JSONL for `sft`; empty: every 20th good record of `sft`."""
     tokenizer: str = ""
     """A local tokenizer directory for `sft`; empty: init_from's."""
+    data_changed: str = "refuse"
+    """What a resume does when the prepared corpora differ from what its checkpoint was
+    trained on (a glob matches another directory, a weight or doc_mode was edited, a
+    source grew): refuse (one line saying what changed) | accept (train on from the saved
+    position; the samples from there differ from those the run would have trained)."""
 
 
 def load_splits(cfg: DataConfig, vocab_size: int | None = None) -> DataSplits:
@@ -87,6 +93,9 @@ def load_splits(cfg: DataConfig, vocab_size: int | None = None) -> DataSplits:
                               vocab_size=vocab)
         cut = int(len(train) * 0.95)
         return DataSplits(train=train[:cut], eval=train[cut:], vocab_size=vocab)
+    if cfg.data_changed not in DATA_CHANGED:
+        raise UserError(f"data_changed={cfg.data_changed!r} is not valid; choose one of: "
+                        f"{', '.join(DATA_CHANGED)}")
     blend = load_blend(cfg.data, cfg.data_root, cfg.doc_mode) if cfg.data else None
     if blend is not None:
         vocab = vocab_size or cfg.vocab_size
@@ -97,7 +106,7 @@ def load_splits(cfg: DataConfig, vocab_size: int | None = None) -> DataSplits:
                             f"tokens, more than the model's {vocab}; {fix}")
         first = blend.sources[0].corpus
         return DataSplits(train=first.shards[0].data, eval=blend.held_out(), vocab_size=vocab,
-                          source=blend, report=blend.report())
+                          source=blend, report=blend.report(), accept_changed=cfg.data_changed == "accept")
     if cfg.doc_mode != "stream":
         if cfg.doc_mode not in DOC_MODES:
             raise UserError(f"doc_mode={cfg.doc_mode!r} is not valid; choose one of: {', '.join(DOC_MODES)}")
@@ -127,12 +136,40 @@ class DataSplits:
     eval_starts: np.ndarray | None = None
     source: Blend | None = None
     """Prepared corpora or their mixture: the batches come from it, not from `train`."""
+    accept_changed: bool = False
+    """data_changed=accept: a resume trains on when the corpora differ from its checkpoint's."""
 
     @property
     def train_tokens(self) -> int:
         if self.source is None:
             return len(self.train)
         return sum(s.corpus.train_tokens for s in self.source.sources)
+
+
+def data_fingerprint(splits: DataSplits, seq_len: int, order: str) -> dict | None:
+    """What decides a run's samples from prepared corpora, for its checkpoints' manifests
+    (None for other data: its checkpoints record none)."""
+    if splits.source is None:
+        return None
+    return {**splits.source.fingerprint(), "seq_len": seq_len, "data_order": order}
+
+
+def data_changes(saved: dict | None, now: dict | None) -> str:
+    """What differs between a checkpoint's data fingerprint and this start's, in words
+    ("" when nothing does, or the checkpoint recorded none: one written before it was)."""
+    if saved is None or saved == now:
+        return ""
+    if now is None:
+        return "it trained on prepared corpora, this start reads other data"
+    said = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in now if k != "sources" and saved.get(k) != now[k]]
+    old = {s.get("name"): s for s in saved.get("sources", [])}
+    new = {s["name"]: s for s in now["sources"]}
+    said += [f"source {n!r} gone" for n in old if n not in new]
+    said += [f"source {n!r} added" for n in new if n not in old]
+    for n in (n for n in new if n in old):
+        said += [f"source {n!r} {k} {old[n].get(k)!r} -> {v!r}"
+                 for k, v in new[n].items() if old[n].get(k) != v]
+    return "; ".join(said) or "the sources' order"
 
 
 def stdlib_sources() -> list[Path]:

@@ -9,8 +9,10 @@ start no longer comes next are dropped, and the loop reads its own.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Generic, TypeVar
 
 Key = tuple[int, int]
@@ -19,12 +21,27 @@ T = TypeVar("T")
 
 class Ahead(Generic[T]):
     """Runs `fetch(epoch, offset)` for the starts `plan` names, one at a time, in one
-    thread; `take` returns a planned result, or fetches in the caller when none was."""
+    thread; `take` returns a planned result, or fetches in the caller when none was.
+
+    The thread is a daemon: a read blocked on a hung file system cannot keep the rank's
+    process from exiting (what it was preparing is dropped anyway)."""
 
     def __init__(self, fetch: Callable[[int, int], T]) -> None:
         self.fetch = fetch
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="hpcshard-data")
         self.queued: dict[Key, Future[T]] = {}
+        self.todo: queue.SimpleQueue[tuple[Key, Future[T]] | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._work, name="hpcshard-data", daemon=True)
+        self.thread.start()
+
+    def _work(self) -> None:
+        while (job := self.todo.get()) is not None:
+            key, future = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(self.fetch(*key))
+            except BaseException as err:  # handed to `take`, which raises it in the loop
+                future.set_exception(err)
 
     def take(self, key: Key) -> T:
         future = self.queued.pop(key, None)
@@ -36,10 +53,12 @@ class Ahead(Generic[T]):
             self.queued.pop(stale).cancel()
         for key in keys:
             if key not in self.queued:
-                self.queued[key] = self.pool.submit(self.fetch, *key)
+                future: Future[T] = Future()
+                self.queued[key] = future
+                self.todo.put((key, future))
 
     def close(self) -> None:
         for future in self.queued.values():
             future.cancel()
         self.queued.clear()
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.todo.put(None)  # the thread ends after what it is running; never waited for

@@ -129,7 +129,8 @@ class Samples(Protocol):
 class Ordered:
     """One source, shuffled anew each epoch: a Feistel `Permutation` keyed by the seed and
     the epoch, or (order="randperm") the table earlier releases used, for the exact resume
-    of a run they started."""
+    of a run they started. `salt` tells a mixture's sources apart (0: a lone source, whose
+    order is the one earlier releases drew)."""
 
     def __init__(self, source: Samples, seed: int, order: str = "feistel", salt: int = 0) -> None:
         self.source, self.seed, self.order, self.salt = source, seed, order, salt
@@ -140,8 +141,10 @@ class Ordered:
         cached = self._perm  # one read: the loader's thread may replace it meanwhile
         if cached is not None and cached[0] == epoch:
             return cached[1]
-        if self.order == "randperm":
-            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        if self.order == "randperm":  # salt 0 (one source): the seed earlier releases used
+            seed = (self.seed * 1_000_003 + epoch if not self.salt
+                    else key_of(self.seed, self.salt, epoch) & ((1 << 63) - 1))
+            gen = torch.Generator().manual_seed(seed)
             perm: Permutation | torch.Tensor = torch.randperm(self.samples, generator=gen)
         else:
             perm = Permutation(self.samples, key_of(self.seed, self.salt, epoch))

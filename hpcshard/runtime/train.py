@@ -8,7 +8,7 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager, closing, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,7 +29,15 @@ from hpcshard.rundir.rankenv import RankEnv
 from hpcshard.runtime.adapters import apply_freeze, apply_lora, frozen, with_adapters
 from hpcshard.runtime.blocks import on_meta
 from hpcshard.runtime.checkpoint import Checkpointer, Loaded, TrainParts, seed_rank
-from hpcshard.runtime.data import GlobalBatches, Micro, eval_batch_count, eval_batches, unigram_entropy
+from hpcshard.runtime.data import (
+    GlobalBatches,
+    Micro,
+    data_changes,
+    data_fingerprint,
+    eval_batch_count,
+    eval_batches,
+    unigram_entropy,
+)
 from hpcshard.runtime.device import DistEnv, device_peak_tflops, fused_optimizer
 from hpcshard.runtime.job import Job, require_tp_plan, takes_positions
 from hpcshard.runtime.mesh import build_mesh, dp_mesh, tp_mesh
@@ -310,12 +318,17 @@ class Trainer:
         self.planned_with = 0
         """How many of this process's saves `stop_at` was planned with."""
         self.limits = RankEnv.from_environ()
+        fingerprint = data_fingerprint(splits, data.seq_len, data.data_order)
+        self.data_fingerprint = fingerprint
+        """What decides the samples (prepared corpora): saved with each checkpoint, compared
+        on resume (`_same_data`)."""
         parts = TrainParts(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                            batches=self.batches, scaler=self.scaler,
                            layout={"mesh": list(self.mesh.shape), "sharding": self.mode,
                                    "tp": cfg.tp, "frozen": len(self.frozen),
                                    **({"frozen_from": self.init_from.fingerprint}
-                                      if self.init_from and self.frozen else {})})
+                                      if self.init_from and self.frozen else {}),
+                                   **({"data": fingerprint} if fingerprint else {})})
         self.ckpt = (Checkpointer(parts, env, cfg, run_dir, owner=self.limits.owner,
                                   newest=self.limits.newest)
                      if run_dir is not None else None)
@@ -425,6 +438,7 @@ class Trainer:
         self.hooks.report("load", self.step)
         loaded = self.ckpt.resume(how) if self.ckpt else None
         if loaded is not None:
+            self._same_data(loaded)
             self.step = loaded.step
             if pretrained and self.init_from is not None and self.frozen:
                 self._frozen_again(loaded)
@@ -436,6 +450,22 @@ class Trainer:
                 log.info("started from %s (%.0f MB) in %.1f s", self.init_from.path,
                          self.init_from.bytes / 1e6, time.perf_counter() - start)
         return loaded
+
+    def _same_data(self, loaded: Loaded) -> None:
+        """The saved position means the same samples only on the same data: refuse a
+        resume onto changed corpora (every rank alike: each reads the same manifest and
+        data) unless data_changed=accept. A checkpoint written before the fingerprint was
+        recorded has none and resumes as before."""
+        changed = data_changes(loaded.manifest.get("data"), self.data_fingerprint)
+        if not changed:
+            return
+        if not self.splits.accept_changed:
+            raise UserError(f"the data differs from what {Path(loaded.path).name} was trained on "
+                            f"({changed}); its position would train other samples: restore the data, "
+                            "or resume with --set data_changed=accept to train on from there")
+        if self.env.is_main:
+            log.warning("the data differs from what %s was trained on (%s); training on from its "
+                        "position (data_changed=accept)", Path(loaded.path).name, changed)
 
     def _frozen_again(self, loaded: Loaded) -> None:
         """Checkpoints hold no frozen weights: read them from init_from again, which must
@@ -591,7 +621,9 @@ class Trainer:
         loss, eval_loss, reason = float("nan"), None, "done"
         last_t, last_step = time.perf_counter(), self.step
         self.batches.wait_taken()
-        with metrics.progress(start=self.step) as bar:
+        # the loader's thread stops however the loop ends (an exception included); what it
+        # prepared beyond the last step is dropped
+        with metrics.progress(start=self.step) as bar, closing(self.batches):
             while self.step < cfg.steps:
                 self.hooks.report("step", self.step)
                 first = self.state_bytes is None
@@ -632,7 +664,6 @@ class Trainer:
                 if ended:
                     reason = ended
                     break
-        self.batches.close()  # what the loader prepared beyond the last step is dropped
         saved = -1
         if self.ckpt is not None:
             if reason == "done":

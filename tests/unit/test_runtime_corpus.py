@@ -4,6 +4,9 @@ world-size independent, resumable, and the same batches with or without the load
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import tracemalloc
 from fractions import Fraction
 from pathlib import Path
@@ -13,10 +16,19 @@ import numpy as np
 import pytest
 import torch
 
+from hpcshard.config import TrainConfig
 from hpcshard.errors import UserError
-from hpcshard.runtime.corpus import IGNORE, Corpus, Windows, load_blend
-from hpcshard.runtime.data import DataConfig, GlobalBatches, load_splits
-from hpcshard.runtime.order import Mixed, Permutation, split
+from hpcshard.runtime.corpus import IGNORE, Corpus, Windows, load_blend, parse_sources
+from hpcshard.runtime.data import (
+    DataConfig,
+    GlobalBatches,
+    data_changes,
+    data_fingerprint,
+    eval_batches,
+    load_splits,
+)
+from hpcshard.runtime.loader import Ahead
+from hpcshard.runtime.order import Mixed, Ordered, Permutation, split
 
 
 def write_corpus(folder: Path, docs: list[list[int]], per_shard: int = 3, dtype: str = "uint16",
@@ -260,3 +272,265 @@ def test_doc_mode_needs_documents(corpora: Path) -> None:
         load_splits(DataConfig(data=str(corpora / "mix.toml"), doc_mode="whole"))
     with pytest.raises(UserError, match="doc_mode='pages' is not valid"):
         load_blend(str(corpora / "web"), doc_mode="pages")
+
+
+# -- review fixes ------------------------------------------------------------------------
+
+def edit_manifest(folder: Path, change: Any) -> None:
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps(change(manifest)))
+
+
+def test_a_corpus_of_many_shards_stays_within_the_open_file_limit(tmp_path: Path) -> None:
+    """Each shard's two files were mapped for good: 1000+ shards passed `ulimit -n 1024`."""
+    folder = write_corpus(tmp_path / "web", documents(600, 100), per_shard=1)  # 600 shards
+    script = f"""
+import resource, sys
+import numpy as np
+resource.setrlimit(resource.RLIMIT_NOFILE, (160, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from hpcshard.runtime.corpus import Corpus, Windows
+corpus = Corpus([__import__("pathlib").Path({str(folder)!r})])
+for mode in ("stream", "whole"):
+    w = Windows(corpus, 8, mode)
+    x, _ = w.rows(np.arange(w.count))
+    assert len(x) == w.count
+print("read", corpus.tokens)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert done.returncode == 0 and "read" in done.stdout, done.stderr[-2000:]
+
+
+def test_evaluating_a_mixture_reads_every_source(tmp_path: Path) -> None:
+    """The held-out tails were concatenated: evaluation read only the first source's."""
+    bases = {"web": 100, "code": 300, "math": 500}
+    for name, base in bases.items():  # one shard each: 20,000 tokens held out per source
+        write_corpus(tmp_path / name, [[base + i % 50] * 199 + [0] for i in range(2000)], per_shard=2000)
+    splits = load_splits(DataConfig(data="web:1,code:1,math:1", data_root=str(tmp_path), vocab_size=1000))
+    cfg = TrainConfig()
+    assert splits.eval.dtype == np.uint16  # the shards' own tokens, not int64 copies
+    read = sum((x.flatten().tolist() for x, _ in eval_batches(
+        splits.eval, seq_len=cfg.seq_len, batch_size=cfg.batch_size, micro=cfg.batch_size, rank=0,
+        world=1, count=cfg.eval_batches)), [])
+    assert len(read) == cfg.eval_batches * cfg.batch_size * cfg.seq_len
+    counts = {name: sum(base <= t < base + 50 for t in read) for name, base in bases.items()}
+    assert min(counts.values()) > len(read) // 4, counts
+
+
+def test_one_source_evaluates_its_own_tail(corpora: Path) -> None:
+    blend = load_blend("web", str(corpora))
+    assert blend is not None
+    corpus = blend.sources[0].corpus
+    tail = corpus.read(corpus.train_tokens, corpus.tokens - corpus.train_tokens)
+    assert blend.held_out().tolist() == tail.tolist()
+
+
+@pytest.mark.parametrize(("damage", "message"), [
+    (lambda f: (f / "manifest.json").unlink(), "has no manifest.json: its preparation did not finish"),
+    (lambda f: [p.unlink() for p in f.glob("*")] and (f / ".prepare").mkdir(),
+     "has no manifest.json: its preparation did not finish"),
+    (lambda f: (f / "manifest.json").rename(f / "partial.json"), "run `hpcshard data prepare` again"),
+])
+def test_a_corpus_whose_preparation_did_not_finish_is_one_line(tmp_path: Path, damage: Any,
+                                                              message: str) -> None:
+    """A directory without its manifest (written last) was trained on as text bytes."""
+    folder = write_corpus(tmp_path / "web", documents(50, 100))
+    damage(folder)
+    with pytest.raises(UserError) as err:
+        load_splits(DataConfig(data=str(folder), vocab_size=1000))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_folder_of_corpora_or_a_glob_with_an_unfinished_one_is_one_line(corpora: Path) -> None:
+    with pytest.raises(UserError, match="its subdirectories code, math, web are: name them"):
+        load_splits(DataConfig(data=str(corpora), vocab_size=1000))
+    write_corpus(corpora / "web2", documents(50, 100))
+    (corpora / "web2" / "manifest.json").unlink()
+    with pytest.raises(UserError, match="web2' has no manifest.json"):
+        load_splits(DataConfig(data=str(corpora / "web*"), vocab_size=1000))
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    (lambda m: [m], "manifest.json: a list, not an object"),
+    (lambda m: {k: v for k, v in m.items() if k != "shards"}, "manifest.json: shards is missing"),
+    (lambda m: {k: v for k, v in m.items() if k != "vocab_size"}, "manifest.json: vocab_size is missing"),
+    (lambda m: {k: v for k, v in m.items() if k != "tokens"}, "manifest.json: tokens is missing"),
+    (lambda m: {**m, "vocab_size": None}, "manifest.json: vocab_size is null, not a positive integer"),
+    (lambda m: {**m, "shards": {"a": 1}}, "manifest.json: shards is {\"a\": 1}, not a list"),
+    (lambda m: {**m, "shards": [None]}, "manifest.json: shards[0] is None, not an object"),
+    (lambda m: {**m, "shards": [{**m["shards"][0], "tokens": "12"}] + m["shards"][1:]},
+     "manifest.json: shards[0].tokens is \"12\", not an integer"),
+    (lambda m: {**m, "shards": [{**m["shards"][0], "name": None}] + m["shards"][1:]},
+     "manifest.json: shards[0].name is null, not a file name"),
+    (lambda m: {**m, "tokens": m["tokens"] + 1}, "its `tokens` says"),
+])
+def test_a_malformed_manifest_is_one_line(tmp_path: Path, change: Any, message: str) -> None:
+    folder = write_corpus(tmp_path / "web", documents(50, 100))
+    edit_manifest(folder, change)
+    with pytest.raises(UserError) as err:
+        load_blend(str(folder))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(("offsets", "message"), [
+    (lambda o: o.__setitem__(0, 1), "first 1, last"),
+    (lambda o: o.__setitem__(1, o[2] + 1), "not 0, non-decreasing"),
+    (lambda o: o.__setitem__(-1, o[-1] - 1), "last"),
+])
+def test_a_damaged_index_is_one_line_when_first_read(tmp_path: Path, offsets: Any, message: str) -> None:
+    folder = write_corpus(tmp_path / "web", documents(50, 100))
+    idx = np.fromfile(folder / "shard-00000.idx", dtype="<i8")
+    offsets(idx)
+    idx.tofile(folder / "shard-00000.idx")
+    blend = load_blend(str(folder))
+    assert blend is not None
+    windows = Windows(blend.sources[0].corpus, 8, "whole")
+    with pytest.raises(UserError) as err:
+        windows.rows(np.arange(windows.count))
+    assert "shard-00000.idx: its document offsets" in str(err.value) and message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_missing_shard_is_one_line_when_first_read(tmp_path: Path) -> None:
+    folder = write_corpus(tmp_path / "web", documents(50, 100))
+    (folder / "shard-00000.bin").unlink()
+    blend = load_blend(str(folder))
+    assert blend is not None
+    with pytest.raises(UserError, match="shard-00000.bin is missing"):
+        blend.sources[0].corpus.read(0, 4)
+
+
+@pytest.mark.parametrize(("field", "value"), [("tokenizer", {"path": "", "sha256": "other"}),
+                                              ("vocab_size", 999), ("eos_id", 7)])
+def test_sources_prepared_with_other_tokenizers_are_one_line(corpora: Path, field: str, value: Any) -> None:
+    """Only the vocabulary size was compared (and across sources only, the largest kept)."""
+    edit_manifest(corpora / "code", lambda m: {**m, field: value})
+    with pytest.raises(UserError) as err:
+        load_blend("web:1,code:1", str(corpora))
+    text = str(err.value)
+    assert str(corpora / "web") in text and str(corpora / "code") in text and "\n" not in text
+    (corpora / "web2").symlink_to(corpora / "code")
+    with pytest.raises(UserError, match="prepare every source with the same tokenizer"):
+        load_blend("web*", str(corpora))
+
+
+def test_a_tiny_weight_is_sampled_not_rounded_away(corpora: Path) -> None:
+    """1e-7 rounded to 0 before normalising: a ZeroDivisionError (or a never-drawn source)."""
+    blend = load_blend("web:1,code:1e-7", str(corpora))
+    assert blend is not None
+    assert [s.weight for s in blend.sources] == [Fraction(10**7, 10**7 + 1), Fraction(1, 10**7 + 1)]
+    b = GlobalBatches(blend, seq_len=16, batch_size=8, micro=8, rank=0, world=1, seed=0)
+    assert isinstance(b.sampler, Mixed)  # its first draw: when half a sample is its due
+    assert [g for g in range(4_999_990, 5_000_010) if b.sampler.locate(g)[0] == 1] == [5_000_000]
+    rows(b)
+
+
+@pytest.mark.parametrize("name", ["notes,v2.txt", "log:2", "a,b:0.5"])
+def test_a_text_path_with_a_comma_or_a_colon_is_that_path(tmp_path: Path, name: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / name).write_text("hello world " * 200)
+    (tmp_path / "corpora").mkdir()
+    monkeypatch.chdir(tmp_path)  # text is read from the working directory, whatever data_root says
+    for data, root in ((str(tmp_path / name), ""), (name, str(tmp_path)), (name, "corpora")):
+        assert parse_sources(data, root) is None
+    splits = load_splits(DataConfig(data=str(tmp_path / name)))
+    assert splits.source is None and splits.vocab_size == 256 and len(splits.train) + len(splits.eval) == 2400
+
+
+def test_a_text_directory_with_someone_elses_manifest_is_text(tmp_path: Path) -> None:
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "manifest.json").write_text('{"name": "web app", "icons": []}')
+    (tmp_path / "site" / "index.html").write_text("<p>hi</p>" * 100)
+    splits = load_splits(DataConfig(data=str(tmp_path / "site")))
+    assert splits.source is None and splits.vocab_size == 256
+
+
+def test_randperm_orders_each_source_of_a_mixture_apart() -> None:
+    """The salt was left out: sources of one size were drawn in the same order."""
+
+    class Count:
+        count = 1000
+
+        def rows(self, ids: np.ndarray) -> tuple[np.ndarray, ...]:
+            return (ids,)
+
+    one, two = (Ordered(Count(), 5, "randperm", salt=s).ids(3, np.arange(1000)) for s in (1, 2))
+    assert sorted(one.tolist()) == list(range(1000)) and one.tolist() != two.tolist()
+    lone = Ordered(Count(), 5, "randperm").ids(3, np.arange(1000))  # a lone source: as before
+    before = torch.randperm(1000, generator=torch.Generator().manual_seed(5 * 1_000_003 + 3))
+    assert lone.tolist() == before.tolist()
+
+
+def test_the_loader_thread_never_holds_a_rank_at_its_exit() -> None:
+    """A fetch blocked on a hung file system kept the process from exiting (the pool's
+    thread was joined at exit)."""
+    script = """
+import time
+from hpcshard.runtime.loader import Ahead
+ahead = Ahead(lambda epoch, offset: time.sleep(3600))
+ahead.plan([(0, 0), (0, 8)])
+time.sleep(0.2)
+ahead.close()
+print("closed")
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])})
+    assert done.returncode == 0 and "closed" in done.stdout, done.stderr[-2000:]
+
+
+def test_the_loader_hands_a_failed_fetch_to_the_loop() -> None:
+    def fetch(epoch: int, offset: int) -> int:
+        if offset == 8:
+            raise UserError("bad shard")
+        return offset
+
+    ahead: Ahead[int] = Ahead(fetch)
+    ahead.plan([(0, 0), (0, 8)])
+    assert ahead.take((0, 0)) == 0 and ahead.take((0, 16)) == 16
+    with pytest.raises(UserError, match="bad shard"):
+        ahead.take((0, 8))
+    ahead.close()
+    assert ahead.thread.daemon
+
+
+def test_a_resume_onto_changed_data_is_refused_unless_accepted(corpora: Path) -> None:
+    """The position is two integers: on other data (a glob gained a directory, a weight was
+    edited) it silently meant other samples."""
+    from types import SimpleNamespace
+
+    from hpcshard.runtime.checkpoint import Loaded
+    from hpcshard.runtime.train import Trainer
+
+    def fingerprint(data: str, **sets: Any) -> dict | None:
+        splits = load_splits(DataConfig(data=data, data_root=str(corpora), vocab_size=1000, **sets))
+        return data_fingerprint(splits, 64, "feistel")
+
+    saved = fingerprint("web*:0.7,code:0.3")
+    assert saved is not None and json.loads(json.dumps(saved)) == saved  # what the manifest holds
+    assert data_changes(saved, fingerprint("web*:0.7,code:0.3")) == ""
+    assert data_changes(None, fingerprint("web*:0.7,code:0.3")) == ""  # a checkpoint from before
+    assert "source 'code' weight '3/10' -> '1/5'" in data_changes(saved, fingerprint("web*:0.8,code:0.2"))
+    assert "doc_mode 'stream' -> 'whole'" in data_changes(saved, fingerprint("web*:0.7,code:0.3",
+                                                                             doc_mode="whole"))
+    write_corpus(corpora / "web2", documents(30, 100))
+    grown = fingerprint("web*:0.7,code:0.3")
+    assert "source 'web*' dirs" in data_changes(saved, grown) and "tokens" in data_changes(saved, grown)
+    assert data_fingerprint(load_splits(DataConfig(data="", vocab_size=1000)), 64, "feistel") is None
+
+    loaded = Loaded(step=8, path="/run/checkpoints/step-8", skipped=[], world_changed=False,
+                    manifest={"data": saved})
+    for accept, refused in ((False, True), (True, False)):
+        trainer = SimpleNamespace(data_fingerprint=grown, splits=SimpleNamespace(accept_changed=accept),
+                                  env=SimpleNamespace(is_main=True))
+        if refused:
+            with pytest.raises(UserError) as err:
+                Trainer._same_data(trainer, loaded)  # type: ignore[arg-type]
+            assert "the data differs from what step-8 was trained on" in str(err.value)
+            assert "data_changed=accept" in str(err.value) and "\n" not in str(err.value)
+        else:
+            Trainer._same_data(trainer, loaded)  # type: ignore[arg-type]
+    accepted = load_splits(DataConfig(data="web", data_root=str(corpora), data_changed="accept"),
+                           vocab_size=1000)
+    assert accepted.accept_changed
+    with pytest.raises(UserError, match="data_changed='maybe' is not valid"):
+        load_splits(DataConfig(data="web", data_root=str(corpora), data_changed="maybe"), vocab_size=1000)
