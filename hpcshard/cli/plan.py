@@ -46,12 +46,13 @@ def parse_memory(text: str, option: str = "--gpu-mem") -> int:
 
 
 def parse_ac(text: str) -> int:
-    """none -> 0, full -> 1, K -> every K-th block."""
-    if text in ("none", "full"):
-        return {"none": 0, "full": 1}[text]
+    """none -> 0, full -> 1 (and selective, estimated as full: a lower bound on what it
+    keeps), K -> every K-th block."""
+    if text in ("none", "full", "selective"):
+        return {"none": 0, "full": 1, "selective": 1}[text]
     if text.isdigit() and int(text) >= 1:
         return int(text)
-    raise ValueError(f"--ac {text!r} is not valid; use none, full, or K (every K-th block)")
+    raise ValueError(f"--ac {text!r} is not valid; use none, full, selective, or K (every K-th block)")
 
 
 @click.command()
@@ -65,7 +66,7 @@ def parse_ac(text: str) -> int:
               "by tp), e.g. 16 on 8-GPU nodes spans 2 nodes [default: the job's, else the mode's].")
 @click.option("--precision", type=click.Choice(PRECISIONS),
               help="Compute dtype [default: the job's, else bf16].")
-@click.option("--ac", "ac_text", default=None, metavar="none|full|K",
+@click.option("--ac", "ac_text", default=None, metavar="none|full|selective|K",
               help="Activation checkpointing [default: the job's, else none].")
 @click.option("--micro-batch", type=click.IntRange(min=1), help="Sequences per GPU per micro-batch "
               "[default: the job's batch over the ranks, else 1].")

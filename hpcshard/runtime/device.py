@@ -41,12 +41,14 @@ def pick_device(local_rank: int) -> tuple[torch.device, str]:
     return torch.device("cpu"), "gloo"
 
 
-def fused_optimizer(device: torch.device, params_on_host: bool = False) -> bool:
+def fused_optimizer(device: torch.device, params_on_host: bool = False, scaled: bool = False) -> bool:
     """Whether AdamW runs as one fused kernel (`fused=True`) rather than `foreach`: on CUDA,
     where the fused kernel is the fastest and FSDP2's DTensor parameters support it. Not on
-    CPU (foreach, as before: the same numbers bit for bit) nor with CPU offload, whose
-    parameters and optimizer state live in host memory."""
-    return device.type == "cuda" and not params_on_host
+    CPU (foreach, as before: the same numbers bit for bit), nor with CPU offload, whose
+    parameters and optimizer state live in host memory, nor under fp16's gradient scaler
+    (`scaled`): the sharded scaler's found_inf is (1,)-shaped and the fused step's counters
+    0-d, and its first step fails (pytorch issue 140514)."""
+    return device.type == "cuda" and not params_on_host and not scaled
 
 
 def collective_device() -> torch.device:

@@ -56,7 +56,9 @@ class Job:
     """Returns the train and held-out token streams."""
     loss: Callable[..., torch.Tensor] = lm_loss
     """loss(model, inputs, targets) -> scalar: the mean over the learnt positions (targets
-    not IGNORE; 0, or nan, where there is none). The runtime weighs micro-batches by their
+    not IGNORE). Where there is none it must stay finite with a finite gradient: divide by
+    `count.clamp(min=1)` (`(ce * mask).sum() / mask.sum()` gives 0/0 and nan gradients,
+    which the runtime takes for a non-finite step). The runtime weighs micro-batches by their
     learnt tokens, so a masked step's loss is the mean over all its learnt tokens. A loss
     with a `positions` keyword also gets the position ids of packed fine-tuning records
     (restarting at each record), to pass to a model that masks attention by them."""

@@ -68,7 +68,25 @@ def job_optimizer(job: Job, cfg: TrainConfig, model: nn.Module, fused: bool) -> 
     if not isinstance(made, torch.optim.Optimizer):
         raise UserError(f"the job's optimizer hook returned {type(made).__name__}, not a "
                         "torch.optim.Optimizer; return one built on the model's parameters")
+    check_params(made, model)
     return made
+
+
+def check_params(optimizer: torch.optim.Optimizer, model: nn.Module) -> None:
+    """A hook's optimizer steps the sharded model's own trainable parameters, all of them:
+    one built on another model (a fresh `job.model(cfg)`) would never change the one that
+    trains, and a trainable parameter left out would never learn (freeze it instead)."""
+    owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    names = {id(p): n for n, p in model.named_parameters()}
+    if strangers := owned - set(names):
+        raise UserError(f"the job's optimizer hook holds {len(strangers)} tensor(s) that are not the "
+                        "model's parameters; build it on the `model` it is given (sharded), e.g. "
+                        "torch.optim.AdamW(model.parameters())")
+    left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in owned]
+    if left:
+        raise UserError(f"the job's optimizer hook leaves {len(left)} trainable parameter(s) out "
+                        f"({', '.join(left[:3])}{', ...' if len(left) > 3 else ''}): they would never "
+                        "learn; give them to the optimizer, or freeze them (--set freeze=...)")
 
 
 def job_schedule(job: Job, cfg: TrainConfig, optimizer: torch.optim.Optimizer) -> LRScheduler:

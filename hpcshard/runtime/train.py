@@ -257,8 +257,8 @@ class Trainer:
         self.n_params, self.flops_per_token = built.n_params, built.flops_per_token
         self.init_from, self.init_names = built.init_from, built.init_names
         self.params = list(self.model.parameters())
-        self.optimizer = job_optimizer(job, cfg, self.model,
-                                       fused_optimizer(env.device, ParallelSection.of(cfg).cpu_offload))
+        self.optimizer = job_optimizer(job, cfg, self.model, fused_optimizer(
+            env.device, ParallelSection.of(cfg).cpu_offload, scaled=cfg.precision == "fp16"))
         self.scheduler = job_schedule(job, cfg, self.optimizer)
         # fp16 overflows without loss scaling; the sharded scaler agrees on inf/nan across
         # ranks so every shard skips the same step.
@@ -400,7 +400,7 @@ class Trainer:
         self.scheduler.step()
         if self.state_bytes is None:  # what this rank holds, for `hpcshard plan` to compare
             self.state_bytes = state_bytes(self.params, self.optimizer)
-        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)  # (every parameter's, the optimizer's or not)
         self.step += 1
         return total, norm
 
