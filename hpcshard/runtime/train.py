@@ -90,6 +90,21 @@ def learnt_weights(counts: list[int], summed: torch.Tensor, world: int) -> torch
     return n * world / summed.clamp(min=1).float()
 
 
+def backward(loss: torch.Tensor) -> None:
+    """`loss.backward()`, with selective AC's refusal of a model that changes a saved matmul
+    output in place (`ReLU(inplace=True)` after a Linear) said as the user's to fix: full AC
+    recomputes the whole block and takes it; letting the cache be mutated would apply an
+    in-place `x += b` twice on recompute, silently."""
+    try:
+        loss.backward()
+    except RuntimeError as err:
+        if "cached during selective activation checkpoint has been mutated" not in str(err):
+            raise
+        raise UserError("ac=selective: the model changes a saved matmul output in place (an "
+                        "inplace=True activation after a Linear?); use ac=full, or out-of-place ops "
+                        "in its blocks") from None
+
+
 def clip_grad_norm_(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     """Global gradient norm over every shard and replica, then clip to `max_norm`.
 
@@ -378,7 +393,7 @@ class Trainer:
             with self._loss_parallel():
                 loss = self._loss(batch)
                 loss = loss / len(micro_batches) if weights is None else loss * weights[i]
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                backward(self.scaler.scale(loss) if self.scaler else loss)
             if weights is None or counts[i]:  # (a mean over no token may be nan; it weighs 0)
                 total += loss.detach()
         return total

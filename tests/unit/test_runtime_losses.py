@@ -167,6 +167,23 @@ def test_packed_windows_carry_their_position_ids() -> None:
 ])
 def test_fused_adamw_only_where_the_device_has_it(device: str, offload: bool, fused: bool) -> None:
     assert fused_optimizer(torch.device(device), offload) is fused
+    assert not fused_optimizer(torch.device(device), offload, scaled=True)  # fp16's scaler: never
+
+
+def test_fused_adamw_fails_under_the_sharded_scaler_which_is_why_fp16_never_gets_it() -> None:
+    """The reason for `scaled` (pytorch 140514), shown where it can run: CPU has a fused
+    AdamW too, and the (1,)-shaped found_inf the sharded scaler hands it fails its step
+    (a 0-d one, the plain scaler's, passes)."""
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    for found, fails in ((torch.zeros(1), True), (torch.zeros(()), False)):
+        opt = torch.optim.AdamW([p], fused=True)
+        opt.grad_scale, opt.found_inf = torch.ones(()), found  # type: ignore[attr-defined]
+        if fails:
+            with pytest.raises(RuntimeError, match="broadcast shape"):
+                opt.step()
+        else:
+            opt.step()
 
 
 def test_selective_ac_keeps_matmuls_and_attention_and_recomputes_the_rest() -> None:
@@ -186,3 +203,22 @@ def test_a_loss_says_whether_it_takes_positions() -> None:
         return x
 
     assert takes_positions(packed) and not takes_positions(lm_loss)
+
+
+def test_selective_ac_refuses_an_in_place_change_of_a_saved_matmul_in_one_line() -> None:
+    """ReLU(inplace=True) on a Linear's output: full AC takes it, selective AC's cache may
+    not be mutated (recomputing `x += b` would apply it twice): one line that names ac=full."""
+    import torch
+    from torch import nn
+    from torch.utils.checkpoint import checkpoint
+
+    from hpcshard.errors import UserError
+    from hpcshard.runtime.shard import selective_context
+    from hpcshard.runtime.train import backward
+
+    block = nn.Sequential(nn.Linear(4, 4), nn.ReLU(inplace=True), nn.Linear(4, 4))
+    x = torch.randn(2, 4, requires_grad=True)
+    backward(checkpoint(block, x, use_reentrant=False).sum())  # full AC: fine
+    out = checkpoint(block, x, use_reentrant=False, context_fn=selective_context)
+    with pytest.raises(UserError, match="ac=selective: the model changes a saved matmul output in place"):
+        backward(out.sum())

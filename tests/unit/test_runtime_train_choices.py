@@ -149,6 +149,20 @@ def test_a_hook_that_returns_the_wrong_thing_is_one_line(world_of_one: None, hoo
         trainer(job)
 
 
+def test_an_optimizer_hook_on_other_or_too_few_parameters_is_one_line(world_of_one: None) -> None:
+    """A hook must step the sharded model it is given, every trainable parameter of it: one
+    built on a fresh model would train nothing, one leaving a parameter out would never
+    train it (and pile up its gradient)."""
+    fresh = dataclasses.replace(JOB, optimizer=lambda cfg, model: torch.optim.SGD(
+        JOB.model(cfg).parameters(), lr=0.1))
+    with pytest.raises(UserError, match="not the model's parameters; build it on the `model` it is given"):
+        trainer(fresh)
+    matrices = dataclasses.replace(JOB, optimizer=lambda cfg, model: torch.optim.SGD(
+        [p for p in model.parameters() if p.ndim >= 2], lr=0.1))
+    with pytest.raises(UserError, match="leaves .* trainable parameter.* out .*freeze them"):
+        trainer(matrices)
+
+
 def test_wsd_through_the_trainer(world_of_one: None) -> None:
     t = trainer(schedule="wsd", steps="10", warmup_steps="2", decay_fraction="0.5", min_lr_ratio="0",
                 decay_shape="linear", lr="0.01")
