@@ -78,7 +78,9 @@ class Source:
     def index(self) -> dict[str, np.ndarray]:
         """What a worker needs to read without scanning again (saved with the plan): the
         files, as planned (a worker does not glob again), and the format's own index."""
-        return {"paths": np.array([str(f) for f in self.files], dtype=np.str_)} if self.files else {}
+        if not self.files:
+            return {}
+        return {"paths": np.array([os.fsencode(f) for f in self.files], dtype=np.bytes_)}  # not UTF-32
 
     def describe(self) -> dict[str, Any]:
         """What was read, for the manifest."""
@@ -330,7 +332,7 @@ def open_source(spec: SourceSpec, index: dict[str, np.ndarray] | None = None) ->
     index = dict(index) if index is not None else None
     planned = index.pop("paths", None) if index is not None else None
     if planned is not None and spec.format in FORMATS:
-        kind, files = spec.format, [Path(str(f)) for f in planned]
+        kind, files = spec.format, [Path(os.fsdecode(bytes(f))) for f in planned]
         missing = next((f for f in files if not f.is_file()), None)
         if missing is not None:
             raise UserError(f"{missing} (in the plan) is gone; the source changed since it was planned: "
