@@ -9,7 +9,10 @@ process: start-up, reading and planning, tokenizing, writing and hashing the sha
 manifest) with 1 and 2 workers. Every case runs with one tokenizer thread per process
 (RAYON_NUM_THREADS=1), so "per process" is per core. Interleaved, medians of `repeats`.
 
-    python -m bench.prepare [--mb 8] [--repeats 3]
+The target (>= 0.8x) is against `encode_batch_fast`, the call `data prepare` makes, with the
+same one thread: per CPU second and in wall time (both reported, each marked met or not).
+
+    python -m bench.prepare [--mb 8] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def prepare_once(corpus: Path, tok: Path, out: Path, workers: int) -> tuple[floa
     return wall, float(proc.stdout.rsplit(" in ", 1)[1].split()[0]), cpu
 
 
-def main(mb: float = 8, repeats: int = 3) -> list[Metric]:
+def main(mb: float = 8, repeats: int = 5) -> list[Metric]:
     folder = Path(tempfile.mkdtemp(prefix="bench-prepare-"))
     try:
         corpus, tok = make_corpus(folder, mb)
@@ -116,13 +119,16 @@ def main(mb: float = 8, repeats: int = 3) -> list[Metric]:
             cpu_rate[f"prepare w{workers} per CPU s"] = tokens / median([t[2] for t in times])
         per_process = cpu_rate["prepare w1 per CPU s"] / cpu_rate["encode_batch per CPU s"]
         fast = cpu_rate["prepare w1 per CPU s"] / cpu_rate["encode_batch_fast per CPU s"]
+        fast_wall = rate["prepare w1"] / rate["encode_batch_fast"]
         wall_ratio = rate["prepare w1"] / rate["encode_batch"]
         scaling = rate["prepare w2"] / rate["prepare w1"]
         metrics = [Metric(NAME, f"{k} (median of {repeats})", v / 1e6, "Mtok/s")
                    for k, v in {**rate, **cpu_rate}.items()]
-        metrics += [Metric(NAME, "prepare w1 / encode_batch, per CPU second (end to end)", per_process, "x",
-                           ">= 0.8x", per_process >= 0.8),
-                    Metric(NAME, "prepare w1 / encode_batch_fast, per CPU second (end to end)", fast, "x"),
+        metrics += [Metric(NAME, "prepare w1 / encode_batch_fast, per CPU second (end to end)", fast, "x",
+                           ">= 0.8x", fast >= 0.8),
+                    Metric(NAME, "prepare w1 / encode_batch_fast, wall (end to end)", fast_wall, "x",
+                           ">= 0.8x", fast_wall >= 0.8),
+                    Metric(NAME, "prepare w1 / encode_batch, per CPU second (end to end)", per_process, "x"),
                     Metric(NAME, "prepare w1 / encode_batch, wall (end to end)", wall_ratio, "x"),
                     Metric(NAME, "prepare w2 / prepare w1, wall", scaling, "x",
                            note=f"{os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}"),
@@ -158,7 +164,7 @@ def _sharing() -> str:
 
 def write_table(metrics: list[Metric], details: dict[str, object], mb: float, repeats: int) -> None:
     load = os.getloadavg()[0]
-    lines = ["# `data prepare` against the tokenizer's own `encode_batch`", "",
+    lines = ["# `data prepare` against the tokenizer's own `encode_batch_fast`", "",
              f"`python -m bench.prepare --mb {mb:g} --repeats {repeats}`", "",
              f"{time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} cores (shared; load {load:.1f} at the "
              f"end), Python {platform.python_version()}, one tokenizer thread per process.", "",
@@ -185,6 +191,6 @@ def write_table(metrics: list[Metric], details: dict[str, object], mb: float, re
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--mb", type=float, default=8)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     ns = parser.parse_args()
     show(main(ns.mb, ns.repeats))

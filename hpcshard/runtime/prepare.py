@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -114,13 +115,34 @@ def plan(source: Source, tok: Tokenizer, shard_tokens: int) -> np.ndarray:
     while sample < n and seen < SAMPLE_BYTES:
         seen += int(sizes[sample])
         sample += 1
-    tokens = sum(len(ids) for ids in tok.encode(source.read(0, sample)))
+    texts = source.read(0, sample)
+    kept = _cut(texts, SAMPLE_BYTES)
+    encoded = tok.encode(kept)
+    tokens = sum(len(ids) for ids in encoded)
+    special = {tok.eos_id, tok.unk_id()} - {None}
+    if not any(t not in special for ids in encoded for t in ids):
+        raise UserError(f"tokenizer {tok.path} gives no token but EOS or UNK for the first {sample} "
+                        f"document(s) of {source.spec.path}: it does not fit this text; give the tokenizer "
+                        "it was meant for")
     tokens += sample if tok.eos_id is not None else 0
     ends = np.cumsum(sizes + 1)  # +1: a byte for each document's EOS, and no empty document is free
-    per_token = float(ends[sample - 1]) / max(1, tokens)  # in the sizes' own bytes (a JSONL line's)
+    # the sample's bytes, in the sizes' own (a JSONL line's), less the part of a document cut off
+    sampled = float(ends[sample - 1]) - sum(float(sizes[i]) * (1 - len(k) / len(t))
+                                            for i, (t, k) in enumerate(zip(texts, kept, strict=True))
+                                            if len(k) < len(t))
+    per_token = sampled / max(1, tokens)  # in the sizes' own bytes (a JSONL line's)
     target = max(1.0, shard_tokens * per_token)
     cuts = np.searchsorted(ends, np.arange(1, int(ends[-1] // target) + 1) * target, side="left") + 1
     return np.unique(np.concatenate([[0], np.minimum(cuts, n), [n]])).astype(np.int64)
+
+
+def _cut(texts: list[str], limit: int) -> list[str]:
+    """The texts up to `limit` characters in all (a whole-file document is not tokenized whole)."""
+    out, left = [], limit
+    for text in texts:
+        out.append(text[:left])
+        left -= len(out[-1])
+    return out
 
 
 def _state(out: Path) -> Path:
@@ -130,27 +152,56 @@ def _state(out: Path) -> Path:
 def start(cfg: PrepareConfig) -> tuple[Source, Tokenizer, dict[str, Any], np.ndarray]:
     """Everything checked before anything is written: the source read and planned, the
     tokenizer loaded, the output directory new, empty, or this same request's."""
+    out = Path(cfg.output)
+    check_writable(out)  # before the source is read: an output that cannot be written is known now
     tok = Tokenizer(cfg.tokenizer, cfg.eos)
     source = open_source(cfg.source)
     request = request_of(cfg, source, tok)
-    out = Path(cfg.output)
     check_output(out, request)
-    if (_state(out) / "plan.npz").is_file():  # a resume: the plan its done shards were cut by
+    if (_state(out) / "plan.npz").is_file() and (_state(out) / "request.json").is_file():
+        # a resume: the plan its done shards were cut by
         return source, tok, request, load_plan(out)[1]
     return source, tok, request, plan(source, tok, cfg.shard_tokens)
+
+
+def check_writable(out: Path) -> None:
+    """--output can be made and written: no file in its path, its nearest existing folder
+    writable (a probe file), and a folder of its own when it exists."""
+    near = out
+    while not near.exists() and near != near.parent:
+        near = near.parent
+    if near.exists() and not near.is_dir():
+        raise UserError(f"--output {out}: {near} is a file; give a new or empty directory")
+    if near == out and out.exists() and not _empty(out) and not (_state(out) / "request.json").is_file():
+        raise UserError(f"--output {out} is not empty and holds no prepared corpus; give a new or "
+                        "empty directory")
+    probe = near / f".hpcshard-probe-{socket.gethostname()}-{os.getpid()}"
+    try:
+        probe.touch()
+        probe.unlink()
+    except OSError as err:
+        raise UserError(f"--output {out} cannot be written ({near}: {err.strerror or err}); give a directory "
+                        "you can write") from None
+
+
+def _empty(out: Path) -> bool:
+    """Nothing in it, or only a work folder without a request (a run stopped before it wrote one)."""
+    entries = list(out.iterdir())
+    return not entries or ([e.name for e in entries] == [STATE]
+                           and not (_state(out) / "request.json").exists())
 
 
 def check_output(out: Path, request: dict[str, Any]) -> None:
     """A new or empty output directory, or one this request was started in (resume)."""
     if out.exists() and not out.is_dir():
         raise UserError(f"--output {out} is a file; give a new or empty directory")
-    if not out.exists() or not any(out.iterdir()):
+    if not out.exists() or _empty(out):
         return
     saved = _state(out) / "request.json"
     if not saved.is_file():
         raise UserError(f"--output {out} is not empty and holds no prepared corpus; give a new or "
                         "empty directory")
-    old = json.loads(saved.read_text())
+    old = json.loads(saved.read_text(encoding="utf-8"))
     differ = sorted(k for k in {*old, *request} if old.get(k) != request.get(k))
     if differ:
         raise UserError(f"--output {out} was prepared with other arguments (they differ in: "
@@ -158,74 +209,103 @@ def check_output(out: Path, request: dict[str, Any]) -> None:
 
 
 def save_plan(out: Path, request: dict[str, Any], bounds: np.ndarray, source: Source) -> None:
-    """The request and the plan, where every worker and array task reads them."""
+    """The request, then the plan (a request without a plan is planned again), where every
+    worker and array task reads them."""
     state = _state(out)
-    state.mkdir(parents=True, exist_ok=True)
-    arrays = {"bounds": bounds, **{f"index_{k}": v for k, v in source.index().items()}}
-    np.savez(state / "plan.tmp.npz", **arrays)  # type: ignore[arg-type]  # numpy's stub: file, *args
-    os.replace(state / "plan.tmp.npz", state / "plan.npz")
+    make_state(out)
     _write_json(state / "request.json", request)
+    arrays = {"bounds": bounds, **{f"index_{k}": v for k, v in source.index().items()}}
+    tmp = state / f"plan.tmp-{_tag()}.npz"
+    np.savez(tmp, **arrays)  # type: ignore[arg-type]  # numpy's stub: file, *args
+    os.replace(tmp, state / "plan.npz")
+
+
+def make_state(out: Path) -> None:
+    """The output directory and its work folder; one line when they cannot be made."""
+    try:
+        _state(out).mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise UserError(f"--output {out} cannot be made ({err.strerror or err}); give a directory you can "
+                        "write") from None
+
+
+def _tag() -> str:
+    """This process's temporary-name tag: tmp-HOST-PID."""
+    return f"tmp-{socket.gethostname()}-{os.getpid()}"
 
 
 def load_plan(out: Path) -> tuple[dict[str, Any], np.ndarray, dict[str, np.ndarray]]:
     state = _state(out)
-    request = json.loads((state / "request.json").read_text())
+    request = json.loads((state / "request.json").read_text(encoding="utf-8"))
     with np.load(state / "plan.npz") as saved:
         index = {k.removeprefix("index_"): saved[k] for k in saved.files if k.startswith("index_")}
         return request, saved["bounds"], index
 
 
 def _write_json(path: Path, value: Any) -> None:
-    """Atomically: a temporary name of this process's, then renamed."""
-    tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}")
-    tmp.write_text(json.dumps(value, indent=1) + "\n")
+    """Atomically and durably: a temporary name of this process's, on disk, then renamed."""
+    tmp = path.with_name(f"{path.name}.{_tag()}")
+    with tmp.open("w", encoding="utf-8") as f:
+        f.write(json.dumps(value, indent=1) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 
 # -- shards ------------------------------------------------------------------------------------
 
 
-def done_entry(out: Path, k: int) -> dict[str, Any] | None:
-    """Shard k's manifest entry when it is complete (done file, and a .bin of its size)."""
+def done_entry(out: Path, k: int, bounds: np.ndarray | None = None) -> dict[str, Any] | None:
+    """Shard k's manifest entry when it is complete: its done file, a .bin of its tokens'
+    size, a .idx of its documents + 1 offsets (and as many documents as the plan's)."""
     try:
-        entry = json.loads((_state(out) / f"{shard_name(k)}.done").read_text())
-        request = json.loads((_state(out) / "request.json").read_text())
+        entry = json.loads((_state(out) / f"{shard_name(k)}.done").read_text(encoding="utf-8"))
+        request = json.loads((_state(out) / "request.json").read_text(encoding="utf-8"))
         size = (out / f"{shard_name(k)}.bin").stat().st_size
+        idx = (out / f"{shard_name(k)}.idx").stat().st_size
     except (OSError, ValueError):
+        return None
+    if bounds is not None and entry["documents"] != int(bounds[k + 1] - bounds[k]):
+        return None
+    if idx != (entry["documents"] + 1) * 8:
         return None
     return entry if size == entry["tokens"] * np.dtype(request["dtype"]).itemsize else None
 
 
 def write_shard(out: Path, k: int, source: Source, tok: Tokenizer, bounds: np.ndarray, dtype: str,
                 tick: Callable[[int, int], None]) -> dict[str, Any]:
-    """Tokenize shard k's documents, write its .bin and .idx (temporary names, renamed when
-    complete), then its done file; its manifest entry."""
+    """Tokenize shard k's documents, write its .bin (streamed, hashed as it goes) and .idx
+    (temporary names, renamed when complete), then its done file; its manifest entry."""
     start, stop = int(bounds[k]), int(bounds[k + 1])
-    chunks: list[np.ndarray] = []  # each batch's tokens, in the shard's dtype (its memory: the shard's)
     lengths: list[int] = []
-    for lo in range(start, stop, BATCH_DOCS):
-        hi = min(stop, lo + BATCH_DOCS)
-        ids = tok.encode(source.read(lo, hi))
-        if tok.eos_id is not None:
-            for one in ids:
-                one.append(tok.eos_id)
-        counts = [len(one) for one in ids]
-        chunks.append(_narrow(np.concatenate([np.array(one, dtype=np.int64) for one in ids]), dtype, tok))
-        lengths.extend(counts)
-        tick(hi - lo, sum(counts))
-    tokens = np.concatenate(chunks) if chunks else np.zeros(0, np.dtype(dtype).newbyteorder("<"))
+    name = shard_name(k)
+    tmp_bin, tmp_idx = out / f"{name}.bin.{_tag()}", out / f"{name}.idx.{_tag()}"
+    digest, tokens = hashlib.sha256(), 0
+    with tmp_bin.open("wb") as f:
+        for lo in range(start, stop, BATCH_DOCS):
+            hi = min(stop, lo + BATCH_DOCS)
+            ids = tok.encode(source.read(lo, hi))
+            if tok.eos_id is not None:
+                for one in ids:
+                    one.append(tok.eos_id)
+            counts = [len(one) for one in ids]
+            chunk = _narrow(np.concatenate([np.array(one, dtype=np.int64) for one in ids]), dtype,
+                            tok).tobytes()
+            digest.update(chunk)
+            f.write(chunk)
+            lengths.extend(counts)
+            tokens += sum(counts)
+            tick(hi - lo, sum(counts))
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename says it is complete
     offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype("<i8")
-    name, tag = shard_name(k), f"tmp-{socket.gethostname()}-{os.getpid()}"
-    data = tokens.tobytes()
-    for suffix, blob in ((".idx", offsets.tobytes()), (".bin", data)):
-        tmp = out / f"{name}{suffix}.{tag}"
-        with tmp.open("wb") as f:
-            f.write(blob)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename says it is complete
-        os.replace(tmp, out / f"{name}{suffix}")
-    entry = {"name": name, "tokens": int(tokens.size), "documents": stop - start,
-             "sha256": hashlib.sha256(data).hexdigest()}
+    with tmp_idx.open("wb") as f:
+        f.write(offsets.tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp_idx, out / f"{name}.idx")
+    os.replace(tmp_bin, out / f"{name}.bin")
+    entry = {"name": name, "tokens": tokens, "documents": stop - start, "sha256": digest.hexdigest()}
     _write_json(_state(out) / f"{name}.done", entry)
     return entry
 
@@ -241,10 +321,15 @@ def write_manifest(out: Path) -> bool:
     """The manifest, once every shard is done (by whichever process finds them all done:
     the same text from any of them); False while one is missing."""
     request, bounds, _ = load_plan(out)
-    entries = [done_entry(out, k) for k in range(len(bounds) - 1)]
+    entries = [done_entry(out, k, bounds) for k in range(len(bounds) - 1)]
     if any(e is None for e in entries):
         return False
     shards = [e for e in entries if e is not None]
+    for e in shards:  # what the manifest vouches for: each shard's bytes, checked once more
+        if _sha256(out / f"{e['name']}.bin") != e["sha256"]:
+            raise UserError(f"{out / e['name']}.bin does not match its checksum (changed since it was "
+                            "written); "
+                            f"delete {out / STATE / e['name']}.done and run the same command again")
     manifest = {"format": FORMAT, "version": VERSION, "dtype": request["dtype"],
                 "vocab_size": request["vocab_size"], "eos_id": request["eos_id"],
                 "tokenizer": request["tokenizer"], "source": request["source"],
@@ -252,6 +337,14 @@ def write_manifest(out: Path) -> bool:
                 "shards": shards}
     _write_json(out / "manifest.json", manifest)
     return True
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
 
 
 # -- running ---------------------------------------------------------------------------------
@@ -262,10 +355,64 @@ def prepare(cfg: PrepareConfig) -> Prepared:
     manifest. Bad input raises UserError before the output directory is made."""
     source, tok, request, bounds = start(cfg)
     out = Path(cfg.output)
-    save_plan(out, request, bounds, source)
-    for stale in out.glob("shard-*.tmp-*"):  # an interrupted run's unfinished shards
-        stale.unlink(missing_ok=True)
-    return run_shards(out, source, tok, list(range(len(bounds) - 1)), cfg.workers, cfg.progress)
+    make_state(out)
+    lock = take_lock(out)
+    try:
+        save_plan(out, request, bounds, source)
+        remove_stale(out)
+        return run_shards(out, source, tok, list(range(len(bounds) - 1)), cfg.workers, cfg.progress)
+    finally:
+        lock.close()
+
+
+STALE_SECONDS = 3600.0
+"""A temporary file of another host's untouched this long is an interrupted run's."""
+
+
+def take_lock(out: Path) -> Any:
+    """This run's exclusive hold on `out` (flock on .prepare/lock, released when the file
+    closes or the process ends); one line when another run holds it."""
+    import fcntl
+
+    f = (_state(out) / "lock").open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.seek(0)
+        holder = (f.read().strip().splitlines() or ["unknown"])[-1]
+        f.close()
+        raise UserError(f"another `data prepare` ({holder}) is writing {out}; wait for it") from None
+    f.seek(0)
+    f.truncate()
+    f.write(f"{socket.gethostname()}, pid {os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def remove_stale(out: Path) -> None:
+    """Interrupted runs' unfinished files (tmp-HOST-PID): this host's whose process is gone,
+    another host's untouched for STALE_SECONDS (an array task may still be writing one)."""
+    here, now = socket.gethostname(), time.time()
+    for stale in [*out.glob("shard-*.tmp-*"), *_state(out).glob("*.tmp-*")]:
+        host, _, pid = stale.name.rsplit(".tmp-", 1)[-1].removesuffix(".npz").rpartition("-")
+        try:
+            dead = host == here and pid.isdigit() and not _alive(int(pid))
+            if dead or (host != here and now - stale.stat().st_mtime > STALE_SECONDS):
+                stale.unlink(missing_ok=True)
+        except OSError:
+            continue
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def run_shards(out: Path, source: Source, tok: Tokenizer, shards: list[int], workers: int,
@@ -273,7 +420,7 @@ def run_shards(out: Path, source: Source, tok: Tokenizer, shards: list[int], wor
     """Shards `shards` of the saved plan (those not done yet), then the manifest if all are."""
     began = time.perf_counter()
     request, bounds, _ = load_plan(out)
-    todo = [k for k in shards if done_entry(out, k) is None]
+    todo = [k for k in shards if done_entry(out, k, bounds) is None]
     result = Prepared(shards=len(bounds) - 1, skipped=len(shards) - len(todo))
     if result.skipped:
         result.notes.append(f"{result.skipped} of {len(shards)} shard(s) already done: skipped")
@@ -297,7 +444,7 @@ def run_shards(out: Path, source: Source, tok: Tokenizer, shards: list[int], wor
         bar.close()
     result.written = len(todo)
     result.manifest = write_manifest(out)
-    entries = [e for k in range(result.shards) if (e := done_entry(out, k)) is not None]
+    entries = [e for k in range(result.shards) if (e := done_entry(out, k, bounds)) is not None]
     result.tokens, result.documents = sum(e["tokens"] for e in entries), sum(e["documents"] for e in entries)
     result.seconds = time.perf_counter() - began
     return result
@@ -319,35 +466,97 @@ def _pool(out: Path, todo: list[int], workers: int, tick: Callable[[int, int], N
 
     ctx = mp.get_context("spawn")
     ticks = ctx.Queue()
-    threads = max(1, (os.cpu_count() or 1) // workers)  # the tokenizer's own threads, shared out
-    with ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
-                             initargs=(str(out), ticks, threads)) as pool:
+    threads = max(1, cpus() // workers)  # the tokenizer's own threads, shared out
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init,
+                               initargs=(str(out), ticks, threads, os.getpid()))
+    previous = _on_term(signal.SIGTERM)
+    try:
         pending = {pool.submit(_worker_shard, k) for k in todo}
-        try:
-            while pending:
-                finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                for future in finished:
-                    future.result()  # a worker's error (a bad record: UserError) is this call's
-                while True:
-                    try:
-                        tick(*ticks.get_nowait())
-                    except stdqueue.Empty:
-                        break
-        except BaseException:
-            for future in pending:  # the shards not started yet are not started
-                future.cancel()
-            raise
+        while pending:
+            finished, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            for future in finished:
+                future.result()  # a worker's error (a bad record: UserError) is this call's
+            while True:
+                try:
+                    tick(*ticks.get_nowait())
+                except stdqueue.Empty:
+                    break
+    except BaseException:  # an error, Ctrl-C, SIGTERM: nothing more started, the workers stopped
+        workers_now = list(getattr(pool, "_processes", {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in workers_now:
+            proc.terminate()
+        for proc in workers_now:
+            proc.join(5)
+        raise
+    else:
+        pool.shutdown(wait=True)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def cpus() -> int:
+    """The cores this process may run on (a Slurm task's or a container's, not the host's)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _on_term(sig: signal.Signals) -> Any:
+    """SIGTERM raises KeyboardInterrupt here (the pool is shut down as for Ctrl-C); the old handler."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    return signal.signal(sig, stop)
 
 
 _WORKER: dict[str, Any] = {}
 
 
-def _worker_init(out: str, ticks: Any, threads: int) -> None:
+def _worker_init(out: str, ticks: Any, threads: int, parent: int = 0) -> None:
+    _follow_parent(parent)
     os.environ.setdefault("RAYON_NUM_THREADS", str(threads))  # read when the tokenizer first runs
     request, _, index = load_plan(Path(out))
-    _WORKER.update(out=Path(out), ticks=ticks, request=request, index=index,
-                   tok=Tokenizer(request["tokenizer"]["path"], request["eos"]),
-                   source=open_source(SourceSpec(**_spec_fields(request["source"])), index))
+    _WORKER.update(out=Path(out), ticks=ticks, request=request, index=index, tok=_tokenizer(request),
+                   source=_source(request, index))
+
+
+def _follow_parent(parent: int) -> None:
+    """This worker ends when the process that started it does (Linux: PR_SET_PDEATHSIG)."""
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # it ended before the call above
+        os._exit(1)
+
+
+def _tokenizer(request: dict[str, Any]) -> Tokenizer:
+    """The planned tokenizer, refused if its files changed since."""
+    tok = Tokenizer(request["tokenizer"]["path"], request["eos"])
+    if tok.sha256 != request["tokenizer"]["sha256"]:
+        raise UserError(f"tokenizer {tok.path} changed since the corpus was planned; prepare it again")
+    return tok
+
+
+def _source(request: dict[str, Any], index: dict[str, np.ndarray]) -> Source:
+    """The planned source (exactly its files), refused if it changed since."""
+    source = open_source(SourceSpec(**_spec_fields(request["source"])), index)
+    if source.fingerprint() != request["source_fingerprint"]:
+        raise UserError(f"source {source.spec.path} changed since the corpus was planned (a file added, "
+                        "changed or removed); prepare it again into a new directory")
+    return source
 
 
 def _spec_fields(described: dict[str, Any]) -> dict[str, Any]:
@@ -366,10 +575,7 @@ def run_task(output: str, task: int, tasks: int, workers: int = 1) -> Prepared:
     finds every shard done writes the manifest."""
     out = Path(output)
     request, bounds, index = load_plan(out)
-    tok = Tokenizer(request["tokenizer"]["path"], request["eos"])
-    if tok.sha256 != request["tokenizer"]["sha256"]:
-        raise UserError(f"tokenizer {tok.path} changed since the corpus was planned; prepare it again")
-    source = open_source(SourceSpec(**_spec_fields(request["source"])), index)
+    tok, source = _tokenizer(request), _source(request, index)
     mine = list(range(task, len(bounds) - 1, tasks))
     result = run_shards(out, source, tok, mine, workers, progress=False)
     print(f"array task {task}/{tasks}: {result.written} shard(s) written, {result.skipped} skipped"

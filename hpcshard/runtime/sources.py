@@ -12,9 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +34,11 @@ EOS_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eos|>")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
                    "vocab.txt", "merges.txt", "tokenizer.model", "added_tokens.json")
 """The files of a tokenizer directory that its checksum covers (not a model's weights)."""
+VOCAB_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+               "sentencepiece.bpe.model")
+"""Files that hold a vocabulary: a tokenizer directory has one (or a tokenizer_config.json naming one)."""
+MIN_VOCAB = 256
+"""A smaller vocabulary is not a tokenizer (transformers builds an empty one from a config alone)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,8 +76,11 @@ class Source:
         raise NotImplementedError
 
     def index(self) -> dict[str, np.ndarray]:
-        """What a worker needs to read without scanning again (saved with the plan)."""
-        return {}
+        """What a worker needs to read without scanning again (saved with the plan): the
+        files, as planned (a worker does not glob again), and the format's own index."""
+        if not self.files:
+            return {}
+        return {"paths": np.array([os.fsencode(f) for f in self.files], dtype=np.bytes_)}  # not UTF-32
 
     def describe(self) -> dict[str, Any]:
         """What was read, for the manifest."""
@@ -133,7 +139,7 @@ class JsonlSource(Source):
         return self._index["size"]
 
     def index(self) -> dict[str, np.ndarray]:
-        return self._index
+        return {**super().index(), **self._index}
 
     def read(self, start: int, stop: int) -> list[str]:
         out: list[str] = []
@@ -151,7 +157,7 @@ class JsonlSource(Source):
 
     def _text(self, line: bytes, k: int, i: int) -> str:
         try:
-            record = json.loads(line)
+            record = json.loads(line.decode("utf-8", errors="replace"))  # bad bytes replaced, as text files
         except ValueError:
             raise UserError(f"{self.files[k]}: document {i} is not a JSON object: {line[:60]!r}; "
                             "fix the line or drop it") from None
@@ -163,39 +169,69 @@ class JsonlSource(Source):
 
 
 class ArrowSource(Source):
-    """A column of Arrow tables: Parquet files (read a row group at a time) or a dataset."""
+    """A column of Parquet files, read a row group at a time: each file's row counts are
+    kept (not the file: a directory of many would hold as many open), a file is opened
+    again where its documents are read, and the last row group read is kept for the next
+    batch of the same shard."""
 
     def __init__(self, spec: SourceSpec, files: list[Path]) -> None:
         super().__init__(spec, files)
+        self._binary = False
+        self._last: tuple[int, Any] | None = None
         self._parts = self._open()
-        self._starts = np.cumsum([0, *(n for n, _ in self._parts)])
+        self._starts = np.cumsum([0, *(n for n, _, _ in self._parts)])
 
-    def _open(self) -> list[tuple[int, Callable[[], Any]]]:
-        """(rows, a function that reads the field's column) for each piece, in order."""
+    def _open(self) -> list[tuple[int, int, int]]:
+        """(rows, file, row group) for each piece, in order."""
         import pyarrow.parquet as pq
 
-        parts: list[tuple[int, Callable[[], Any]]] = []
-        for path in self.files:
+        parts: list[tuple[int, int, int]] = []
+        for i, path in enumerate(self.files):
             try:
                 pf = pq.ParquetFile(path)
             except Exception as err:  # pyarrow's ArrowInvalid, OSError...: not Parquet it can read
                 raise UserError(f"{path} does not read as Parquet ({type(err).__name__}: "
                                 f"{str(err)[:200]}); give --format, or a good file") from None
-            _check_field(self.spec.field, pf.schema_arrow.names, path)
-            for g in range(pf.metadata.num_row_groups):
-                parts.append((pf.metadata.row_group(g).num_rows, partial(self._group, pf, g)))
+            try:
+                _check_field(self.spec.field, pf.schema_arrow.names, path)
+                self._binary = _check_type(self.spec.field, pf.schema_arrow.field(self.spec.field).type, path)
+                for g in range(pf.metadata.num_row_groups):
+                    parts.append((pf.metadata.row_group(g).num_rows, i, g))
+            finally:
+                pf.close()
         return parts
 
-    def _group(self, pf: Any, g: int) -> Any:
-        return pf.read_row_group(g, columns=[self.spec.field]).column(0)
+    def _column(self, p: int) -> Any:
+        """Piece p's column (the last one read is kept: a shard's batches read it once)."""
+        import pyarrow.parquet as pq
+
+        if self._last is not None and self._last[0] == p:
+            return self._last[1]
+        _, i, g = self._parts[p]
+        with pq.ParquetFile(self.files[i]) as f:
+            column = f.read_row_group(g, columns=[self.spec.field]).column(0)
+        self._last = (p, column)
+        return column
 
     def count(self) -> int:
         return int(self._starts[-1])
 
     def sizes(self) -> np.ndarray:
         import pyarrow.compute as pc
+        import pyarrow.parquet as pq
 
-        out = [pc.binary_length(read()).to_numpy(zero_copy_only=False) for _, read in self._parts]
+        out, nulls, first = [], 0, -1
+        for i, path in enumerate(self.files):
+            with pq.ParquetFile(path) as pf:
+                for p, (_, j, g) in enumerate(self._parts):
+                    if j != i:
+                        continue
+                    column = pf.read_row_group(g, columns=[self.spec.field]).column(0)
+                    if column.null_count and first < 0:
+                        first = int(self._starts[p]) + int(pc.index(pc.is_null(column), True).as_py())
+                    nulls += column.null_count
+                    out.append(pc.binary_length(column).to_numpy(zero_copy_only=False))
+        _refuse_nulls(nulls, first, self.spec)
         return np.nan_to_num(np.concatenate(out or [np.zeros(0)]).astype(np.float64)).astype(np.int64)
 
     def read(self, start: int, stop: int) -> list[str]:
@@ -205,9 +241,32 @@ class ArrowSource(Source):
             lo, hi = int(self._starts[p]), int(self._starts[p + 1])
             if lo >= stop:
                 break
-            column = self._parts[p][1]().slice(max(start, lo) - lo, min(stop, hi) - max(start, lo))
-            texts.extend(t if isinstance(t, str) else "" for t in column.to_pylist())
+            column = self._column(p).slice(max(start, lo) - lo, min(stop, hi) - max(start, lo))
+            texts.extend(_as_text(t, self._binary) for t in column.to_pylist())
         return texts
+
+
+def _check_type(field: str, kind: Any, path: Path) -> bool:
+    """A text column: string (False) or binary (True: decoded as UTF-8, bad bytes replaced);
+    one line for any other."""
+    import pyarrow as pa
+
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind):
+        return False
+    if pa.types.is_binary(kind) or pa.types.is_large_binary(kind):
+        return True
+    raise UserError(f"{path}: column {field!r} is {kind}, not text (string); give the text column with "
+                    "--field")
+
+
+def _refuse_nulls(nulls: int, first: int, spec: SourceSpec) -> None:
+    if nulls:
+        raise UserError(f"{spec.path}: {nulls} document(s) of column {spec.field!r} are null (the first: "
+                        f"document {first}); drop or fill them (as a JSONL line without its text is refused)")
+
+
+def _as_text(value: Any, binary: bool) -> str:
+    return value.decode("utf-8", errors="replace") if binary else str(value)
 
 
 class DatasetSource(Source):
@@ -234,6 +293,7 @@ class DatasetSource(Source):
                 raise UserError(f"{path} has no split {spec.split!r}; give --split one of: {', '.join(ds)}")
             ds = ds[spec.split]
         _check_field(spec.field, ds.column_names, Path(path))
+        self._binary = _check_type(spec.field, ds.data.schema.field(spec.field).type, Path(path))
         self._ds = ds.select_columns([spec.field])
 
     def count(self) -> int:
@@ -243,11 +303,14 @@ class DatasetSource(Source):
         import pyarrow.compute as pc
 
         column = self._ds.with_format("arrow")[:][self.spec.field]
+        if column.null_count:
+            _refuse_nulls(column.null_count, int(pc.index(pc.is_null(column), True).as_py()), self.spec)
         return np.nan_to_num(pc.binary_length(column).to_numpy(zero_copy_only=False)
                              .astype(np.float64)).astype(np.int64)
 
     def read(self, start: int, stop: int) -> list[str]:
-        return [t if isinstance(t, str) else "" for t in self._ds[start:stop][self.spec.field]]
+        column = self._ds.with_format("arrow")[start:stop][self.spec.field]
+        return [_as_text(t, self._binary) for t in column.to_pylist()]
 
     def fingerprint(self) -> str:
         return str(self._ds._fingerprint)
@@ -261,12 +324,22 @@ def _check_field(field: str, names: list[str], path: Path) -> None:
 
 def open_source(spec: SourceSpec, index: dict[str, np.ndarray] | None = None) -> Source:
     """The source `spec` names, its format told by its files unless given; one line
-    (UserError) for a path that is missing, a format that is unknown, no documents."""
-    path = Path(spec.path)
+    (UserError) for a path that is missing, a format that is unknown, no documents. With an
+    `index` saved by a plan: exactly the files it names (no glob again)."""
+    path = Path(spec.path).resolve()  # however it is spelled, from wherever: the same names
     if not path.exists():
         raise UserError(f"source {spec.path} does not exist; give a file or directory to read")
-    kind, files = _detect(spec, path)
-    spec = replace(spec, path=str(path.resolve()), format=kind)
+    index = dict(index) if index is not None else None
+    planned = index.pop("paths", None) if index is not None else None
+    if planned is not None and spec.format in FORMATS:
+        kind, files = spec.format, [Path(os.fsdecode(bytes(f))) for f in planned]
+        missing = next((f for f in files if not f.is_file()), None)
+        if missing is not None:
+            raise UserError(f"{missing} (in the plan) is gone; the source changed since it was planned: "
+                            "prepare it again into a new directory")
+    else:
+        kind, files = _detect(spec, path)
+    spec = replace(spec, path=str(path), format=kind)
     if kind == "hf":
         source: Source = DatasetSource(spec)
     elif kind == "parquet":
@@ -286,7 +359,8 @@ def _detect(spec: SourceSpec, path: Path) -> tuple[str, list[Path]]:
     if spec.format == "hf" or (spec.format == "auto" and path.is_dir()
                                and any((path / m).exists() for m in HF_MARKERS)):
         return "hf", []
-    files = sorted(f for f in path.glob(spec.pattern) if f.is_file()) if path.is_dir() else [path]
+    files = sorted(f for f in path.glob(spec.pattern) if f.is_file()
+                   and _visible(f.relative_to(path), spec.pattern)) if path.is_dir() else [path]
     if spec.format != "auto":
         return spec.format, files
     kinds = {SUFFIXES.get(f.suffix.lower()) for f in files}
@@ -299,6 +373,12 @@ def _detect(spec: SourceSpec, path: Path) -> tuple[str, list[Path]]:
                         "pick one kind with --pattern or --format")
     kind = kinds.pop() if kinds else None
     return kind or "text", files
+
+
+def _visible(relative: Path, pattern: str) -> bool:
+    """Not hidden (.DS_Store, .git/...), unless the pattern names dot files itself."""
+    dotted = [part for part in relative.parts if part.startswith(".")]
+    return not dotted or any(part.startswith(".") for part in Path(pattern).parts)
 
 
 class Tokenizer:
@@ -316,6 +396,9 @@ class Tokenizer:
     def _load(self, path: Path) -> None:
         if not path.exists():
             raise UserError(f"tokenizer {path} does not exist; give a tokenizer.json or a directory with one")
+        if path.is_dir() and not _has_vocabulary(path):
+            raise UserError(f"tokenizer {path} holds no tokenizer files (none of {', '.join(VOCAB_FILES)}); "
+                            "give a tokenizer.json or a directory saved by save_pretrained")
         try:
             if path.is_file() or (path / "tokenizer.json").is_file():
                 from tokenizers import Tokenizer as Fast
@@ -326,12 +409,19 @@ class Tokenizer:
 
                 slow = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
                 self._fast, self._slow = getattr(slow, "backend_tokenizer", None), slow
+            if self._fast is not None:  # a tokenizer.json's saved truncation or padding: never applied
+                self._fast.no_truncation()
+                self._fast.no_padding()
         except Exception as err:  # tokenizers' and transformers' many errors: it did not load
             said = str(err).splitlines()[0] if str(err) else ""
             raise UserError(f"tokenizer {path} does not load ({type(err).__name__}: {said[:200]}); give a "
                             "tokenizer.json or a directory saved by save_pretrained") from None
         self.vocab_size = (self._fast.get_vocab_size(with_added_tokens=True) if self._fast is not None
                            else len(self._slow))
+        if self.vocab_size < MIN_VOCAB:
+            raise UserError(f"tokenizer {path} has a vocabulary of {self.vocab_size} (under {MIN_VOCAB}): "
+                            "not a "
+                            "usable tokenizer; give a tokenizer.json or a directory saved by save_pretrained")
 
     def _eos(self, eos: str) -> int | None:
         if eos == "none":
@@ -351,7 +441,7 @@ class Tokenizer:
             return [str(self._slow.eos_token)]
         config = Path(self.path) / "tokenizer_config.json" if Path(self.path).is_dir() else None
         if config is not None and config.is_file():
-            token = json.loads(config.read_text()).get("eos_token")
+            token = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
             if isinstance(token, dict):
                 token = token.get("content")
             return [token] if isinstance(token, str) else []
@@ -369,7 +459,26 @@ class Tokenizer:
         if self._fast is not None:
             batch = getattr(self._fast, "encode_batch_fast", self._fast.encode_batch)
             return [e.ids for e in batch(texts, add_special_tokens=False)]
-        return list(self._slow(texts, add_special_tokens=False)["input_ids"])
+        return list(self._slow(texts, add_special_tokens=False, truncation=False, padding=False)["input_ids"])
+
+    def unk_id(self) -> int | None:
+        """The unknown token's id, if the tokenizer has one."""
+        if self._slow is not None and self._slow.unk_token_id is not None:
+            return int(self._slow.unk_token_id)
+        unk = getattr(self._fast.model, "unk_token", None) if self._fast is not None else None
+        return self._token_id(unk) if isinstance(unk, str) and unk else None
+
+
+def _has_vocabulary(path: Path) -> bool:
+    if any((path / n).is_file() for n in VOCAB_FILES) or any(path.glob("*.model")):
+        return True
+    config = path / "tokenizer_config.json"
+    try:
+        saved = json.loads(config.read_text(encoding="utf-8")) if config.is_file() else {}
+    except (OSError, ValueError):
+        return False
+    named = ("vocab", "vocab_file", "added_tokens_decoder")
+    return isinstance(saved, dict) and any(k in saved for k in named)
 
 
 def _tokenizer_sha(path: Path) -> str:

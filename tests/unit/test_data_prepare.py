@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -187,6 +188,7 @@ def test_an_interrupted_run_resumes_with_the_missing_shards_only(tmp_path: Path,
     (out / ".prepare" / "shard-00004.done").unlink()
     (out / "shard-00003.bin").write_bytes(b"\0" * 5)  # its done file says otherwise: redone
     (out / "shard-00005.bin.tmp-host-1").write_bytes(b"partial")
+    os.utime(out / "shard-00005.bin.tmp-host-1", (1, 1))  # another host's, long untouched: stale
     again = CliRunner().invoke(main, ["data", "prepare", str(source), "--tokenizer", str(tok), "-o", str(out),
                                       "--shard-tokens", "700", "--no-progress"])
     assert again.exit_code == 0, again.output
@@ -210,6 +212,7 @@ def test_a_run_stopped_mid_way_finishes_on_a_rerun(tmp_path: Path, tok: Path,
         calls.append(k)
         if len(calls) == 3:
             (out / f"{prep.shard_name(k)}.bin.tmp-host-1").write_bytes(b"half")
+            os.utime(out / f"{prep.shard_name(k)}.bin.tmp-host-1", (1, 1))
             raise KeyboardInterrupt
         return real(out, k, *args)
 
@@ -297,3 +300,276 @@ def test_the_array_renders_on_the_site_template_and_writes_nothing(tmp_path: Pat
     alone = CliRunner().invoke(main, ["data", "prepare", str(tmp_path / "c.jsonl"), "--tokenizer", str(tok),
                                       "-o", str(out), "--render"])
     assert alone.exit_code == 2 and "--render prints the job array's script: give --array N" in alone.output
+
+
+# -- after review -------------------------------------------------------------------------------
+
+
+def test_a_tokenizer_that_is_not_one_is_refused(tmp_path: Path, tok: Path) -> None:
+    """A folder without tokenizer files (transformers builds an empty tokenizer from a
+    config.json), a vocabulary under 256, one that gives only UNK for this text: one line."""
+    from tokenizers import Tokenizer as Fast
+    from tokenizers import models, pre_tokenizers
+
+    jsonl = corpus(tmp_path, "jsonl")
+    out = tmp_path / "out"
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 300}))
+    one_line_error([str(jsonl), "--tokenizer", str(tmp_path / "cfg"), "-o", str(out)], "no tokenizer files")
+    small = Fast(models.WordLevel({f"w{i}": i for i in range(10)}, unk_token="w0"))
+    small.save(str(tmp_path / "small.json"))
+    one_line_error([str(jsonl), "--tokenizer", str(tmp_path / "small.json"), "-o", str(out)],
+                   "vocabulary of 10")
+    words = Fast(models.WordLevel({"<unk>": 0, "</s>": 1, **{f"w{i}": i + 2 for i in range(300)}},
+                                  unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(tmp_path / "words.json"))
+    one_line_error([str(jsonl), "--tokenizer", str(tmp_path / "words.json"), "-o", str(out)],
+                   "no token but EOS or UNK")
+    assert not out.exists()
+
+
+def test_a_saved_truncation_or_padding_is_not_applied(tmp_path: Path, tok: Path) -> None:
+    from tokenizers import Tokenizer as Fast
+
+    saved = Fast.from_file(str(tok))
+    saved.enable_truncation(max_length=4)
+    saved.enable_padding(length=64, pad_id=0)
+    saved.save(str(tmp_path / "trunc.json"))
+    out, _ = run(tmp_path, corpus(tmp_path, "jsonl"), tmp_path / "trunc.json")
+    _, docs = read_back(out)
+    assert [d.tolist() for d in docs] == [[*ids, 1] for ids in Tokenizer(str(tok)).encode(TEXTS)]
+
+
+def test_parquet_columns_that_are_not_strings(tmp_path: Path, tok: Path) -> None:
+    """Binary: decoded as UTF-8 (the same tokens as strings); int, list<string>: one line;
+    nulls: one line with their count (as JSONL refuses a line without its text)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array([t.encode() for t in TEXTS], pa.binary())}),
+                   tmp_path / "bin.parquet", row_group_size=17)
+    out, _ = run(tmp_path, tmp_path / "bin.parquet", tok)
+    assert [d.tolist() for d in read_back(out)[1]] == [[*ids, 1] for ids in Tokenizer(str(tok)).encode(TEXTS)]
+    common = ["--tokenizer", str(tok), "-o", str(tmp_path / "o")]
+    pq.write_table(pa.table({"text": list(range(10))}), tmp_path / "int.parquet")
+    one_line_error([str(tmp_path / "int.parquet"), *common], "'text' is int64, not text")
+    pq.write_table(pa.table({"text": [["a", "b"]] * 3}), tmp_path / "list.parquet")
+    one_line_error([str(tmp_path / "list.parquet"), *common], "not text")
+    pq.write_table(pa.table({"text": ["a b c", None, "d", None]}), tmp_path / "nulls.parquet")
+    one_line_error([str(tmp_path / "nulls.parquet"), *common], "2 document(s)", "null", "document 1")
+    assert not (tmp_path / "o").exists()
+
+
+def test_parquet_reads_each_row_group_once_and_holds_no_file_open(tmp_path: Path, tok: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from hpcshard.runtime.sources import open_source
+
+    path = tmp_path / "one.parquet"
+    pq.write_table(pa.table({"text": TEXTS}), path, row_group_size=len(TEXTS))
+    reads: list[Any] = []
+    real = pq.ParquetFile.read_row_group
+
+    def counted(self: Any, *a: Any, **k: Any) -> Any:
+        reads.append(a)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", counted)
+    monkeypatch.setattr(prep, "BATCH_DOCS", 8)
+    run(tmp_path, path, tok, shard_tokens=10**9)
+    assert len(reads) <= 3  # the sizes, the plan's sample, the one shard: not once per batch
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for i in range(30):
+        pq.write_table(pa.table({"text": TEXTS[i:i + 2]}), folder / f"p{i:02d}.parquet")
+    before = len(os.listdir("/proc/self/fd"))
+    source = open_source(SourceSpec(path=str(folder)))
+    assert source.count() == 60 and len(os.listdir("/proc/self/fd")) < before + 5
+
+
+def test_resume_with_the_source_spelled_otherwise(tmp_path: Path, tok: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    corpus(tmp_path, "text")
+    monkeypatch.chdir(tmp_path)
+    out, first = run(tmp_path, Path("texts"), tok)
+    (out / "manifest.json").unlink()
+    (out / ".prepare" / "shard-00001.done").unlink()
+    again = CliRunner().invoke(main, ["data", "prepare", str(tmp_path / "texts"), "--tokenizer", str(tok),
+                                      "-o", str(out), "--shard-tokens", "700", "--no-progress"])
+    assert again.exit_code == 0 and "(1 written" in again.output, again.output
+
+
+def test_array_tasks_read_the_planned_files_and_refuse_a_changed_source(tmp_path: Path, tok: Path) -> None:
+    source = corpus(tmp_path, "text")
+    cfg = prep.PrepareConfig(source=SourceSpec(path=str(source)), tokenizer=str(tok),
+                             output=str(tmp_path / "arr"), shard_tokens=700, progress=False)
+    src, _t, request, bounds = prep.start(cfg)
+    prep.save_plan(tmp_path / "arr", request, bounds, src)
+    (source / "doc-000a.txt").write_text("queued while the array waited")  # not planned: not read
+    assert not prep.run_task(cfg.output, 0, 2).manifest and prep.run_task(cfg.output, 1, 2).manifest
+    _, docs = read_back(tmp_path / "arr")
+    assert [d.tolist() for d in docs] == [[*ids, 1] for ids in Tokenizer(str(tok)).encode(TEXTS)]
+    (tmp_path / "arr" / ".prepare" / "shard-00000.done").unlink()
+    (source / "doc-005.txt").write_text("edited while the array waited")
+    with pytest.raises(prep.UserError, match="changed since the corpus was planned"):
+        prep.run_task(cfg.output, 0, 2)
+
+
+def test_a_second_run_on_one_output_is_refused_and_stale_files_are_only_the_dead_ones(
+        tmp_path: Path, tok: Path) -> None:
+    import fcntl
+    import socket
+    import subprocess
+    import sys
+
+    source = corpus(tmp_path, "jsonl")
+    out, first = run(tmp_path, source, tok)
+    (out / "manifest.json").unlink()
+    (out / ".prepare" / "shard-00001.done").unlink()
+    args = [str(source), "--tokenizer", str(tok), "-o", str(out), "--shard-tokens", "700"]
+    with (out / ".prepare" / "lock").open("a+") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        held.truncate(0)
+        held.write("node7, pid 42\n")
+        held.flush()
+        one_line_error(args, "another `data prepare` (node7, pid 42) is writing", "wait for it")
+    host = socket.gethostname()
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    alive = out / f"shard-00009.bin.tmp-{host}-{os.getppid()}"
+    alive.write_bytes(b"being written")
+    (out / f"shard-00008.bin.tmp-{host}-{dead}").write_bytes(b"left over")
+    (out / "shard-00007.bin.tmp-node7-3").write_bytes(b"another host's, fresh")
+    again = CliRunner().invoke(main, ["data", "prepare", *args, "--no-progress"])
+    assert again.exit_code == 0 and "(1 written" in again.output, again.output
+    assert alive.exists() and (out / "shard-00007.bin.tmp-node7-3").exists()
+    assert not (out / f"shard-00008.bin.tmp-{host}-{dead}").exists()
+
+
+def test_the_done_check_needs_the_index_and_the_manifest_the_checksums(tmp_path: Path, tok: Path) -> None:
+    source = corpus(tmp_path, "jsonl")
+    out, first = run(tmp_path, source, tok)
+    (out / "manifest.json").unlink()
+    (out / "shard-00001.idx").write_bytes(b"\0" * 8)
+    _, again = run(tmp_path, source, tok)
+    assert again.written == 1 and again.manifest
+    read_back(out)
+    (out / "manifest.json").unlink()
+    data = bytearray((out / "shard-00002.bin").read_bytes())
+    data[0] ^= 1
+    (out / "shard-00002.bin").write_bytes(bytes(data))
+    with pytest.raises(prep.UserError, match="shard-00002.bin does not match its checksum"):
+        run(tmp_path, source, tok)
+    assert not (out / "manifest.json").exists()
+
+
+def test_a_kill_while_the_plan_is_saved_is_not_a_refused_directory(tmp_path: Path, tok: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    source = corpus(tmp_path, "jsonl")
+    whole, _ = run(tmp_path, source, tok, "whole")
+
+    def killed(*args: Any, **kw: Any) -> None:
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(np, "savez", killed)
+        with pytest.raises(KeyboardInterrupt):
+            run(tmp_path, source, tok)
+    _, again = run(tmp_path, source, tok)
+    assert again.manifest
+    (tmp_path / "bare" / ".prepare").mkdir(parents=True)  # killed before even the request
+    _, bare = run(tmp_path, source, tok, "bare")
+    assert bare.manifest
+    assert (tmp_path / "out" / "manifest.json").read_text() == (whole / "manifest.json").read_text()
+
+
+def test_a_worker_ends_with_its_parent(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    script = ("import os, subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import os, time; "
+              "from hpcshard.runtime.prepare import _follow_parent; _follow_parent(os.getppid()); "
+              "print(os.getpid(), flush=True); time.sleep(60)'], stdout=subprocess.PIPE, text=True)\n"
+              "print(child.stdout.readline().strip(), flush=True)\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": str(Path(prep.__file__).parents[2])})
+    assert parent.stdout is not None
+    worker = int(parent.stdout.readline())
+    parent.kill()
+    parent.wait()
+    for _ in range(50):
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(worker, 9)
+        raise AssertionError("the worker outlived its parent")
+
+
+def test_an_output_that_cannot_be_written_is_one_line_before_the_scan(
+        tmp_path: Path, tok: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    jsonl = corpus(tmp_path, "jsonl")
+    (tmp_path / "afile").write_text("x")
+    one_line_error([str(jsonl), "--tokenizer", str(tok), "-o", str(tmp_path / "afile" / "out")], "is a file")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("mine")
+    monkeypatch.setattr("hpcshard.runtime.sources.open_source", lambda *a: pytest.fail("scanned first"))
+    one_line_error([str(jsonl), "--tokenizer", str(tok), "-o", str(tmp_path / "full")], "not empty")
+
+
+def test_hidden_files_bad_utf8_and_the_cores(tmp_path: Path, tok: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = corpus(tmp_path, "text")
+    (folder / ".DS_Store").write_bytes(b"\0\1binary")
+    (folder / ".git").mkdir()
+    (folder / ".git" / "HEAD").write_text("ref: refs/heads/main")
+    out, result = run(tmp_path, folder, tok)
+    assert result.documents == len(TEXTS)
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"text": "caf\xe9 ok"}\n' + b"".join(json.dumps({"text": t}).encode() + b"\n"
+                                                           for t in TEXTS))
+    _, bad = run(tmp_path, path, tok, "bad")
+    assert bad.documents == len(TEXTS) + 1
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {3}, raising=False)
+    assert prep.cpus() == 1
+
+
+def test_the_plan_tokenizes_a_sample_not_a_whole_large_document(tmp_path: Path, tok: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from hpcshard.runtime.sources import open_source
+
+    (tmp_path / "big.txt").write_text(TEXTS[0] * (3 * prep.SAMPLE_BYTES // len(TEXTS[0])))
+    tokenizer = Tokenizer(str(tok))
+    seen: list[int] = []
+    real = tokenizer.encode
+    def counted(texts: list[str]) -> list[list[int]]:
+        seen.append(sum(map(len, texts)))
+        return real(texts)
+
+    monkeypatch.setattr(tokenizer, "encode", counted)
+    prep.plan(open_source(SourceSpec(path=str(tmp_path / "big.txt"))), tokenizer, 1000)
+    assert seen and max(seen) <= prep.SAMPLE_BYTES
+
+
+def test_sigterm_stops_the_pool_as_ctrl_c_does() -> None:
+    """SIGTERM (kill, Slurm's time limit) in the parent while the pool runs: KeyboardInterrupt,
+    so the pool is shut down (nothing more started, the workers terminated); the old handler after."""
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    previous = prep._on_term(signal.SIGTERM)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):
+                __import__("time").sleep(0.01)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert signal.getsignal(signal.SIGTERM) is before
