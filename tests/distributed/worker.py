@@ -172,13 +172,13 @@ def same_tensors(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def record_grad_dtypes(t: Trainer, seen: set[str]) -> None:
     """Note the sharded gradients' dtypes just before each step clears them."""
-    clear: Callable[..., None] = t.optimizer.zero_grad
+    clear: Callable[..., None] = t.model.zero_grad  # (the trainer clears every parameter's)
 
     def zero_grad(*args: Any, **kwargs: Any) -> None:
         seen.update(str(p.grad.dtype) for p in t.params if p.grad is not None)
         clear(*args, **kwargs)
 
-    t.optimizer.zero_grad = zero_grad  # type: ignore[method-assign]  # this instance only
+    t.model.zero_grad = zero_grad  # type: ignore[method-assign]  # this instance only
 
 
 def reduce_dtypes(t: Trainer) -> list[str]:
