@@ -39,7 +39,9 @@ def reset_peak() -> None:
 
 
 def trainer(env: Any, ckpt: str, **sets: str) -> Trainer:
-    cfg = build_config(JOB.config, {"init_from": ckpt, "seq_len": "32", "batch_size": "4", **sets})
+    # (no loader thread: the memory test measures the weights' loading, not a thread's arena)
+    cfg = build_config(JOB.config, {"init_from": ckpt, "seq_len": "32", "batch_size": "4",
+                                    "data_prefetch": "0", **sets})
     return Trainer(JOB, cfg, env, None)
 
 
