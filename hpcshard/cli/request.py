@@ -168,8 +168,14 @@ def _snapshot(res: site.Resolved, target: Target, run_dir: Path) -> snapshot.Ask
     if res.values["code"] == "live":
         return None
     source = target.script.target if target.script else target.ref
-    module = target.script.kind == "module" if target.script else not Path(source).is_file()
-    return snapshot.Ask(source, module, res.values["code_max_mb"], skip=(run_dir,))
+    return snapshot.Ask(source, _is_module(source, target.script), res.values["code_max_mb"], skip=(run_dir,))
+
+
+def _is_module(source: str, script: Script | None) -> bool:
+    """A script says what it is; a job's reference is a file as `job_ref` takes one."""
+    if script is not None:
+        return script.kind == "module"
+    return not (source.endswith(".py") or Path(source).exists())
 
 
 def again(spec: RunSpec, run_dir: Path, *, nodes: int | None = None, gpus: int | None = None,
@@ -216,7 +222,7 @@ def _live(spec: RunSpec, code: Code) -> None:
 def _current(spec: RunSpec, run_dir: Path, limit_mb: int) -> snapshot.Ask:
     """`resume --code current`: the run's source (what was submitted) read again."""
     source = spec.code.source if spec.code is not None else (spec.script.target if spec.script else spec.job)
-    module = spec.script.kind == "module" if spec.script else not source.endswith(".py")
+    module = _is_module(source, spec.script)
     if not module and not Path(source).is_file():
         raise UserError(f"--code current: the run's source {source} is gone; resume with the run's "
                         "copy (--code snapshot), or submit the job again from where it is now")

@@ -25,7 +25,7 @@ import torch
 from hpcshard.errors import UserError
 from hpcshard.runtime.corpus import DOC_MODES, Blend, load_blend
 from hpcshard.runtime.loader import Ahead
-from hpcshard.runtime.order import positions, sampler
+from hpcshard.runtime.order import Flat, sampler
 
 TOKEN_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
 DATA_CHANGED = ("refuse", "accept")
@@ -239,17 +239,10 @@ Micro = tuple[torch.Tensor, ...]
 def _windows(tokens: np.ndarray, seq_len: int, index: Iterable[int],
              targets: np.ndarray | None = None, starts: np.ndarray | None = None) -> Micro:
     """Windows of seq_len + 1 tokens: inputs, and the next tokens (or `targets`' values
-    there, where fine-tuning masks the loss); with `starts`, the inputs' position ids too."""
-    index = list(index)
-    rows = np.stack([np.asarray(tokens[i * seq_len: i * seq_len + seq_len + 1]) for i in index])
-    t = torch.from_numpy(rows.astype(np.int64))
-    if targets is None:
-        return t[:, :-1], t[:, 1:]
-    ys = np.stack([np.asarray(targets[i * seq_len + 1: i * seq_len + seq_len + 1]) for i in index])
-    if starts is None:
-        return t[:, :-1], torch.from_numpy(ys.astype(np.int64))
-    marks = np.stack([np.asarray(starts[i * seq_len: i * seq_len + seq_len]) for i in index])
-    return t[:, :-1], torch.from_numpy(ys.astype(np.int64)), torch.from_numpy(positions(marks))
+    there, where fine-tuning masks the loss); with `starts`, the inputs' position ids too
+    (`order.Flat.rows`, as training's batches)."""
+    rows = Flat(tokens, seq_len, targets, starts).rows(np.asarray(list(index), dtype=np.int64))
+    return tuple(torch.from_numpy(a) for a in rows)
 
 
 Batch = list[Micro]

@@ -11,10 +11,11 @@ import torch
 
 from hpcshard.config import TrainConfig, build_config
 from hpcshard.errors import UserError
-from hpcshard.runtime.data import GlobalBatches, positions
+from hpcshard.runtime.data import GlobalBatches
 from hpcshard.runtime.device import fused_optimizer
 from hpcshard.runtime.job import lm_loss, takes_positions
 from hpcshard.runtime.optim import decay_factor, lr_factor
+from hpcshard.runtime.order import positions
 from hpcshard.runtime.sft import IGNORE, record_starts
 from hpcshard.runtime.shard import SAVED_OPS, _save_matmuls
 from hpcshard.runtime.train import all_reduce_at, learnt_weights

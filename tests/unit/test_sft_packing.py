@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hpcshard.config import build_config
-from hpcshard.runtime.data import positions
 from hpcshard.runtime.job import Job, load_job
+from hpcshard.runtime.order import positions
 from hpcshard.runtime.sft import IGNORE
 
 transformers = pytest.importorskip("transformers")
