@@ -1,5 +1,6 @@
 """`python -m bench [NAME ...]`: run the benchmarks (all by default), print each table, and
-merge the results into bench/results/latest.json and latest.md."""
+merge the results into bench/results/latest.json and latest.md. `python -m bench gpu
+[--quick] [--out DIR]` takes options of its own (bench/gpu.py)."""
 
 from __future__ import annotations
 
@@ -14,11 +15,13 @@ from bench import (
     coord_scale,
     data,
     faults,
+    gpu,
     loss,
     nfs,
     nodes,
     overhead,
     owner,
+    polling,
     prepare,
     pretrained,
     requeue,
@@ -32,10 +35,12 @@ BENCHES = {"overhead": overhead, "checkpoint": checkpoint, "resume": resume, "re
            "cli": cli_latency, "scaling": scaling, "faults": faults,
            "nodes": nodes, "chaos": chaos, "tp": tp, "pretrained": pretrained, "owner": owner,
            "control": control, "coord": coord_scale, "nfs": nfs, "data": data,
-           "prepare": prepare, "loss": loss}
+           "prepare": prepare, "loss": loss, "polling": polling, "gpu": gpu}
 
 
 def main(names: list[str]) -> int:
+    if names[:1] == ["gpu"]:  # its options: python -m bench gpu --quick --out DIR
+        return gpu.cli(names[1:])
     unknown = [n for n in names if n not in BENCHES]
     if unknown:
         print(f"unknown benchmark(s) {', '.join(unknown)}; choose from: {', '.join(BENCHES)}",

@@ -37,6 +37,25 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise UserError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
 
 
+def _precision(value: str) -> None:
+    """precision is the dtype of everything float8 leaves alone: fp8 is its own setting."""
+    if value.lower() in ("fp8", "float8"):
+        raise UserError(f"precision={value!r} is not valid: float8 training is --set float8=true with "
+                        "--set precision=bf16 (float8 matmuls in the blocks, bf16 elsewhere)")
+    _choice("precision", value, PRECISIONS)
+
+
+def profile_ranks(value: str) -> tuple[int, ...] | None:
+    """The ranks `value` names ("0", "0,7"), or None for `all`; bad input is a UserError."""
+    if value.strip() == "all":
+        return None
+    parts = [p.strip() for p in value.split(",")]
+    if not value.strip() or not all(p.isdigit() for p in parts):
+        raise UserError(f"profile ranks {value!r} are not valid; give rank numbers separated by "
+                        "commas (0,7) or all")
+    return tuple(sorted({int(p) for p in parts}))
+
+
 def _positive(name: str, value: float, *, zero_ok: bool = False) -> None:
     if not math.isfinite(value):
         raise UserError(f"{name}={value!r} is not valid; it must be a finite number")
@@ -131,7 +150,8 @@ class TrainConfig:
     (the innermost mesh dimension; FSDP shards over the rest of the node, HSDP replicates
     across nodes). 1: no tensor parallelism. Needs the job's `tp_plan`."""
     precision: str = "fp32"
-    """fp32 | bf16 (bf16 compute, fp32 reduce) | fp16 (fp16 compute with a grad scaler)."""
+    """fp32 | bf16 (bf16 compute, fp32 reduce) | fp16 (fp16 compute with a grad scaler). fp8 is not
+    a precision: float8=true with precision=bf16."""
     reduce_dtype: str = "fp32"
     """The dtype gradients are reduced in (reduce-scatter, HSDP's all-reduce): fp32 | bf16
     (half the bytes on the wire, less exact sums) | fp16."""
@@ -159,6 +179,12 @@ class TrainConfig:
     """torch.compile each block before sharding."""
     cpu_offload: bool = False
     """Keep sharded parameters, gradients and optimizer state in host memory."""
+    float8: bool = False
+    """Float8 training (torchao, the fp8 extra): the blocks' Linear layers whose dimensions are
+    multiples of 16 multiply in float8 with dynamic tensorwise scales, and FSDP all-gathers
+    their weights in float8; the rest (embeddings, norms, the output head) stays bf16.
+    Needs precision=bf16 and NVIDIA GPUs of compute capability 8.9 or later (Ada, Hopper);
+    refused elsewhere, with tp > 1, cpu_offload or LoRA."""
     log_every: int = 10
     """Write a metrics record every N steps."""
     tensorboard: bool = False
@@ -179,6 +205,17 @@ class TrainConfig:
     """Global batches per evaluation."""
     peak_tflops: float = 0.0
     """Peak dense TFLOP/s of one device for MFU; 0 means look it up (known GPUs only)."""
+    profile_every: int = 0
+    """Record a torch.profiler trace of `profile_steps` steps after every N-th step (steps
+    N+1.., 2N+1..) into RUN_DIR/profiles/step-S/ (Perfetto, Chrome, TensorBoard); 0: only
+    when asked (`hpcshard profile RUN`)."""
+    profile_steps: int = 2
+    """Steps each scheduled profile records."""
+    profile_ranks: str = "0"
+    """The ranks a scheduled profile records: comma-separated rank numbers, or `all`."""
+    profile_memory: bool = False
+    """Scheduled profiles also record a CUDA memory snapshot (allocation history with stacks:
+    open it at pytorch.org/memory_viz). Only where the ranks have CUDA."""
     ckpt_every: int = 100
     """Save a checkpoint every N steps; 0: only at the end and on a stop request."""
     ckpt_minutes: float = 0.0
@@ -234,7 +271,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _choice("sharding", self.sharding, SHARDING_MODES)
-        _choice("precision", self.precision, PRECISIONS)
+        _precision(self.precision)
         _choice("reduce_dtype", self.reduce_dtype, PRECISIONS)
         if self.output_dtype:
             _choice("output_dtype", self.output_dtype, PRECISIONS)
@@ -276,10 +313,14 @@ class TrainConfig:
             raise UserError(f"lora_rank={self.lora_rank} with tp={self.tp}: LoRA adapters are not "
                             "split by tensor parallelism; use tp=1 (FSDP shards them)")
 
+        _check_float8(self)
         for name in ("tp", "keep_last", "watchdog_factor", "watchdog_floor_s", "watchdog_phase_s",
                      "watchdog_join_s", "nan_skip", "straggler_margin", "straggler_patience"):
             _positive(name, getattr(self, name))
         signal_names(self.stop_signals)
+        _positive("profile_every", self.profile_every, zero_ok=True)
+        _positive("profile_steps", self.profile_steps)
+        profile_ranks(self.profile_ranks)
 
     def accumulation(self, world: int) -> tuple[int, int]:
         """(micro batch per rank, accumulation steps) for a world size, or ValueError."""
@@ -306,6 +347,28 @@ class TrainConfig:
     def ac_selective(self) -> bool:
         """Op-level checkpointing of the checkpointed blocks (ac=selective)."""
         return self.ac == "selective"
+
+
+def _check_float8(cfg: TrainConfig) -> None:
+    """float8 composes with bf16 alone (torchtitan's recipe: float8 matmuls, bf16 elsewhere)
+    and with none of what its casts and weight subclass were not built for."""
+    if not cfg.float8:
+        return
+    if cfg.precision != "bf16":
+        raise UserError(f"float8=true needs precision=bf16 (float8 matmuls, bf16 elsewhere), not "
+                        f"precision={cfg.precision}; add --set precision=bf16")
+    refused = (
+        # torchao splits its float8 layers with its own styles (Float8ColwiseParallel,
+        # Float8RowwiseParallel, PrepareFloat8ModuleInput), which a job's tp_plan does not name
+        (cfg.tp > 1, f"tp={cfg.tp}", "a job's tp_plan splits plain Linear layers, not torchao's "
+                                     "float8 ones; use tp=1"),
+        (cfg.cpu_offload, "cpu_offload=true", "float8 casts the sharded weights where they live, "
+                                              "host memory here; drop cpu_offload"),
+        (cfg.lora_rank > 0, f"lora_rank={cfg.lora_rank}", "LoRA's adapters and the layers it wraps are "
+                                                         "not converted; drop one of the two"))
+    for on, setting, why in refused:
+        if on:
+            raise UserError(f"float8=true with {setting}: {why}")
 
 
 def signal_names(text: str) -> list[str]:
@@ -355,9 +418,16 @@ def _convert(text: str, kind: Any) -> Any:
     raise UserError(f"fields of type {kind} cannot be set from the command line")
 
 
-BEFORE: dict[str, str] = {"data_order": "randperm"}
+BEFORE: dict[str, str] = {"data_order": "randperm", "held_out": "last-shard"}
 """Settings whose default changed what a run does, with the value a run resolved before the
-setting existed keeps (its checkpoints' data position means that order)."""
+setting existed keeps (its checkpoints' data position means that order, and that
+train/held-out split)."""
+MIXIN_OF: dict[str, str] = {"held_out": "token_dtype"}
+"""A kept setting of a config mixin (DataConfig's), with a field that shows the mixin in a
+resolved config: a job whose config lacks the mixin has no such key to keep. Not `data`: a
+job's own config may have a `data` field of its own (examples/custom_job), and was handed
+a held_out it does not know, every run refused at its ranks; `token_dtype` is DataConfig's
+alone and older than held_out."""
 
 
 def kept_sets(sets: dict[str, str], resolved: dict[str, typing.Any]) -> dict[str, str]:
@@ -366,7 +436,9 @@ def kept_sets(sets: dict[str, str], resolved: dict[str, typing.Any]) -> dict[str
     it started. A setting the run gives itself is its own."""
     if not resolved:  # (nothing resolved: a script, or a spec before any preflight)
         return sets
-    return {**{k: v for k, v in BEFORE.items() if k not in resolved}, **sets}
+    kept = {k: v for k, v in BEFORE.items()
+            if k not in resolved and (k not in MIXIN_OF or MIXIN_OF[k] in resolved)}
+    return {**kept, **sets}
 
 
 def parse_sets(items: typing.Iterable[str]) -> dict[str, str]:

@@ -44,8 +44,10 @@ from hpcshard.rundir.rankenv import (
     script_environ,
     signal_name,
 )
+from hpcshard.rundir.runlogs import start_line
 from hpcshard.rundir.spec import Script
 from hpcshard.rundir.store import last_save
+from hpcshard.slurm.env import current_run
 
 __all__ = ["ENV_DOC", "SCRIPT_SIGNALS", "check_module", "defines_job", "failures", "last_save", "run"]
 
@@ -146,6 +148,10 @@ def run(run_dir: Path, script: Script, early: list[int]) -> int:
     paths.logs.mkdir(exist_ok=True)
     log_path = paths.rank_log(rank)
     log = log_path.open("a", buffering=1)
+    slurm = current_run()  # where this start begins in the log (`hpcshard logs`: rundir.runlogs)
+    log.write(start_line(attempt, env.cycle, os.getpid(), socket.gethostname(),
+                         rank // int(os.environ.get("LOCAL_WORLD_SIZE", "1")), slurm[0] if slurm else None)
+              + "\n")
     sys.stdout, sys.stderr = _Tee(sys.stdout, log), _Tee(sys.stderr, log)  # type: ignore[assignment]
     # On the node's board from the start: a rank whose process dies is a crash, seen in a
     # poll; `preemption.progress` moves it to "step" (then a hang is seen too). Before its

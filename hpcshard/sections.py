@@ -103,7 +103,7 @@ class ModelSection(Section):
 @dataclass(frozen=True)
 class ParallelSection(Section):
     """Sharding, tensor parallelism, precision, activation checkpointing: `runtime.mesh`
-    (through `Parallel`) and `runtime.shard` (ShardPlan)."""
+    (through `Parallel`) and `runtime.shard` (ShardPlan); float8: `runtime.float8`."""
 
     sharding: str
     shard: int
@@ -118,6 +118,7 @@ class ParallelSection(Section):
     block_min_params: int
     compile: bool
     cpu_offload: bool
+    float8: bool
 
 
 @dataclass(frozen=True)
@@ -168,8 +169,20 @@ class TrackerSection(Section):
     peak_tflops: float
 
 
+@dataclass(frozen=True)
+class ProfileSection(Section):
+    """Profiles on a schedule (`runtime.profile`); `hpcshard profile` asks a live run for
+    one without any of these."""
+
+    profile_every: int
+    profile_steps: int
+    profile_ranks: str
+    profile_memory: bool
+
+
 SECTIONS: tuple[type[Section], ...] = (OptimizerSection, DataSection, ModelSection, ParallelSection,
-                                       CheckpointSection, SupervisionSection, TrackerSection)
+                                       CheckpointSection, SupervisionSection, TrackerSection,
+                                       ProfileSection)
 """Every section, in the order the settings reference lists them."""
 
 

@@ -163,8 +163,11 @@ def data(cfg: Config) -> DataSplits:
 
 
 def flops_per_token(cfg: Config, model: nn.Module) -> float:
-    """6 * matmul parameters + the attention scores (PaLM appendix B)."""
-    n = sum(p.numel() for p in model.parameters()) - cfg.seq_len * cfg.dim  # no FLOPs in pos
+    """Training FLOPs per token (PaLM appendix B): 6 per parameter (2 forward, 4 backward)
+    without the embeddings, which are lookups, not matmuls (`tok` is not tied to `head`,
+    which is counted), plus the attention's QK^T and AV (2 * 2 * seq_len * dim per layer
+    forward, 3x that with backward; causal masking not taken off, as PaLM counts it)."""
+    n = sum(p.numel() for p in model.parameters()) - (cfg.vocab_size + cfg.seq_len) * cfg.dim
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.dim * cfg.seq_len
 
 

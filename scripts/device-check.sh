@@ -6,8 +6,9 @@
 #
 #   run(command="bash scripts/device-check.sh", carry=[".whl"], timeout_s=400)
 #
-# .whl holds submitit's wheel (the image has no submitit):
-#   pip download --no-deps -d .whl submitit==1.5.4
+# .whl holds submitit's wheel (the image has no submitit) and torchao's for tests/gpu/test_fp8.py
+# (0.17 pairs with the image's torch 2.11; without it that test skips):
+#   pip download --no-deps -d .whl submitit==1.5.4 torchao==0.17.0
 set -u
 OUT=${OUT:-/tmp/device-out}
 mkdir -p "$OUT"

@@ -172,21 +172,37 @@ def shared_tmp(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path
     return base if worker_id == "master" else base.parent
 
 
-@pytest.fixture(scope="session")
-def uninterrupted(shared_tmp: Path) -> Path:
-    """The reference for every exact-resume test: the demo on 2x2, STEPS steps, never
-    preempted, a checkpoint after every step, all kept. Trained once per session: pytest-xdist
-    workers share it through a lock in their common temporary directory. Tests copy it
-    before they change anything."""
-    run, done = shared_tmp / "uninterrupted", shared_tmp / "uninterrupted.done"
-    with FileLock(str(shared_tmp / "uninterrupted.lock")):
+def reference_run(shared_tmp: Path, name: str, nodes: int, gpus: int) -> Path:
+    """The demo on `nodes` x `gpus`, STEPS steps, never preempted, a checkpoint after every
+    step, all kept: trained once per session, under a lock in the pytest-xdist workers'
+    common temporary directory (the first worker to ask trains it, the others wait)."""
+    run, done = shared_tmp / name, shared_tmp / f"{name}.done"
+    with FileLock(str(shared_tmp / f"{name}.lock")):
         if not done.exists():
             shutil.rmtree(run, ignore_errors=True)
-            proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
-                            str(run), *sets(steps=STEPS, ckpt_every=1, keep_last=1000, eval_every=STEPS))
+            proc = hpcshard("submit", "--nodes", str(nodes), "--gpus", str(gpus), "jobs/charlm.py",
+                            "--run-dir", str(run),
+                            *sets(steps=STEPS, ckpt_every=1, keep_last=1000, eval_every=STEPS))
             assert proc.returncode == 0, proc.stdout[-3000:]
             done.touch()
     return run
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(shared_tmp: Path) -> Path:
+    """The reference for every exact-resume test of sharded state: the demo on 2x2 (HSDP,
+    each rank holding half of each block), `reference_run`. Tests copy it before they
+    change anything."""
+    return reference_run(shared_tmp, "uninterrupted", 2, 2)
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_2x1(shared_tmp: Path) -> Path:
+    """The same reference on 2 nodes x 1 rank, for the fault tests whose subject is the
+    launchers (a node frozen, a rank stopped, a notice that comes mid-recovery): their runs
+    start 2 ranks instead of 4 at each of their starts (about 9 CPU-s each, and a third
+    less per step), while `uninterrupted`'s tests keep the sharded state's exact resume."""
+    return reference_run(shared_tmp, "uninterrupted-2x1", 2, 1)
 
 
 @pytest.fixture

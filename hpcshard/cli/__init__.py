@@ -5,10 +5,13 @@ needs: jinja2, submitit, the Slurm queries, torch in a subprocess) is imported w
 command runs. Nothing imports `hpcshard.cli`; a test holds `import hpcshard.cli` to
 click and the stdlib.
 
-    submit   submit, render, resume        runs    status, logs, ls, plot, cancel, preempt
+    submit   submit, render, resume        runs    status, ls, plot, cancel, preempt
+    allocation  run (inside an allocation you hold)
+    logs     logs
     sweep    sweep                         ckpt    ckpt list, ckpt export
     site     config, profiles, templates   doctor  doctor
     plan     plan                          data    data prepare
+    profile  profile
 """
 
 from __future__ import annotations
@@ -24,13 +27,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "submit": ("submit:submit", "Run a job or any torchrun script on NODES x GPUS ranks."),
     "render": ("submit:render_cmd", "Print the sbatch script that submit would submit."),
     "resume": ("submit:resume", "Continue a run from its newest checkpoint, on any shape."),
-    "sweep": ("sweep:sweep", "Run a job once per configuration (a grid, a file): one job array."),
+    "run": ("allocation:run", "Run a job on the nodes of an allocation you hold (salloc), no new job."),
+    "sweep": ("sweep:sweep", "Run a job once per configuration (a grid, a file): job arrays, one sweep."),
     "status": ("runs:status", "Slurm state, training progress and attempts of a run."),
-    "logs": ("runs:logs", "Print a rank's log of a run."),
+    "logs": ("logs:logs", "A run's rank logs in one stream, across attempts (-f: follow)."),
     "ls": ("runs:ls", "Recent runs, newest first."),
     "plot": ("runs:plot", "Loss and tokens/s over steps as a PNG."),
     "preempt": ("runs:preempt", "Send a run the preemption notice (a clean stop)."),
     "cancel": ("runs:cancel", "Stop a run now, without a checkpoint."),
+    "profile": ("profile:profile", "Record a profiler trace of a live run's next steps."),
     "ckpt": ("ckpt:ckpt", "Inspect and export checkpoints."),
     "config": ("site:config", "The merged configuration and where each value came from."),
     "profiles": ("site:profiles", "The profiles the site, user and project files define."),

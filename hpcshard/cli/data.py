@@ -75,13 +75,7 @@ def prepare(source: Path, tokenizer: Path, output: Path, fmt: str, field: str, p
         return
     from hpcshard.runtime.prepare import prepare as run
 
-    made = not output.exists()
-    try:
-        result = run(cfg)
-    except ValueError:  # a bad record found while tokenizing: nothing kept that this call made
-        if made and not (output / "manifest.json").exists():
-            shutil.rmtree(output, ignore_errors=True)
-        raise
+    result = run(cfg)  # (a bad record: what this call made is removed there, under its lock)
     for note in result.notes:
         click.echo(note, err=True)
     click.echo(f"{output}: {result.documents:,} document(s), {result.tokens:,} token(s) in {result.shards} "
@@ -106,7 +100,7 @@ def _array(cfg: PrepareConfig, tasks: int, render: bool, profile: str | None, op
     """Plan here (bad input refused before anything is written), then submit one task per
     share of the shards (task i: shards i, i + N, ...); the last to finish writes the
     manifest. `--render`: the script only."""
-    from hpcshard.runtime.prepare import save_plan, start
+    from hpcshard.runtime.prepare import check_again, make_state, save_plan, start, take_lock
     from hpcshard.slurm.submit import sbatch_text
 
     req = array_request(cfg, tasks, profile, opts)
@@ -125,17 +119,23 @@ def _array(cfg: PrepareConfig, tasks: int, render: bool, profile: str | None, op
     from hpcshard.slurm.submit import submit_array
 
     cluster.check_request(req)
-    made = not out.exists()
-    save_plan(out, request, bounds, source)
-    for i in range(tasks):  # sbatch opens each task's log; it makes no folder for it
-        (req.run_dir / f"task-{i}" / "logs").mkdir(parents=True, exist_ok=True)
+    made = make_state(out)
+    lock = take_lock(out)  # the plan saved as `prepare` saves it: no run writing here meanwhile
     try:
-        ids = submit_array(req, req.run_dir, run_task, [(str(out.resolve()), i, tasks, cfg.workers)
-                                                         for i in range(tasks)])
-    except ValueError:
-        if made:
-            shutil.rmtree(out, ignore_errors=True)
-        raise
+        bounds = check_again(out, request, bounds)  # a run that started here while this one planned
+        shards = len(bounds) - 1
+        save_plan(out, request, bounds, source)
+        for i in range(tasks):  # sbatch opens each task's log; it makes no folder for it
+            (req.run_dir / f"task-{i}" / "logs").mkdir(parents=True, exist_ok=True)
+        try:
+            ids = submit_array(req, req.run_dir, run_task, [(str(out.resolve()), i, tasks, cfg.workers)
+                                                             for i in range(tasks)])
+        except ValueError:  # not submitted: nothing kept of a directory this call made
+            if made:
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+    finally:
+        lock.close()
     click.echo(f"submitted job array {ids[0].split('_')[0]} (0-{tasks - 1}): {shards} shard(s) of "
                f"{source.count():,} document(s), task i writes shards i, i+{tasks}, ...")
     click.echo(f"logs: {req.run_dir}/task-N/logs; done when {out / 'manifest.json'} exists "

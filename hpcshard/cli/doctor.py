@@ -294,16 +294,23 @@ class Doctor:
                  "fix the module names (module avail), or " + self.where("modules"))
 
     def _wait_for(self, job: str, done: Callable[[], bool], extra: float = 0) -> str:
+        """The probe's files are looked for every 0.5 s; Slurm is asked one scontrol a poll,
+        1 s apart, doubling while the job's state stays the same up to the profile's poll_s."""
+        from hpcshard.slurm.poll import Backoff
+
         deadline = time.monotonic() + self.wait + extra
         state = states.JobState.PENDING.value
+        backoff, due = Backoff(1.0, max(1.0, self.v["poll_s"])), 0.0
         while not done() and time.monotonic() < deadline:
-            info = cluster.job_state(job) or cluster.JobInfo.forgotten(job)
-            state = info.state_text
-            if info.state.over:
-                time.sleep(1)  # files written just before the end may land a moment later
-                break
-            if info.state.pending:
-                state = f"{state}, reason {info.reason or '?'}"
+            if time.monotonic() >= due:
+                info = cluster.job_state(job) or cluster.JobInfo.forgotten(job)
+                if info.state.over:
+                    time.sleep(1)  # files written just before the end may land a moment later
+                    return info.state_text
+                said = f"{info.state_text}, reason {info.reason or '?'}" if info.state.pending \
+                    else info.state_text
+                due = time.monotonic() + backoff.next(said != state)
+                state = said
             time.sleep(0.5)
         return state
 

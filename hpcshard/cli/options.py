@@ -5,6 +5,7 @@ configuration files and the admin guide say the same thing."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 import click
@@ -47,6 +48,10 @@ def _apply(f: F, options: list[Callable[[F], F]]) -> F:
 
 PROFILE = click.option("--profile", help="Site profile (`hpcshard profiles list`) [default: the "
                        "configuration's `profile`].")
+
+RUN_DIR = click.option("--run-dir", type=click.Path(path_type=Path), help="Where the run writes config, "
+                       "logs, metrics, checkpoints [default: runs/JOB-TIME].")
+NAME = click.option("--name", help="Run name [default: the job's name].")
 
 
 def spare_options(f: F) -> F:

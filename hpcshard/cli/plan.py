@@ -159,6 +159,10 @@ def show(p: dict[str, Any]) -> None:
     rows.append((f"fits in {gib(p['gpu_mem'])}", *[
         "yes" if v["fits"] else "with AC" if v["fits_ac"] else "no" for v in modes.values()]))
     table(("per GPU", *["" for _ in modes]), rows)
+    if p.get("float8"):
+        click.echo("\nfloat8: counted as bf16; its all-gathers carry the converted Linear weights in "
+                   "1 byte instead of 2 (the all-gather row is an upper bound), its matmuls save "
+                   "their bf16 inputs for backward as bf16's do")
     if p["activations_unmeasured"]:
         click.echo(f"\nactivations not measured (totals leave them out): the model's forward does "
                    f"not run on the meta device ({p['activations_unmeasured']})")

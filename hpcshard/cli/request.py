@@ -9,7 +9,7 @@ A request is built in three steps, each its own function:
 2. `check` checks it against the world: the job imported and built on the meta device (in
    a subprocess, `runtime.preflight`: this process never imports torch), the cluster's
    partitions and limits.
-3. `schedule` (and `schedule_array`, a sweep's tasks in one job array) is the one place a
+3. `schedule` (and `schedule_array`, a sweep's tasks as job arrays) is the one place a
    request becomes a run on its backend (`launch.backends`): the spec written as the run's
    owner, the job submitted or run here, the run handed to it.
 
@@ -26,6 +26,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from hpcshard.config import kept_sets, parse_sets
 from hpcshard.errors import JobCrashed, UserError
 from hpcshard.launch import backends
 from hpcshard.rundir import lease, ledger, store
+from hpcshard.rundir.events import EndReason
 from hpcshard.rundir.ledger import bad_slurm_nodes, next_attempt
 from hpcshard.rundir.metrics import METRICS, last_record
 from hpcshard.rundir.paths import RunPaths
@@ -55,6 +57,7 @@ from hpcshard.rundir.spec import (
     job_stem,
     probe_writable,
 )
+from hpcshard.slurm.arrays import Part, dependency, plan
 from hpcshard.slurm.sbatch import SbatchRequest, render
 
 NO_RESUME = ("auto", "never")
@@ -203,7 +206,8 @@ def again(spec: RunSpec, run_dir: Path, *, nodes: int | None = None, gpus: int |
         per_gpu = old.cpus_per_task // max(1, old.gpus_per_node)
         sbatch = _checked(replace(
             old, nodes=spec.nodes + spec.spares, gpus_per_node=spec.gpus, cpus_per_task=per_gpu * spec.gpus,
-            run_dir=run_dir.resolve(), no_kill=spec.no_kill, exclude=bad_slurm_nodes(run_dir)), run_dir)
+            run_dir=run_dir.resolve(), no_kill=spec.no_kill, exclude=bad_slurm_nodes(run_dir),
+            dependency=""), run_dir)
     if code == "live" and spec.code is not None:
         _live(spec, spec.code)
     return Request(spec=spec, run_dir=run_dir, sbatch=sbatch, resume=resume, fresh=False,
@@ -232,7 +236,8 @@ def _current(spec: RunSpec, run_dir: Path, limit_mb: int) -> snapshot.Ask:
 @dataclass(kw_only=True)
 class Tasks:
     """A sweep's request: one run per configuration, each in `root`/task-i, and on Slurm
-    the one job array that runs them all (None on the local backend)."""
+    the job array that runs them all (None on the local backend; `schedule_array` splits
+    it where the cluster's arrays take fewer tasks)."""
 
     runs: list[Request]
     array: SbatchRequest | None
@@ -348,14 +353,13 @@ def check(requests: list[Request], *, cluster: bool = True, job: bool = True,
     partitions and limits) and the job (imported and built in a subprocess); each spec gets
     what the job resolved to (`RunSpec.resolved`)."""
     first = requests[0]
+    first.backend.ready(first.spec)
     if cluster and first.sbatch is not None:
         from hpcshard.slurm import cluster as slurm
 
         slurm.check_request(first.sbatch)
         if first.fresh:
             warn_storage(first.sbatch.run_dir, first.spec.nodes)
-        if first.sbatch.array:
-            _check_array_size(len(requests))
     if not job:
         return
     if first.ask is not None:  # the workspace as it is now: what the run will run
@@ -372,16 +376,6 @@ def check(requests: list[Request], *, cluster: bool = True, job: bool = True,
         one.spec.resolved = Resolved.of(resolved)
 
 
-def _check_array_size(count: int) -> None:
-    from hpcshard.slurm import cluster
-
-    limit = cluster.max_array_size()
-    if limit is not None and count > limit:
-        raise UserError(f"{count} configurations is more than this cluster's job arrays take "
-                        f"(MaxArraySize={limit}: indices 0 to {limit - 1}); split the grid into "
-                        f"sweeps of at most {limit}")
-
-
 def warn_storage(run_dir: Path, nodes: int) -> None:
     node_local = ("/tmp", "/var/tmp", "/dev/shm", "/scratch/local")
     if nodes > 1 and str(run_dir.resolve()).startswith(node_local):
@@ -393,7 +387,7 @@ def preflight(spec: RunSpec, code: Snapshot | None = None) -> dict[str, Any]:
     """Import the job and check it in a subprocess (torch stays out of the CLI process): the
     code the run will run, from where its ranks will import it (`_code`)."""
     return _preflight({**_code(spec, code), "sets": spec.sets, "nodes": spec.nodes, "gpus": spec.gpus,
-                       "min_nodes": spec.min_nodes})
+                       "min_nodes": spec.min_nodes, "here": backends.of(spec).here})
 
 
 def _code(spec: RunSpec, code: Snapshot | None) -> dict[str, Any]:
@@ -412,7 +406,7 @@ def preflight_many(specs: list[RunSpec], configs: list[dict[str, str]],
 
     first = specs[0]
     request = {**_code(first, code), "variants": [s.sets for s in specs], "nodes": first.nodes,
-               "gpus": first.gpus}
+               "gpus": first.gpus, "here": backends.of(first).here}
     try:
         return list(_preflight(request)["variants"])
     except ValueError as err:
@@ -455,9 +449,12 @@ def take_run(run_dir: Path, what: str) -> lease.Owner:
     return claim
 
 
-def schedule(req: Request, claim: lease.Owner, *, follow: bool = False) -> int:
+def schedule(req: Request, claim: lease.Owner, *, follow: bool = False,
+             submitted: Callable[[str], None] | None = None) -> int:
     """Hand the run to its backend as the owner of its directory: submitted (Slurm: the
-    job then owns the run) or run here until it ends (local); the command's exit code."""
+    job then owns the run) or run here until it ends (local); the command's exit code.
+    `submitted`: told the job id once the job is queued and the run handed to it (before
+    `follow`: a chain's steps go after it)."""
     if req.code is not None:  # (the run is this command's: nothing else writes in it now)
         try:
             snapshot.write(req.code, req.run_dir, req.spec)
@@ -469,6 +466,7 @@ def schedule(req: Request, claim: lease.Owner, *, follow: bool = False) -> int:
     _warn_lead_time(req.run_dir, req.sbatch)
     req.spec.slurm = req.sbatch.record()
     _write_owned(req.spec, req.run_dir, claim)
+    first = next_attempt(req.run_dir)  # (the job's first attempt: older ones are other jobs')
     try:
         job_id = req.backend.submit(req.spec, req.run_dir, req.sbatch, req.resume)
     except ValueError:
@@ -488,7 +486,9 @@ def schedule(req: Request, claim: lease.Owner, *, follow: bool = False) -> int:
     click.echo(f"logs: {req.backend.logs(req.run_dir, job_id)}")
     paths = RunPaths(req.run_dir)
     click.echo(f"follow: hpcshard submit ... --follow, or tail -f {paths.rank_log(0)}")
-    return _follow(req.run_dir, job_id) if follow else 0
+    if submitted is not None:
+        submitted(job_id)
+    return _follow(req.run_dir, job_id, req.spec.profile, first) if follow else 0
 
 
 def _give_back(req: Request, claim: lease.Owner) -> None:
@@ -500,30 +500,76 @@ def _give_back(req: Request, claim: lease.Owner) -> None:
         lease.release(req.run_dir, claim, restore=True)
 
 
-def schedule_array(requests: list[Request], root: Path) -> list[str]:
-    """A sweep's tasks as one job array: each task's spec written and its directory taken
-    before sbatch (a task may start at once), each handed to its task's job after; the
-    tasks' job ids. sbatch refused: the sweep's directory goes again."""
+def array_plan(count: int, max_parallel: int | None) -> list[Part]:
+    """The job arrays a sweep of `count` tasks is submitted as: one, or, past what the
+    cluster's arrays take, several throttled together (`slurm.arrays.plan`)."""
+    from hpcshard.slurm import cluster
+
+    return plan(count, cluster.max_array_size(), max_parallel or 0)
+
+
+def schedule_array(requests: list[Request], root: Path, parts: list[Part]) -> tuple[list[str], list[str]]:
+    """A sweep's tasks as the job arrays `parts` plans (`array_plan`): each task's spec
+    written and its directory taken before sbatch (a task may start at once), each handed
+    to its task's job after; the tasks' job ids and the arrays'. The later arrays' log
+    links are made before any array is queued (a storage that takes none refuses the
+    sweep whole). sbatch refused, or Ctrl-C between the arrays: the arrays it took before
+    are cancelled and the sweep's directory goes again."""
+    from hpcshard.rundir.sweep import Sweep
+
     array = requests[0].sbatch
     assert array is not None
     claims = []
-    for req in requests:  # a task resumed later is a job of its own, in its own directory
+    for req in requests:
         req.spec.slurm = replace(array, run_dir=req.run_dir.resolve(), array="").record()
         req.spec.write(req.run_dir)
         claims.append(take_run(req.run_dir, "hpcshard sweep"))
+    ids: list[str] = []
+    arrays: list[str] = []
     try:
-        ids = requests[0].backend.submit_array([r.spec for r in requests], [r.run_dir for r in requests],
-                                               array, root)
-    except ValueError:
+        try:
+            for k, part in enumerate(parts[1:], start=1):
+                Sweep.link_tasks(root, k, part.first, part.count)
+        except OSError as err:
+            raise UserError(f"{Sweep.array_dir(root, 1)}: {err.strerror or err}: a sweep of more runs than "
+                            "one job array takes links each later array's task directories to the "
+                            "sweep's (their batch logs); put the sweep on storage that takes symbolic "
+                            "links (--sweep-dir), or split it into sweeps of at most "
+                            f"{parts[0].count}") from None
+        for k, part in enumerate(parts):
+            ids += _submit_part(requests[part.first:part.first + part.count], root, array, k, part, arrays)
+            arrays.append(ids[-1].split("_")[0])
+    except (ValueError, KeyboardInterrupt) as err:
+        for job in arrays:
+            with contextlib.suppress(ValueError):
+                requests[0].backend.cancel_job(job)
         shutil.rmtree(root, ignore_errors=True)
-        raise
+        if not arrays or isinstance(err, (UserError, KeyboardInterrupt)):
+            raise
+        raise UserError(f"array {len(arrays) + 1} of {len(parts)} (tasks {parts[len(arrays)].first} to "
+                        f"{parts[len(arrays)].tasks[-1]}): {err}; the {len(arrays)} array(s) submitted "
+                        "before it are cancelled and the sweep's directory removed") from None
     for req, claim, job_id in zip(requests, claims, ids, strict=True):
         RunSpec.add_job(req.run_dir, job_id)
         if lease.hand_over(req.run_dir, claim, lease.Owner.of_job(job_id)) is None:
             req.backend.cancel_job(job_id)  # another command took the task's directory meanwhile
             click.echo(f"warning: {req.run_dir} was taken over while the array was "
                        f"submitted: task {job_id} cancelled", err=True)
-    return ids
+    return ids, arrays
+
+
+def _submit_part(requests: list[Request], root: Path, array: SbatchRequest, k: int, part: Part,
+                 arrays: list[str]) -> list[str]:
+    """Array `k` of a sweep: its tasks' job ids. Its batch logs go to its tasks'
+    directories: the sweep's own for the first array, links to them for the others
+    (`Sweep.link_tasks`, made before); it waits for the arrays `part.after` names
+    (submitted before it)."""
+    from hpcshard.rundir.sweep import Sweep
+
+    where = Sweep.array_dir(array.run_dir, k) if k else array.run_dir
+    return requests[0].backend.submit_array([r.spec for r in requests], [r.run_dir for r in requests],
+                                            replace(array, array=part.spec, run_dir=where), root,
+                                            dependency([arrays[j] for j in part.after]))
 
 
 def _warn_lead_time(run_dir: Path, req: SbatchRequest) -> None:
@@ -535,22 +581,47 @@ def _warn_lead_time(run_dir: Path, req: SbatchRequest) -> None:
                    f"this run took {seconds:.0f}s to save", err=True)
 
 
-def _follow(run_dir: Path, job_id: str) -> int:
-    """Print rank 0's log as it grows until Slurm says the job is over (requeues included)."""
-    from hpcshard.cli.common import follow_log
+FOLLOW_GRACE_S = 10.0
+"""How long `--follow` waits, once the run's ledger says it ended, for Slurm to say its
+job ended too (a few seconds when nothing holds it; `follow_log`)."""
+
+
+def _follow(run_dir: Path, job_id: str, profile: str | None = None, first_attempt: int = 0) -> int:
+    """Print rank 0's log as it grows until Slurm says the job is over (requeues included),
+    or the run has ended (`ledger.finished`, from the job's first attempt on): one scontrol
+    a poll, the profile's `poll_s` apart (doubling while the job's state stays the same, up
+    to `poll_max_s`), the ledger read every second. A run done while its job is still
+    held (a lost node's task: `launch.release`) is done: exit 0, the job's state said."""
+    from hpcshard.cli.common import follow_log, poll_backoff
     from hpcshard.slurm import cluster
     from hpcshard.slurm.states import JobState
 
     final = cluster.JobInfo.forgotten(job_id)
+    ended: list[dict[str, Any]] = []
 
-    def over() -> bool:  # a controller that does not answer is asked again, not taken for "over"
+    def over() -> tuple[bool, str]:  # a controller that does not answer is asked again, not "over"
         nonlocal final
-        answer = cluster.query_job(job_id)
+        answer = cluster.query_job(job_id)  # (one scontrol a poll)
         if answer.over is not None:
             final = answer.info or cluster.JobInfo.forgotten(job_id)
-        return answer.over is True
+        return answer.over is True, f"{answer.said.value} {answer.info.state_text if answer.info else ''}"
 
-    follow_log(RunPaths(run_dir).rank_log(0), over)
+    def run_ended() -> bool:
+        with contextlib.suppress(OSError, ValueError):
+            if (record := ledger.finished(ledger.read(run_dir), first_attempt)) is not None:
+                ended.append(record)
+        return bool(ended)
+
+    follow_log(RunPaths(run_dir).rank_log(0), over, poll_backoff(profile), ended=run_ended,
+               grace=FOLLOW_GRACE_S)
+    if ended and not final.state.over and final.state is not JobState.UNKNOWN:
+        done = ended[-1].get("reason") == EndReason.DONE
+        click.echo(f"job {job_id}: {final.state_text} (the run "
+                   + ("is done" if done else "gave up") + "; Slurm is still ending the job)")
+        return 0 if done else 1
+    if final.state is JobState.UNKNOWN:  # forgotten between two polls (a backed-off one may
+        # come after MinJobAge): accounting keeps how it ended (one sacct, at the end only)
+        final = cluster.job_state(job_id) or final
     click.echo(f"job {job_id}: {final.state_text or 'no longer known to Slurm'}")
     return 0 if final.state is JobState.COMPLETED else 1
 
@@ -591,14 +662,14 @@ def _run_here(req: Request, claim: lease.Owner) -> int:
         click.echo(f"left the run: {taken} owns it now; nothing more was committed or cleaned")
         return code
     last = ledger.end_of(run_dir, next_attempt(run_dir) - 1) or {}
-    _report(run_dir, code, last)
+    _report(run_dir, code, last, req.backend)
     if code != 0 and last.get("user_error"):
         # the ranks found bad input only they could check (a changed init_from, say)
         raise UserError(last.get("error", "bad input"))
     return code
 
 
-def _report(run_dir: Path, code: int, end: dict[str, Any]) -> None:
+def _report(run_dir: Path, code: int, end: dict[str, Any], backend: backends.Backend) -> None:
     """What the run came to (`end`: its last attempt's end record, {} if none landed)."""
     train, test = last_record(run_dir, "loss"), last_record(run_dir, "eval_loss")
     if train:
@@ -607,7 +678,7 @@ def _report(run_dir: Path, code: int, end: dict[str, Any]) -> None:
             line += f", eval loss {test['eval_loss']:.4f}"
         click.echo(line)
     if code == REQUEUE_EXIT:
-        click.echo(f"stopped with a committed checkpoint; continue with: hpcshard resume {run_dir}")
+        click.echo(f"stopped with a committed checkpoint; continue with: {backend.go_on(run_dir)}")
         return
     if code == STORAGE_EXIT:  # what is full and what to do (the end record may not have landed)
         click.echo(end.get("how") or f"stopped: the run directory {run_dir} refused its writes "

@@ -1,4 +1,4 @@
-"""Operating runs: status, logs, ls, plot, preempt, cancel (login node: click and the
+"""Operating runs: status, ls, plot, preempt, cancel (`hpcshard logs`: cli.logs) (login node: click and the
 stdlib; Slurm through `hpcshard.slurm`, matplotlib only inside `plot`)."""
 
 from __future__ import annotations
@@ -8,15 +8,14 @@ from typing import Any
 
 import click
 
-from hpcshard.cli.common import follow_log, job_states, spec_of
+from hpcshard.cli.common import job_states, poll_backoff, spec_of
 from hpcshard.errors import UserError
 from hpcshard.launch import backends
 from hpcshard.rundir import ledger, store
-from hpcshard.rundir.metrics import read_metrics, train_records
-from hpcshard.rundir.paths import RunPaths
+from hpcshard.rundir.metrics import SPLIT, read_metrics, train_records
 from hpcshard.rundir.rankenv import signal_name
 from hpcshard.rundir.spec import RunSpec, read_spec
-from hpcshard.rundir.status import attempts, culprit_lines, report
+from hpcshard.rundir.status import attempts, report
 from hpcshard.rundir.sweep import is_sweep
 from hpcshard.sections import TrackerSection
 
@@ -40,14 +39,24 @@ def preempt(run_dir: Path, signame: str | None) -> None:
 @click.argument("target")
 @click.option("--goodput", is_flag=True, help="Where the wall time went: effective training "
               "time, and queue, start-up, saves, evaluations, faults and recomputed steps.")
-def status(target: str, goodput: bool) -> None:
+@click.option("-f", "--follow", is_flag=True, help="A sweep: print each task's Slurm state as it "
+              "changes until every task is over (one squeue a poll; the profile's poll_s).")
+@click.option("--profile", help="The profile whose poll_s and poll_max_s --follow uses "
+              "[default: the configured one].")
+def status(target: str, goodput: bool, follow: bool, profile: str | None) -> None:
     """Slurm state and training progress of a run (RUN_DIR, or a Slurm JOB id), or the
     table of a sweep (its directory)."""
     if is_sweep(Path(target)):
-        from hpcshard.cli.sweep import show_status
+        from hpcshard.cli.sweep import follow_sweep, show_status
 
-        show_status(Path(target))
+        if follow:
+            follow_sweep(Path(target), poll_backoff(profile))
+        else:
+            show_status(Path(target))
         return
+    if follow:
+        raise UserError(f"--follow is for a sweep's directory; follow a run's log with "
+                        f"`hpcshard logs -f {target}`")
     run_dir, spec = spec_of(target)
     if goodput:
         from hpcshard.rundir.goodput import account
@@ -62,37 +71,10 @@ def status(target: str, goodput: bool) -> None:
     tracked = None if spec.script else TrackerSection.from_flat(spec.resolved.config)
     for line in report(run_dir, spec, backend.state(spec), backend.history(spec), tracked):
         click.echo(line)
+    from hpcshard.cli.chain import lines
 
-
-@click.command()
-@click.argument("target")
-@click.option("--rank", type=click.IntRange(min=0), default=0, show_default=True)
-@click.option("-f", "--follow", is_flag=True, help="Keep printing until the run ends.")
-@click.option("--culprit", is_flag=True, help="The log of the rank named by the newest fault "
-              "(`hpcshard status` lists them), its last lines (with --lines).")
-@click.option("--lines", "tail", type=click.IntRange(min=1), help="Only the last N lines.")
-def logs(target: str, rank: int, follow: bool, culprit: bool, tail: int | None) -> None:
-    """Print a rank's log of a run (RUN_DIR or Slurm JOB id)."""
-    run_dir, spec = spec_of(target)
-    if culprit:
-        _culprit_log(run_dir, tail or 40)
-        return
-    paths = RunPaths(run_dir)
-    log = paths.rank_log(rank)
-    if tail and log.exists() and not follow:
-        click.echo("\n".join(log.read_text(errors="replace").splitlines()[-tail:]))
-        return
-    if not log.exists() and not follow:
-        ranks = sorted(p.stem for p in paths.logs.glob("rank-*.log"))
-        raise UserError(f"no log for rank {rank} in {paths.logs}; there are: "
-                        f"{', '.join(ranks) or 'none yet'}")
-    follow_log(log, (lambda: True) if not follow else (lambda: backends.reaching(spec).over(spec, run_dir)))
-
-
-def _culprit_log(run_dir: Path, tail: int) -> None:
-    header, lines = culprit_lines(run_dir, tail)
-    click.echo(header)
-    click.echo("\n".join(lines))
+    for line in lines(run_dir):  # submit --after, --then
+        click.echo(line)
 
 
 @click.command()
@@ -126,13 +108,6 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
     if not runs and not sweeps:
         click.echo(f"no runs under {root}")
         return
-    if sweeps:
-        from hpcshard.cli.sweep import summary
-
-        for sweep_dir in sweeps:
-            click.echo(f"sweep {sweep_dir.name}: {summary(sweep_dir)}")
-        if not runs:
-            return
     specs = []
     for run_dir in list(runs):  # one run's unreadable spec.json hides none of the others
         try:
@@ -141,12 +116,24 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
             click.echo(f"{run_dir.name}: spec.json unreadable ({err}); skipped", err=True)
             runs.remove(run_dir)
     jobs = [backends.reaching(spec).job(spec) for spec in specs]
-    queued = [spec for spec, job in zip(specs, jobs, strict=True) if job is not None]
-    slurm = job_states([job for job in jobs if job is not None],
-                       since=min((s.created for s in queued), default=None))
-    click.echo(f"{'run':<32} {'backend':<7} {'shape':>5} {'step':>11} {'loss':>7} {'state':<9} "
+    since = [spec.created for spec, job in zip(specs, jobs, strict=True) if job is not None]
+    if sweeps:
+        from hpcshard.cli.sweep import summary, task_jobs
+
+        for record, _, tasks in map(task_jobs, sweeps):
+            jobs_of_sweeps = [job for job in tasks if job is not None]
+            since += [record.created] if jobs_of_sweeps else []
+            jobs += jobs_of_sweeps
+    # Every run's and every sweep task's job in one ask (`job_states`: at most two calls).
+    slurm = job_states(list(dict.fromkeys(job for job in jobs if job is not None)),
+                       since=min(since, default=None))
+    for sweep_dir in sweeps:
+        click.echo(f"sweep {sweep_dir.name}: {summary(sweep_dir, slurm)}")
+    if not runs:
+        return
+    click.echo(f"{'run':<32} {'backend':<10} {'shape':>5} {'step':>11} {'loss':>7} {'state':<9} "
                f"{'slurm':<11} age")
-    for run_dir, spec, job_id in zip(runs, specs, jobs, strict=True):
+    for run_dir, spec, job_id in zip(runs, specs, jobs[:len(specs)], strict=True):
         total = spec.resolved.steps or "?"
         train = train_records(read_metrics(run_dir))
         rows = attempts(run_dir)
@@ -154,7 +141,7 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
         step = f"{train[-1]['step'] if train else 0}/{total}"
         loss = f"{train[-1]['loss']:.3f}" if train else "-"
         job = slurm.get(job_id, "?") if job_id is not None else "-"
-        click.echo(f"{run_dir.name:<32} {spec.backend:<7} {f'{spec.nodes}x{spec.gpus}':>5} {step:>11} "
+        click.echo(f"{run_dir.name:<32} {spec.backend:<10} {f'{spec.nodes}x{spec.gpus}':>5} {step:>11} "
                    f"{loss:>7} {state:<9} {job:<11} {store.age(spec.created)}")
 
 
@@ -162,8 +149,8 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
 @click.argument("run_dir", type=click.Path(path_type=Path))
 @click.option("--out", type=click.Path(path_type=Path), help="PNG to write [default: RUN_DIR/plot.png].")
 def plot(run_dir: Path, out: Path | None) -> None:
-    """Loss and tokens/s over steps, with attempts, restarts, faults and rollbacks marked,
-    as a PNG; of a sweep, every run's loss curves on one plot."""
+    """Loss, tokens/s and where each step's time went over steps, with attempts, restarts,
+    faults and rollbacks marked, as a PNG; of a sweep, every run's loss curves on one plot."""
     try:
         import matplotlib
 
@@ -182,7 +169,10 @@ def plot(run_dir: Path, out: Path | None) -> None:
     if not train:
         raise UserError(f"{run_dir} has no training metrics yet")
     evals = [r for r in records if r.get("eval_loss") is not None and "event" not in r]
-    fig, (ax1, ax2) = plt.subplots(2, 1, sharex=True, figsize=(9, 6))
+    timed = any(isinstance(r.get("split_s"), dict) for r in train)  # (older runs' records: no split)
+    fig, axes = plt.subplots(3 if timed else 2, 1, sharex=True, figsize=(9, 8.5 if timed else 6))
+    ax1, ax2 = axes[0], axes[1]
+    labelled = False  # (the split's legend: from the first piece that has one)
     # One line per start of the ranks: steps trained again after a fault or a rollback
     # overlap the ones before, instead of a line drawn back across them.
     pieces: list[list[dict[str, Any]]] = [[]]
@@ -197,11 +187,14 @@ def plot(run_dir: Path, out: Path | None) -> None:
                  label="train loss" if i == 0 else None)
         ax2.plot([r["step"] for r in piece], [r.get("tokens_per_s") or 0 for r in piece],
                  color="tab:green")
+        if timed:
+            labelled = _split_panel(axes[2], [r for r in piece if isinstance(r.get("split_s"), dict)],
+                                    labelled) or labelled
     if evals:
         ax1.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss")
     top = ax1.get_ylim()[1]
-    for a in attempts(run_dir)[1:]:  # where each requeued attempt or restart picked up
-        for ax in (ax1, ax2):
+    for a in [a for a in attempts(run_dir) if a.start is not None][1:]:  # where each attempt picked up
+        for ax in axes:
             ax.axvline(a.loaded or 0, color="tab:red", linestyle="--", linewidth=1)
         name = f"restart {a.number}.{a.cycle}" if a.cycle else f"attempt {a.number}"
         ax1.annotate(name, (a.loaded or 0, top), fontsize=8, color="tab:red", va="top")
@@ -211,16 +204,31 @@ def plot(run_dir: Path, out: Path | None) -> None:
             who = (r.get("culprit") or {}).get("rank")
             label = (f"fault (rank {who})" if who is not None else "fault") if r["event"] == "fault" \
                 else "nan: rolled back"
-            for ax in (ax1, ax2):
+            for ax in axes:
                 ax.axvline(at or 0, color="tab:orange", linewidth=1.5)
             ax1.annotate(label, (at or 0, top), fontsize=8, color="tab:orange", va="top",
                          ha="right", rotation=90)
     ax1.set_ylabel("loss (nats/token)")
     ax1.legend()
     ax2.set_ylabel("tokens/s")
-    ax2.set_xlabel("step")
+    if timed:
+        axes[2].set_ylabel("seconds per step")
+        axes[2].legend(loc="upper left", fontsize=7, ncol=len(SPLIT))
+    axes[-1].set_xlabel("step")
     ax1.set_title(f"{run_dir.name}")
     fig.tight_layout()
     target = out or run_dir / "plot.png"
     fig.savefig(target, dpi=110)
     click.echo(f"wrote {target}")
+
+
+def _split_panel(ax: Any, records: list[dict[str, Any]], labelled: bool) -> bool:
+    """Where the steps' time went (split_s), stacked: one colour per part, the same in
+    every piece of the run; labelled for the legend unless `labelled` already. A negative
+    "other" (a GPU's device and host clocks disagreeing) is drawn as none. Whether it drew."""
+    if not records:
+        return False
+    parts = [[max(0.0, float(r["split_s"].get(k) or 0.0)) for r in records] for k in SPLIT]
+    ax.stackplot([r["step"] for r in records], parts, labels=() if labelled else list(SPLIT),
+                 colors=[f"C{i}" for i in range(len(SPLIT))], alpha=0.8)
+    return True

@@ -11,9 +11,11 @@ from typing import Any
 
 import click
 
-from hpcshard.cli import request
+from hpcshard.cli import chain, request
 from hpcshard.cli.options import (
+    NAME,
     RESUME,
+    RUN_DIR,
     SETS,
     script_options,
     setting_option,
@@ -34,29 +36,38 @@ from hpcshard.rundir.spec import RunSpec, create_run_dir, read_spec
 @shape_options()
 @spare_options
 @setting_option("backend")
-@click.option("--run-dir", type=click.Path(path_type=Path),
-              help="Where the run writes config, logs, metrics, checkpoints [default: runs/JOB-TIME].")
-@click.option("--name", help="Run name [default: the job's name].")
+@RUN_DIR
+@NAME
 @setting_option("max_requeues")
 @setting_option("max_restarts")
 @setting_option("code")
-@click.option("--follow", is_flag=True, help="Slurm: show rank 0's log until the job ends.")
+@click.option("--follow", is_flag=True, help="Slurm: show rank 0's log until the run or its job ends.")
 @slurm_options
+@chain.chain_options
 @RESUME
 @SETS
 def submit(job: str | None, nodes: int | None, run_dir: Path | None, name: str | None,
            follow: bool, resume: str, sets: tuple[str, ...], profile: str | None,
-           module: str | None, args: tuple[str, ...], **opts: Any) -> None:
+           module: str | None, args: tuple[str, ...], after: str | None, then: tuple[str, ...],
+           **opts: Any) -> None:
     """Run JOB (an hpcshard job file or module) on NODES x GPUS ranks, or any torchrun
-    script as it is: `submit train.py -- ARGS`, `submit -m package.module -- ARGS`."""
+    script as it is: `submit train.py -- ARGS`, `submit -m package.module -- ARGS`.
+    `--after RUN_OR_JOB` queues it behind another run; `--then export-hf=DIR` exports it
+    once it has ended done, `--then eval` evaluates it."""
     res = settings(profile, opts)
     req = request.new(res, job, module=module, args=args, nodes=nodes or 1, backend=res.values["backend"],
                       run_dir=run_dir, name=name, resume=resume, sets=sets)
+    waits, steps = chain.plan(after, then, req.sbatch is not None)
+    if req.sbatch is not None and waits is not None and waits.job:
+        req.sbatch.dependency = f"{waits.kind}:{waits.job}"
     request.check([req])
     create_run_dir(req.run_dir, req.spec.run_group)
     # Two commands given one new --run-dir at once both found it empty: one gets the run.
     claim = request.take_run(req.run_dir, "hpcshard submit")
-    sys.exit(request.schedule(req, claim, follow=follow))
+    chain.record(req.run_dir, waits, steps)
+    code = request.schedule(req, claim, follow=follow,
+                            submitted=lambda job_id: chain.submitted(req.run_dir, waits, job_id))
+    sys.exit(chain.run_here(req.run_dir, code) if req.sbatch is None and steps and code == 0 else code)
 
 
 @click.command("render")
@@ -64,8 +75,8 @@ def submit(job: str | None, nodes: int | None, run_dir: Path | None, name: str |
 @script_options
 @shape_options()
 @spare_options
-@click.option("--run-dir", type=click.Path(path_type=Path), help="As for submit.")
-@click.option("--name", help="Run name [default: the job's name].")
+@RUN_DIR
+@NAME
 @click.option("--check", is_flag=True, help="Also import the job and build its model on the meta "
               "device, as submit does (takes seconds: torch).")
 @slurm_options
@@ -114,7 +125,8 @@ def resume(run_dir: Path, nodes: int | None, gpus: int | None, spares: int | Non
     except BaseException:  # the run is given back to whoever had it (a killed CLI's launchers)
         lease.release(run_dir, claim, restore=True)
         raise
-    sys.exit(request.schedule(req, claim))
+    moved = (lambda job: chain.resumed(run_dir, job)) if req.sbatch is not None else None
+    sys.exit(request.schedule(req, claim, submitted=moved))
 
 
 def _check_over(spec: RunSpec, run_dir: Path) -> None:

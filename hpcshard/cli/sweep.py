@@ -1,17 +1,19 @@
 """`hpcshard sweep`: one job, many configurations. On Slurm one job array (task i runs
-configuration i in its own run directory and is preempted and requeued by itself); under
+configuration i in its own run directory and is preempted and requeued by itself; past
+what the cluster's arrays take, several arrays that are one sweep: `slurm.arrays`); under
 the local backend the configurations run one after another, or N at a time. `status` and
 `plot` of a sweep directory show every task side by side."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import subprocess
 import sys
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -27,6 +29,10 @@ from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.spec import RunSpec, create_run_dir
 from hpcshard.rundir.status import attempts
 from hpcshard.rundir.sweep import Sweep, expand, label, read_configs
+
+if TYPE_CHECKING:
+    from hpcshard.slurm.arrays import Part
+    from hpcshard.slurm.poll import Backoff
 
 
 @click.command()
@@ -61,6 +67,7 @@ def sweep(job: str, nodes: int | None, grid: tuple[str, ...], configs_file: Path
                           name=name, sets=sets, max_parallel=max_parallel)
     runs, root = asked.runs, asked.root
     request.check(runs, configs=configs)
+    parts = request.array_plan(len(runs), max_parallel) if asked.array is not None else []
     record = Sweep(job=asked.job, name=asked.name, backend=asked.backend, configs=configs,
                    max_parallel=max_parallel or 0)
     create_run_dir(root, runs[0].spec.run_group)
@@ -74,13 +81,28 @@ def sweep(job: str, nodes: int | None, grid: tuple[str, ...], configs_file: Path
                f"node(s) x {runs[0].spec.gpus} GPU(s) each, in {root}")
     if asked.array is None:
         sys.exit(_run_local(record, root, [r.spec for r in runs], max_parallel or 1))
-    ids = request.schedule_array(runs, root)
-    record.array = ids[0].split("_")[0]
+    ids, record.arrays = request.schedule_array(runs, root, parts)
+    record.array, record.array_size = record.arrays[0], parts[0].count
     record.write(root)
-    click.echo(f"submitted job array {record.array} ({asked.array.array}): task i runs configuration i")
+    if len(parts) == 1:
+        click.echo(f"submitted job array {record.array} ({parts[0].spec}): task i runs configuration i")
+    else:
+        click.echo(f"submitted {len(parts)} job arrays (this cluster's take {parts[0].count} tasks each), "
+                   f"one sweep{_throttle(max_parallel, parts)}:")
+        for part, job in zip(parts, record.arrays, strict=True):
+            after = " ".join(record.arrays[k] for k in part.after)
+            click.echo(f"  {job} ({part.spec}): tasks {part.first} to {part.tasks[-1]}"
+                       + (f", after {after}" if after else ""))
     for i, config in enumerate(record.configs):
-        click.echo(f"  {record.array}_{i}  {label(config)}  -> {record.task_dir(root, i)}")
+        click.echo(f"  {ids[i]}  {label(config)}  -> {record.task_dir(root, i)}")
     click.echo(f"status: hpcshard status {root}; curves: hpcshard plot {root}")
+
+
+def _throttle(max_parallel: int | None, parts: list[Part]) -> str:
+    if not max_parallel:
+        return ""
+    return (f", at most {max_parallel} task(s) at once across them"
+            + (" (an array starts when the ones before it are over)" if any(p.after for p in parts) else ""))
 
 
 CANCELLED = "cancelled"
@@ -97,6 +119,12 @@ def cancel_sweep(root: Path) -> str:
     if jobs:
         from hpcshard.slurm import cluster
 
+        # The arrays still waiting on an earlier one first, each in its own call, newest first:
+        # scancel sends one call's requests side by side, and the controller could start a
+        # later array's task in the moment its earlier arrays' cancel freed the throttle.
+        for array in reversed(record.arrays[1:]):
+            with contextlib.suppress(cluster.SlurmError):
+                cluster.scancel(array)
         cluster.scancel(*jobs)
         return f"cancelled Slurm job(s) {' '.join(jobs)} (sweep {root})"
     sent = sum(signal_launchers(record.task_dir(root, i), signal.SIGTERM) for i in range(len(specs)))
@@ -156,12 +184,19 @@ def _drive(record: Sweep, root: Path, waiting: list[int], running: dict[int, sub
     return failed
 
 
-def task_rows(root: Path) -> list[tuple[str, str, str, str, str, str]]:
-    """Each run of the sweep: task, configuration, state, step, best eval loss, attempts."""
+def task_jobs(root: Path) -> tuple[Sweep, list[RunSpec], list[str | None]]:
+    """The sweep, its tasks' specs and each task's newest Slurm job (None: none)."""
     record = Sweep.read(root)
     specs = [RunSpec.read(record.task_dir(root, i)) for i in range(len(record.configs))]
-    jobs = [backends.of(spec).job(spec) for spec in specs]
-    slurm = job_states([job for job in jobs if job is not None], since=record.created)
+    return record, specs, [backends.of(spec).job(spec) for spec in specs]
+
+
+def task_rows(root: Path, slurm: dict[str, str] | None = None) -> list[tuple[str, str, str, str, str, str]]:
+    """Each run of the sweep: task, configuration, state, step, best eval loss, attempts.
+    `slurm`: the jobs' states when the caller asked already (`ls`: one ask for every sweep)."""
+    record, specs, jobs = task_jobs(root)
+    if slurm is None:
+        slurm = job_states([job for job in jobs if job is not None], since=record.created)
     rows = []
     for i, (spec, config) in enumerate(zip(specs, record.configs, strict=True)):
         run = record.task_dir(root, i)
@@ -185,14 +220,49 @@ def show_status(root: Path) -> None:
     record = Sweep.read(root)
     rows = task_rows(root)
     click.echo(f"sweep {record.name}: {len(rows)} run(s) of {record.job}, backend {record.backend}"
-               + (f", job array {record.array}" if record.array else "")
+               + _arrays(record.array_jobs)
                + f", started {store.age(record.created)} ago")
     table(("task", "configuration", "state", "step", "best eval", "attempts"), rows)
 
 
-def summary(root: Path) -> str:
+def _arrays(jobs: list[str]) -> str:
+    if len(jobs) > 1:
+        return f", job arrays {', '.join(jobs)}"
+    return f", job array {jobs[0]}" if jobs else ""
+
+
+def follow_sweep(root: Path, backoff: Backoff) -> None:
+    """Print each task's Slurm state as it changes until every task's job is over, then
+    the sweep's table. One squeue a poll for all the tasks still going (`slurm.poll.Watch`),
+    `backoff` apart: `poll_s`, doubling while no task changes, up to `poll_max_s`."""
+    from hpcshard.slurm.poll import Watch
+
+    record = Sweep.read(root)
+    specs = [RunSpec.read(record.task_dir(root, i)) for i in range(len(record.configs))]
+    tasks = {job: i for i, spec in enumerate(specs)
+             if backends.of(spec).in_queue and (job := backends.of(spec).job(spec)) is not None}
+    watch = Watch(list(tasks))
+    if tasks:
+        click.echo(f"following {len(tasks)} Slurm job(s) of sweep {record.name}: one squeue every "
+                   f"{backoff.first:g} to {backoff.cap:g} s")
+    silent = False
+    while not watch.done:
+        changed = watch.poll()
+        for job in changed:
+            info = watch.seen[job]
+            why = f" ({info.reason})" if info.state.pending and info.reason not in ("", "None") else ""
+            click.echo(f"task-{tasks[job]} ({label(record.configs[tasks[job]])}): {info.state_text}{why}")
+        if not watch.answered and not silent:
+            click.echo("Slurm does not answer; asking again", err=True)
+        silent = not watch.answered
+        if not watch.done:
+            time.sleep(backoff.next(bool(changed)))
+    show_status(root)
+
+
+def summary(root: Path, slurm: dict[str, str] | None = None) -> str:
     """One line of a sweep for `ls`: its runs by state, and the best evaluation loss."""
-    rows = task_rows(root)
+    rows = task_rows(root, slurm)
     states = Counter(row[2] for row in rows)
     best = min((row for row in rows if row[4] != "-"), key=lambda row: float(row[4]), default=None)
     return (f"{len(rows)} run(s): " + ", ".join(f"{n} {state}" for state, n in states.items())

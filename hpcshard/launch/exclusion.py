@@ -6,9 +6,11 @@ or a node with every link slow. Never storage (see `launch.health`)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
+from hpcshard.launch import hostside
 from hpcshard.rundir import events, ledger
 
 
@@ -18,7 +20,12 @@ def declare_bad(run_dir: Path, attempt: int, cycle: int, node: int, where: dict[
     as bad for the run, and drain it in Slurm when asked to."""
     drained: bool | events.Unset = events.UNSET  # (not asked)
     drain_error: str | events.Unset = events.UNSET
-    if where.get("slurm_node") and drain:
+    if where.get("slurm_node") and drain and not hostside.has_client():
+        # (in a container without Slurm's client: the batch script drains it once srun
+        # returns, `hostside`; the run never uses the node again meanwhile)
+        print(hostside.missing("drain"), file=sys.stderr, flush=True)
+        drained, drain_error = False, hostside.DEFERRED
+    elif where.get("slurm_node") and drain:
         from hpcshard.slurm import cluster
 
         try:

@@ -13,8 +13,11 @@ import sys
 import time
 from pathlib import Path
 
+from hpcshard.launch import hostside
 from hpcshard.launch.node import NodeEnv, run_node
+from hpcshard.launch.release import release
 from hpcshard.rundir import events, launchers, lease, ledger
+from hpcshard.rundir.chain import job_exit
 from hpcshard.rundir.files import write_atomic
 from hpcshard.rundir.launchers import attempt_file
 from hpcshard.rundir.paths import RunPaths
@@ -83,6 +86,7 @@ def chain(run_dir: Path, job_id: str, attempt: int, owner: lease.Owner, after: b
         with contextlib.suppress(ValueError):
             cluster.scancel(new)
         raise ValueError(f"the run was taken over by {_owner_name(run_dir)}: continuation {new} cancelled")
+    _carry(run_dir, job_id, new)
     if not after:
         try:
             cluster.release(new)
@@ -90,6 +94,14 @@ def chain(run_dir: Path, job_id: str, attempt: int, owner: lease.Owner, after: b
             raise ValueError(f"continuation {new} stays held ({err}); `scontrol release {new}` "
                              "starts it") from None
     return new
+
+
+def _carry(run_dir: Path, old: str, new: str) -> None:
+    """What waits for the run (`submit --after`, `--then`) waits for its new job now."""
+    from hpcshard.launch.then import carry
+
+    for line in carry(run_dir, old, new):
+        print(f"hpcshard: {line}", file=sys.stderr, flush=True)
 
 
 def _owner_name(run_dir: Path) -> str:
@@ -184,6 +196,7 @@ def _take_over(run: Path, slurm: SlurmEnv, guarded: str, first_attempt: int, max
     ledger.append(run, events.Guard(attempt=attempt, job=guarded, next=slurm.job_id,
                                     state=state or "unknown"))
     RunSpec.add_job(run, slurm.job_id)
+    _carry(run, guarded, slurm.job_id)
     write_atomic(chained, f"{attempt + 1}\n")
     launchers.decide_guard(run, slurm.job_id, attempt + 1)
     print(f"hpcshard: job {guarded} ended {state or 'without a word'} while training: "
@@ -245,6 +258,11 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     if owner is None:
         return 0
     spec = RunSpec.read(run)
+    client = hostside.has_client()
+    if not client:  # (a container without Slurm's client: what goes on without it, `hostside`)
+        print(hostside.missing("requeue") + ("" if hostside.has_client("chain") else
+                                             "; no guard or continuation job") + "; no deadline from Slurm",
+              file=sys.stderr, flush=True)
     if spec.guarded and launchers.claim(run, f"guard-{slurm.job_id}"):
         try:
             guard(run, slurm.job_id)
@@ -273,13 +291,81 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     # One launcher sends the job on: node 0's, unless it was lost.
     if code == REQUEUE_EXIT:
         _await_end(run, attempt, END_WAIT_S + spec.grace_s)
-    if code == REQUEUE_EXIT and launchers.claim(run, f"continue-{attempt}"):
+    sent_on = code == REQUEUE_EXIT and launchers.claim(run, f"continue-{attempt}")
+    if sent_on:
         orphan = _orphaned(run, slurm, attempt) if policy == "chain" else ""
-        _continue(run, slurm, attempt, first_attempt, max_requeues, policy, owner, after=not orphan)
+        left = _continue(run, slurm, attempt, first_attempt, max_requeues, policy, owner, after=not orphan)
         if orphan:
             _end_orphan(run, slurm, attempt, orphan)
-        _down_lost(run, spec, attempt)
+        if client:
+            _down_lost(run, spec, attempt)
+        else:
+            _leave_to_host(run, spec, attempt, left)
+    elif code != REQUEUE_EXIT and not client and launchers.claim(run, f"host-{attempt}"):
+        _leave_to_host(run, spec, attempt, None)  # (drains the run deferred, if any)
+    exit_code = _task_exit(run, code, sent_on)
+    if exit_code and launchers.claim(run, f"unguard-{slurm.job_id}"):
+        _drop_guards(run, slurm.job_id)  # (the run is over: a guard would start to do nothing)
+    # A job whose attempt lost a node does not end by itself (`launch.release`): not requeued,
+    # one launcher gives the lost nodes up and ends the step once the others have ended, by
+    # way of the batch script (a helper of its own where the script does not watch).
+    release(run, slurm, attempt, down=spec.bad_nodes == "drain")
+    if exit_code:
+        # Out through submitit (which exits 0 whatever this returns; an exception it would
+        # record as the job's result first): the task's, srun's and the batch script's exit
+        # code, so the job ends FAILED.
+        raise SystemExit(exit_code)
     return code
+
+
+def task_exit(job: int | None, code: int, sent_on: bool) -> int:
+    """This launcher's task's exit code, from the job's (`chain.job_exit` of the ledger it
+    read; None: unreadable) and its own `code`. srun exits with its tasks' highest, the
+    batch script with srun's: one task's 1 ends the job FAILED (a site's KillOnBadExit
+    would also end the step at once), so a task says 1 only when the run ended, and ended
+    here. Not a launcher whose ranks finished, or that left the run while the others went
+    on (fenced off, left out, disowned: `code` 0): the ledger may say "error" then (rank 0's
+    end of the cycle the others restart from), or be another job's. Nor one whose ranks
+    stopped for a continuation (REQUEUE_EXIT) unless it sent the job on (`sent_on`: its
+    requeue, continuation or give-up is written by then): the others read the ledger
+    before that record, a bare stop."""
+    if code == 0 or (code == REQUEUE_EXIT and not sent_on):
+        return 0
+    if job is None:  # (the ledger unreadable: this launcher's own outcome)
+        return 0 if code == REQUEUE_EXIT else 1
+    return job
+
+
+def _task_exit(run: Path, code: int, sent_on: bool) -> int:
+    """`task_exit` of what the ledger says now."""
+    try:
+        job: int | None = job_exit(ledger.read(run))
+    except OSError as err:
+        print(f"hpcshard: the ledger could not be read for the job's exit code ({err})", file=sys.stderr,
+              flush=True)
+        job = None
+    return task_exit(job, code, sent_on)
+
+
+def _leave_to_host(run: Path, spec: RunSpec, attempt: int, requeue: events.Requeue | None) -> None:
+    """Without Slurm's client here: write what `_continue` and `_down_lost` would have run
+    (the requeue it left to the batch script, the attempt's deferred drains, its lost
+    nodes DOWN) for the batch script, which runs it once srun returns (`hostside`)."""
+    excluded = [] if requeue is None or isinstance(requeue.excluded, events.Unset) else requeue.excluded
+    nodes = None if requeue is None or isinstance(requeue.nodes, events.Unset) else requeue.nodes
+    path = hostside.host_file()
+    try:  # (a value bash could split, e.g. a node name Slurm never gives: refused, not a traceback)
+        actions = hostside.decide(run.name, ledger.bad_nodes(run, attempt), requeue.job if requeue else "",
+                                  excluded, nodes, down_lost=spec.bad_nodes == "drain")
+        if not (actions.job or actions.drains):
+            return
+        if path is None:  # (a requeue is left to a script that has the host side only)
+            print(hostside.missing("drain"), file=sys.stderr, flush=True)
+            return
+        actions.write(Path(path))
+    except (OSError, ValueError) as err:
+        ledger.append(run, events.GaveUp(attempt=attempt, reason=f"the batch script's actions could not be "
+                                         f"written ({err}); continue with `hpcshard resume {run}`"))
 
 
 def _orphaned(run: Path, slurm: SlurmEnv, attempt: int) -> str:
@@ -313,9 +399,10 @@ def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:
     with a task on one stays COMPLETING (its requeue held, its continuation waiting) until
     Slurm marks the node DOWN after SlurmdTimeout (300 s by default; measured here: 380 to
     460 s). With `bad_nodes = drain`, mark them DOWN now: the requeued job runs again 0.6 s
-    later (measured). Not while the run trains or when it is done: DOWN kills the whole job
-    step, the healthy nodes' tasks included (srun exits 137), so a run that finished on a
-    spare leaves its allocation to Slurm's own timeout."""
+    later (measured). Not while the run trains: DOWN kills the whole job step, the healthy
+    nodes' tasks included (srun exits 137). A job that is not requeued (the run done on a
+    spare, continued in another job, given up) is released by `launch.release`, once its
+    launchers have exited."""
     if spec.bad_nodes != "drain":
         return
     lost = sorted({r["slurm_node"] for r in ledger.bad_nodes(run, attempt, lost=True) if r.get("slurm_node")})
@@ -382,46 +469,72 @@ def _await_end(run: Path, attempt: int, within: float) -> None:
         time.sleep(END_POLL_S)
 
 
+def not_continued(policy: str, done: int, max_requeues: int, way: hostside.Way) -> str:
+    """Why a stopped job is not sent on (its policy, the cap of continuations, no way to
+    reach Slurm from here), or "" when it is."""
+    if policy == "none":
+        return "the requeue policy is none"
+    if done >= max_requeues:
+        return f"the cap of {max_requeues} is reached"
+    if way is hostside.Way.NONE:
+        return (f"{policy} needs Slurm's client in the launcher's environment, and it has none (a "
+                "container: bind the client in" + (")" if policy == "chain" else
+                                                   ", or render the script with a `host` block)"))
+    return ""
+
+
 def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_requeues: int,
-              policy: str, owner: lease.Owner, after: bool = True) -> None:
+              policy: str, owner: lease.Owner, after: bool = True) -> events.Requeue | None:
+    """Send the job on as `policy` says. Returns the requeue it left to the batch script
+    (no Slurm client here, `hostside`), else None."""
     done = _continuations(ledger.read(run), first_attempt)
-    if policy == "none" or done >= max_requeues:
-        why = "the requeue policy is none" if policy == "none" else f"the cap of {max_requeues} is reached"
+    action = "chain" if policy == "chain" else "requeue"
+    way = hostside.way(action, hostside.has_client(action), hostside.host_file())
+    why = not_continued(policy, done, max_requeues, way)
+    if why:
         ledger.append(run, events.GaveUp(attempt=attempt, reason=why))
         print(f"hpcshard: not continued: {why}; continue with `hpcshard resume {run}`",
               file=sys.stderr, flush=True)
-        return
+        return None
+    if way is hostside.Way.HOST:  # (Slurm's state cannot be asked: the job had its nodes)
+        bad = ledger.bad_slurm_nodes(run)
+        left = events.Requeue(attempt=attempt, job=slurm.ref, host=True, excluded=bad or events.UNSET)
+        ledger.append(run, left)
+        print(f"hpcshard: requeue of job {slurm.ref} left to the batch script (no Slurm client here)",
+              file=sys.stderr, flush=True)
+        return left
     if policy == "chain":
         try:
             new = chain(run, slurm.job_id, attempt + 1, owner, after=after)
         except (OSError, ValueError) as err:
             ledger.append(run, events.GaveUp(attempt=attempt, reason=f"chain failed: {err}"))
-            return
+            return None
         ledger.append(run, events.Chain(attempt=attempt, job=slurm.job_id, next=new,
                                         at_once=events.UNSET if after else True))
         _drop_guards(run, slurm.job_id)
         print(f"hpcshard: continuation job {new} submitted "
               + (f"(afterany:{slurm.job_id})" if after else "(at once: this job is cancelled)"),
               file=sys.stderr, flush=True)
-        return
+        return None
     by = cluster.requeued_by_other(slurm.ref, slurm.restart_count)
     if by:  # e.g. Lightning's own SIGUSR1 handler runs `scontrol requeue`: never twice
         ledger.append(run, events.Requeue(attempt=attempt, job=slurm.ref, by="the job itself", state=by))
         print(f"hpcshard: job {slurm.ref} was already requeued ({by}); not requeued again",
               file=sys.stderr, flush=True)
-        return
+        return None
     bad = ledger.bad_slurm_nodes(run)
     fewer = _fewer_nodes(run, slurm, attempt, bad) if bad else None
     if fewer == 0:
-        return
+        return None
     try:
         note = cluster.requeue(slurm.ref, exclude=bad, nodes=fewer)  # retried through a controller's blip
     except cluster.SlurmError as err:
         why = f"requeue failed: {err}; continue with `hpcshard resume {run}`"
         ledger.append(run, events.GaveUp(attempt=attempt, reason=why))
         print(f"hpcshard: not continued: {why}", file=sys.stderr, flush=True)
-        return
+        return None
     ledger.append(run, events.Requeue(attempt=attempt, job=slurm.ref, error=note or None,
                                       excluded=bad or events.UNSET, nodes=fewer or events.UNSET))
     print(f"hpcshard: requeued job {slurm.ref}" + (f" ({note})" if note else ""),
           file=sys.stderr, flush=True)
+    return None

@@ -12,7 +12,8 @@ function entry points).
 Fork safety: the agent never touches CUDA (no device query, no tensor) and imports no
 user code (a job module may query GPUs at import), so each rank initialises its GPU
 itself, as under plain torchrun. (Importing torch._dynamo here too, which fully_shard
-loads in every rank, made a 2x2 start slower, 17 s against 14 s: left to the ranks.)
+loads in every rank, made a 2x2 start slower, 17 s against 14 s, when each cycle's agent
+was a new Python: the zygote, `launch.zygote`, now imports it once per node.)
 `HPCSHARD_WARM_START=0` falls back to plain torchrun (`node.torchrun_argv`), for a site
 where something in the agent's imports turns out not to survive a fork. Bring-your-own
 scripts always run under plain torchrun: a forked worker leaves through `os._exit`, and a

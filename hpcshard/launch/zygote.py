@@ -121,7 +121,12 @@ class Forked:
 
 def _serve(orders: int, replies: int) -> None:
     """The zygote: import, then fork an agent per order and report how it ended."""
-    # What the agent and every rank need (launch.warm imports the same, in the same order).
+    # What the agent and every rank need (launch.warm imports the same, in the same order),
+    # and torch._dynamo, which every FSDP rank imports (each DTensor is built under
+    # torch._compile's disable wrapper, which imports it): 0.9 CPU-s per rank here, paid
+    # once per node instead, and never again on a restart. (The agent does not import it:
+    # measured slower when each cycle's agent was a new Python importing it again.)
+    import torch._dynamo  # noqa: F401
     import torch.distributed.run  # noqa: F401
     from torch.distributed.launcher.api import elastic_launch  # noqa: F401
 

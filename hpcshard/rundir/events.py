@@ -388,6 +388,10 @@ class Requeue(Event):
     """What a retried requeue met before it went through (null: nothing)."""
     excluded: list[str] | Unset = UNSET
     """The Slurm nodes excluded from now on (the run's bad nodes)."""
+    host: bool | Unset = UNSET
+    """Left to the batch script (no Slurm client in the launcher's environment: a
+    container): done once srun returns, never if the batch host is lost
+    (`launch.hostside`)."""
     nodes: int | Unset = UNSET
     """Fewer nodes than asked, where bad nodes leave the partition too few."""
 

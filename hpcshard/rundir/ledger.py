@@ -44,6 +44,23 @@ def next_attempt(run_dir: Path) -> int:
     return 1 + max((int(r["attempt"]) for r in read(run_dir)), default=-1)
 
 
+def finished(records: list[dict[str, Any]], since: int) -> dict[str, Any] | None:
+    """The record that ended the run for good in an attempt from `since` on (a job's
+    first: older attempts are other jobs'): its `end` with reason done, or a `gave_up`;
+    None while it may go on (no end yet, or one the launchers restart, requeue or
+    continue: the record after it says which). What `submit --follow` stops at: the job
+    may stay RUNNING or COMPLETING a while after (a lost node's task, `launch.release`)."""
+    last = None
+    for r in records:
+        if int(r.get("attempt", -1)) >= since and r.get("event") in (
+                "start", "end", "requeue", "chain", "guard", "gave_up"):
+            last = r
+    if last is None:
+        return None
+    done = last["event"] == "end" and last.get("reason") == events.EndReason.DONE
+    return last if done or last["event"] == "gave_up" else None
+
+
 def moved_on(run_dir: Path, attempt: int, cycle: int, records: list[dict[str, Any]] | None = None) -> bool:
     """Has the run started again since this attempt's cycle (a restart, a requeue)? A
     process of an older one was stopped or cut off meanwhile (a frozen node, thawed):
@@ -54,10 +71,16 @@ def moved_on(run_dir: Path, attempt: int, cycle: int, records: list[dict[str, An
 
 
 def bad_nodes(run_dir: Path, attempt: int | None = None, lost: bool = False) -> list[dict[str, Any]]:
-    """The run's bad-node records (those of one attempt; only nodes lost, i.e. silent,
-    whose launchers never end by themselves)."""
-    return [r for r in read(run_dir) if r["event"] == "bad_node"
-            and (attempt is None or r["attempt"] == attempt)
+    """The run's bad-node records (`bad_node_records` of its ledger)."""
+    return bad_node_records(read(run_dir), attempt, lost)
+
+
+def bad_node_records(records: list[dict[str, Any]], attempt: int | None = None,
+                     lost: bool = False) -> list[dict[str, Any]]:
+    """The bad-node records among `records` (those of one attempt; only nodes lost, i.e.
+    silent, whose launchers never end by themselves)."""
+    return [r for r in records if r.get("event") == "bad_node"
+            and (attempt is None or r.get("attempt") == attempt)
             and (not lost or str(r.get("reason", "")).startswith("lost"))]
 
 

@@ -16,6 +16,8 @@ LAUNCH = "launch"
 LOGS = "logs"
 SUBMITIT = "submitit"
 CODE = "code"
+PROFILES = "profiles"
+CHAIN = "chain.json"
 
 
 @dataclass(frozen=True)
@@ -63,6 +65,21 @@ class RunPaths:
     def code(self) -> Path:
         """The copies of the code the run runs, one folder per digest (`cli.snapshot`)."""
         return self.root / CODE
+
+    @property
+    def profiles(self) -> Path:
+        """Profiler traces and memory snapshots, and the asks for them (`rundir.profiles`)."""
+        return self.root / PROFILES
+
+    @property
+    def chain(self) -> Path:
+        """What the run waits for and what comes after it (`rundir.chain`)."""
+        return self.root / CHAIN
+
+    @property
+    def then(self) -> Path:
+        """The scripts and logs of the `--then` jobs (`launch.then`)."""
+        return self.root / "then"
 
     def rank_log(self, rank: int) -> Path:
         """One rank's log, every attempt and cycle appended."""

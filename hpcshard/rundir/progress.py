@@ -25,9 +25,12 @@ from pathlib import Path
 
 from hpcshard.rundir.proc import clock
 
-PHASES = ("idle", "setup", "load", "step", "eval", "save", "done", "join")
+PHASES = ("idle", "setup", "load", "step", "eval", "save", "done", "join", "profile")
 """What a rank is doing. `done`: it left the training loop (finished, stopped, failed);
-`join`: it joins the process group (init_process_group: the store, the backend's mesh)."""
+`join`: it joins the process group (init_process_group: the store, the backend's mesh);
+`profile`: a profile window starts or ends (the recording ranks stop the profiler and
+write the trace, the others wait for them at the boundary: judged as a save is, never by
+the steps' learned limit)."""
 
 _SLOT = struct.Struct("<qqqqd")  # pid, rank, step, phase, phase start (boot clock)
 

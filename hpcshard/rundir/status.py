@@ -8,9 +8,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from hpcshard.rundir import flight, ledger, store
-from hpcshard.rundir.metrics import read_metrics, train_records
+from hpcshard.rundir import flight, ledger, profiles, store
+from hpcshard.rundir.metrics import read_metrics, split_text, train_records
 from hpcshard.rundir.paths import RunPaths
+from hpcshard.rundir.runlogs import LOG_START
 from hpcshard.rundir.spec import RunSpec, wandb_id
 
 
@@ -19,7 +20,8 @@ class Attempt:
     number: int
     cycle: int
     """In-place restarts before this one within the attempt (after faults)."""
-    start: float
+    start: float | None
+    """None: its end is recorded, its start not (stopped before rank 0 was up)."""
     end: float | None
     reason: str
     loaded: int | None
@@ -40,25 +42,33 @@ class Attempt:
 
 def attempts(run_dir: Path) -> list[Attempt]:
     """One row per attempt. Steps lost: trained in this attempt but not in a checkpoint the
-    next attempt loaded (a hard kill loses the steps since the last save)."""
+    next attempt loaded (a hard kill loses the steps since the last save). An attempt whose
+    end is recorded and its start not (a notice or a kill before rank 0 was up) is a row
+    too, with no start: every attempt the ledger knows is shown."""
     records = ledger.read(run_dir)
     steps = [(r["time"], r["step"]) for r in train_records(read_metrics(run_dir))]
-    starts = [r for r in records if r["event"] == "start"]
+
+    def key(r: dict[str, Any]) -> tuple[int, int]:
+        return r["attempt"], r.get("cycle", 0)
+
+    started = {key(r) for r in records if r["event"] == "start"}
+    # (an end without its start stands for the start: the row's place, its `until` for the row before)
+    starts = sorted([r for r in records if r["event"] == "start"
+                     or (r["event"] == "end" and key(r) not in started)], key=key)
     rows = []
     for i, s in enumerate(starts):
+        began = s["time"] if s["event"] == "start" else None
         until = starts[i + 1]["time"] if i + 1 < len(starts) else float("inf")
-        key = (s["attempt"], s.get("cycle", 0))
-        end = next((r for r in records if r["event"] == "end"
-                    and (r["attempt"], r.get("cycle", 0)) == key), None)
-        fault = next((r for r in records if r["event"] == "fault"
-                      and (r["attempt"], r.get("cycle", 0)) == key), None)
+        end = next((r for r in records if r["event"] == "end" and key(r) == key(s)), None)
+        fault = next((r for r in records if r["event"] == "fault" and key(r) == key(s)), None)
         if fault is not None:  # the ranks were killed and restarted (or the run stopped)
             end = {"time": fault["time"], "reason": "fault"}
-        reached = max((st for t, st in steps if s["time"] <= t < until), default=None)
+        reached = (None if began is None
+                   else max((st for t, st in steps if began <= t < until), default=None))
         next_loaded = starts[i + 1].get("resumed_step") if i + 1 < len(starts) else None
         kept = next_loaded if i + 1 < len(starts) else (end or {}).get("saved_step")
         lost = None if reached is None else max(0, reached - (kept or 0))
-        rows.append(Attempt(number=s["attempt"], cycle=s.get("cycle", 0), start=s["time"],
+        rows.append(Attempt(number=s["attempt"], cycle=s.get("cycle", 0), start=began,
                             end=(end or {}).get("time"),
                             reason=(end or {}).get("reason",
                                                    "killed" if i + 1 < len(starts) else "running?"),
@@ -128,12 +138,17 @@ def report(run_dir: Path, spec: RunSpec, slurm_state: SlurmJob | None,
     if train:
         last = train[-1]
         tps = last.get("tokens_per_s")
+        mfu = last.get("mfu")
         lines.append(f"progress: step {last['step']}/{total}, loss {last['loss']:.4f}"
-                     + (f", {tps:,.0f} tokens/s" if tps else ""))
+                     + (f", {tps:,.0f} tokens/s" if tps else "") + (f", MFU {100 * mfu:.3g}%" if mfu else ""))
+        split = split_text(last)
+        if split:
+            lines.append(split)
     evals = [r for r in records if r.get("eval_loss") is not None and "event" not in r]
     if evals:
         lines.append(f"eval: loss {evals[-1]['eval_loss']:.4f} at step {evals[-1]['step']}")
     lines += trackers(run_dir, spec.created, tracked) if tracked is not None else []
+    lines += profile_lines(run_dir)
     done = store.committed(run_dir / store.CHECKPOINTS)
     own = store.last_save(run_dir) if spec.script else {}
     if own.get("saved") and not done:  # a script's own checkpoints, by their names
@@ -207,6 +222,21 @@ def report(run_dir: Path, spec: RunSpec, slurm_state: SlurmJob | None,
     return lines
 
 
+def profile_lines(run_dir: Path) -> list[str]:
+    """The recorded profiles (the newest window's files) and any out-of-memory snapshot."""
+    lines = []
+    recorded = profiles.windows(run_dir)
+    if recorded:
+        newest = recorded[-1]
+        ranks = sorted(int(p.name.split("-")[1].split(".")[0]) for p in newest.glob("rank-*.done.json"))
+        lines.append(f"profiles ({len(recorded)}): newest from step {int(newest.name[5:])} on rank(s) "
+                     f"{','.join(map(str, ranks)) or '-'}: {newest} (Perfetto: ui.perfetto.dev; "
+                     f"tensorboard --logdir {newest.parent})")
+    for oom in sorted(RunPaths(run_dir).profiles.glob("oom-*.pickle")):
+        lines.append(f"out of GPU memory: the allocator's snapshot {oom} (pytorch.org/memory_viz)")
+    return lines
+
+
 def trackers(run_dir: Path, created: float, tracked: Trackers) -> list[str]:
     """Where the run's TensorBoard events and W&B run are (one run across every start)."""
     lines = []
@@ -255,10 +285,6 @@ def _culprit(who: dict[str, Any]) -> str:
 
 def _fmt(v: int | None) -> str:
     return "-" if v is None else str(v)
-
-
-LOG_START = "==== start of"
-"""Begins the line every (re)start of a rank writes first into its log."""
 
 
 def culprit_lines(run_dir: Path, tail: int) -> tuple[str, list[str]]:

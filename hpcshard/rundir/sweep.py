@@ -1,13 +1,17 @@
-"""A sweep's directory: `sweep.json` (the job, the configurations, the array job) and one
+"""A sweep's directory: `sweep.json` (the job, the configurations, the array jobs) and one
 ordinary run directory per configuration, `task-INDEX` (every run command works on one).
-Stdlib only."""
+A sweep split into several arrays (`slurm.arrays`) has one `.array-K` directory per array
+after the first, whose `task-INDEX` links to the sweep's task it runs: the array's batch
+logs (`--output RUN_DIR/task-%a/...`, Slurm's own pattern, which cannot add an offset)
+land in the task's own directory. Stdlib only."""
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -24,12 +28,48 @@ class Sweep:
     max_parallel: int = 0
     """Tasks at once; 0: as many as the cluster gives (Slurm)."""
     array: str = ""
-    """The Slurm array job's id; empty under the local backend."""
+    """The (first) Slurm array job's id; empty under the local backend."""
     created: float = field(default_factory=time.time)
+    arrays: list[str] = field(default_factory=list)
+    """Every array's job id, in order, when the sweep was split into several (task i is
+    task i % array_size of arrays[i // array_size]); empty: one array, `array` (a record
+    written before sweeps were split has only that)."""
+    array_size: int = 0
+    """Tasks per array (the last may have fewer); 0: one array."""
 
     @staticmethod
     def task_dir(root: Path, index: int) -> Path:
         return root / f"task-{index}"
+
+    @staticmethod
+    def array_dir(root: Path, part: int) -> Path:
+        """Where array `part` (after the first, whose directory is the sweep's) finds its
+        tasks' directories."""
+        return root / f".array-{part}"
+
+    @classmethod
+    def link_tasks(cls, root: Path, part: int, first: int, count: int) -> Path:
+        """Array `part`'s directory: its task-INDEX linked to the sweep's task-(first +
+        INDEX) (relative links: the sweep's directory may be seen at another path)."""
+        where = cls.array_dir(root, part)
+        where.mkdir(exist_ok=True)
+        for index in range(count):
+            os.symlink(os.path.join("..", cls.task_dir(root, first + index).name), where / f"task-{index}")
+        return where
+
+    @property
+    def array_jobs(self) -> list[str]:
+        """Every array's job id, in order (none under the local backend)."""
+        return self.arrays or ([self.array] if self.array else [])
+
+    def task_of(self, job: str) -> int | None:
+        """The sweep's task that Slurm job ARRAY_INDEX is (None: none of the sweep's)."""
+        array, _, index = job.partition("_")
+        jobs = self.array_jobs
+        if array not in jobs or not index.isdigit():
+            return None
+        task = jobs.index(array) * self.array_size + int(index)
+        return task if task < len(self.configs) else None
 
     def write(self, root: Path) -> None:
         tmp = root / f".{SWEEP}.tmp"
@@ -38,7 +78,9 @@ class Sweep:
 
     @classmethod
     def read(cls, root: Path) -> Sweep:
-        return cls(**json.loads((root / SWEEP).read_text()))
+        """The record (a key this version does not know, a newer one's, is dropped)."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads((root / SWEEP).read_text()).items() if k in known})
 
 
 def is_sweep(path: Path) -> bool:

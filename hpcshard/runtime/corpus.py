@@ -18,8 +18,10 @@ source); a mixture `NAME_OR_PATH:WEIGHT,...`; or a TOML file with `[sources.NAME
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import math
+import os
 import threading
 import tomllib
 from collections import OrderedDict
@@ -39,9 +41,18 @@ DOC_MODES = ("stream", "whole")
 IGNORE = -100
 """A target the loss skips (the padding of a short document in `whole` mode; the same
 value as fine-tuning's, runtime.sft)."""
-HELD_OUT = 1 << 20
-"""At most this many tokens at the end of a corpus are held out for evaluation (5% of
-its last shard when that is less)."""
+HELD_OUT = 1 << 24
+"""At most this many tokens at the end of a source are held out for evaluation (5% of the
+source when that is less): enough for eval_batches=4 at 4M tokens a step (8192 x 512), and
+at most 64 MB of uint32 per rank."""
+HELD_OUT_SHARE = 20
+"""A source holds out 1/20 of its tokens (up to HELD_OUT)."""
+HELD_OUT_RULES = ("source", "last-shard")
+"""How much of a source is held out (`DataConfig.held_out`): source (5% of the whole source,
+at most HELD_OUT) | last-shard (5% of its last shard, at most 2^20 tokens: the rule of runs
+resolved before the setting, whose data positions mean that split)."""
+LAST_SHARD_HELD_OUT = 1 << 20
+"""The last-shard rule's cap."""
 EVAL_CHUNK = 1024
 """A mixture's held-out tails are interleaved this many tokens at a time (`Blend.held_out`)."""
 
@@ -113,19 +124,21 @@ class Shard:
         return MAPS.get(self, "offsets")
 
     def map(self, kind: str, check: bool) -> np.ndarray:
-        """The tokens or the document offsets, memory-mapped; `check`: their size against
-        the manifest first, and the offsets' values (one line naming the file)."""
+        """The tokens or the document offsets, memory-mapped, their size checked against the
+        manifest each time (a file mapped again after the LRU dropped it may have been
+        re-prepared under the run: one line, not a larger file read silently or numpy's
+        ValueError for a smaller one); `check`: the offsets' values too (first map only: a
+        read of the whole index)."""
         path, dtype, count = ((self.bin, self.dtype, self.tokens) if kind == "data"
                               else (self.idx, np.dtype("<i8"), self.documents + 1))
-        if check:
-            try:
-                size = path.stat().st_size
-            except FileNotFoundError:
-                raise UserError(f"{path} is missing; prepare the corpus again with "
-                                "`hpcshard data prepare`") from None
-            if size != count * dtype.itemsize:
-                raise UserError(f"{path} holds {size} bytes, its manifest says {count * dtype.itemsize}; "
-                                "the corpus is damaged or still being written: prepare it again")
+        try:  # (a stat: cheap next to the map itself)
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise UserError(f"{path} is missing; prepare the corpus again with "
+                            "`hpcshard data prepare`") from None
+        if size != count * dtype.itemsize:
+            raise UserError(f"{path} holds {size} bytes, its manifest says {count * dtype.itemsize}; "
+                            "the corpus is damaged or still being written: prepare it again")
         array = np.memmap(path, dtype=dtype, mode="r", shape=(count,))
         if check and kind == "offsets":
             first, last = int(array[0]), int(array[-1])
@@ -192,12 +205,15 @@ def _field(path: Path, table: dict, name: str, valid: Callable[[Any], bool], wha
 
 class Corpus:
     """All the shards of one or more prepared directories, as one token stream whose
-    documents are numbered in order. The last HELD_OUT tokens (at most) are held out
-    (`held_out`); training reads the rest (`train_tokens`, `train_documents`)."""
+    documents are numbered in order. Its last tokens (`held_tokens`: by the `held_out`
+    rule) are held out; training reads the rest (`train_tokens`, `train_documents`)."""
 
-    def __init__(self, folders: list[Path], name: str = "") -> None:
+    def __init__(self, folders: list[Path], name: str = "", held_out: str = "source") -> None:
         self.name = name or str(folders[0])
         self.shards: list[Shard] = []
+        self.folders = [Path(os.path.realpath(f)) for f in folders]
+        """The directories as the file system resolves them (for display: the content decides)."""
+        content = hashlib.sha256()
         self.vocab_size, self.eos_id = 0, None
         self.tokenizer: Tokenization | None = None
         """What every folder was prepared with (`same_tokenizer`), and the first folder."""
@@ -208,6 +224,7 @@ class Corpus:
                 self.tokenizer = mine
             self.tokenizer.same_as(mine)
             self.vocab_size, self.eos_id = mine.vocab_size, mine.eos_id
+            content.update(_content(manifest).encode() + b"\n")
             dtype = DTYPES[manifest["dtype"]]
             for entry in manifest["shards"]:  # files checked when first read (`Shard.map`)
                 shard = Shard(folder / f"{entry['name']}.bin", folder / f"{entry['name']}.idx",
@@ -221,9 +238,10 @@ class Corpus:
         """Each shard's first token in the stream, then the stream's length."""
         self.doc_starts = np.cumsum([0] + [s.documents for s in self.shards], dtype=np.int64)
         self.tokens = int(self.starts[-1])
-        last = self.shards[-1].tokens
-        held = min(HELD_OUT, last // 20)
-        self.train_tokens = self.tokens - held
+        self.content = content.hexdigest()
+        """What the tokens are, whatever the path's spelling: each directory's tokenizer,
+        eos_id, dtype and shards (names, sizes, checksums), in order (`_content`)."""
+        self.train_tokens = self.tokens - held_tokens(self.tokens, self.shards[-1].tokens, held_out)
         self.train_documents = self._documents_before(self.train_tokens)
 
     def _documents_before(self, token: int) -> int:
@@ -263,6 +281,26 @@ class Corpus:
 
     def held_out(self) -> np.ndarray:
         return self.read_raw(self.train_tokens, self.tokens - self.train_tokens)
+
+
+def held_tokens(tokens: int, last_shard: int, rule: str) -> int:
+    """How many tokens at a source's end are held out for evaluation. `source`: 5% of the
+    source, at most HELD_OUT (evaluation's batches of 1M+ tokens fit). `last-shard`, the
+    rule before: 5% of the last shard (data prepare's remainder: often tiny), at most
+    2^20 tokens; kept for runs resolved before the setting, whose checkpoints' positions
+    mean the samples of that split."""
+    if rule == "last-shard":
+        return min(LAST_SHARD_HELD_OUT, last_shard // HELD_OUT_SHARE)
+    return min(HELD_OUT, tokens // HELD_OUT_SHARE)
+
+
+def _content(manifest: dict) -> str:
+    """A prepared directory's tokens as its manifest vouches for them (the checksums data
+    prepare wrote), in a stable text."""
+    tok = manifest.get("tokenizer")
+    shards = [[e["name"], e["tokens"], e["documents"], e.get("sha256")] for e in manifest["shards"]]
+    return json.dumps([tok.get("sha256") if isinstance(tok, dict) else None, manifest.get("eos_id"),
+                       manifest["dtype"], manifest["vocab_size"], shards], sort_keys=True)
 
 
 @dataclass(frozen=True)
@@ -335,25 +373,45 @@ class Blend:
 
     sources: tuple[Source, ...]
     doc_mode: str = "stream"
+    held_rule: str = "source"
+    """The held-out rule the sources were opened with (`held_tokens`)."""
 
     @property
     def vocab_size(self) -> int:
         return max(s.corpus.vocab_size for s in self.sources)
 
     def held_out(self) -> np.ndarray:
-        """The held-out tails of the sources, each trimmed to the shortest's length and
-        interleaved EVAL_CHUNK tokens at a time, so however little evaluation reads, every
-        source that holds one is in it alike (one source: its tail as it is)."""
+        """The held-out tails of the sources interleaved EVAL_CHUNK tokens at a time while
+        each lasts (a short tail runs out, the others go on: one small source once cut every
+        tail to its own length, and evaluation off), at most HELD_OUT tokens in all: however
+        little evaluation reads, every source is in it alike. One source: its tail as it is;
+        none left: empty."""
         if len(self.sources) == 1:
             return self.sources[0].corpus.held_out()
-        tails = [t for t in (s.corpus.held_out() for s in self.sources) if len(t)]  # (a tiny one holds none)
-        length = min((len(t) for t in tails), default=0)
-        chunks = [t[k: min(k + EVAL_CHUNK, length)] for k in range(0, length, EVAL_CHUNK) for t in tails]
+        tails = [t for t in (s.corpus.held_out() for s in self.sources) if len(t)]
+        chunks, total = [], 0
+        for k in range(0, max((len(t) for t in tails), default=0), EVAL_CHUNK):
+            for t in tails:
+                if k < len(t) and total < HELD_OUT:
+                    chunks.append(t[k: k + EVAL_CHUNK])
+                    total += len(chunks[-1])
+        if not chunks:
+            return np.empty(0, dtype=self.sources[0].corpus.shards[-1].dtype)
         return np.concatenate(chunks)
 
     def fingerprint(self) -> dict:
-        """What decides the samples (with seq_len and the order): each source's directories,
-        sizes and weight, and doc_mode. A checkpoint records it; a resume compares it."""
+        """What decides the samples (with seq_len and the order), by content: each source's
+        tokens (`Corpus.content`), sizes and weight, in order (a mixture's sources are told
+        apart by their place: names and directories are shown, not compared), doc_mode and
+        the held-out rule. A checkpoint records it; a resume compares it."""
+        return {"version": 2, "doc_mode": self.doc_mode, "held_out": self.held_rule, "sources": [
+            {"name": s.name, "dirs": [str(f) for f in s.corpus.folders], "content": s.corpus.content,
+             "tokens": s.corpus.tokens, "documents": int(s.corpus.doc_starts[-1]),
+             "weight": f"{s.weight.numerator}/{s.weight.denominator}"} for s in self.sources]}
+
+    def fingerprint_v1(self) -> dict:
+        """The fingerprint's first format (spelled names and directories, sizes): what a
+        checkpoint written before version 2 holds, compared as it was then."""
         return {"doc_mode": self.doc_mode, "sources": [
             {"name": s.name, "dirs": sorted({str(sh.bin.parent) for sh in s.corpus.shards}),
              "tokens": s.corpus.tokens, "documents": int(s.corpus.doc_starts[-1]),
@@ -466,16 +524,19 @@ def _unique(sources: list[tuple[str, list[Path], Fraction]]) -> list[tuple[str, 
     return sources
 
 
-def load_blend(value: str, root: str = "", doc_mode: str = "stream") -> Blend | None:
+def load_blend(value: str, root: str = "", doc_mode: str = "stream",
+               held_out: str = "source") -> Blend | None:
     """The corpora `data` names, opened (manifests and sizes checked), or None (not corpora)."""
     if doc_mode not in DOC_MODES:
         raise UserError(f"doc_mode={doc_mode!r} is not valid; choose one of: {', '.join(DOC_MODES)}")
+    if held_out not in HELD_OUT_RULES:
+        raise UserError(f"held_out={held_out!r} is not valid; choose one of: {', '.join(HELD_OUT_RULES)}")
     parsed = parse_sources(value, root)
     if parsed is None:
         return None
     total = sum(w for _, _, w in parsed)
-    sources = tuple(Source(name, Corpus(folders, name), w / total) for name, folders, w in parsed)
+    sources = tuple(Source(name, Corpus(folders, name, held_out), w / total) for name, folders, w in parsed)
     for s in sources[1:]:
         assert sources[0].corpus.tokenizer is not None and s.corpus.tokenizer is not None
         sources[0].corpus.tokenizer.same_as(s.corpus.tokenizer)
-    return Blend(sources, doc_mode)
+    return Blend(sources, doc_mode, held_out)

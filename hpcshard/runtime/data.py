@@ -46,8 +46,9 @@ class DataConfig:
     directory (a TOML file's own paths: its folder)."""
     doc_mode: str = "stream"
     """How prepared documents become samples: stream (windows over the concatenated tokens,
-    across documents) | whole (each sample starts at a document: a longer one is truncated,
-    a shorter one padded with its padding masked from the loss)."""
+    across documents) | whole (one sample per document, from its start: a document longer
+    than seq_len + 1 tokens is truncated, its remaining tokens never trained on in any epoch;
+    a shorter one is padded, its padding masked from the loss)."""
     pattern: str = "*"
     """Glob for files under `data` when it is a directory."""
     tokens: str = ""
@@ -65,6 +66,11 @@ class DataConfig:
     """Held-out JSONL for `sft`; empty: every 20th good record of `sft`."""
     tokenizer: str = ""
     """A local tokenizer directory for `sft`; empty: init_from's."""
+    held_out: str = "source"
+    """How much of each prepared source is held out for evaluation (its last tokens, never
+    trained on): source (5% of the source, at most 2^24 tokens) | last-shard (5% of its last
+    shard, at most 2^20 tokens: the rule before, which a run resolved before this setting
+    keeps, its checkpoints' positions meaning that split's samples)."""
     data_changed: str = "refuse"
     """What a resume does when the prepared corpora differ from what its checkpoint was
     trained on (a glob matches another directory, a weight or doc_mode was edited, a
@@ -96,7 +102,7 @@ def load_splits(cfg: DataConfig, vocab_size: int | None = None) -> DataSplits:
     if cfg.data_changed not in DATA_CHANGED:
         raise UserError(f"data_changed={cfg.data_changed!r} is not valid; choose one of: "
                         f"{', '.join(DATA_CHANGED)}")
-    blend = load_blend(cfg.data, cfg.data_root, cfg.doc_mode) if cfg.data else None
+    blend = load_blend(cfg.data, cfg.data_root, cfg.doc_mode, cfg.held_out) if cfg.data else None
     if blend is not None:
         vocab = vocab_size or cfg.vocab_size
         if blend.vocab_size > vocab:
@@ -154,13 +160,46 @@ def data_fingerprint(splits: DataSplits, seq_len: int, order: str) -> dict | Non
     return {**splits.source.fingerprint(), "seq_len": seq_len, "data_order": order}
 
 
-def data_changes(saved: dict | None, now: dict | None) -> str:
+def data_fingerprint_v1(splits: DataSplits, seq_len: int, order: str) -> dict | None:
+    """The same in the first format (no "version"), for a checkpoint written in it."""
+    if splits.source is None:
+        return None
+    return {**splits.source.fingerprint_v1(), "seq_len": seq_len, "data_order": order}
+
+
+def data_changes(saved: dict | None, now: dict | None, now_v1: dict | None = None) -> str:
     """What differs between a checkpoint's data fingerprint and this start's, in words
-    ("" when nothing does, or the checkpoint recorded none: one written before it was)."""
-    if saved is None or saved == now:
+    ("" when nothing does, or the checkpoint recorded none: one written before it was).
+    A fingerprint of the first format (no "version": spelled paths and counts) is compared
+    with `now_v1`, this start's in that format, as it was then: a run resumes across the
+    upgrade on the terms it was checked on."""
+    if saved is None:
+        return ""
+    if now is not None and "version" not in saved and now_v1 is not None:
+        return _changes_v1(saved, now_v1)
+    if saved == now:
         return ""
     if now is None:
         return "it trained on prepared corpora, this start reads other data"
+    said = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in now if k != "sources" and saved.get(k) != now[k]]
+    old, new = saved.get("sources", []), now["sources"]
+    if len(old) != len(new):
+        said.append(f"sources {[s.get('name') for s in old]} -> {[s['name'] for s in new]}")
+    for was, source in zip(old, new, strict=False):  # told apart by their place, as the order salts them
+        said += [f"source {source['name']!r} {_said(k, was.get(k), v, source)}"
+                 for k, v in source.items() if k not in ("name", "dirs") and was.get(k) != v]
+    return "; ".join(said)
+
+
+def _said(key: str, was: object, now: object, source: dict) -> str:
+    if key == "content":
+        return f"tokens differ (other shards, tokenizer or eos_id in {', '.join(source['dirs'])})"
+    return f"{key} {was!r} -> {now!r}"
+
+
+def _changes_v1(saved: dict, now: dict) -> str:
+    if saved == now:
+        return ""
     said = [f"{k} {saved.get(k)!r} -> {now[k]!r}" for k in now if k != "sources" and saved.get(k) != now[k]]
     old = {s.get("name"): s for s in saved.get("sources", [])}
     new = {s["name"]: s for s in now["sources"]}

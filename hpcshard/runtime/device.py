@@ -51,6 +51,30 @@ def fused_optimizer(device: torch.device, params_on_host: bool = False, scaled: 
     return device.type == "cuda" and not params_on_host and not scaled
 
 
+FP8_CAPABILITY = (8, 9)
+"""The first NVIDIA compute capability with float8 tensor cores (Ada; Hopper is 9.0):
+`torch._scaled_mm` refuses float8 operands below it."""
+
+
+def fp8_support(device: torch.device) -> str:
+    """"" where this rank's device multiplies in float8 (`float8=true`), else why not, in
+    one line."""
+    if device.type != "cuda":
+        return fp8_refusal(device.type)
+    return fp8_refusal("cuda", torch.cuda.get_device_capability(device), torch.cuda.get_device_name(device))
+
+
+def fp8_refusal(kind: str, capability: tuple[int, int] = (0, 0), name: str = "") -> str:
+    """The decision of `fp8_support`, on what was asked of the device."""
+    need = f"NVIDIA GPUs of compute capability {FP8_CAPABILITY[0]}.{FP8_CAPABILITY[1]} or later (Ada, Hopper)"
+    if kind != "cuda":
+        return f"float8=true needs {need}; the ranks here run on {kind}, which has no float8 matmul"
+    if capability < FP8_CAPABILITY:
+        return (f"float8=true needs {need}; this {name or 'GPU'} has capability "
+                f"{capability[0]}.{capability[1]}, without float8 tensor cores")
+    return ""
+
+
 def collective_device() -> torch.device:
     """Where a tensor for a collective on the default group must live, for a process
     group someone else created (a script's own init_process_group): its backend decides."""

@@ -33,8 +33,8 @@ from hpcshard.rundir.events import EndReason
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.progress import Board
 from hpcshard.rundir.rankenv import STACKS_SIGNAL, STORAGE_EXIT, STRAGGLER_EXIT, RankEnv
+from hpcshard.rundir.runlogs import start_line
 from hpcshard.rundir.spec import RunSpec
-from hpcshard.rundir.status import LOG_START
 from hpcshard.runtime import links
 from hpcshard.runtime.checkpoint import Loaded
 from hpcshard.runtime.checkpoint.guard import Disowned
@@ -107,7 +107,11 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
     try:
         check_writable(run_dir)
         setup_logging(run_dir, env.rank)
-        log.debug("%s attempt %d cycle %d (pid %d)", LOG_START, attempt, ranks.cycle, os.getpid())
+        # Where this start begins in the log, and where it runs: `hpcshard logs` heads each
+        # attempt and restart with it and finds a node's ranks by it (rundir.runlogs).
+        slurm = current_run()
+        log.debug("%s", start_line(attempt, ranks.cycle, os.getpid(), socket.gethostname(),
+                                   env.rank // env.per_node, slurm[0] if slurm else None))
         # Before a hung rank is killed, its launcher asks for every thread's stack: where
         # it hung, in its own log. (faulthandler writes from the signal handler itself,
         # so a rank blocked inside a C++ collective still answers.)

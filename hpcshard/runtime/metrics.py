@@ -28,6 +28,13 @@ def _clean(value: Any) -> Any:
     return value
 
 
+def _short(value: Any) -> str:
+    """A value as the log line shows it: floats to 4 digits, a dict (split_s) as k:v,..."""
+    if isinstance(value, dict):
+        return ",".join(f"{k}:{_short(v)}" for k, v in value.items())
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
 class Progress:
     """A one-line progress bar on rank 0's terminal (stderr), or nothing when it is not a
     terminal: `training [#####-----] 120/300 40% loss 2.345 eta 1:23`. Redrawn at most
@@ -111,8 +118,7 @@ class Metrics:
         self._write({"step": step, "time": time.time(), "elapsed": time.time() - self.t0, **values})
         self.trackers.log(step, values)
         if self.env.is_main:
-            text = " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                            for k, v in values.items() if v is not None)
+            text = " ".join(f"{k}={_short(v)}" for k, v in values.items() if v is not None)
             # With a live bar the line goes to the log file only; the bar shows the loss.
             (log.debug if self.interactive else log.info)("step %d/%d %s", step, self.total, text)
 

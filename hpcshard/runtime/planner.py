@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 from hpcshard.runtime.blocks import find_blocks, on_meta
 from hpcshard.runtime.shard import TORCH_DTYPES
@@ -101,19 +103,83 @@ class ModelShape:
 
 @contextmanager
 def _saved_tensors(record: list[int]) -> Iterator[None]:
-    """Adds the bytes of every tensor autograd saves for backward (each storage once)."""
+    """Adds the bytes of every tensor autograd saves for backward (each storage once: the
+    views of one tensor, on meta as on a GPU; three projections saving views of one norm
+    output were counted three times). Attention on the meta device is counted as a GPU's
+    fused kernel saves it (`_FusedAttention`)."""
     seen: set[int] = set()
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        key = id(t.untyped_storage()) if t.device.type != "meta" else id(t)
-        if isinstance(t, nn.Parameter) or key in seen:
-            return t
+        key = t.untyped_storage()._cdata  # (the storage itself: saved, so alive meanwhile)
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter) or key in seen:
+            return t  # (a weight, or its transpose a matmul saves: parameters, not activations)
         seen.add(key)
         record[0] += t.numel() * t.element_size()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _FusedOnMeta():
         yield
+
+
+class _FusedAttention(torch.autograd.Function):
+    """What a GPU's fused attention (flash, memory-efficient, cuDNN) saves for backward:
+    q, k, v, the output and the softmax's log-sum-exp (fp32, one per query and head), the
+    output laid out (batch, seq, heads, dim) as those kernels write it, so the usual
+    transpose and reshape after attention is a view of it. On the meta device torch takes
+    the math path, which saves fp32 copies and the seq x seq scores: the demo's activations
+    came out twice what an H100 holds. Planning only: there is no backward."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
+        shape = (*q.shape[:-1], v.shape[-1])
+        out = (q.new_empty(shape[0], shape[2], shape[1], shape[3]).transpose(1, 2) if len(shape) == 4
+               else q.new_empty(shape))
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+        ctx.save_for_backward(q, k, v, out, lse, mask)  # (a mask: the memory-efficient kernel's bias)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        raise NotImplementedError("the planner's attention has no backward")
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """What a GPU's fused RMSNorm saves for backward: its input, in its own dtype, and the
+    fp32 reciprocal root mean square of each row. On the meta device (and on CPU) torch
+    takes the composite path, which upcasts a low-precision input to fp32 and saves that
+    copy and the fp32 normalized rows: a 30M-parameter Llama's activations were planned
+    25-30% above what an H200 held with torch 2.11 (its CUDA rms_norm is the fused kernel).
+    Planning only: there is no backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, dims: int) -> torch.Tensor:
+        rstd = x.new_empty(x.shape[:-dims], dtype=torch.float32)
+        ctx.save_for_backward(x, rstd, weight)
+        return torch.empty_like(x)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        raise NotImplementedError("the planner's rms_norm has no backward")
+
+
+class _FusedOnMeta(TorchFunctionMode):
+    """scaled_dot_product_attention and rms_norm on meta tensors go through the fused
+    kernels' accounts (`_FusedAttention`, `_FusedRMSNorm`)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if (func is F.rms_norm and args and isinstance(args[0], torch.Tensor)
+                and args[0].device.type == "meta"):
+            shape = args[1] if len(args) > 1 else kwargs["normalized_shape"]
+            weight = args[2] if len(args) > 2 else kwargs.get("weight")
+            dims = 1 if isinstance(shape, int) else len(shape)
+            return _FusedRMSNorm.apply(args[0], weight, dims)
+        if (func is F.scaled_dot_product_attention and len(args) >= 3
+                and all(isinstance(a, torch.Tensor) and a.device.type == "meta" for a in args[:3])):
+            mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
+            return _FusedAttention.apply(*args[:3], mask if isinstance(mask, torch.Tensor) else None)
+        return func(*args, **kwargs)
 
 
 def measure(job: Any, cfg: Any, micro_batch: int, dtype: torch.dtype) -> ModelShape:
@@ -369,8 +435,6 @@ def recommend(shape: ModelShape, nodes: int, gpus: int, compute_bytes: int,
 
 def shape_of_hf(path: Any, seq_len: int | None, micro: int, dtype: torch.dtype) -> ModelShape:
     """A Hugging Face causal LM from its config.json, built on the meta device."""
-    import torch.nn.functional as F
-
     try:
         from transformers import AutoConfig, AutoModelForCausalLM
     except ImportError:
@@ -402,7 +466,7 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
     micro_choices = [1, 2, 4, 8, 16, 32, 64]
     # The job's ac=selective is estimated as full AC: the matmul and attention outputs it
     # keeps (and full AC does not) are not counted, a lower bound on its activations.
-    selective = False
+    selective = float8 = False
     if job:
         from hpcshard.config import build_config
         from hpcshard.runtime.job import load_job, require_tp_plan
@@ -411,6 +475,7 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
         j = load_job(job)
         cfg = build_config(j.config, sets)
         precision = precision or cfg.precision
+        float8 = cfg.float8
         selective = ac is None and cfg.ac_selective()
         ac = cfg.ac_every() if ac is None else ac
         tp = cfg.tp
@@ -457,6 +522,9 @@ def make_plan(job: str | None, sets: dict[str, str], numbers: dict[str, Any], hf
                   "block": shape.block_name, "max_block_params": shape.max_block_params,
                   "root_params": shape.root_params, "seq_len": shape.seq_len},
         "nodes": nodes, "gpus": gpus, "precision": precision, "micro_batch": micro,
+        # float8 is counted as bf16: its float8 all-gathers are smaller (an upper bound there),
+        # its matmuls save their bf16 inputs for backward as bf16's do
+        "float8": "estimated as bf16 (all-gathers an upper bound)" if float8 else None,
         "ac": "selective (estimated as full: a lower bound)" if selective
         else "none" if not ac else ("full" if ac == 1 else f"every {ac}"),
         "ac_with": "full" if (ac or 1) == 1 else f"every {ac}", "sharding": mode, "gpu_mem": gpu_mem,

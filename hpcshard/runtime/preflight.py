@@ -1,8 +1,8 @@
 """Check a job before anything runs: `python -m hpcshard.runtime.preflight` reads
-{"job", "sets", "nodes", "gpus", "min_nodes"[, "path"]} as JSON on stdin and prints the resolved
-config.
+{"job", "sets", "nodes", "gpus", "min_nodes"[, "path", "here"]} as JSON on stdin and prints the
+resolved config; "here": the ranks will run on this host (the local backend).
 
-A sweep sends {"job", "variants": [sets, ...], "nodes", "gpus"} and gets one resolved
+A sweep sends {"job", "variants": [sets, ...], "nodes", "gpus"[, "here"]} and gets one resolved
 config per variant; a bad one is named by its index ("variant 2: ...").
 
 The CLI runs this in a subprocess (the CLI itself never imports torch). It imports the job,
@@ -40,6 +40,8 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
     with on_meta():
         model = job.model(cfg)
     blocks = find_blocks(model, cfg.block, cfg.block_min_params)
+    if cfg.float8:
+        check_float8(model, blocks, bool(request.get("here")))
     if cfg.init_from:  # its headers against the model's names and shapes: no tensor is read
         from hpcshard.runtime.pretrained import match, read_dir
 
@@ -61,6 +63,21 @@ def preflight(request: dict[str, Any]) -> dict[str, Any]:
         "accumulation": accum,
         "train_tokens": splits.train_tokens,
     }
+
+
+def check_float8(model: Any, blocks: list[Any], here: bool) -> None:
+    """float8=true: the model has layers to convert and, where the ranks run on this host,
+    the device multiplies in float8 and torchao imports. A Slurm job's GPUs cannot be seen
+    from the login node: its ranks check at model build (`runtime.float8.convert`)."""
+    from hpcshard.runtime import float8
+
+    float8.count(model, blocks)
+    if here:
+        import torch
+
+        why = float8.refusal(torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu"))
+        if why:
+            raise UserError(why)
 
 
 def preflight_all(request: dict[str, Any]) -> dict[str, Any]:

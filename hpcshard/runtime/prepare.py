@@ -19,9 +19,12 @@ with the checksum) is written: a rerun skips the shards that have one.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -220,10 +223,19 @@ def save_plan(out: Path, request: dict[str, Any], bounds: np.ndarray, source: So
     os.replace(tmp, state / "plan.npz")
 
 
-def make_state(out: Path) -> None:
-    """The output directory and its work folder; one line when they cannot be made."""
+def make_state(out: Path) -> bool:
+    """The output directory and its work folder; one line when they cannot be made. True
+    when this call made the output directory (mkdir's exclusive create: of two runs into
+    one new output, exactly one)."""
     try:
-        _state(out).mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            out.mkdir()
+            made = True
+        except FileExistsError:
+            made = False
+        _state(out).mkdir(exist_ok=True)
+        return made
     except OSError as err:
         raise UserError(f"--output {out} cannot be made ({err.strerror or err}); give a directory you can "
                         "write") from None
@@ -352,41 +364,90 @@ def _sha256(path: Path) -> str:
 
 def prepare(cfg: PrepareConfig) -> Prepared:
     """Check, plan, and write every shard not done yet (over `workers` processes), then the
-    manifest. Bad input raises UserError before the output directory is made."""
+    manifest. Bad input raises UserError before the output directory is made; a bad record
+    found while tokenizing leaves nothing of a directory this call made."""
     source, tok, request, bounds = start(cfg)
     out = Path(cfg.output)
-    make_state(out)
+    made = make_state(out)
+    # A refusal (another run holds the output, or started it with other arguments) removes
+    # nothing: what is there is the other run's, even in a directory this call made (two runs
+    # into one new output: the one that made it may lose the lock to the other).
     lock = take_lock(out)
     try:
-        save_plan(out, request, bounds, source)
-        remove_stale(out)
-        return run_shards(out, source, tok, list(range(len(bounds) - 1)), cfg.workers, cfg.progress)
+        bounds = check_again(out, request, bounds)
+        try:
+            save_plan(out, request, bounds, source)
+            remove_stale(out)
+            return run_shards(out, source, tok, list(range(len(bounds) - 1)), cfg.workers, cfg.progress)
+        except ValueError:  # a bad record: nothing kept of what this call made (under its lock)
+            if made and not (out / "manifest.json").exists():
+                shutil.rmtree(out, ignore_errors=True)
+            raise
     finally:
         lock.close()
 
 
+def check_again(out: Path, request: dict[str, Any], bounds: np.ndarray) -> np.ndarray:
+    """Under the lock, the output checked once more and the plan to write by: another run
+    may have started it with other arguments while this one planned (refused: its shards
+    would be skipped as done under this request's manifest), or with the same ones (its
+    saved plan, which its done shards were cut by)."""
+    check_output(out, request)
+    if (_state(out) / "plan.npz").is_file() and (_state(out) / "request.json").is_file():
+        return load_plan(out)[1]
+    return bounds
+
+
 STALE_SECONDS = 3600.0
 """A temporary file of another host's untouched this long is an interrupted run's."""
+NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK)
+"""flock's errors on a file system that keeps no such locks (Lustre mounted without flock,
+some FUSE and NFS mounts): not "held", a lock file instead (`_lock_file`)."""
 
 
 def take_lock(out: Path) -> Any:
     """This run's exclusive hold on `out` (flock on .prepare/lock, released when the file
-    closes or the process ends); one line when another run holds it."""
+    closes or the process ends; where the file system has no flock, a lock file: see
+    `_lock_file`); one line when another run holds it. Closing the result releases it."""
     import fcntl
 
     f = (_state(out) / "lock").open("a+", encoding="utf-8")
     try:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
+    except BlockingIOError:  # EAGAIN/EWOULDBLOCK: held by another run, and only that
         f.seek(0)
         holder = (f.read().strip().splitlines() or ["unknown"])[-1]
         f.close()
         raise UserError(f"another `data prepare` ({holder}) is writing {out}; wait for it") from None
+    except OSError as err:
+        f.close()
+        if err.errno in NO_FLOCK:
+            return _lock_file(out, err)
+        raise UserError(f"--output {out}: its lock cannot be taken ({err.strerror or err}); give a "
+                        "directory on a file system that can") from None
     f.seek(0)
     f.truncate()
     f.write(f"{socket.gethostname()}, pid {os.getpid()}\n")
     f.flush()
     return f
+
+
+def _lock_file(out: Path, err: OSError) -> contextlib.ExitStack:
+    """The hold where flock is not kept: .prepare/run.lock made by link() with the holder's
+    host and pid (`rundir.files.locked`, which holds on NFS), removed when released. A
+    holder of this host that is gone is broken at once; one of another host is not (a
+    crashed host's lock stays until it is removed by hand: the line says which file)."""
+    from hpcshard.rundir.files import locked
+
+    print(f"warning: {out} is on a file system without flock ({err.strerror or err}); a lock file "
+          "keeps a second `data prepare` out instead", file=sys.stderr)
+    hold = contextlib.ExitStack()
+    try:
+        hold.enter_context(locked(_state(out) / "run", timeout=0))
+    except TimeoutError as held:
+        raise UserError(f"another `data prepare` is writing {out} ({held}); wait for it, or remove "
+                        f"{_state(out) / 'run.lock'} if that run is gone") from None
+    return hold
 
 
 def remove_stale(out: Path) -> None:

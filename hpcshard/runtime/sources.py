@@ -94,7 +94,8 @@ class Source:
         h = hashlib.sha256()
         for f in self.files or [Path(self.spec.path)]:
             st = f.stat()
-            h.update(f"{f}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            # the name as the file system holds it: a Latin-1 name has no str encoding
+            h.update(os.fsencode(f) + f"\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
         return h.hexdigest()
 
 
@@ -176,7 +177,8 @@ class ArrowSource(Source):
 
     def __init__(self, spec: SourceSpec, files: list[Path]) -> None:
         super().__init__(spec, files)
-        self._binary = False
+        self._binary: list[bool] = []
+        """Per file: its column is binary (decoded as UTF-8), not string; files may differ."""
         self._last: tuple[int, Any] | None = None
         self._parts = self._open()
         self._starts = np.cumsum([0, *(n for n, _, _ in self._parts)])
@@ -194,7 +196,8 @@ class ArrowSource(Source):
                                 f"{str(err)[:200]}); give --format, or a good file") from None
             try:
                 _check_field(self.spec.field, pf.schema_arrow.names, path)
-                self._binary = _check_type(self.spec.field, pf.schema_arrow.field(self.spec.field).type, path)
+                self._binary.append(_check_type(self.spec.field, pf.schema_arrow.field(self.spec.field).type,
+                                                path))
                 for g in range(pf.metadata.num_row_groups):
                     parts.append((pf.metadata.row_group(g).num_rows, i, g))
             finally:
@@ -242,7 +245,8 @@ class ArrowSource(Source):
             if lo >= stop:
                 break
             column = self._column(p).slice(max(start, lo) - lo, min(stop, hi) - max(start, lo))
-            texts.extend(_as_text(t, self._binary) for t in column.to_pylist())
+            binary = self._binary[self._parts[p][1]]  # this piece's file's own column type
+            texts.extend(_as_text(t, binary) for t in column.to_pylist())
         return texts
 
 

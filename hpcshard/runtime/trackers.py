@@ -32,9 +32,12 @@ log = logging.getLogger("hpcshard")
 
 def scalars(values: dict[str, Any]) -> dict[str, float]:
     """The numbers of a step record, under the names both trackers show: train/loss,
-    eval/loss, ..."""
+    eval/loss, ...; a dict's under its key (split_s: train/split_s/forward, ...)."""
     out = {}
     for key, value in values.items():
+        if isinstance(value, dict):
+            out.update({f"train/{key}/{k.removeprefix('train/')}": v for k, v in scalars(value).items()})
+            continue
         if isinstance(value, bool) or not isinstance(value, int | float) or value != value:
             continue
         out["eval/loss" if key == "eval_loss" else f"train/{key}"] = float(value)

@@ -26,14 +26,16 @@ from hpcshard.config import TrainConfig
 from hpcshard.errors import UserError
 from hpcshard.rundir import events, store
 from hpcshard.rundir.rankenv import RankEnv
+from hpcshard.runtime import float8
 from hpcshard.runtime.adapters import apply_freeze, apply_lora, frozen, with_adapters
-from hpcshard.runtime.blocks import on_meta
+from hpcshard.runtime.blocks import find_blocks, on_meta
 from hpcshard.runtime.checkpoint import Checkpointer, Loaded, TrainParts, seed_rank
 from hpcshard.runtime.data import (
     GlobalBatches,
     Micro,
     data_changes,
     data_fingerprint,
+    data_fingerprint_v1,
     eval_batch_count,
     eval_batches,
     unigram_entropy,
@@ -44,16 +46,19 @@ from hpcshard.runtime.mesh import build_mesh, dp_mesh, tp_mesh
 from hpcshard.runtime.metrics import Metrics
 from hpcshard.runtime.optim import build_optimizer, job_optimizer, job_schedule, lr_factor
 from hpcshard.runtime.pretrained import Stored, aliases, load_pretrained, match, read_dir
+from hpcshard.runtime.profile import Profiler
 from hpcshard.runtime.sft import IGNORE
 from hpcshard.runtime.shard import ShardPlan, apply_tp, materialize, shard_model, state_bytes
 from hpcshard.runtime.stop import StopRequest
 from hpcshard.runtime.straggler import Stragglers, crowded, gather, probe
+from hpcshard.runtime.timing import StepClock
 from hpcshard.runtime.trackers import Trackers
 from hpcshard.sections import (
     DataSection,
     ModelSection,
     Parallel,
     ParallelSection,
+    ProfileSection,
     SupervisionSection,
 )
 
@@ -227,6 +232,13 @@ def build_model(job: Job, cfg: TrainConfig, env: DistEnv, mesh: DeviceMesh, mode
     init_names = match(model, init_from) if init_from else {}
     loaded = aliases(model) if init_from else frozenset()
     flops_per_token = job.flops_per_token(cfg, model)
+    if par.float8:  # torchao's order: the Linear layers swapped before TP, AC, compile, FSDP
+        in_fp8 = mesh["shard"].size() > 1  # (torchtitan's: float8 all-gathers where FSDP gathers)
+        n = float8.convert(model, find_blocks(model, par.block, par.block_min_params), env.device,
+                           all_gather=in_fp8)
+        if env.is_main:
+            log.info("float8: %d Linear layers converted to Float8Linear, float8 all-gathers %s", n,
+                     "on" if in_fp8 else "off (one rank per shard group)")
     plan = ShardPlan(mode=mode, precision=par.precision, block=par.block,
                      block_min_params=par.block_min_params, ac_every=cfg.ac_every(),
                      ac_selective=cfg.ac_selective(),
@@ -320,6 +332,9 @@ class Trainer:
         self.paused = {"save_s": 0.0, "eval_s": 0.0}
         """Seconds of saves and evaluations since the last metrics record (the next one
         carries them: the time between records, less these, is training)."""
+        self.clock = StepClock(env.device)
+        """Where each step's time goes (runtime.timing): marked at the phases' ends, read
+        at each metrics record."""
         self.stragglers = Stragglers(self.supervision.straggler_margin,
                                      self.supervision.straggler_patience)
         self.hosts: list[str] = []
@@ -337,6 +352,9 @@ class Trainer:
         self.data_fingerprint = fingerprint
         """What decides the samples (prepared corpora): saved with each checkpoint, compared
         on resume (`_same_data`)."""
+        self.data_fingerprint_v1 = data_fingerprint_v1(splits, data.seq_len, data.data_order)
+        """The same in the first format: what a checkpoint written before version 2 is
+        compared with."""
         parts = TrainParts(model=self.model, optimizer=self.optimizer, scheduler=self.scheduler,
                            batches=self.batches, scaler=self.scaler,
                            layout={"mesh": list(self.mesh.shape), "sharding": self.mode,
@@ -347,6 +365,9 @@ class Trainer:
         self.ckpt = (Checkpointer(parts, env, cfg, run_dir, owner=self.limits.owner,
                                   newest=self.limits.newest)
                      if run_dir is not None else None)
+        self.profiler = Profiler(ProfileSection.of(cfg), env, run_dir,
+                                 start=f"{self.limits.attempt}.{self.limits.cycle}")
+        """Profiles asked by `hpcshard profile` or the schedule (runtime.profile)."""
         # Dropout and any other in-step randomness: per rank, seeded, restorable.
         seed_rank(self.batching.seed, env.rank)
 
@@ -376,6 +397,7 @@ class Trainer:
         counts = [int((y != IGNORE).sum()) for _, y, *_ in micro_batches]
         summed = torch.tensor(sum(counts), dtype=torch.int64, device=self.env.device)
         dist.all_reduce(summed)
+        self.clock.mark("comm")
         return counts, learnt_weights(counts, summed, self.env.world)
 
     def forward_backward(self, micro_batches: list[Micro]) -> torch.Tensor:
@@ -393,17 +415,23 @@ class Trainer:
             with self._loss_parallel():
                 loss = self._loss(batch)
                 loss = loss / len(micro_batches) if weights is None else loss * weights[i]
+                self.clock.mark("forward")
                 backward(self.scaler.scale(loss) if self.scaler else loss)
+                self.clock.mark("backward")
             if weights is None or counts[i]:  # (a mean over no token may be nan; it weighs 0)
                 total += loss.detach()
         return total
 
     def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One optimizer step over this rank's micro-batches; returns (loss, grad norm)."""
+        self.clock.mark("other")  # (the loop's own work since the last boundary)
         self.recent.append(self.batches.upcoming())
-        total = self.forward_backward(self.batches.next())
+        batch = self.batches.next()
+        self.clock.mark("data")
+        total = self.forward_backward(batch)
         if self.ckpt is not None:  # an async save may still be copying the parameters
             self.ckpt.staged()
+        self.clock.mark("checkpoint")
         if self.scaler:
             self.scaler.unscale_(self.optimizer)
         norm = clip_grad_norm_(self.params, self.cfg.grad_clip)
@@ -412,10 +440,13 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
+        if self.cfg.float8:  # the float8 all-gathers' scales, from the weights just stepped
+            float8.rescale(self.model)
         self.scheduler.step()
         if self.state_bytes is None:  # what this rank holds, for `hpcshard plan` to compare
             self.state_bytes = state_bytes(self.params, self.optimizer)
         self.model.zero_grad(set_to_none=True)  # (every parameter's, the optimizer's or not)
+        self.clock.mark("optimizer")
         self.step += 1
         return total, norm
 
@@ -447,11 +478,12 @@ class Trainer:
         dist.all_reduce(value)
         return value.item() / self.env.world
 
-    def restore(self, how: str = "auto", pretrained: bool = True) -> Loaded | None:
+    def restore(self, how: str = "auto", pretrained: bool = True, *, reader: bool = False) -> Loaded | None:
         """Resume from a checkpoint (auto|never|STEP|PATH) before `run`; without one, and
-        with `pretrained`, start from `init_from`'s weights if it is set."""
+        with `pretrained`, start from `init_from`'s weights if it is set. `reader`: only
+        load, the checkpoint directory untouched (`Checkpointer.resume`)."""
         self.hooks.report("load", self.step)
-        loaded = self.ckpt.resume(how) if self.ckpt else None
+        loaded = self.ckpt.resume(how, reader=reader) if self.ckpt else None
         if loaded is not None:
             self._same_data(loaded)
             self.step = loaded.step
@@ -464,6 +496,8 @@ class Trainer:
             if self.env.is_main:
                 log.info("started from %s (%.0f MB) in %.1f s", self.init_from.path,
                          self.init_from.bytes / 1e6, time.perf_counter() - start)
+        if self.cfg.float8 and loaded is not None:  # the scales of the weights loaded (a rollback's)
+            float8.rescale(self.model)
         return loaded
 
     def _same_data(self, loaded: Loaded) -> None:
@@ -471,7 +505,7 @@ class Trainer:
         resume onto changed corpora (every rank alike: each reads the same manifest and
         data) unless data_changed=accept. A checkpoint written before the fingerprint was
         recorded has none and resumes as before."""
-        changed = data_changes(loaded.manifest.get("data"), self.data_fingerprint)
+        changed = data_changes(loaded.manifest.get("data"), self.data_fingerprint, self.data_fingerprint_v1)
         if not changed:
             return
         if not self.splits.accept_changed:
@@ -504,11 +538,15 @@ class Trainer:
         writing = ckpt is not None and ckpt.pending is not None and not ckpt.pending[0].done()
         stopping = stop is not None and stop.requested
         due = ckpt is not None and not last and not stopping and ckpt.due(self.step)
-        local = torch.tensor([float(self._stop_due(stop)), float(due), float(writing)],
-                             device=self.env.device)
+        local = torch.tensor([float(self._stop_due(stop)), float(due), float(writing),
+                              self.profiler.asked()], device=self.env.device)
         flags = torch.cat([local, bad.float().reshape(1)])
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        stop_now, due, busy, nonfinite = (bool(v) for v in flags.tolist())
+        agreed = flags.tolist()
+        stop_now, due, busy, nonfinite = (bool(v) for v in agreed[:3] + agreed[4:])
+        # (a profile ask taken here is recorded from the next step; none while the loop ends)
+        self.profiler.agree(int(agreed[3]), self.step, ending=stop_now or nonfinite or last)
+        self._comm()
         if nonfinite:  # no save: the newest checkpoint is the last good state
             return "nonfinite"
         if ckpt is not None and ckpt.pending is not None and not busy:
@@ -518,9 +556,19 @@ class Trainer:
             start = time.perf_counter()
             ckpt.save(self.step, "stop" if stop_now else "periodic")
             self.paused["save_s"] += time.perf_counter() - start
+        self.clock.mark("checkpoint")  # (the commit of an async save, or this save)
         if ckpt is not None and ckpt.full and self.cfg.on_storage_full == "stop":
             return "storage"  # (a stop's own save that failed so: `run` ends it as "storage")
         return "stop" if stop_now and not last else ""
+
+    def _comm(self) -> None:
+        """The wait in a collective since the previous mark: communication, unless a profile
+        window ended at this step (the ranks waited for its writers: not training)."""
+        if self.profiler.wrote:
+            self.profiler.wrote = False
+            self.clock.skip()
+        else:
+            self.clock.mark("comm")
 
     def _stop_due(self, stop: StopRequest | None) -> bool:
         """This rank's view (the ranks then agree, all-reduced): does the notice stop
@@ -560,7 +608,10 @@ class Trainer:
                          "compared)", self.crowded)
         if self.crowded:
             return ""
-        found = self.stragglers.look(gather(probe(env.device), env.device))
+        seconds = probe(env.device)
+        self.clock.mark("other")
+        found = self.stragglers.look(gather(seconds, env.device))
+        self.clock.mark("comm")
         for rank, ratio in found:
             slow = events.Straggler(attempt=self.limits.attempt, cycle=self.limits.cycle, step=self.step,
                                     rank=rank, host=self.hosts[rank], ratio=round(ratio, 2),
@@ -625,7 +676,7 @@ class Trainer:
         baseline = unigram_entropy(self.splits.train, self.splits.vocab_size)
         peak = cfg.peak_tflops or device_peak_tflops(env.device)
         metrics = Metrics(self.run_dir, env, total_steps=cfg.steps, trackers=self._trackers())
-        metrics.event("start", params=self.n_params, world=env.world, nodes=env.nodes,
+        metrics.event("start", params=self.n_params, world=env.world, nodes=env.nodes, device=env.device.type,
                       sharding=self.mode, mesh=list(self.mesh.shape), precision=cfg.precision,
                       accumulation=self.accum, blocks=len(self.blocks), first_step=self.step + 1,
                       unigram_entropy=baseline, train_tokens=self.splits.train_tokens,
@@ -634,8 +685,9 @@ class Trainer:
             log.info("data: %s", self.splits.report)
         tokens_per_step = self.batching.batch_size * self.batching.seq_len
         loss, eval_loss, reason = float("nan"), None, "done"
-        last_t, last_step = time.perf_counter(), self.step
+        last_step = self.step
         self.batches.wait_taken()
+        self.clock.restart()
         # the loader's thread stops however the loop ends (an exception included); what it
         # prepared beyond the last step is dropped
         with metrics.progress(start=self.step) as bar, closing(self.batches):
@@ -643,33 +695,59 @@ class Trainer:
                 self.hooks.report("step", self.step)
                 first = self.state_bytes is None
                 began = time.perf_counter()
-                step_loss, norm = self.train_step()
+                if self.profiler.starting(self.step + 1):  # (every rank alike)
+                    self.hooks.report("profile", self.step)
+                    self.profiler.before(self.step + 1)
+                    self.clock.skip()  # (starting a profile is not the step's)
+                    self.hooks.report("step", self.step)
+                try:
+                    step_loss, norm = self.train_step()
+                except torch.cuda.OutOfMemoryError:
+                    self.profiler.oom(self.step + 1)
+                    raise
                 self.step_times.append(time.perf_counter() - began)
+                if self.profiler.ending(self.step):  # (every rank alike)
+                    # the writers stop the profiler and write the trace, the others wait for
+                    # them at the next collective: seconds per recorded step on a GPU, which
+                    # the watchdog must not judge by the steps' learned limit
+                    self.hooks.report("profile", self.step)
+                    self.profiler.after(self.step, metrics)
+                    self.clock.skip()  # (nor is writing its trace)
                 if first and self.state_bytes is not None:
                     metrics.event("memory", **self.state_bytes)
                 bar.advance(self.step)
                 if self.step % cfg.log_every == 0 or self.step == cfg.steps:
                     loss = self.mean_over_ranks(step_loss)
-                    now = time.perf_counter()
-                    tps = tokens_per_step * (self.step - last_step) / (now - last_t)
+                    self._comm()
+                    steps = max(1, self.step - last_step)
+                    step_s, split = self.clock.take(steps)
+                    tps = tokens_per_step / step_s
                     metrics.record(self.step, loss=loss, lr=self.scheduler.get_last_lr()[0],
                                    grad_norm=norm.item(), tokens_per_s=tps,
                                    mfu=tps * self.flops_per_token / (peak * 1e12 * env.world)
                                    if peak else None,
-                                   data_wait_s=self.batches.wait_taken() / max(1, self.step - last_step),
+                                   data_wait_s=self.batches.wait_taken() / steps, step_s=step_s,
+                                   split_s={k: round(v, 6) for k, v in split.items()},
                                    **{k: round(v, 4) for k, v in self.paused.items() if v})
                     self.paused = dict.fromkeys(self.paused, 0.0)
                     bar.show(loss)
-                    last_t, last_step = time.perf_counter(), self.step
+                    last_step = self.step
+                    self.clock.skip()  # (writing the record is not training)
                 if self.eval_count and (self.step % self.batching.eval_every == 0 or self.step == cfg.steps):
                     self.hooks.report("eval", self.step)
                     start = time.perf_counter()
                     eval_loss = self.evaluate()
                     self.paused["eval_s"] += time.perf_counter() - start
                     metrics.record(self.step, eval_loss=eval_loss)
-                    last_t = time.perf_counter()  # evaluation time is not training throughput
+                    self.clock.skip()  # evaluation time is not training throughput
                 ended = self._boundary(stop, self._nonfinite(step_loss, norm))
                 if ended == "nonfinite" and self._rollback():
+                    self.hooks.report("profile", self.step)
+                    self.profiler.rewound(metrics)  # (a window being recorded ends, cut short)
+                    # the steps trained again are counted when they are: not the discarded
+                    # ones, nor the reload (the goodput accounting has the rollback)
+                    self.clock.restart()
+                    last_step = self.step
                     metrics.rewound(self.step)
                     bar.advance(self.step)
                     continue
@@ -679,6 +757,7 @@ class Trainer:
                 if ended:
                     reason = ended
                     break
+            self.profiler.close(metrics)
         saved = -1
         if self.ckpt is not None:
             if reason == "done":

@@ -14,6 +14,7 @@ from typing import Any
 
 from hpcshard.rundir.rankenv import NOTICE, SCRIPT_SIGNALS, STOP_SIGNALS
 from hpcshard.rundir.spec import POLICIES, SCRIPT_GRACE_S
+from hpcshard.slurm.poll import POLL_MAX_S, POLL_S
 from hpcshard.slurm.sbatch import received_names
 from hpcshard.slurm.time import parse_mem, parse_time
 
@@ -199,6 +200,13 @@ SETTINGS: dict[str, Setting] = {
                          "loads). You must be in the group.", _group,
                          unset="private (run directories 0700; only your own checkpoint files "
                          "load)"),
+    "poll_s": Setting("int", POLL_S, "Seconds between two polls of Slurm by a command that follows jobs "
+                      "(`submit --follow`, `logs -f`, `status SWEEP --follow`): one squeue or scontrol "
+                      "call a poll for all its jobs, the interval doubling while nothing changes.",
+                      minimum=1),
+    "poll_max_s": Setting("int", POLL_MAX_S, "The longest interval between two polls of Slurm (`poll_s` "
+                          "doubles up to it while the jobs followed do not change; a change brings "
+                          "it back to `poll_s`).", minimum=1),
     "template": Setting("str", "sbatch.j2", "The sbatch template, found on the template path."),
     "vars": Setting("vars", {}, "Extra variables for site templates.", _var_names),
 }

@@ -7,5 +7,6 @@ only where they are needed):
     cluster  queries and commands: sinfo, scontrol, sacct, scancel, sbatch
     states   JobState: Slurm's job states, mapped from its strings once
     submit   submission through submitit, with hpcshard's own sbatch text
+    arrays   a sweep past the cluster's MaxArraySize as several arrays, one throttle
     env      SlurmEnv: the one object that reads SLURM_* inside an allocation
 """

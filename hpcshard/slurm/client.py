@@ -31,6 +31,12 @@ SBATCH_TIMEOUT_S = 150.0
 says it is busy."""
 BACKOFF_S = 1.0
 """The wait before the first retry; it doubles for each next one."""
+CALLS_LOG = "HPCSHARD_SLURM_CALLS_LOG"
+"""A file that gets one line per Slurm command run (its time and the command's name):
+what tests and `python -m bench polling` count the controller's load by."""
+calls = 0
+"""Slurm commands this process has run (every try counts): a test bounds a command's
+calls with it."""
 
 TRANSIENT = ("Unable to contact slurm controller", "Socket timed out on send/recv operation",
              "Zero Bytes were transmitted or received", "standby mode", "try again",
@@ -109,6 +115,7 @@ def run_once(args: list[str], timeout: float, *, ignore_term: bool = False,
     """Run one Slurm command under `timeout`. `ignore_term`: the command must outlive a
     TERM (Slurm ends this job's steps with TERM once it is requeued; the commands that
     follow a requeuehold must still run)."""
+    _count(args)
     try:
         proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **env} if env else None,
@@ -120,6 +127,18 @@ def run_once(args: list[str], timeout: float, *, ignore_term: bool = False,
         # own child behind, which Slurm's own timeouts then end.)
         return Reply(tuple(args), None, err=f"{_name(args)} gave no answer within {timeout:g} s", hung=True)
     return Reply(tuple(args), proc.returncode, proc.stdout, proc.stderr.strip())
+
+
+def _count(args: list[str]) -> None:
+    global calls
+    calls += 1
+    log = os.environ.get(CALLS_LOG)
+    if log:
+        try:
+            with open(log, "a") as f:  # (O_APPEND: one line whole, however many processes log)
+                f.write(f"{time.time():.3f} {_name(args)}\n")
+        except OSError:
+            pass  # a bench's log, never worth a command's failure
 
 
 def run(args: list[str], *, timeout: float | None = None, tries: int = 1,

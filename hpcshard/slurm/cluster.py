@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hpcshard.slurm import client
+from hpcshard.slurm.arrays import array_limit
 from hpcshard.slurm.sbatch import SbatchRequest
 from hpcshard.slurm.states import JobState, parse
-from hpcshard.slurm.time import parse_time
+from hpcshard.slurm.time import hms, parse_limit, parse_time
 
 
 class SlurmError(ValueError):
@@ -125,10 +126,10 @@ def _blip(reply: client.Reply) -> bool:
 
 
 def max_array_size(timeout: float | None = None) -> int | None:
-    """The cluster's MaxArraySize (an array's indices must stay below it); None: unknown."""
+    """The most tasks one job array may have here (`arrays.array_limit`: MaxArraySize, an
+    array's indices stay below it, or a lower max_array_tasks); None: unknown."""
     reply = client.run(["scontrol", "show", "config"], timeout=timeout, tries=2, retry=_blip)
-    found = re.search(r"^MaxArraySize\s*=\s*(\d+)", reply.out, re.MULTILINE)
-    return int(found.group(1)) if found and reply.ok else None
+    return array_limit(reply.out) if reply.ok else None
 
 
 @dataclass(frozen=True)
@@ -178,21 +179,61 @@ def history(job_ids: list[str], since: float | None = None,
     return parse_history(reply.out, job_ids) if reply.ok else None
 
 
+def expand_array(job: str) -> list[str]:
+    """The tasks a collapsed array row names (squeue's or sacct's `12_[3-5,9%4]`: pending
+    tasks, as one row) one by one: 12_3, 12_4, 12_5, 12_9; any other id as it is."""
+    found = re.fullmatch(r"(\d+)_\[([\d,\-]+)(?:%\d+)?\]", job)
+    if not found:
+        return [job]
+    base, spans = found.groups()
+    tasks = []
+    for span in spans.split(","):
+        low, _, high = span.partition("-")
+        tasks += [f"{base}_{i}" for i in range(int(low), int(high or low) + 1)] if low else []
+    return tasks
+
+
 def parse_history(text: str, job_ids: list[str]) -> list[SlurmRun]:
     """sacct's parsable lines (SACCT_FIELDS) as runs: by job in `job_ids`' order, each job's
     runs by start time (a run that has not started last)."""
     rows: dict[str, list[list[str]]] = {job: [] for job in job_ids}
     for line in text.splitlines():
         cells = line.split("|")
-        if len(cells) >= 7 and cells[0] in rows:
-            rows[cells[0]].append(cells)
+        # (an array's pending tasks are one row, 12_[3-5]: each task's)
+        for job in expand_array(cells[0]) if len(cells) >= 7 else []:
+            if job in rows:
+                rows[job].append([job, *cells[1:]])
     runs = []
     for job in job_ids:
-        ordered = sorted(rows[job], key=lambda c: (not c[5][:1].isdigit(), c[5]))
+        ordered = _resized(sorted(rows[job], key=lambda c: (not c[5][:1].isdigit(), c[5])))
         runs += [SlurmRun(job=job, run=i, state=c[1].split()[0] if c[1] else "", exit_code=c[2],
                           elapsed=c[3], nodes=c[4], start=c[5], end=c[6])
                  for i, c in enumerate(ordered)]
     return runs
+
+
+def _resized(rows: list[list[str]]) -> list[list[str]]:
+    """One run for a job resized while it ran: accounting ends its record there (state
+    RESIZING) and starts another from the resize on. A --no-kill job is resized when it
+    loses a node (Slurm drops a node set DOWN; `launch.release` gives a lost one up): not
+    a requeue, so the record before joins the one after (its start, its nodes, the time
+    of both)."""
+    out: list[list[str]] = []
+    for row in rows:
+        before = out[-1] if out else None
+        if before is not None and before[1].split()[:1] == [JobState.RESIZING.value]:
+            out[-1] = [*row[:3], _elapsed(before[3], row[3]), *before[4:6], row[6]]
+        else:
+            out.append(row)
+    return out
+
+
+def _elapsed(*parts: str) -> str:
+    """sacct's Elapsed of several records, added up (as written when one does not parse)."""
+    try:
+        return hms(sum(parse_limit(p) or 0 for p in parts))
+    except ValueError:
+        return parts[-1]
 
 
 @dataclass(frozen=True)
@@ -220,6 +261,9 @@ class JobInfo:
     batch_host: str = ""
     partition: str = ""
     from_accounting: bool = False
+    array_job: str = ""
+    """The job array it belongs to (ArrayJobId; scontrol only). Asked by that id, scontrol
+    answers with every task of the array, one line each: these fields are one task's."""
 
     @classmethod
     def of_scontrol(cls, job: str, fields: dict[str, str]) -> JobInfo:
@@ -229,7 +273,8 @@ class JobInfo:
         return cls(job, parse(get("JobState", "")), get("JobState", ""),
                    int(restarts) if restarts.isdigit() else None, get("NodeList", ""), get("RunTime", ""),
                    get("ExitCode", ""), get("StartTime", ""), get("EndTime", ""), get("Reason", ""),
-                   get("StdOut", ""), get("BatchHost", ""), get("Partition", ""))
+                   get("StdOut", ""), get("BatchHost", ""), get("Partition", ""),
+                   array_job=get("ArrayJobId", ""))
 
     @classmethod
     def forgotten(cls, job: str) -> JobInfo:
@@ -431,6 +476,16 @@ def drain(node: str, reason: str, state: str = "DRAIN") -> None:
         raise SlurmError(reply.said)
 
 
+def end_step(job_id: str, step: str) -> None:
+    """Cancel one step of a job (`scancel JOB.STEP`): its tasks get TERM, and its srun gives
+    up waiting for a task that never answers after KillWait + 2 s (measured: 7 s here), then
+    exits with the code of the tasks that did end. A TERM to this process (it is one of the
+    step's tasks) does not cut it short. SlurmError with what scancel said."""
+    reply = client.run_once(["scancel", f"{job_id}.{step}"], client.TIMEOUT_S, ignore_term=True)
+    if not reply.ok:
+        raise SlurmError(reply.said)
+
+
 def requeued_by_other(job_id: str, restart_count: int) -> str:
     """Has something else in the job (the script's framework) requeued it already? Slurm
     counts requeues in Restarts before the steps are even killed; a second requeue would
@@ -494,3 +549,13 @@ def scancel(*args: str) -> None:
     if reply.code is None and not reply.hung:
         raise SlurmError(f"{reply.err}; run this where Slurm's commands are")
     raise SlurmError(f"scancel {' '.join(args)}: {_tried(reply)}")
+
+
+def depend(job_id: str, dependency: str) -> None:
+    """Set a pending job's dependency (`KIND:JOB`): a run's follower moved onto the job that
+    continues the run. SlurmError with scontrol's word when it was not done (the job has
+    started or ended meanwhile: nothing to move)."""
+    reply = client.run(["scontrol", "update", f"JobId={job_id}", f"Dependency={dependency}"], tries=3,
+                       retry=_blip)
+    if not reply.ok:
+        raise SlurmError(f"scontrol update JobId={job_id} Dependency={dependency}: {_tried(reply)}")

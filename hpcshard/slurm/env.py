@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 def _split_top(text: str) -> list[str]:
@@ -52,6 +52,13 @@ class SlurmEnv:
     node_id: int
     restart_count: int
     gpus_on_node: int
+    step_id: str = ""
+    """This task's job step (SLURM_STEP_ID; "" outside a step)."""
+    step_nodes: list[str] = field(default_factory=list)
+    """The step's own nodes (SLURM_STEP_NODELIST), which a step in an allocation you hold
+    may take fewer of than the job has (`hpcshard run`)."""
+    node_name: str = ""
+    """This node's name as Slurm knows it (SLURMD_NODENAME)."""
 
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> SlurmEnv:
@@ -60,7 +67,71 @@ class SlurmEnv:
         ref, restart_count = current_run(env) or (env["SLURM_JOB_ID"], 0)
         return cls(job_id=env["SLURM_JOB_ID"], ref=ref, nodes=expand_nodelist(env["SLURM_JOB_NODELIST"]),
                    node_id=int(env["SLURM_NODEID"]), restart_count=restart_count,
-                   gpus_on_node=int(gpus or 0))
+                   gpus_on_node=int(gpus or 0), step_id=env.get("SLURM_STEP_ID", ""),
+                   step_nodes=expand_nodelist(env.get("SLURM_STEP_NODELIST", "")),
+                   node_name=env.get("SLURMD_NODENAME", ""))
+
+    @property
+    def step_rank(self) -> int:
+        """This node's place among the step's nodes (the job's SLURM_NODEID where the step
+        spans the whole job, or Slurm did not say which nodes the step has)."""
+        if self.node_name in self.step_nodes:
+            return self.step_nodes.index(self.node_name)
+        return self.node_id
+
+
+@dataclass(frozen=True, kw_only=True)
+class Held:
+    """An allocation the user holds (`salloc`), as its shell sees it: what `hpcshard run`
+    may start its launchers on with `srun`, no new job."""
+
+    job_id: str
+    nodes: list[str]
+    gpus_per_node: int | None
+    """GPUs on each node, where salloc's options say (`--gpus-per-node`, `--gres=gpu:N`);
+    None: not said (a site that gives whole nodes)."""
+    step_id: str = ""
+    """Set where the shell itself runs in a step (LaunchParameters=use_interactive_step):
+    the launchers' step then overlaps it."""
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> Held | None:
+        """The allocation this shell holds; None outside one. A batch script's environment
+        (SLURM_JOB_ID too) counts: its steps are launched the same way."""
+        env = os.environ if environ is None else environ
+        if not env.get("SLURM_JOB_ID"):
+            return None
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
+        return cls(job_id=env["SLURM_JOB_ID"], nodes=expand_nodelist(nodelist),
+                   gpus_per_node=_gpus_per_node(env), step_id=env.get("SLURM_STEP_ID", ""))
+
+
+def _gpus_per_node(env: Mapping[str, str]) -> int | None:
+    """salloc's GPUs per node: `--gpus-per-node=[type:]N` (SLURM_GPUS_PER_NODE) or
+    `--gres=gpu[:type]:N` (SLURM_JOB_GRES / SLURM_GRES, e.g. "gpu:a100:4"); None when
+    neither says."""
+    per_node = env.get("SLURM_GPUS_PER_NODE", "")
+    if per_node:
+        count = per_node.rsplit(":", 1)[-1].split("(")[0]
+        return int(count) if count.isdigit() else None
+    for gres in (env.get("SLURM_JOB_GRES", ""), env.get("SLURM_GRES", "")):
+        if (found := parse_gpus_per_node(gres)) is not None:
+            return found
+    return None
+
+
+def parse_gpus_per_node(tres: str) -> int | None:
+    """GPUs per node in a gres or TRES text: squeue's `%b` ("gres:gpu:4", "gres/gpu:a100:4"),
+    salloc's SLURM_JOB_GRES ("gpu:a100:4"); several types comma-separated are summed; None
+    when it names no GPU count. One reading for the environment and for Slurm's answer."""
+    total, found = 0, False
+    for item in tres.split(","):
+        parts = item.strip().replace("/", ":").split("(")[0].split(":")
+        if parts and parts[0] == "gres":
+            parts = parts[1:]
+        if parts and parts[0] == "gpu" and len(parts) > 1 and parts[-1].isdigit():
+            total, found = total + int(parts[-1]), True
+    return total if found else None
 
 
 def current_run(environ: Mapping[str, str] | None = None) -> tuple[str, int] | None:

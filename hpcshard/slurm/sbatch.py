@@ -83,6 +83,9 @@ class SbatchRequest:
     array: str = ""
     """A sweep's job array, `0-N%M` (--array); each task's run directory is
     RUN_DIR/task-INDEX. Empty: one job."""
+    dependency: str = ""
+    """Slurm's --dependency, `KIND:JOB[:JOB...]` (`submit --after`, a `--then` job's);
+    empty: none. Not kept for `resume`: the dependency was met by then."""
 
     @classmethod
     def from_settings(cls, v: Mapping[str, Any], template_dirs: Sequence[Path | str], *,
@@ -126,6 +129,8 @@ class SbatchRequest:
         _single_line("run_dir", str(self.run_dir))
         if self.array and not re.fullmatch(r"0-\d+(%\d+)?", self.array):
             raise ValueError(f"array {self.array!r} is not 0-N or 0-N%M")
+        if self.dependency and not re.fullmatch(r"after(ok|any|notok)(:\d+(_\d+)?)+", self.dependency):
+            raise ValueError(f"dependency {self.dependency!r} is not KIND:JOB[:JOB...]")
         if self.mem:
             parse_mem(self.mem)
         limit = parse_time(self.time)

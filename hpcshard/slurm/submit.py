@@ -18,9 +18,10 @@ from hpcshard.slurm.sbatch import SbatchRequest, render
 from hpcshard.slurm.time import parse_time
 
 
-def executor(req: SbatchRequest, run_dir: Path) -> Any:
+def executor(req: SbatchRequest, run_dir: Path, after: str = "") -> Any:
     """A submitit SlurmExecutor whose sbatch text is hpcshard's rendered template, so that
-    submitit still tracks the job and its per-task logs."""
+    submitit still tracks the job and its per-task logs. `after`: sbatch's --dependency
+    (one array of a split sweep waits for those before it: `slurm.arrays`)."""
     import submitit
 
     class Executor(submitit.SlurmExecutor):  # type: ignore[misc]
@@ -38,7 +39,8 @@ def executor(req: SbatchRequest, run_dir: Path) -> Any:
             folder = utils.JobPaths.get_first_id_independent_folder(self.folder)
             script = folder / f".submission_file_{uid}.sh"
             script.write_text(self._make_submission_file_text(command, uid))
-            job = self.job_class(folder=self.folder, job_id=cluster.sbatch(str(script), unique=True),
+            held = [f"--dependency={after}"] if after else []
+            job = self.job_class(folder=self.folder, job_id=cluster.sbatch(*held, str(script), unique=True),
                                  tasks=list(range(self._num_tasks())))
             job.paths.move_temporary_file(script, "submission_file", keep_as_symlink=True)
             self._write_job_id(job.job_id, uid)
@@ -103,11 +105,13 @@ def submit(req: SbatchRequest, run_dir: Path, fn: Any, *args: Any) -> str:
     return submit_array(req, run_dir, fn, [args])[0]
 
 
-def submit_array(req: SbatchRequest, run_dir: Path, fn: Any, tasks: list[tuple[Any, ...]]) -> list[str]:
+def submit_array(req: SbatchRequest, run_dir: Path, fn: Any, tasks: list[tuple[Any, ...]],
+                 after: str = "") -> list[str]:
     """Submit `fn(*args)` for each args in `tasks`: one job, or one job array (`req.array`
-    set) whose task i runs tasks[i]; their job ids (ARRAY_i for a task). sbatch's own
-    message on refusal (ValueError)."""
-    ex = executor(req, run_dir)
+    set) whose task i runs tasks[i]; their job ids (ARRAY_i for a task). `after`: sbatch's
+    --dependency, on its command line (the rendered script stays the template's). sbatch's
+    own message on refusal (ValueError)."""
+    ex = executor(req, run_dir, after)
     with ex.batch():  # submitted when the batch closes (`_submit_command`: cluster.sbatch)
         jobs = [ex.submit(fn, *args) for args in tasks]
     return [str(job.job_id) for job in jobs]

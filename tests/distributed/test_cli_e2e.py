@@ -48,3 +48,25 @@ def test_block_class_not_in_model_names_the_classes(tmp_path: Path) -> None:
     assert "block='Layer'" in proc.stderr and "Block" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     assert not run.exists()
+
+
+def test_float8_where_the_ranks_have_no_float8_is_one_line_exit_2_and_creates_nothing(tmp_path: Path) -> None:
+    """The local backend's ranks run on this host, so its preflight asks this host's device
+    (a CPU here: no float8 matmul) before anything is made or started."""
+    run = tmp_path / "never"
+    proc = hpcshard("submit", "--backend", "local", "--nodes", "1", "--gpus", "1", "jobs/charlm.py",
+                    "--set", "float8=true", "--set", "precision=bf16", "--run-dir", str(run))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "float8=true needs NVIDIA GPUs of compute capability 8.9" in proc.stderr
+    assert "run on cpu" in proc.stderr and not run.exists()
+
+
+def test_precision_fp8_is_one_line_pointing_to_float8_exit_2_and_creates_nothing(tmp_path: Path) -> None:
+    run = tmp_path / "never"
+    proc = hpcshard("submit", "--backend", "local", "--nodes", "1", "--gpus", "1", "jobs/charlm.py",
+                    "--set", "precision=fp8", "--run-dir", str(run))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
+    assert "precision='fp8' is not valid: float8 training is --set float8=true with --set precision=bf16" \
+        in proc.stderr and not run.exists()

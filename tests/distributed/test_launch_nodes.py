@@ -70,16 +70,18 @@ def assert_same_as(run: Path, uninterrupted: Path) -> None:
 
 @pytest.mark.parametrize("victim", [1, 0], ids=["node-1", "node-0-the-decider"])
 def test_a_frozen_node_is_replaced_by_a_spare_and_the_run_ends_bitwise_equal(
-        uninterrupted: Path, tmp_path: Path, victim: int) -> None:
+        uninterrupted_2x1: Path, tmp_path: Path, victim: int) -> None:
     """Node 1 freezes: node 0 hears nothing from it for LOST_S and declares it lost. Node 0
     freezes: it decided after faults and hosted the rendezvous; node 1 takes over both once
     node 0 is silent. Either way spare node 2 takes the lost node's place in the same
-    attempt, the mesh keeps its 2x2 shape, and nothing else changes. Once the run trains
+    attempt, the mesh keeps its 2x1 shape, and nothing else changes. Once the run trains
     again, the frozen node thaws (a network partition heals): it sees it was declared lost
     and leaves without a word; its ranks are killed (in the chaos soak one thawed node
-    declared its peers lost, drained a healthy node and wrote failures long over)."""
+    declared its peers lost, drained a healthy node and wrote failures long over).
+    (2 nodes x 1 rank and a spare: what is tested is between the launchers; 2 x 2 would
+    start 4 more ranks over the two cycles, about 18 CPU-s.)"""
     run = tmp_path / f"spare-{victim}"
-    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "--spares", "1", "jobs/charlm.py",
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "1", "--spares", "1", "jobs/charlm.py",
                        "--run-dir", str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100))
     wait_for(partial(trained_to, run, 7), 180, "step 7, past the warm-up and a commit")
     frozen_at = freeze(run, victim)
@@ -106,13 +108,13 @@ def test_a_frozen_node_is_replaced_by_a_spare_and_the_run_ends_bitwise_equal(
     (bad,) = records(run, "bad_node")
     assert bad["node"] == victim and "silent" in bad["reason"]
     starts = [(r["attempt"], r["cycle"], r["world"]) for r in records(run, "start")]
-    assert starts == [(0, 0, 4), (0, 1, 4)]  # no requeue: inside the allocation, same shape
+    assert starts == [(0, 0, 2), (0, 1, 2)]  # no requeue: inside the allocation, same shape
     (back,) = records(run, "recovered")
     # (seconds, not DOWN_TIMEOUT_S: the restart's processes start, import torch and load the
     # checkpoint; 31-33 s measured under the full suite's load on a slower machine, so the
     # bound is loose: what discriminates is the same-attempt restart on the spare, above)
     assert back["seconds"] < 60
-    assert_same_as(run, uninterrupted)
+    assert_same_as(run, uninterrupted_2x1)
     status = hpcshard("status", str(run)).stdout
     assert "bad nodes (1)" in status and "spare" in status
 
@@ -268,10 +270,12 @@ def test_a_node_behind_every_slow_link_is_declared_bad_before_training(tmp_path:
     (bad,) = records(run, "bad_node")
     assert bad["node"] == 1 and f"slow link: every link of it under {LINK_FLOOR:g} GB/s" in bad["reason"]
     # Every link of the node's rank (its number on the ring: the ranks' own) is under the
-    # floor, and every other link over it.
+    # floor, and one between the other two over it (the other direction of that pair may
+    # fall under it on a loaded host: a node with one good link is not bad).
     (named,) = records(run, "straggler")
     assert named["kind"] == "link"
-    assert all((gbps < LINK_FLOOR) == (named["rank"] in (src, dst)) for src, dst, gbps in timed), timed
+    assert all(gbps < LINK_FLOOR for src, dst, gbps in timed if named["rank"] in (src, dst)), timed
+    assert any(gbps >= LINK_FLOOR for src, dst, gbps in timed if named["rank"] not in (src, dst)), timed
     fault = records(run, "fault")[-1]
     assert fault["active"] == [0, 2, 3] and fault["restart"]
     assert sorted({r["step"] for r in step_records(run)}) == [1, 2, 3, 4]

@@ -1,6 +1,10 @@
-"""Faults inside the allocation, injected the way they happen, 2 nodes x 2 ranks on the local
+"""Faults inside the allocation, injected the way they happen, on 2 nodes of the local
 backend (the launchers Slurm runs): a rank killed with SIGKILL, a bug in the job's own code,
-a rank that dies at every start."""
+a rank that dies at every start. The killed and the stopped rank's tests run 2 x 2 against
+`uninterrupted` (a node whose other rank lives on; the stopped rank named missing from a
+collective of a mesh group by the flight records); the others need only two launchers and a
+rank on each, and run 2 x 1 (against `uninterrupted_2x1` where they compare bit for bit): a
+2 x 2 start costs about 9 CPU-s more, two more ranks to build, and the suite is CPU-bound."""
 
 from __future__ import annotations
 
@@ -91,12 +95,12 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_bitwise_equal(unin
 
 
 def test_a_notice_during_a_faults_recovery_requeues_and_the_run_ends_bitwise_equal(
-        uninterrupted: Path, tmp_path: Path) -> None:
+        uninterrupted_2x1: Path, tmp_path: Path) -> None:
     """A rank dies and the preemption notice comes a moment later, while the ranks are down
     or restarting: the notice is not lost. The job goes back through the queue (not
     restarted in place) and the next attempt resumes exactly."""
     run = tmp_path / "both"
-    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "1", "jobs/charlm.py", "--run-dir",
                        str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100))
     wait_for(partial(trained_to, run, 6), 180, "step 6, past the commit of step 4")
     os.kill(rank_pids(run)[-1], signal.SIGKILL)
@@ -108,19 +112,19 @@ def test_a_notice_during_a_faults_recovery_requeues_and_the_run_ends_bitwise_equ
     assert all(cycle == 0 for attempt, cycle in starts if attempt == 1)  # ...and not faulted again
     ends = [r for r in ledger.read(run) if r["event"] == "end" and r["attempt"] == 0]
     assert ends[-1]["reason"] == "stop", ends
-    reference = committed(uninterrupted)
+    reference = committed(uninterrupted_2x1)
     for step, path in committed(run).items():
         assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
 
 
 def test_a_frozen_node_is_lost_in_seconds_and_the_run_requeues_and_ends_bitwise_equal(
-        uninterrupted: Path, tmp_path: Path) -> None:
+        uninterrupted_2x1: Path, tmp_path: Path) -> None:
     """Every process of node 1 stopped (its launcher, agent and ranks: a node that froze or
     fell off the network). Node 0's ranks hang; node 1 never reports down and its heartbeat
     stops: lost after 10 s, marked bad, and the job goes back through the queue (locally: a
     new attempt, after the frozen node is killed)."""
     run = tmp_path / "frozen"
-    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "1", "jobs/charlm.py", "--run-dir",
                        str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100))
     wait_for(partial(trained_to, run, 7), 180, "step 7, past the warm-up and a commit")
     node1 = launchers(run)[1]
@@ -136,20 +140,20 @@ def test_a_frozen_node_is_lost_in_seconds_and_the_run_requeues_and_ends_bitwise_
     (bad,) = [r for r in ledger.read(run) if r["event"] == "bad_node"]
     assert bad["node"] == 1 and "silent" in bad["reason"]
     assert [r["attempt"] for r in ledger.read(run) if r["event"] == "start"] == [0, 1]
-    reference = committed(uninterrupted)
+    reference = committed(uninterrupted_2x1)
     for step, path in committed(run).items():
         assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
     assert "bad nodes (1)" in hpcshard("status", str(run)).stdout
 
 
 def test_a_frozen_node_0_takes_its_store_with_it_and_the_others_carry_on_through_the_standby(
-        uninterrupted: Path, tmp_path: Path) -> None:
+        uninterrupted_2x1: Path, tmp_path: Path) -> None:
     """Every process of node 0 stopped: the launchers' store (served by its launcher) stops
     answering with it. Node 1 gives the store up after LOST_S of silence for the standby it
     serves itself, declares node 0 lost there, decides (it is the lowest launcher left) and
     the job goes back through the queue; the run ends as if nothing had happened."""
     run = tmp_path / "frozen0"
-    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "1", "jobs/charlm.py", "--run-dir",
                        str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100))
     wait_for(partial(trained_to, run, 7), 180, "step 7, past the warm-up and a commit")
     node0 = launchers(run)[0]
@@ -169,7 +173,7 @@ def test_a_frozen_node_0_takes_its_store_with_it_and_the_others_carry_on_through
     (bad,) = [r for r in ledger.read(run) if r["event"] == "bad_node"]
     assert bad["node"] == 0 and "silent" in bad["reason"]
     assert [r["attempt"] for r in ledger.read(run) if r["event"] == "start"] == [0, 1]
-    reference = committed(uninterrupted)
+    reference = committed(uninterrupted_2x1)
     for step, path in committed(run).items():
         assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
 
@@ -207,25 +211,27 @@ def test_a_stopped_rank_is_a_hang_found_in_seconds_and_the_run_ends_bitwise_equa
 
 def test_a_rank_spinning_in_the_jobs_code_is_named_with_its_stack_and_the_collective(
         tmp_path: Path) -> None:
-    """A livelock, not a stopped process: rank 2 spins (running) while its peers sleep in a
-    collective. The watchdog names the busy rank, its stack shows where, the flight records
-    show it missing from the collective its peers wait in; the restart then finishes."""
+    """A livelock, not a stopped process: rank 1 (node 1) spins (running) while its peer on
+    node 0 sleeps in a collective. The watchdog names the busy rank, its stack shows where,
+    the flight records show it missing from the collective its peer waits in; the restart
+    then finishes. (2 x 1: node 0 reads back the flight records of another node's rank.)"""
     run = tmp_path / "spin"
-    proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", FAULTY, "--run-dir", str(run),
-                    *sets(steps=10, ckpt_every=4, spin_at=7, fail_rank=2, watchdog_floor_s=2))
+    proc = hpcshard("submit", "--nodes", "2", "--gpus", "1", FAULTY, "--run-dir", str(run),
+                    *sets(steps=10, ckpt_every=4, spin_at=7, fail_rank=1, watchdog_floor_s=2))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (fault,) = faults(run)
-    assert fault["restart"] and fault["culprit"]["rank"] == 2 and fault["culprit"]["state"] == "R"
-    assert flight.roots(fault["collectives"]) == [2], fault["collectives"]
-    log = (run / "logs" / "rank-2.log").read_text()
+    assert fault["restart"] and fault["culprit"]["rank"] == 1 and fault["culprit"]["state"] == "R"
+    assert flight.roots(fault["collectives"]) == [1], fault["collectives"]
+    log = (run / "logs" / "rank-1.log").read_text()
     assert "most recent call first" in log and 'faulty.py", line' in log
 
 
 def test_slow_saves_and_long_evaluations_are_not_taken_for_hangs(tmp_path: Path) -> None:
     """Every save and evaluation 3x slower and 3 s at least, while a step's limit is 1 s: the
-    phases the ranks report keep the watchdog on the outer limit for them. No fault."""
+    phases the ranks report keep the watchdog on the outer limit for them. No fault. (2 x 1:
+    each node's watchdog judges its own rank.)"""
     run = tmp_path / "slow"
-    proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", FAULTY, "--run-dir", str(run),
+    proc = hpcshard("submit", "--nodes", "2", "--gpus", "1", FAULTY, "--run-dir", str(run),
                     *sets(steps=8, ckpt_every=4, eval_every=4, eval_batches=1, watchdog_floor_s=1),
                     env={"FAULTY_SLOW": "3"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -238,8 +244,9 @@ def test_slow_saves_and_long_evaluations_are_not_taken_for_hangs(tmp_path: Path)
 
 
 def test_a_bug_in_the_job_stops_after_one_retry_with_one_line(tmp_path: Path) -> None:
+    """Rank 1 (node 1 of 2 x 1) raises in the job's code at the same step of each start."""
     run = tmp_path / "bug"
-    proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", FAULTY, "--run-dir", str(run),
+    proc = hpcshard("submit", "--nodes", "2", "--gpus", "1", FAULTY, "--run-dir", str(run),
                     *sets(steps=8, ckpt_every=100, fail_at=3, fail_rank=1))
     assert proc.returncode == BUG_EXIT, proc.stdout[-3000:] + proc.stderr[-3000:]
     first, second = faults(run)
@@ -252,13 +259,14 @@ def test_a_bug_in_the_job_stops_after_one_retry_with_one_line(tmp_path: Path) ->
 
 
 def test_a_rank_that_dies_at_every_start_stops_without_a_restart_storm(tmp_path: Path) -> None:
+    """Rank 0 killed as soon as every rank of a start is up (2 x 1: three starts)."""
     run = tmp_path / "storm"
-    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "1", "jobs/charlm.py", "--run-dir",
                        str(run), "--max-restarts", "5", *sets(steps=STEPS))
     killed: set[int] = set()
     while proc.poll() is None and len(killed) < 6:
         ranks = rank_pids(run)
-        if len(ranks) == 4 and not killed & set(ranks):
+        if len(ranks) == 2 and not killed & set(ranks):
             killed.add(ranks[0])
             os.kill(ranks[0], signal.SIGKILL)
         time.sleep(0.2)
@@ -270,9 +278,10 @@ def test_a_rank_that_dies_at_every_start_stops_without_a_restart_storm(tmp_path:
 
 
 def test_a_nan_loss_stops_the_run_with_the_checkpoint_before_it_intact(tmp_path: Path) -> None:
+    """Rank 1's loss (node 1 of 2 x 1) is nan at step 7: every rank stops there."""
     run = tmp_path / "nan"
-    proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", FAULTY, "--run-dir", str(run),
-                    *sets(steps=12, ckpt_every=4, nan_at=7, fail_rank=2))
+    proc = hpcshard("submit", "--nodes", "2", "--gpus", "1", FAULTY, "--run-dir", str(run),
+                    *sets(steps=12, ckpt_every=4, nan_at=7, fail_rank=1))
     assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     line = next(x for x in proc.stderr.splitlines() if "nan or inf" in x)
     assert "at step 7" in line and "step 4, is intact" in line
@@ -286,12 +295,12 @@ def test_a_nan_loss_stops_the_run_with_the_checkpoint_before_it_intact(tmp_path:
     assert all(torch.isfinite(t).all() for t in weights.values())
 
 
-def test_a_nan_with_rollback_reloads_skips_the_bad_batch_and_finishes(uninterrupted: Path,
+def test_a_nan_with_rollback_reloads_skips_the_bad_batch_and_finishes(uninterrupted_2x1: Path,
                                                                       tmp_path: Path) -> None:
     """nan_policy=rollback: the 7th global batch makes the loss nan (on every replay too).
     The ranks reload step 4, skip that batch (recorded in the ledger) and train to the end."""
     run = tmp_path / "rollback"
-    proc = hpcshard("submit", "--nodes", "2", "--gpus", "2", FAULTY, "--run-dir", str(run),
+    proc = hpcshard("submit", "--nodes", "2", "--gpus", "1", FAULTY, "--run-dir", str(run),
                     *sets(steps=STEPS, ckpt_every=4, keep_last=100, nan_batch=7, nan_policy="rollback"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (rollback,) = [r for r in ledger.read(run) if r["event"] == "rollback"]
@@ -305,13 +314,14 @@ def test_a_nan_with_rollback_reloads_skips_the_bad_batch_and_finishes(uninterrup
     assert final["progress"]["data"] == {"epoch": 0, "offset": (STEPS + 1) * 24}  # one skipped
     assert all(torch.isfinite(t).all() for t in final["model"].values())
     # Up to the commit it went back to, the run is the uninterrupted one, bit for bit.
-    assert_bitwise_equal(load(committed(run)[4]), load(committed(uninterrupted)[4]), "step 4")
+    assert_bitwise_equal(load(committed(run)[4]), load(committed(uninterrupted_2x1)[4]), "step 4")
     assert "rolled back to step 4" in hpcshard("status", str(run)).stdout
 
 
 def test_a_spent_restart_budget_goes_back_through_the_queue_and_finishes(tmp_path: Path) -> None:
+    """Node 1's rank killed in two cycles of one attempt (2 x 1: three starts in all)."""
     run = tmp_path / "budget"
-    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
+    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "1", "jobs/charlm.py", "--run-dir",
                        str(run), "--max-restarts", "1", *sets(steps=STEPS, ckpt_every=2))
     def started(cycle: int) -> bool:
         return any(r["event"] == "start" and r.get("cycle") == cycle for r in ledger.read(run))

@@ -40,6 +40,9 @@ from tests.conftest import (
 )
 from tests.distributed.test_runtime_planner import assert_planned
 
+FAULTY = str(ROOT / "tests" / "jobs" / "faulty.py")
+"""The demo with faults and waits on request (`--set`), for tests that need one."""
+
 
 def committed(run: Path) -> dict[int, Path]:
     return {c.step: c.path for c in store.committed(run / store.CHECKPOINTS)}
@@ -72,10 +75,13 @@ def trained_to(run: Path, step: int) -> bool:
     return any(r["step"] >= step for r in step_records(run))
 
 
-def preempted_once(run: Path, job: str, at_step: int, *args: str) -> dict[str, Any]:
-    """`submit` on 2x2 in the background, `hpcshard preempt` once past `at_step`, and the
-    requeued attempt carried to the end. Returns attempt 0's end record (reason stop)."""
-    proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", job, "--run-dir", str(run), *args)
+def preempted_once(run: Path, job: str, at_step: int, *args: str, nodes: int = 2, gpus: int = 2,
+                   ) -> dict[str, Any]:
+    """`submit` on `nodes` x `gpus` (2x2: `uninterrupted`'s shape) in the background,
+    `hpcshard preempt` once past `at_step`, and the requeued attempt carried to the end.
+    Returns attempt 0's end record (reason stop)."""
+    proc = hpcshard_bg("submit", "--nodes", str(nodes), "--gpus", str(gpus), job, "--run-dir", str(run),
+                       *args)
     wait_for(partial(trained_to, run, at_step), 180, f"step {at_step}")
     assert hpcshard("preempt", str(run)).returncode == 0
     out, _ = proc.communicate(timeout=300)
@@ -130,11 +136,14 @@ def test_a_time_limit_notice_trains_on_until_the_deadline_less_the_save(tmp_path
     """The time limit's notice comes the lead time before the deadline (Slurm's launcher
     hands both to the ranks; here the environment does). A preemption's notice stops at
     once, but this one leaves time: the ranks train on and stop when what is left covers
-    twice the measured save, two steps and a margin. No step is lost, fewer are wasted."""
+    twice the measured save, two steps and a margin. No step is lost, fewer are wasted.
+    The ranks train for a span of time, not a number of steps: each step sleeps 0.8 s in
+    the job's loss (tests/jobs/faulty.py), so that span is not 75 s of two busy ranks (89
+    CPU-s at -n 1 with the demo's own steps)."""
     run = tmp_path / "deadline"
     deadline = time.time() + 75
-    proc = hpcshard_bg("submit", "--nodes", "1", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
-                       "--max-requeues", "0", *sets(steps=2000, ckpt_every=3, keep_last=2),
+    proc = hpcshard_bg("submit", "--nodes", "1", "--gpus", "2", FAULTY, "--run-dir", str(run),
+                       "--max-requeues", "0", *sets(steps=2000, ckpt_every=3, keep_last=2, sleep_s=0.8),
                        env={"HPCSHARD_DEADLINE": str(int(deadline)), "HPCSHARD_NOTICE_LEAD": "60"})
     wait_for(partial(trained_to, run, 4), 180, "step 4, past a measured save")
     noticed_step = max(r["step"] for r in step_records(run))
@@ -355,22 +364,55 @@ def test_requeue_cap_ends_with_a_committed_checkpoint_and_says_how_to_go_on(tmp_
     assert end["reason"] == "stop" and end["saved_step"] == end["step"] in committed(run)
 
 
-def test_a_group_writable_umask_still_resumes(tmp_path: Path) -> None:
-    """umask 0002 is common on clusters: nothing hpcshard writes may become refusable."""
+SLOW_DELETE = '''import shutil, time
+_rmtree = shutil.rmtree
+def rmtree(path, *args, **kwargs):
+    if str(path).endswith(".deleting.tmp"):
+        time.sleep(2)  # a big checkpoint on slow storage
+    return _rmtree(path, *args, **kwargs)
+shutil.rmtree = rmtree
+'''
+UMASK_002 = partial(os.umask, 0o002)
+"""umask 0002 is common on clusters: nothing hpcshard writes may become refusable."""
+
+
+@pytest.fixture(scope="module")
+def retired_under_umask(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One run for the two tests below (one start less, about 20 CPU-s): the demo on 1
+    rank, 4 steps, a checkpoint every 2 and only the newest kept, submitted under umask 0002,
+    with every process deleting retired checkpoints 2 s slower (a sitecustomize on
+    PYTHONPATH). Tests copy it before they change anything."""
+    hook = tmp_path_factory.mktemp("hook")
+    (hook / "sitecustomize.py").write_text(SLOW_DELETE)
+    run = tmp_path_factory.mktemp("retired") / "run"
+    proc = subprocess.run([sys.executable, "-m", "hpcshard", "submit", "--gpus", "1", "jobs/charlm.py",
+                           "--run-dir", str(run), *sets(steps=4, ckpt_every=2, keep_last=1)], cwd=ROOT,
+                          env=quiet_env(PYTHONPATH=os.pathsep.join([str(hook), str(ROOT)])),
+                          capture_output=True, text=True, preexec_fn=UMASK_002, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return run
+
+
+@pytest.mark.xdist_group("retired-under-umask")  # (one worker makes the run for both)
+def test_a_group_writable_umask_still_resumes(retired_under_umask: Path, tmp_path: Path) -> None:
     run = tmp_path / "umask"
-    cmd = [sys.executable, "-m", "hpcshard", "submit", "--gpus", "2", "jobs/charlm.py",
-           "--run-dir", str(run), *sets(steps=2)]
-    umask002 = partial(os.umask, 0o002)
-    first = subprocess.run(cmd, cwd=ROOT, env=quiet_env(), capture_output=True, text=True,
-                           preexec_fn=umask002, timeout=300)
-    assert first.returncode == 0, first.stdout[-2000:]
-    for path in [run / store.CHECKPOINTS, *committed(run)[2].iterdir()]:
+    shutil.copytree(retired_under_umask, run)  # (modes kept)
+    for path in [run / store.CHECKPOINTS, *committed(run)[4].iterdir()]:
         assert not path.stat().st_mode & 0o022, path
-    again = subprocess.run([sys.executable, "-m", "hpcshard", "resume", str(run), *sets(steps=3)],
+    again = subprocess.run([sys.executable, "-m", "hpcshard", "resume", str(run), *sets(steps=5)],
                            cwd=ROOT, env=quiet_env(), capture_output=True, text=True,
-                           preexec_fn=umask002, timeout=300)
+                           preexec_fn=UMASK_002, timeout=300)
     assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
-    assert [r for r in ledger.read(run) if r["event"] == "start"][-1]["resumed_step"] == 2
+    assert [r for r in ledger.read(run) if r["event"] == "start"][-1]["resumed_step"] == 4
+
+
+@pytest.mark.xdist_group("retired-under-umask")
+def test_checkpoints_retired_by_the_last_save_are_gone_when_the_run_ends(retired_under_umask: Path) -> None:
+    """A rank leaves by os._exit, which kills the thread deleting what the last commit
+    retired: its step-N.deleting.tmp stayed for good (nothing starts after the last
+    attempt to remove it). Every process of the run deleted retired checkpoints 2 s slower."""
+    run = retired_under_umask
+    assert sorted(p.name for p in (run / store.CHECKPOINTS).iterdir() if p.is_dir()) == [store.step_name(4)]
 
 
 def test_a_checkpoint_that_no_longer_fits_the_model_stops_the_job(uninterrupted: Path,
@@ -396,32 +438,6 @@ def test_resume_never_moves_the_old_timeline_aside(uninterrupted: Path, tmp_path
     assert sorted(committed(run)) == [1, 2]
     (aside,) = (run / store.CHECKPOINTS).glob("superseded-*")
     assert len(list(aside.iterdir())) == STEPS
-
-
-SLOW_DELETE = '''import shutil, time
-_rmtree = shutil.rmtree
-def rmtree(path, *args, **kwargs):
-    if str(path).endswith(".deleting.tmp"):
-        time.sleep(2)  # a big checkpoint on slow storage
-    return _rmtree(path, *args, **kwargs)
-shutil.rmtree = rmtree
-'''
-
-
-def test_checkpoints_retired_by_the_last_save_are_gone_when_the_run_ends(tmp_path: Path) -> None:
-    """A rank leaves by os._exit, which kills the thread deleting what the last commit
-    retired: its step-N.deleting.tmp stayed for good (nothing starts after the last
-    attempt to remove it). Every process here deletes retired checkpoints 2 s slower
-    (a sitecustomize on PYTHONPATH)."""
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(SLOW_DELETE)
-    run = tmp_path / "retired"
-    proc = hpcshard("submit", "--gpus", "1", "jobs/charlm.py", "--run-dir", str(run),
-                    *sets(steps=4, ckpt_every=2, keep_last=1),
-                    env={"PYTHONPATH": os.pathsep.join([str(hook), str(ROOT)])})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert sorted(p.name for p in (run / store.CHECKPOINTS).iterdir() if p.is_dir()) == [store.step_name(4)]
 
 
 def test_a_job_whose_run_was_taken_over_leaves_without_committing(tmp_path: Path) -> None:

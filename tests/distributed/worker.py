@@ -76,14 +76,20 @@ class Call:
 # time, so replacing the module attribute sees every call. DTensor's own reductions (the
 # global grad norm) go through functional collectives and are not seen, which is wanted.
 # If a torch upgrade renames them, the counts drop to 0 and the tests fail loudly.
-SPIED = ("all_reduce", "reduce_scatter_single", "all_gather_single")
+# torch 2.9 to 2.12 name them all_gather_into_tensor and reduce_scatter_tensor: each is
+# spied under the name 2.13 uses (the op names the tests count).
+SPIED = {"all_reduce": "all_reduce",
+         "reduce_scatter_single": "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single")
+         else "reduce_scatter_tensor",
+         "all_gather_single": "all_gather_single" if hasattr(dist, "all_gather_single")
+         else "all_gather_into_tensor"}
 
 
 @contextmanager
 def spying() -> Iterator[list[Call]]:
     """Record every spied collective issued inside the block, on this rank."""
     calls: list[Call] = []
-    real = {name: getattr(dist, name) for name in SPIED}
+    real = {name: getattr(dist, attr) for name, attr in SPIED.items()}
 
     def spy(name: str, *args: Any, **kwargs: Any) -> Any:
         group = kwargs.get("group")
@@ -93,13 +99,13 @@ def spying() -> Iterator[list[Call]]:
         calls.append(Call(name, ranks, dtypes))
         return real[name](*args, **kwargs)
 
-    for name in SPIED:
-        setattr(dist, name, partial(spy, name))
+    for name, attr in SPIED.items():
+        setattr(dist, attr, partial(spy, name))
     try:
         yield calls
     finally:
         for name, fn in real.items():
-            setattr(dist, name, fn)
+            setattr(dist, SPIED[name], fn)
 
 
 def count(calls: list[Call], op: str, ranks: tuple[int, ...] | None = None) -> int:
@@ -263,8 +269,10 @@ def compiled(t: Trainer) -> dict[str, Any]:
                   + counters["inductor"]["fxgraph_cache_miss"]}
 
 
-def logits_layout(t: Trainer) -> dict[str, Any]:
-    """What the model's head hands the loss: its type, placements and local vocabulary."""
+@contextmanager
+def logits_layout(t: Trainer) -> Iterator[dict[str, Any]]:
+    """What the model's head hands the loss in the steps inside the block: its type,
+    placements and local vocabulary (a tp=2 step costs seconds: no step of its own)."""
     seen: dict[str, Any] = {}
 
     def hook(_module: nn.Module, _inputs: Any, out: torch.Tensor) -> None:
@@ -273,9 +281,10 @@ def logits_layout(t: Trainer) -> dict[str, Any]:
                     placements=[repr(p) for p in out.placements] if isinstance(out, DTensor) else [])
 
     handle = t.model.get_submodule("head").register_forward_hook(hook)
-    losses(t, 1)
-    handle.remove()
-    return seen
+    try:
+        yield seen
+    finally:
+        handle.remove()
 
 
 def chosen_shard(env: Any) -> dict[str, Any]:
@@ -377,10 +386,12 @@ def main() -> None:
     for name, shaped in (("tp_1x4", replace(env, per_node=4)), ("tp_2x2", env)):
         t = trainer(shaped, tp="2")
         norms: list[float] = []
-        facts[name] = {**placements(t), "init_hash": init_hash(t), "losses": losses(t, 4, norms),
-                       "norms": norms, "logits": logits_layout(t),
-                       "all_dtensors": all(isinstance(p, DTensor) for p in t.params),
-                       "dp": [t.dp_rank, t.dp_world]}
+        facts[name] = {**placements(t), "init_hash": init_hash(t)}
+        with logits_layout(t) as logits:
+            facts[name]["losses"] = losses(t, 4, norms)
+        facts[name] |= {"norms": norms, "logits": logits,
+                        "all_dtensors": all(isinstance(p, DTensor) for p in t.params),
+                        "dp": [t.dp_rank, t.dp_world]}
     facts["shard_2_of_4_nodes"] = chosen_shard(env)
     # torch.compile (each block; inductor's C++ on CPU) on 2x2 HSDP, then with tp=2. The
     # ranks compile the same kernels: inductor's cache lets one build them, ~20 s each here.

@@ -2,7 +2,9 @@
 chosen forward pass of a rank's process (`fail_at`), as a bug in a job would, or returns a
 nan loss (`nan_at`). FAULTY_SLOW=N in the environment makes every save and evaluation N
 times slower (and at least FAULTY_SLOW_MIN_S seconds, 3 by default): slow storage, a long
-evaluation, which the watchdog must not take for a hang."""
+evaluation, which the watchdog must not take for a hang. `sleep_s` makes every forward
+pass sleep that long: a step that waits, not computes (a test that trains for a span of
+time, not for a number of steps, then costs the CPU of far fewer steps)."""
 
 from __future__ import annotations
 
@@ -49,6 +51,8 @@ class Config(charlm.Config):  # type: ignore[name-defined,misc]
     spin_at: int = 0
     """Spin forever, busy, in this process's N-th forward pass of the first cycle (a hang
     that is not a stopped process: a livelock in the job's own code)."""
+    sleep_s: float = 0.0
+    """Sleep this long in every forward pass (0: never)."""
 
 
 calls = 0
@@ -79,6 +83,8 @@ def loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             and os.environ.get("HPCSHARD_CYCLE") == "0"):
         while True:
             pass
+    if cfg.sleep_s:
+        time.sleep(cfg.sleep_s)
     value = lm_loss(model, x, y)
     if cfg.nan_at and calls == cfg.nan_at and cfg.fail_rank in (-1, rank):
         return value * float("nan")

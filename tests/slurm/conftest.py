@@ -33,6 +33,10 @@ tests short), attributes 1 s (NFS: 3 s)."""
 NFS_OPTIONS = f"entry_timeout={NFS_CACHE_S},negative_timeout={NFS_CACHE_S},attr_timeout=1"
 SKEW = {"n7": 30.0, "n8": -30.0}
 """Wall-clock offsets (seconds) of the jobs on these nfs nodes (HPCSHARD_SLURM_SKEW)."""
+MAX_ARRAY_SIZE = 6
+"""The cluster's MaxArraySize (Slurm's default is 1001), so that a sweep of a few tasks is
+more than one array takes (test_sweep_split). Every other sweep or array of these tests
+fits in one (the largest: test_polling's 6 tasks); a test that needs a larger one is split."""
 
 
 @pytest.fixture(scope="session")
@@ -52,6 +56,7 @@ def cluster(shared_tmp: Path) -> Iterator[dict[str, str]]:
                                 text=True, timeout=600,
                                 env={**os.environ, "HPCSHARD_SLURM_ACCOUNTING": "1",
                                      "HPCSHARD_SLURM_MIN_JOB_AGE": "10", "HPCSHARD_SLURM_SHARED": str(SHARED),
+                                     "HPCSHARD_SLURM_MAX_ARRAY_SIZE": str(MAX_ARRAY_SIZE),
                                      "HPCSHARD_SLURM_NFS": NFS_OPTIONS,
                                      "HPCSHARD_SLURM_SKEW": ",".join(f"{n}={s:+g}" for n, s in SKEW.items())})
             if up.returncode:
@@ -100,6 +105,32 @@ def wait_state(job: str, states: set[str], timeout: float = 300) -> str:
             raise AssertionError(f"job {job} still {now} after {timeout}s (wanted {states})")
         time.sleep(1)
     return now
+
+
+def story(run: Path, lines: int = 30) -> str:
+    """What a run and its jobs did, for a failing assertion's message: the ledger's records
+    (their deciding fields), each job's accounting, the controller's log lines about it
+    (who cancelled it shows there: `_slurm_rpc_kill_job ... uid`), and the tail of each of
+    its launchers' logs."""
+    import json
+
+    from hpcshard.rundir import ledger
+
+    keys = ("event", "attempt", "reason", "how", "cause", "job", "next", "slurm_node", "slurm_job", "at_once")
+    out = ["ledger:"] + [str({k: r[k] for k in keys if k in r}) for r in ledger.read(run)]
+    spec = run / "spec.json"
+    jobs = json.loads(spec.read_text()).get("jobs", []) if spec.exists() else []
+    ctld = (DIR / "log" / "slurmctld.log")
+    log = ctld.read_text(errors="replace").splitlines() if ctld.exists() else []
+    for job in jobs:
+        out.append(f"job {job}:")
+        fields = "JobID,State,ExitCode,NodeList,Reason"
+        out += subprocess.run(["sacct", "-j", job, "-X", "-n", "-P", "-o", fields], capture_output=True,
+                              text=True, env={**os.environ, "SLURM_CONF": str(CONF)}).stdout.splitlines()
+        out += [line for line in log if f"JobId={job} " in line or f"JobId={job}." in line][-lines:]
+        for err in sorted((run / "submitit").glob(f"{job}_*_log.err")):
+            out += [f"  {err.name}: {line}" for line in err.read_text(errors="replace").splitlines()[-lines:]]
+    return "\n".join(out)
 
 
 def freeze(node: str, sig: signal.Signals = signal.SIGSTOP) -> list[int]:

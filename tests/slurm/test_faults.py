@@ -16,7 +16,7 @@ import pytest
 from hpcshard.launch.procs import ranks_below
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import guards, launchers
-from tests.conftest import STEPS, hpcshard, sets, step_records, wait_for
+from tests.conftest import STEPS, hpcshard, hpcshard_bg, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import (
     assert_bitwise_equal,
     committed,
@@ -24,7 +24,7 @@ from tests.distributed.test_runtime_checkpoint import (
     rank_pids,
     trained_to,
 )
-from tests.slurm.conftest import SCRIPT, freeze, restarts, slurm, state, wait_state
+from tests.slurm.conftest import SCRIPT, freeze, restarts, slurm, state, story, wait_state
 from tests.slurm.test_launch_slurm import DONE, submit
 
 
@@ -119,29 +119,49 @@ def heartbeat(run: Path, node: int) -> dict[str, Any]:
 
 
 @pytest.mark.debug_partition
-def test_a_frozen_node_is_replaced_by_the_spare_inside_the_allocation(
+def test_a_frozen_node_is_replaced_by_the_spare_and_the_job_ends_with_the_run(
         cluster: dict[str, str], uninterrupted: Path, tmp_path: Path) -> None:
     """2 nodes and a spare (`--spares 1`: 3 nodes, --no-kill). Every process of the second
-    launcher's node is stopped: Slurm hears nothing from it (it would mark it DOWN after
-    SlurmdTimeout, 300 s). The launchers declare it lost within seconds, drain it in Slurm
-    with the reason, and the spare takes its place in the same job: the run ends bitwise
-    equal to an uninterrupted one. The job step waits for the frozen task (marking the node
-    DOWN would kill the whole step): once the node comes back, its launcher sees that it
-    was replaced and ends, and so does the job."""
+    launcher's node is stopped: Slurm hears nothing from it. The launchers declare it lost
+    within seconds, drain it in Slurm with the reason, and the spare takes its place in the
+    same job: the run ends bitwise equal to an uninterrupted one. The node stays frozen: the
+    job step would wait for its task, and the job for the node, until Slurm marks it DOWN
+    after SlurmdTimeout (300 s, Slurm's default, on the local cluster too; 380 to 460 s
+    measured). Once the run is done a launcher writes the release for the batch script, which
+    sets the node DOWN while srun still waits (`launch.release`, the template's watch): the
+    job ends COMPLETED within seconds, and `submit --follow` returns at the run's end."""
     run = tmp_path / "spare"
-    job = submit(cluster, run, "--partition", "debug", "--time", "10:00", "--spares", "1",
-                 *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS))
-    wait_for(lambda: trained_to(run, 7), 240, "step 7, past the warm-up and a commit")
-    victim = heartbeat(run, 1)["slurm_node"]
-    frozen = freeze(victim)
-    frozen_at = time.time()
+    follow = hpcshard_bg("submit", "--backend", "slurm", "--nodes", "2", "--gpus", "2", "jobs/charlm.py",
+                         "--run-dir", str(run), "--partition", "debug", "--time", "10:00", "--spares", "1",
+                         "--follow", *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS),
+                         env=cluster)
+    victim = ""
     try:
-        assert len(frozen) >= 3  # slurmd, a slurmstepd, the launcher and what is below it
-        wait_for(lambda: (ledger.end_of(run, 0) or {}).get("reason") == "done", 300, "the run's end")
-        assert state(job) == "RUNNING"  # held by the frozen node's task
-        freeze(victim, signal.SIGCONT)
-        assert wait_state(job, DONE, 120) == "COMPLETED"
-        assert restarts(job) == 0  # never requeued: the spare took the node's place
+        wait_for(lambda: (run / "spec.json").exists() and json.loads((run / "spec.json").read_text())["jobs"],
+                 120, "the job")
+        job = str(json.loads((run / "spec.json").read_text())["jobs"][-1])
+        wait_for(lambda: trained_to(run, 7), 240, "step 7, past the warm-up and a commit")
+        victim = heartbeat(run, 1)["slurm_node"]
+        frozen = freeze(victim)
+        frozen_at = time.time()
+        try:
+            assert len(frozen) >= 3  # slurmd, a slurmstepd, the launcher and what is below it
+            wait_for(lambda: (ledger.end_of(run, 0) or {}).get("reason") == "done", 300, "the run's end")
+            ended_at = float((ledger.end_of(run, 0) or {})["time"])
+            followed_at = released_at = 0.0
+            deadline = time.monotonic() + 240
+            while not (followed_at and released_at) and time.monotonic() < deadline:
+                followed_at = followed_at or (time.time() if follow.poll() is not None else 0.0)
+                released_at = released_at or (time.time() if state(job) in DONE else 0.0)
+                time.sleep(0.5)
+            out = follow.communicate(timeout=10)[0]
+            print(f"run's end -> job ended: {released_at - ended_at:.1f} s; -> --follow returned: "
+                  f"{followed_at - ended_at:.1f} s")
+            assert released_at and released_at - ended_at < 90, "the job waited for SlurmdTimeout"
+            assert followed_at and followed_at - ended_at < 60 and follow.returncode == 0, out
+            assert state(job) == "COMPLETED" and restarts(job) == 0  # the spare took the node's place
+        finally:
+            freeze(victim, signal.SIGCONT)
         records = ledger.read(run)
         (fault,) = [r for r in records if r["event"] == "fault"]
         assert fault["restart"] and fault["lost"] == [1] and fault["active"] == [0, 2]
@@ -150,14 +170,26 @@ def test_a_frozen_node_is_replaced_by_the_spare_inside_the_allocation(
         assert bad["slurm_node"] == victim and bad["drained"]
         (back,) = [r for r in records if r["event"] == "recovered"]
         assert back["seconds"] < 60  # (not DOWN_TIMEOUT_S; loose: restarts are slow under load)
+        (released,) = [r for r in records if r["event"] == "cancel"]
+        assert released["job"] == f"{job}.0" and victim in released["reason"]
+        assert released["time"] >= ended_at  # the end (after the last commit) came first
+        # From the batch script (outside the step: proctrack/cgroup kills no part of it), not
+        # from a helper the launcher left behind.
+        assert "by the batch script" in released["reason"], released
+        batch_log = (run / "logs" / f"slurm-{job}.err").read_text()
+        assert f"hpcshard (batch host): {victim} set DOWN: step {job}.0 ends now" in batch_log, batch_log
+        launcher_logs = "".join(p.read_text() for p in (run / "submitit").glob(f"{job}_*_log.err"))
+        assert "by a helper" not in launcher_logs
         reference, mine = committed(uninterrupted), committed(run)
         assert STEPS in mine
         for step, path in mine.items():
             assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
         assert "hpcshard" in slurm("sinfo", "-R", "-h", "-n", victim, "-o", "%E")  # what an admin reads
     finally:
-        freeze(victim, signal.SIGCONT)
-        slurm("scontrol", "update", f"NodeName={victim}", "State=RESUME")
+        if follow.poll() is None:
+            follow.kill()
+        if victim:
+            slurm("scontrol", "update", f"NodeName={victim}", "State=RESUME")
 
 
 @pytest.mark.debug_partition
@@ -253,9 +285,9 @@ def test_a_frozen_batch_node_without_a_spare_continues_in_a_new_job(
     jobs = lambda: json.loads((run / "spec.json").read_text())["jobs"]  # noqa: E731
     freeze(batch)
     try:
-        assert wait_state(job, DONE, 120) in ("NODE_FAIL", "CANCELLED")
+        assert wait_state(job, DONE, 120) in ("NODE_FAIL", "CANCELLED"), story(run)
         wait_for(lambda: len(jobs()) == 2, 30, "the continuation job")
-        assert wait_state(jobs()[1], DONE, 300) == "COMPLETED"
+        assert wait_state(jobs()[1], DONE, 300) == "COMPLETED", story(run)
     finally:
         freeze(batch, signal.SIGCONT)
         subprocess.run(["scontrol", "update", f"NodeName={batch}", "State=RESUME"],

@@ -11,6 +11,7 @@ import pytest
 
 from hpcshard.rundir import ledger, store
 from tests.conftest import ROOT, hpcshard, sets, step_records, wait_for
+from tests.distributed.test_code_snapshot import edit, workspace
 from tests.distributed.test_runtime_checkpoint import committed, trained_to
 from tests.slurm.conftest import restarts, slurm, wait_state
 
@@ -144,10 +145,16 @@ def test_bad_requests_are_refused_before_submission(cluster: dict[str, str], tmp
 def test_chain_policy_continues_in_new_jobs_where_requeue_is_forbidden(
         cluster: dict[str, str], tmp_path: Path) -> None:
     """Preempted twice: two continuation jobs in a row (each submitted from the script the
-    one before it was given), and the run ends as one uninterrupted."""
-    run = tmp_path / "chained"
-    job = submit(cluster, run, "--time", "10:00", "--requeue-policy", "chain",
-                 *sets(steps=30, ckpt_every=4))
+    one before it was given), and the run ends as one uninterrupted. The job, a copy of the
+    demo outside the repository, is edited as soon as it is submitted: each of the three
+    jobs runs the code submitted (`cli.snapshot`), the continuations too."""
+    run, work = tmp_path / "chained", workspace(tmp_path)
+    proc = hpcshard("submit", "--backend", "slurm", "--nodes", "2", "--gpus", "2", str(work / "job.py"),
+                    "--run-dir", str(run), "--time", "10:00", "--requeue-policy", "chain",
+                    *sets(steps=30, ckpt_every=4), env=cluster, cwd=work)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    edit(work)
+    job = str(json.loads((run / "spec.json").read_text())["jobs"][-1])
     assert "#SBATCH --no-requeue" in (run / "submitit" / f"{job}_submission.sh").read_text()
     jobs = lambda: json.loads((run / "spec.json").read_text())["jobs"]  # noqa: E731
     for n, step in ((2, 6), (3, 14)):
@@ -166,6 +173,9 @@ def test_chain_policy_continues_in_new_jobs_where_requeue_is_forbidden(
     for start, end in zip(starts[1:], ends, strict=False):
         assert start["resumed_step"] == end["saved_step"] == end["step"]
     assert [r["step"] for r in step_records(run)] == list(range(1, 31))
+    for each in (job, first, second):
+        printed = "".join(p.read_text() for p in (run / "submitit").glob(f"{each}_*_log.out"))
+        assert "code tag A" in printed and "code tag B" not in printed and "code tag C" not in printed, each
 
 
 @pytest.mark.debug_partition
@@ -179,7 +189,7 @@ def test_requeue_cap_gives_up_with_a_clear_final_state(cluster: dict[str, str],
     preempt = hpcshard("preempt", str(run), env=cluster)
     assert preempt.returncode == 0 and f"Slurm job {job}" in preempt.stdout
     wait_for(lambda: any(r["event"] == "gave_up" for r in ledger.read(run)), 120, "the give-up")
-    wait_state(job, DONE | {"PENDING"}, 120)
+    assert wait_state(job, DONE | {"PENDING"}, 120) == "FAILED"  # (not done: afterok never starts)
     assert restarts(job) == 0
     status = hpcshard("status", str(run), env=cluster)
     assert "gave up: the cap of 0 is reached" in status.stdout

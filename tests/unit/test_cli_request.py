@@ -261,10 +261,10 @@ def test_a_log_followed_across_a_character_cut_in_two_and_a_byte_that_is_not_utf
     log = tmp_path / "rank-0.log"
     parts = iter([b"step 1 \xc3", b"\xa9t\xc3\xa9 \xff\n"])  # "été", the é cut between two reads
 
-    def done() -> bool:
+    def done() -> tuple[bool, str]:
         with log.open("ab") as f:
             f.write(next(parts, b""))
-        return log.stat().st_size == 15
+        return log.stat().st_size == 15, ""
 
     log.write_bytes(b"")
     follow_log(log, done, interval=0)

@@ -45,6 +45,23 @@ def test_attempts_count_the_steps_each_lost(run: Path) -> None:
         (0, "stop", None, 6, 0), (1, "killed", 6, 9, 1), (2, "done", 8, 12, 0)]
 
 
+def test_an_attempt_stopped_before_rank_0_was_up_is_a_row_too(run: Path) -> None:
+    """A notice (or a kill) that came while the interpreter started: the launcher records the
+    attempt's end, rank 0 never its start. Status shows it, with no start, and the attempt
+    before it is bounded by its end."""
+    path = run / "attempts.jsonl"
+    lines = path.read_text().splitlines()
+    lines.insert(3, json.dumps({"event": "end", "attempt": 1, "time": 1009.2, "reason": "stop",
+                                "how": "killed 5s after the notice (the grace period)", "saved_step": 8}))
+    lines[2] = lines[2].replace('"attempt": 1', '"attempt": 3').replace("1006.6", "1006.6")
+    path.write_text("\n".join(lines) + "\n")  # attempt 1 has an end only; 3 a start only
+    rows = attempts(run)
+    assert [(a.number, a.reason, a.start is None) for a in rows] == [
+        (0, "stop", False), (1, "stop", True), (2, "done", False), (3, "running?", False)]
+    out = CliRunner().invoke(main, ["status", str(run)])
+    assert out.exit_code == 0 and out.output.count("stop ") == 2, out.output
+
+
 def test_status_shows_progress_and_the_ledger(run: Path) -> None:
     out = CliRunner().invoke(main, ["status", str(run)])
     assert out.exit_code == 0, out.output
@@ -98,6 +115,46 @@ def test_plot_marks_faults_and_rollbacks_and_draws_replayed_steps_apart(
     assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def timed_records(run: Path) -> None:
+    """Records as the loop writes them since the step split: step_s, split_s, mfu."""
+    with (run / "metrics.jsonl").open("a") as f:
+        for s in (13, 14):
+            split = {"data": 0.0004, "forward": 0.12, "backward": 0.22, "optimizer": 0.04, "checkpoint": 0.0,
+                     "comm": 0.008, "other": 0.0116}
+            f.write(json.dumps({"step": s, "time": 1030.0 + s, "loss": 2.0, "tokens_per_s": 1e4, "mfu": 0.412,
+                                "step_s": 0.4, "split_s": split}) + "\n")
+
+
+def test_status_shows_where_the_step_time_went_and_the_mfu(run: Path) -> None:
+    before = CliRunner().invoke(main, ["status", str(run)]).output  # records without a split
+    assert "step time" not in before and "MFU" not in before
+    timed_records(run)
+    out = CliRunner().invoke(main, ["status", str(run)])
+    assert out.exit_code == 0, out.output
+    assert "step 14/12, loss 2.0000, 10,000 tokens/s, MFU 41.2%" in out.output
+    assert ("step time 0.4 s: data 0.1%, forward 30%, backward 55%, optimizer 10%, checkpoint 0%, "
+            "comm 2%, other 2.9%") in out.output.splitlines()
+
+
+def test_plot_draws_the_split_below_where_records_have_one(run: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    for timed in (False, True):
+        if timed:
+            timed_records(run)
+        plt.close("all")
+        out = CliRunner().invoke(main, ["plot", str(run), "--out", str(tmp_path / "p.png")])
+        assert out.exit_code == 0, out.output
+        axes = plt.gcf().axes
+        assert len(axes) == (3 if timed else 2)
+    assert axes[2].get_ylabel() == "seconds per step"
+    legend = axes[2].get_legend()
+    assert legend is not None and [t.get_text() for t in legend.get_texts()] == [
+        "data", "forward", "backward", "optimizer", "checkpoint", "comm", "other"]
+    plt.close("all")
+
+
 def test_plot_without_matplotlib_says_how_to_get_it(run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     out = CliRunner().invoke(main, ["plot", str(run)])
@@ -124,6 +181,20 @@ def test_accounting_runs_are_ordered_by_start_each_a_run_of_its_job() -> None:
     assert [(r.job, r.run, r.state) for r in runs] == [
         ("4242", 0, "REQUEUED"), ("4242", 1, "PREEMPTED"), ("4242", 2, "COMPLETED"), ("4243", 0, "PENDING")]
     assert runs[2].nodes == "n[2-3]" and runs[2].elapsed == "00:00:30"
+
+
+def test_a_job_resized_while_it_ran_is_one_run() -> None:
+    """A --no-kill job that lost a node (Slurm set it DOWN, or `launch.release` gave it up):
+    accounting closes its record RESIZING and opens another; one run, not a requeue."""
+    from hpcshard.slurm.cluster import parse_history
+
+    runs = parse_history(SACCT.replace("4242|COMPLETED|0:0|00:00:30|n[2-3]|2026-11-24T10:01:40",
+                                       "4242|COMPLETED|0:0|00:00:05|n[2-3]|2026-11-24T10:02:05")
+                         + "4242|RESIZING|0:0|00:00:25|n[2-4]|2026-11-24T10:01:40|2026-11-24T10:02:05\n",
+                         ["4242"])
+    assert [(r.run, r.state) for r in runs] == [(0, "REQUEUED"), (1, "PREEMPTED"), (2, "COMPLETED")]
+    assert (runs[2].nodes, runs[2].start, runs[2].end, runs[2].elapsed) == (
+        "n[2-4]", "2026-11-24T10:01:40", "2026-11-24T10:02:10", "00:00:30")
 
 
 def test_status_of_a_job_the_controller_forgot_reads_accounting(run: Path,
@@ -170,6 +241,8 @@ def test_status_without_accounting_says_what_scontrol_says(run: Path,
     running = {"JobState": "RUNNING", "Restarts": "1"}
     monkeypatch.setattr(cluster, "show_job", lambda job, **k: cluster.JobInfo.of_scontrol(job, running))
     monkeypatch.setattr(cluster, "history", lambda *a, **k: None)  # sacct: accounting disabled
+    monkeypatch.setattr("hpcshard.slurm.poll.queue_states",
+                        lambda jobs, **k: {j: cluster.JobInfo.of_scontrol(j, running) for j in jobs})
     out = CliRunner().invoke(main, ["status", str(run)])
     assert out.exit_code == 0 and "slurm job 4242: RUNNING, restarts 1" in out.output
     assert "from accounting" not in out.output and "slurm runs" not in out.output

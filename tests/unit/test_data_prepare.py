@@ -361,6 +361,36 @@ def test_parquet_columns_that_are_not_strings(tmp_path: Path, tok: Path) -> None
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("binary_name", ["b.parquet", "0-b.parquet"])
+def test_parquet_files_whose_text_column_is_string_in_one_and_binary_in_another(
+        tmp_path: Path, tok: Path, binary_name: str) -> None:
+    """Each file's column is decoded by its own type: the binary file's documents are their
+    text, not Python's repr "b'...'" (binary first), and no crash on str.decode (binary last)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "pq"
+    folder.mkdir()
+    pq.write_table(pa.table({"text": pa.array(TEXTS[:2], pa.string())}), folder / "a.parquet")
+    pq.write_table(pa.table({"text": pa.array([t.encode() for t in TEXTS[2:4]], pa.binary())}),
+                   folder / binary_name)
+    out, _ = run(tmp_path, folder, tok)
+    texts = [*TEXTS[2:4], *TEXTS[:2]] if binary_name < "a" else TEXTS[:4]
+    assert [d.tolist() for d in read_back(out)[1]] == [[*ids, 1] for ids in Tokenizer(str(tok)).encode(texts)]
+
+
+def test_a_file_name_that_is_not_utf8_is_read(tmp_path: Path, tok: Path) -> None:
+    """A Latin-1 name (café.txt as an old archive holds it) is fingerprinted as the file
+    system's bytes: no UnicodeEncodeError traceback; a rerun is a resume."""
+    folder = tmp_path / "latin1"
+    folder.mkdir()
+    (folder / "a.txt").write_text(TEXTS[0])
+    Path(os.fsdecode(bytes(folder) + b"/caf\xe9.txt")).write_text(TEXTS[1])
+    out, result = run(tmp_path, folder, tok)
+    assert result.manifest and result.documents == 2
+    assert run(tmp_path, folder, tok)[1].skipped == result.shards
+
+
 def test_parquet_reads_each_row_group_once_and_holds_no_file_open(tmp_path: Path, tok: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     import pyarrow as pa
@@ -447,6 +477,101 @@ def test_a_second_run_on_one_output_is_refused_and_stale_files_are_only_the_dead
     assert again.exit_code == 0 and "(1 written" in again.output, again.output
     assert alive.exists() and (out / "shard-00007.bin.tmp-node7-3").exists()
     assert not (out / f"shard-00008.bin.tmp-{host}-{dead}").exists()
+
+
+def _meanwhile(monkeypatch: pytest.MonkeyPatch, other: Any) -> None:
+    """`other()` runs while this run plans (after its checks, before it makes or locks the
+    output): another `data prepare` started 0.3 s earlier into the same new output."""
+    plan, todo = prep.start, [other]
+
+    def start(cfg: prep.PrepareConfig) -> Any:
+        planned = plan(cfg)
+        while todo:  # once (A's own start is this one too)
+            todo.pop()()
+        return planned
+
+    monkeypatch.setattr(prep, "start", start)
+
+
+def test_a_refused_run_never_removes_the_running_ones_output(tmp_path: Path, tok: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """B starts into a new output, A makes it and takes the lock while B plans: B is refused
+    (exit 2) and A's directory stays (B once removed it: it had found no output at its
+    start, and removed on any ValueError)."""
+    source, out = corpus(tmp_path, "jsonl"), tmp_path / "out"
+    held: list[Any] = []
+
+    def a_runs() -> None:
+        prep.make_state(out)
+        held.append(prep.take_lock(out))
+        (out / "shard-00000.bin.tmp-a").write_bytes(b"A's shard, being written")
+
+    _meanwhile(monkeypatch, a_runs)
+    args = [str(source), "--tokenizer", str(tok), "-o", str(out), "--shard-tokens", "700"]
+    one_line_error(args, "another `data prepare`", "is writing")
+    assert (out / "shard-00000.bin.tmp-a").exists() and (out / ".prepare" / "lock").exists()
+    held[0].close()
+
+
+def test_arguments_are_checked_again_under_the_lock(tmp_path: Path, tok: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """B (--eos <unk>) plans while the output is empty; A (--eos auto) runs to the end
+    meanwhile; B, holding the lock then, is refused for its other arguments and leaves A's
+    corpus as it was (B once skipped A's shards as done and wrote a manifest saying eos_id
+    0 over shards ending each document with 1). The array path saves its plan under the
+    same lock and check."""
+    source = corpus(tmp_path, "jsonl")
+    a_out: list[Path] = []
+    _meanwhile(monkeypatch, lambda: a_out.append(run(tmp_path, source, tok, eos="auto")[0]))
+    with pytest.raises(prep.UserError, match="prepared with other arguments .*eos"):
+        run(tmp_path, source, tok, eos="<unk>")
+    out = a_out[0]
+    before = (out / "manifest.json").read_text()
+    manifest, docs = read_back(out)
+    assert manifest["eos_id"] == 1 and all(d[-1] == 1 for d in docs)
+    assert json.loads((out / ".prepare" / "request.json").read_text())["eos"] == "auto"
+    # the same arguments meanwhile: B resumes on A's saved plan, every shard done
+    monkeypatch.undo()
+    same = tmp_path / "same"
+    _meanwhile(monkeypatch, lambda: run(tmp_path, source, tok, name="same"))
+    again = run(tmp_path, source, tok, name="same")[1]
+    assert again.manifest and again.written == 0 and (same / "manifest.json").is_file()
+    assert (out / "manifest.json").read_text() == before
+
+
+def test_a_file_system_without_flock_takes_a_lock_file(tmp_path: Path, tok: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capfd: pytest.CaptureFixture[str]) -> None:
+    """flock failing with ENOSYS, EOPNOTSUPP or ENOLCK (Lustre without flock, some FUSE
+    mounts) is no "held": a warning, and a lock file with the holder's host and pid keeps a
+    second run out (every run was once refused there, naming a holder that did not exist);
+    another error is one line of its own."""
+    import errno
+    import fcntl
+
+    from hpcshard.rundir.files import locked
+
+    def no_flock(fd: int, op: int) -> None:
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    source = corpus(tmp_path, "jsonl")
+    out, result = run(tmp_path, source, tok)
+    assert result.manifest and "without flock" in capfd.readouterr().err
+    assert not (out / ".prepare" / "run.lock").exists()  # released
+    (out / "manifest.json").unlink()
+    # a live run holds it (this process: not gone)
+    refused = "another `data prepare` is writing .*run.lock"
+    with locked(out / ".prepare" / "run"), pytest.raises(prep.UserError, match=refused):
+        run(tmp_path, source, tok)
+    assert run(tmp_path, source, tok)[1].manifest
+
+    def bad_flock(fd: int, op: int) -> None:
+        raise OSError(errno.EBADF, "Bad file descriptor")
+
+    monkeypatch.setattr(fcntl, "flock", bad_flock)
+    with pytest.raises(prep.UserError, match="its lock cannot be taken"):
+        run(tmp_path, source, tok)
 
 
 def test_the_done_check_needs_the_index_and_the_manifest_the_checksums(tmp_path: Path, tok: Path) -> None:

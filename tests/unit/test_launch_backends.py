@@ -63,6 +63,19 @@ def test_the_local_backend_says_when_no_launcher_runs(tmp_path: Path) -> None:
     assert backends.reaching(run).state(run) is None and backends.reaching(run).history(run) is None
 
 
+def test_a_local_run_between_two_attempts_has_not_ended(tmp_path: Path) -> None:
+    """No launcher runs while the command that owns the run requeues it: over, not ended
+    (`logs -f` waits for the next attempt); once the owner is gone, ended."""
+    from hpcshard.rundir import lease
+
+    run = spec("local")
+    me = lease.take(tmp_path, lease.Owner.of_process("a local run"), lambda job: None)
+    assert backends.reaching(run).over(run, tmp_path) is True
+    assert backends.reaching(run).ended(run, tmp_path) is False
+    lease.release(tmp_path, me)
+    assert backends.reaching(run).ended(run, tmp_path) is True
+
+
 def names(node: ast.AST, words: frozenset[str], constants: tuple[str, ...] = ()) -> bool:
     """One of `words` as a string, or one of `constants` by its name, alone or in a tuple,
     set or list."""

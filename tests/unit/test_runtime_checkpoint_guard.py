@@ -64,6 +64,18 @@ def test_the_owner_and_a_run_without_a_lease_go_on(world_of_one: None, tmp_path:
     saved(checkpointer(tmp_path), 6)  # no token: an older launcher, a test
 
 
+def test_a_reader_beside_the_run_loads_a_step_and_changes_nothing(world_of_one: None, tmp_path: Path) -> None:
+    """`--then eval` (`runtime.evaluate`) loads the step the run finished at while the run
+    may have been resumed: its newer step and its save in progress stay where they are."""
+    saved(checkpointer(tmp_path), 2, 4)
+    theirs = tmp_path / store.CHECKPOINTS / (store.step_name(6) + store.TMP_SUFFIX)
+    theirs.mkdir()  # the resumed run's save in progress
+    loaded = checkpointer(tmp_path).resume("2", reader=True)
+    assert loaded is not None and loaded.step == 2
+    assert theirs.is_dir() and store.step_name(4) in names(checkpointer(tmp_path))
+    assert not list((tmp_path / store.CHECKPOINTS).glob("superseded-*"))
+
+
 def raising(err: BaseException) -> Any:
     def save(*args: Any, **kwargs: Any) -> Any:
         raise err

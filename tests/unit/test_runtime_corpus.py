@@ -3,8 +3,11 @@ world-size independent, resumable, and the same batches with or without the load
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tracemalloc
@@ -18,12 +21,14 @@ import torch
 
 from hpcshard.config import TrainConfig
 from hpcshard.errors import UserError
-from hpcshard.runtime.corpus import IGNORE, Corpus, Windows, load_blend, parse_sources
+from hpcshard.runtime.corpus import HELD_OUT, IGNORE, Corpus, Windows, load_blend, parse_sources
 from hpcshard.runtime.data import (
     DataConfig,
     GlobalBatches,
     data_changes,
     data_fingerprint,
+    data_fingerprint_v1,
+    eval_batch_count,
     eval_batches,
     load_splits,
 )
@@ -32,7 +37,7 @@ from hpcshard.runtime.order import Mixed, Ordered, Permutation, split
 
 
 def write_corpus(folder: Path, docs: list[list[int]], per_shard: int = 3, dtype: str = "uint16",
-                 vocab: int = 1000) -> Path:
+                 vocab: int = 1000, tok_sha: str = "") -> Path:
     """A prepared corpus in the format `hpcshard data prepare` writes (no tokenizer)."""
     folder.mkdir(parents=True)
     shards: list[dict[str, Any]] = []
@@ -42,9 +47,10 @@ def write_corpus(folder: Path, docs: list[list[int]], per_shard: int = 3, dtype:
         flat = np.array([t for d in mine for t in d], dtype=np.dtype(f"<{dtype[0]}{int(dtype[4:]) // 8}"))
         flat.tofile(folder / f"{name}.bin")
         np.cumsum([0] + [len(d) for d in mine], dtype="<i8").tofile(folder / f"{name}.idx")
-        shards.append({"name": name, "tokens": len(flat), "documents": len(mine), "sha256": ""})
+        shards.append({"name": name, "tokens": len(flat), "documents": len(mine),
+                       "sha256": hashlib.sha256(flat.tobytes()).hexdigest()})
     manifest = {"format": "hpcshard-tokens", "version": 1, "dtype": dtype, "vocab_size": vocab,
-                "eos_id": 0, "tokenizer": {"path": "", "sha256": ""}, "source": {},
+                "eos_id": 0, "tokenizer": {"path": "", "sha256": tok_sha}, "source": {},
                 "tokens": sum(s["tokens"] for s in shards), "documents": len(docs), "shards": shards}
     (folder / "manifest.json").write_text(json.dumps(manifest))
     return folder
@@ -113,7 +119,7 @@ def test_whole_documents_start_at_a_document_and_mask_their_padding(tmp_path: Pa
 
 def test_the_held_out_tail_is_not_trained_on(tmp_path: Path) -> None:
     corpus = Corpus([write_corpus(tmp_path / "c", documents(60, 100), per_shard=60)])
-    assert 0 < corpus.tokens - corpus.train_tokens <= corpus.shards[-1].tokens // 20
+    assert 0 < corpus.tokens - corpus.train_tokens == corpus.tokens // 20
     stream = Windows(corpus, 16, "stream")
     assert stream.count * 16 + 1 <= corpus.train_tokens
     start, _ = corpus.document(corpus.train_documents - 1)
@@ -317,6 +323,100 @@ def test_evaluating_a_mixture_reads_every_source(tmp_path: Path) -> None:
     assert min(counts.values()) > len(read) // 4, counts
 
 
+def test_the_held_out_share_is_the_whole_sources_and_no_small_tail_empties_a_mixture(
+        tmp_path: Path) -> None:
+    """A source holds out 5% of itself (at most HELD_OUT), not 5% of its last shard (data
+    prepare's remainder: here 800 tokens, 40 held out), and a short tail no longer cuts
+    every other one to its length: the mixture's evaluation went from 40,000 tokens to 120,
+    and off. Tails with nothing in them: an empty evaluation, not a ValueError at startup.
+    HELD_OUT fits eval_batches=4 at 1M to 4M tokens a step (2^20 gave 0 batches there)."""
+    write_corpus(tmp_path / "web", [[5] * 99_999 + [0]] * 4, per_shard=4)
+    write_corpus(tmp_path / "code", [[6] * 99_999 + [0]] * 4, per_shard=4)
+    write_corpus(tmp_path / "math", [[7] * 9_999 + [0]] * 4 + [[8] * 799 + [0]], per_shard=4)
+    mixture = load_splits(DataConfig(data="web:0.45,code:0.45,math:0.1", data_root=str(tmp_path),
+                                     vocab_size=1000))
+    assert mixture.source is not None
+    math = mixture.source.sources[2].corpus
+    assert math.tokens - math.train_tokens == math.tokens // 20 == 2040
+    assert len(mixture.eval) == 20_000 + 20_000 + 2040
+    assert eval_batch_count(mixture.eval, 256, 8, 10) == 10
+    assert {int(t) for t in mixture.eval[:3 * 1024]} == {5, 6, 7}  # every source from the start
+    write_corpus(tmp_path / "a", [[5] * 10 + [0]], per_shard=1)  # 11 tokens: none held out
+    write_corpus(tmp_path / "b", [[6] * 10 + [0]], per_shard=1)
+    empty = load_splits(DataConfig(data="a:1,b:1", data_root=str(tmp_path), vocab_size=1000))
+    assert len(empty.eval) == 0 and empty.eval.dtype == np.uint16
+    for seq, batch in ((4096, 256), (2048, 512), (8192, 128), (4096, 1024)):
+        assert eval_batch_count(np.empty(HELD_OUT, np.uint16), seq, batch, 4) >= 3, (seq, batch)
+
+
+def test_a_run_resolved_before_the_held_out_setting_keeps_its_split(tmp_path: Path) -> None:
+    """The split decides which samples train: a run resolved before `held_out` existed (its
+    checkpoints' positions mean the last-shard split) keeps it when requeued or resumed; a
+    new run, one that says, and a job without DataConfig are their own."""
+    from hpcshard.config import build_config, kept_sets
+
+    @dataclasses.dataclass(kw_only=True)
+    class Config(TrainConfig, DataConfig):
+        pass
+
+    old = {"data": "web", "token_dtype": "uint16", "seed": 0, "data_order": "feistel"}
+    assert build_config(Config, kept_sets({}, old)).held_out == "last-shard"
+    assert build_config(Config, kept_sets({}, {**old, "held_out": "source"})).held_out == "source"
+    assert kept_sets({"held_out": "source"}, old) == {"held_out": "source"}
+    assert kept_sets({}, {"seed": 0, "data_order": "feistel"}) == {}  # no DataConfig: nothing to keep
+    # a job's own `data` field is not DataConfig's (examples/custom_job): nothing to keep either
+    assert kept_sets({}, {"data": "README.md", "seed": 0, "data_order": "feistel"}) == {}
+    write_corpus(tmp_path / "web", [[5] * 99_999 + [0]] * 4 + [[6] * 799 + [0]], per_shard=4)
+    before = load_splits(DataConfig(data="web", data_root=str(tmp_path), vocab_size=1000,
+                                    held_out="last-shard"))
+    assert before.source is not None and before.source.sources[0].corpus.train_tokens == 400_000 + 800 - 40
+    with pytest.raises(UserError, match="held_out='all' is not valid; choose one of: source, last-shard"):
+        load_splits(DataConfig(data="web", data_root=str(tmp_path), vocab_size=1000, held_out="all"))
+
+
+def test_the_fingerprint_is_the_content_not_the_spelling(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """One corpus spelled absolute, ./x, x/, through a symlink (an NFS alias) or data_root +
+    a relative path is the same data (each was refused as "source gone; source added"); the
+    same counts over other content (documents reordered, other ids, another tokenizer) are
+    not (each was accepted)."""
+    root = tmp_path / "root"
+    docs = documents(50, 100, seed=1)
+    write_corpus(root / "corpora" / "web", docs)
+    (tmp_path / "alias").symlink_to(root)
+
+    def fingerprint(data: str, data_root: str = "") -> dict | None:
+        return data_fingerprint(load_splits(DataConfig(data=data, data_root=data_root, vocab_size=1000)),
+                                16, "feistel")
+
+    monkeypatch.chdir(root)
+    saved = fingerprint("corpora/web")
+    for spelled, data_root in ((str(root / "corpora/web"), ""), ("corpora/web", str(root)),
+                               ("./corpora/web", ""), ("corpora/web/", ""),
+                               (str(tmp_path / "alias/corpora/web"), "")):
+        assert data_changes(saved, fingerprint(spelled, data_root)) == "", spelled
+    for changed, tok_sha in ((docs[::-1], ""), ([[t + 1 for t in d] for d in docs], ""), (docs, "other")):
+        shutil.rmtree(root / "corpora" / "web")
+        write_corpus(root / "corpora" / "web", changed, tok_sha=tok_sha)
+        assert "source 'corpora/web' tokens differ" in data_changes(saved, fingerprint("corpora/web"))
+
+
+def test_a_checkpoint_of_the_first_fingerprint_format_resumes_as_it_was_checked(corpora: Path) -> None:
+    """A checkpoint written before the content fingerprint holds the first format (spelled
+    names and directories, sizes): compared in that format, the unchanged data resumes and
+    a grown source is still refused; never refused because the format changed."""
+    splits = load_splits(DataConfig(data="web*:0.7,code:0.3", data_root=str(corpora), vocab_size=1000))
+    old = data_fingerprint_v1(splits, 64, "feistel")
+    assert old is not None and "version" not in old
+    now, now_v1 = data_fingerprint(splits, 64, "feistel"), data_fingerprint_v1(splits, 64, "feistel")
+    assert data_changes(old, now, now_v1) == ""
+    write_corpus(corpora / "web2", documents(30, 100))
+    grown = load_splits(DataConfig(data="web*:0.7,code:0.3", data_root=str(corpora), vocab_size=1000))
+    changed = data_changes(old, data_fingerprint(grown, 64, "feistel"),
+                           data_fingerprint_v1(grown, 64, "feistel"))
+    assert "source 'web*' dirs" in changed
+
+
 def test_one_source_evaluates_its_own_tail(corpora: Path) -> None:
     blend = load_blend("web", str(corpora))
     assert blend is not None
@@ -398,6 +498,27 @@ def test_a_missing_shard_is_one_line_when_first_read(tmp_path: Path) -> None:
     assert blend is not None
     with pytest.raises(UserError, match="shard-00000.bin is missing"):
         blend.sources[0].corpus.read(0, 4)
+
+
+def test_a_shard_mapped_again_after_the_lru_dropped_it_is_checked_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A corpus re-prepared under a running job: a shard's file mapped again once the LRU
+    unmapped it is of another size (larger: once read silently; smaller: numpy's ValueError)."""
+    from hpcshard.runtime import corpus as corpus_module
+
+    monkeypatch.setattr(corpus_module, "MAPS", corpus_module._Maps())
+    monkeypatch.setattr(corpus_module, "MAX_OPEN", 1)
+    folder = write_corpus(tmp_path / "web", documents(6, 100), per_shard=3)
+    corpus = Corpus([folder])
+    size = corpus.shards[0].tokens * 2
+    first = corpus.read(0, 4).tolist()
+    corpus.read(int(corpus.starts[1]), 4)  # shard 1 mapped: shard 0 dropped
+    assert corpus.read(0, 4).tolist() == first
+    for other in (size + 6, size - 4):
+        corpus.read(int(corpus.starts[1]), 4)
+        os.truncate(folder / "shard-00000.bin", other)
+        with pytest.raises(UserError, match="shard-00000.bin holds .* bytes, its manifest says"):
+            corpus.read(0, 4)
 
 
 @pytest.mark.parametrize(("field", "value"), [("tokenizer", {"path": "", "sha256": "other"}),
@@ -514,13 +635,15 @@ def test_a_resume_onto_changed_data_is_refused_unless_accepted(corpora: Path) ->
                                                                              doc_mode="whole"))
     write_corpus(corpora / "web2", documents(30, 100))
     grown = fingerprint("web*:0.7,code:0.3")
-    assert "source 'web*' dirs" in data_changes(saved, grown) and "tokens" in data_changes(saved, grown)
+    assert "source 'web*' tokens differ" in data_changes(saved, grown)
+    assert "source 'web*' documents 400 -> 430" in data_changes(saved, grown)
     assert data_fingerprint(load_splits(DataConfig(data="", vocab_size=1000)), 64, "feistel") is None
 
     loaded = Loaded(step=8, path="/run/checkpoints/step-8", skipped=[], world_changed=False,
                     manifest={"data": saved})
     for accept, refused in ((False, True), (True, False)):
-        trainer = SimpleNamespace(data_fingerprint=grown, splits=SimpleNamespace(accept_changed=accept),
+        trainer = SimpleNamespace(data_fingerprint=grown, data_fingerprint_v1=None,
+                                  splits=SimpleNamespace(accept_changed=accept),
                                   env=SimpleNamespace(is_main=True))
         if refused:
             with pytest.raises(UserError) as err:

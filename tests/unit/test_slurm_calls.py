@@ -242,3 +242,28 @@ def test_a_refused_drain_is_recorded_with_slurm_s_line(tmp_path: Path, bin_dir: 
     refused, done = ledger.read(tmp_path)
     assert (refused["drained"], refused["drain_error"]) == (False, "slurm_update error: Invalid user id")
     assert done["drained"] is True and "drain_error" not in done
+
+
+def test_resume_moves_the_runs_still_waiting_on_it_onto_its_new_job(tmp_path: Path, bin_dir: Path) -> None:
+    """`submit --after RUN` made job 50 wait afterok on job 4243; 4243 stopped without
+    finishing (exit 75: FAILED), so 50 waits for ever (DependencyNeverSatisfied). `resume`
+    carries the run on as a new job: 50 waits for that one (as a continuation moves it)."""
+    from hpcshard.rundir.chain import Chain
+
+    train = tmp_path / "train.py"
+    train.write_text("print('training')\n")
+    fake(bin_dir, "sinfo", 'echo "debug*|2|gpu:2|infinite"\n')
+    fake(bin_dir, "srun", "exit 1\n")
+    count = bin_dir / "n"  # (PATH is the fakes only: shell builtins)
+    fake(bin_dir, "sbatch", f'n=4243; [ -f {count} ] && read n < {count}; echo $((n + 1)) > {count}\n'
+         'case "$1" in --parsable) echo $n;; *) echo "Submitted batch job $n";; esac\n')
+    run = tmp_path / "run"
+    out = CliRunner().invoke(main, ["submit", "--backend", "slurm", str(train), "--run-dir", str(run)])
+    assert out.exit_code == 0, out.output
+    Chain(followers=[{"job": "50", "kind": "afterok", "run": str(tmp_path / "next")}]).write(run)
+    scontrol = fake(bin_dir, "scontrol", 'case "$1" in show) echo "JobId=$4 JobState=FAILED ExitCode=75:0";; '
+                    'esac\nexit 0\n')
+    out = CliRunner().invoke(main, ["resume", str(run)])
+    assert out.exit_code == 0, out.output
+    assert RunSpec.read(run).jobs == ["4243", "4244"]
+    assert "update JobId=50 Dependency=afterok:4244" in calls(scontrol)

@@ -19,6 +19,8 @@ def test_a_record_sends_its_numbers_under_train_and_eval() -> None:
     assert scalars({"loss": 2.5, "lr": 1e-3, "grad_norm": 1, "mfu": None, "eval_loss": 3.0,
                     "nan": float("nan"), "flag": True, "note": "x"}) == {
         "train/loss": 2.5, "train/lr": 1e-3, "train/grad_norm": 1.0, "eval/loss": 3.0}
+    assert scalars({"step_s": 0.5, "split_s": {"forward": 0.2, "other": 0.01}}) == {
+        "train/step_s": 0.5, "train/split_s/forward": 0.2, "train/split_s/other": 0.01}
 
 
 def test_the_wandb_id_is_the_run_directorys_at_every_start(tmp_path: Path) -> None:

@@ -69,6 +69,13 @@ class HandOffStager(DefaultStager):
         self._staging_future = done
         return done
 
+    def _stage(self, state_dict: Any, **kwargs: Any) -> Any:
+        # DefaultStager._stage as in torch 2.13 for these options (a blocking copy). Torch
+        # 2.11 and 2.12 end it with `self._state_dict_stager.close()`, which empties the
+        # copier's dispatch table: every later save's copy fails with KeyError(<class
+        # 'type'>) (pytorch#183413). This stager lives as long as the run: nothing to close.
+        return self._state_dict_stager.stage(state_dict, non_blocking=False)
+
     def start(self) -> None:
         if self.held is None:
             return

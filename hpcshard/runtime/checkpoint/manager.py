@@ -337,8 +337,13 @@ class Checkpointer:
 
     # -- load -----------------------------------------------------------------------
 
-    def resume(self, how: str) -> Loaded | None:
+    def resume(self, how: str, *, reader: bool = False) -> Loaded | None:
         """Load the checkpoint `how` names (auto|never|STEP|PATH).
+
+        `reader`: a process beside the run, not the run (`runtime.evaluate`, a `--then
+        eval` step, while a resumed run may be saving): it loads and changes nothing in the
+        checkpoint directory (no interrupted save cleaned, no newer step moved aside, none
+        renamed damaged).
 
         Rank 0 reads the directory and tells every rank what to load: on a shared
         filesystem another host's listing can lag behind (NFS attribute caching), and
@@ -352,7 +357,7 @@ class Checkpointer:
         skipped: list[tuple[str, str]] = []
         failed: list[tuple[store.Checkpoint, str]] = []
         while True:
-            chosen, passed = self._decide(how, frozenset(c.path for c, _ in failed))
+            chosen, passed = self._decide(how, frozenset(c.path for c, _ in failed), reader)
             skipped += passed
             if chosen is None:
                 if failed:
@@ -360,7 +365,7 @@ class Checkpointer:
                     raise UserError(f"no checkpoint in {self.root} could be loaded; the newest, "
                                     f"{ckpt.path.name}, failed with: {why}{self._config_note(ckpt)}")
                 self._log_skipped(skipped)
-                if how == "never":
+                if how == "never" and not reader:
                     self._supersede(-1)
                 return None
             why = load_agreed(chosen.path, partial(self._load, chosen), self.env)
@@ -374,8 +379,9 @@ class Checkpointer:
             self._log_skipped(skipped)
             # Damaged and newer than what loaded: renamed aside, or they would collide with
             # the next saves of this timeline.
-            self._quarantine([Path(self.root / name) for name, _ in skipped])
-            if how != "auto":
+            if not reader:
+                self._quarantine([Path(self.root / name) for name, _ in skipped])
+            if how != "auto" and not reader:
                 self._supersede(chosen.step)
             world = int(chosen.manifest.get("world", self.env.world))
             log.info("resumed from %s (step %d, written by %d ranks as %s)", chosen.path,
@@ -384,21 +390,21 @@ class Checkpointer:
             return Loaded(step=chosen.step, path=str(chosen.path), skipped=skipped,
                           world_changed=world != self.env.world, manifest=chosen.manifest)
 
-    def _decide(self, how: str, exclude: frozenset[Path],
+    def _decide(self, how: str, exclude: frozenset[Path], reader: bool = False,
                 ) -> tuple[store.Checkpoint | None, list[tuple[str, str]]]:
         """Rank 0 cleans up interrupted saves, picks and checks; every rank gets the same
         answer, or the same error: a `UserError` (a step that is not there, a checkpoint
         others can write), a `LoadFault` (the directory could not be read) or `Disowned`."""
         answer: list[Any] = [None]
         if self.env.is_main:
-            answer = [self._pick(how, exclude)]
+            answer = [self._pick(how, exclude, reader)]
         dist.broadcast_object_list(answer, src=0)
         chosen, passed, error, kind = answer[0]
         if error:
             raise {"fault": LoadFault, "disowned": Disowned}.get(kind, UserError)(error)
         return chosen, list(passed)
 
-    def _pick(self, how: str, exclude: frozenset[Path]) -> tuple[Any, ...]:
+    def _pick(self, how: str, exclude: frozenset[Path], reader: bool = False) -> tuple[Any, ...]:
         """Rank 0's part of `_decide`, which must never raise on rank 0 alone (the others
         would wait in the broadcast): (chosen, skipped, error, kind of error: "" for a
         user error, fault, disowned). Interrupted saves are cleaned only while this job
@@ -411,7 +417,7 @@ class Checkpointer:
                 gone = disowned(self.run_dir, self.owner, "cleaning or loading anything")
                 if gone:
                     return None, [], gone, "disowned"
-                for stale in store.clean_incomplete(self.root):
+                for stale in [] if reader else store.clean_incomplete(self.root):
                     log.warning("removed incomplete checkpoint %s (a save was interrupted)", stale)
                 chosen, passed = store.select(self.root, how, exclude, newest=self.newest)
                 if chosen is not None:
