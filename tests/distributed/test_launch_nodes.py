@@ -21,7 +21,16 @@ from hpcshard.launch.liveness import LOST_S
 from hpcshard.launch.procs import descendants, ranks_below
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import beats, launchers, pid_file, read_pid
-from tests.conftest import STEPS, hpcshard, hpcshard_bg, metrics, sets, step_records, wait_for
+from tests.conftest import (
+    NOT_ABOUT_HANGS,
+    STEPS,
+    hpcshard,
+    hpcshard_bg,
+    metrics,
+    sets,
+    step_records,
+    wait_for,
+)
 from tests.distributed.test_runtime_checkpoint import (
     assert_bitwise_equal,
     committed,
@@ -48,13 +57,6 @@ def freeze(run: Path, node: int, sig: int = signal.SIGSTOP) -> float:
     for pid in [launcher, *descendants(launcher)]:
         os.kill(pid, sig)
     return time.time()
-
-
-NODE_LOSS = {"watchdog_floor_s": 60}
-"""For a test of a whole node's loss, found by its launcher's silence (LOST_S): no step, however
-slow on a busy 2-core CI machine, may be declared a hang beside it. (At the default 5 s floor
-CI once recorded a second fault in the fewer-nodes test; its ledger here shows rank 0's hang at
-5 s, before node 1's silence at 8 s, as the fault's cause.)"""
 
 
 def signal_all(pids: list[int], sig: int) -> None:
@@ -89,7 +91,8 @@ def test_a_frozen_node_is_replaced_by_a_spare_and_the_run_ends_bitwise_equal(
     start 4 more ranks over the two cycles, about 18 CPU-s.)"""
     run = tmp_path / f"spare-{victim}"
     proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "1", "--spares", "1", "jobs/charlm.py",
-                       "--run-dir", str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100, **NODE_LOSS))
+                       "--run-dir", str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100,
+                                                    **NOT_ABOUT_HANGS))
     wait_for(partial(trained_to, run, 7), 180, "step 7, past the warm-up and a commit")
     frozen_at = freeze(run, victim)
     wait_for(lambda: records(run, "recovered"), 120, "training again on the spare")
@@ -133,7 +136,8 @@ def test_without_a_spare_min_nodes_lets_the_run_go_on_with_fewer_nodes(uninterru
     the same global batch it would have seen on 2x2."""
     run = tmp_path / "fewer"
     proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "--min-nodes", "1", "jobs/charlm.py",
-                       "--run-dir", str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100, **NODE_LOSS))
+                       "--run-dir", str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100,
+                                                    **NOT_ABOUT_HANGS))
     wait_for(partial(trained_to, run, 7), 180, "step 7, past the warm-up and a commit")
     freeze(run, 1)
     out, _ = proc.communicate(timeout=300)

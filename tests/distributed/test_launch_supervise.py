@@ -23,7 +23,7 @@ from hpcshard.rundir.goodput import account
 from hpcshard.rundir.launchers import launchers
 from hpcshard.rundir.rankenv import BUG_EXIT, REQUEUE_EXIT
 from hpcshard.rundir.spec import RunSpec
-from tests.conftest import ROOT, STEPS, hpcshard, hpcshard_bg, sets, step_records, wait_for
+from tests.conftest import NOT_ABOUT_HANGS, ROOT, STEPS, hpcshard, hpcshard_bg, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import (
     assert_bitwise_equal,
     committed,
@@ -43,7 +43,7 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_bitwise_equal(unin
                                                                             tmp_path: Path) -> None:
     run = tmp_path / "killed"
     proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "2", "jobs/charlm.py", "--run-dir",
-                       str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100))
+                       str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100, **NOT_ABOUT_HANGS))
     wait_for(partial(trained_to, run, 6), 180, "step 6, past the commit of step 4")
     victim = rank_pids(run)[-1]
     os.kill(victim, signal.SIGKILL)
@@ -81,8 +81,8 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_bitwise_equal(unin
     assert f"training again {back['seconds']:.1f} s after" in status
     # The limits the watchdog learned, per start (node 0's), and the newest in status.
     learned = [r for r in ledger.read(run) if r["event"] == "watchdog"]
-    # (the floor, 5 s; more only when a loaded machine made the median step over 1.7 s)
-    assert [r["cycle"] for r in learned] == [0, 1] and learned[0]["step_limit"] >= 5.0
+    # (the floor: NOT_ABOUT_HANGS's here)
+    assert [r["cycle"] for r in learned] == [0, 1] and learned[0]["step_limit"] >= 60
     assert f"watchdog (0.1): a step may take {learned[-1]['step_limit']:.1f} s" in status
     # Goodput: the wall time, cut into what it went to, adds up (the fault's share shows).
     spec = RunSpec.read(run)
@@ -101,7 +101,7 @@ def test_a_notice_during_a_faults_recovery_requeues_and_the_run_ends_bitwise_equ
     restarted in place) and the next attempt resumes exactly."""
     run = tmp_path / "both"
     proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "1", "jobs/charlm.py", "--run-dir",
-                       str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100))
+                       str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100, **NOT_ABOUT_HANGS))
     wait_for(partial(trained_to, run, 6), 180, "step 6, past the commit of step 4")
     os.kill(rank_pids(run)[-1], signal.SIGKILL)
     assert hpcshard("preempt", str(run)).returncode == 0
@@ -125,7 +125,7 @@ def test_a_frozen_node_is_lost_in_seconds_and_the_run_requeues_and_ends_bitwise_
     new attempt, after the frozen node is killed)."""
     run = tmp_path / "frozen"
     proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "1", "jobs/charlm.py", "--run-dir",
-                       str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100))
+                       str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100, **NOT_ABOUT_HANGS))
     wait_for(partial(trained_to, run, 7), 180, "step 7, past the warm-up and a commit")
     node1 = launchers(run)[1]
     frozen = [node1, *descendants(node1)]
@@ -136,7 +136,7 @@ def test_a_frozen_node_is_lost_in_seconds_and_the_run_requeues_and_ends_bitwise_
     assert proc.returncode == 0, out[-4000:]
     (fault,) = faults(run)
     assert fault["lost"] == [1] and fault["code"] == REQUEUE_EXIT and "lost" in fault["reason"]
-    assert fault["time"] - frozen_at < 30  # the hang (5 s) and the silence (10 s), not 120 s
+    assert fault["time"] - frozen_at < 30  # its silence (LOST_S, 8 s), not DOWN_TIMEOUT_S (120 s)
     (bad,) = [r for r in ledger.read(run) if r["event"] == "bad_node"]
     assert bad["node"] == 1 and "silent" in bad["reason"]
     assert [r["attempt"] for r in ledger.read(run) if r["event"] == "start"] == [0, 1]
@@ -154,7 +154,7 @@ def test_a_frozen_node_0_takes_its_store_with_it_and_the_others_carry_on_through
     the job goes back through the queue; the run ends as if nothing had happened."""
     run = tmp_path / "frozen0"
     proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "1", "jobs/charlm.py", "--run-dir",
-                       str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100))
+                       str(run), *sets(steps=STEPS, ckpt_every=4, keep_last=100, **NOT_ABOUT_HANGS))
     wait_for(partial(trained_to, run, 7), 180, "step 7, past the warm-up and a commit")
     node0 = launchers(run)[0]
     frozen = [node0, *descendants(node0)]
@@ -301,7 +301,8 @@ def test_a_nan_with_rollback_reloads_skips_the_bad_batch_and_finishes(uninterrup
     The ranks reload step 4, skip that batch (recorded in the ledger) and train to the end."""
     run = tmp_path / "rollback"
     proc = hpcshard("submit", "--nodes", "2", "--gpus", "1", FAULTY, "--run-dir", str(run),
-                    *sets(steps=STEPS, ckpt_every=4, keep_last=100, nan_batch=7, nan_policy="rollback"))
+                    *sets(steps=STEPS, ckpt_every=4, keep_last=100, nan_batch=7, nan_policy="rollback",
+                          **NOT_ABOUT_HANGS))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     (rollback,) = [r for r in ledger.read(run) if r["event"] == "rollback"]
     assert (rollback["step"], rollback["to"], rollback["skipped"]) == (7, 4, [[0, 6 * 24]])
@@ -322,7 +323,7 @@ def test_a_spent_restart_budget_goes_back_through_the_queue_and_finishes(tmp_pat
     """Node 1's rank killed in two cycles of one attempt (2 x 1: three starts in all)."""
     run = tmp_path / "budget"
     proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "1", "jobs/charlm.py", "--run-dir",
-                       str(run), "--max-restarts", "1", *sets(steps=STEPS, ckpt_every=2))
+                       str(run), "--max-restarts", "1", *sets(steps=STEPS, ckpt_every=2, **NOT_ABOUT_HANGS))
     def started(cycle: int) -> bool:
         return any(r["event"] == "start" and r.get("cycle") == cycle for r in ledger.read(run))
 

@@ -8,7 +8,7 @@ from functools import partial
 from pathlib import Path
 
 from hpcshard.rundir import ledger
-from tests.conftest import hpcshard, hpcshard_bg, sets, step_records, wait_for
+from tests.conftest import NOT_ABOUT_HANGS, hpcshard, hpcshard_bg, sets, step_records, wait_for
 
 
 def trained_to(run: Path, step: int) -> bool:
@@ -18,7 +18,7 @@ def trained_to(run: Path, step: int) -> bool:
 def test_logs_follow_shows_two_attempts_in_one_stream(tmp_path: Path) -> None:
     run = tmp_path / "followed"
     proc = hpcshard_bg("submit", "--nodes", "2", "--gpus", "1", "jobs/charlm.py", "--run-dir", str(run),
-                       *sets(steps=12, ckpt_every=4, log_every=1))
+                       *sets(steps=12, ckpt_every=4, log_every=1, **NOT_ABOUT_HANGS))
     follow = None
     try:
         wait_for(lambda: (run / "logs" / "rank-1.log").exists(), 180, "the ranks to log")

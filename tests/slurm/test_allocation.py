@@ -16,7 +16,7 @@ import pytest
 
 from hpcshard.rundir import ledger
 from hpcshard.rundir.rankenv import REQUEUE_EXIT
-from tests.conftest import ROOT, STEPS, hpcshard, quiet_env, sets, step_records, wait_for
+from tests.conftest import NOT_ABOUT_HANGS, ROOT, STEPS, hpcshard, quiet_env, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import assert_bitwise_equal, committed, load, trained_to
 from tests.slurm.conftest import freeze, slurm, state, story
 from tests.slurm.test_faults import heartbeat
@@ -40,7 +40,8 @@ def test_a_run_in_a_held_allocation_stops_on_its_notice_and_resumes_in_another_b
     run = tmp_path / "held"
     # 2 nodes x 2 GPUs: the allocation's shape, not asked for (the reference's: 2x2).
     proc = subprocess.Popen(salloc(cluster, 2, *HPCSHARD, "run", "jobs/charlm.py", "--run-dir", str(run),
-                                   *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS)),
+                                   *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS,
+                                         **NOT_ABOUT_HANGS)),
                             cwd=ROOT, env=quiet_env(**cluster), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
@@ -117,7 +118,8 @@ def test_a_run_over_with_a_frozen_node_ends_its_step_within_seconds(cluster: dic
     run = tmp_path / "frozen"
     proc = subprocess.Popen(salloc(cluster, 3, *HPCSHARD, "run", "jobs/charlm.py", "--run-dir", str(run),
                                    "--nodes", "2", "--spares", "1",
-                                   *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS)),
+                                   *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS,
+                                         **NOT_ABOUT_HANGS)),
                             cwd=ROOT, env=quiet_env(**cluster), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     victim = ""

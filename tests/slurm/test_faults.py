@@ -13,10 +13,11 @@ from typing import Any
 
 import pytest
 
+from hpcshard.launch.liveness import LOST_S
 from hpcshard.launch.procs import ranks_below
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import guards, launchers
-from tests.conftest import STEPS, hpcshard, hpcshard_bg, sets, step_records, wait_for
+from tests.conftest import NOT_ABOUT_HANGS, STEPS, hpcshard, hpcshard_bg, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import (
     assert_bitwise_equal,
     committed,
@@ -37,7 +38,7 @@ def test_a_killed_rank_is_restarted_within_the_allocation_and_the_run_ends_bitwi
     # trained. Every "node" of the local cluster runs on this host (slurmd -N nX), so each
     # srun task's launcher (its pid in RUN_DIR/launch) and its ranks are local processes.
     job = submit(cluster, run, "--partition", "debug", "--time", "10:00",
-                 *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS))
+                 *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS, **NOT_ABOUT_HANGS))
     wait_for(lambda: 4 in committed(run) and trained_to(run, 6), 240, "step 6, past the commit of step 4")
     wait_for(lambda: len(rank_pids(run)) == 4, 30, "the 4 ranks under the 2 node launchers")
     # A rank of the second task's launcher (c10d numbers agents by arrival: its ranks may
@@ -133,7 +134,8 @@ def test_a_frozen_node_is_replaced_by_the_spare_and_the_job_ends_with_the_run(
     run = tmp_path / "spare"
     follow = hpcshard_bg("submit", "--backend", "slurm", "--nodes", "2", "--gpus", "2", "jobs/charlm.py",
                          "--run-dir", str(run), "--partition", "debug", "--time", "10:00", "--spares", "1",
-                         "--follow", *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS),
+                         "--follow", *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS,
+                                           **NOT_ABOUT_HANGS),
                          env=cluster)
     victim = ""
     try:
@@ -165,11 +167,11 @@ def test_a_frozen_node_is_replaced_by_the_spare_and_the_job_ends_with_the_run(
         records = ledger.read(run)
         (fault,) = [r for r in records if r["event"] == "fault"]
         assert fault["restart"] and fault["lost"] == [1] and fault["active"] == [0, 2]
-        assert fault["declared"] - frozen_at < 12  # lost within seconds, from its silence
+        assert fault["declared"] - frozen_at < LOST_S + 6  # lost within seconds, from its silence
         (bad,) = [r for r in records if r["event"] == "bad_node"]
         assert bad["slurm_node"] == victim and bad["drained"]
         (back,) = [r for r in records if r["event"] == "recovered"]
-        assert back["seconds"] < 60  # (not DOWN_TIMEOUT_S; loose: restarts are slow under load)
+        assert back["seconds"] < 90  # (not DOWN_TIMEOUT_S, 120 s; loose: 4 ranks restart slowly under load)
         (released,) = [r for r in records if r["event"] == "cancel"]
         assert released["job"] == f"{job}.0" and victim in released["reason"]
         assert released["time"] >= ended_at  # the end (after the last commit) came first
@@ -202,7 +204,7 @@ def test_a_batch_node_set_down_ends_the_job_and_its_guard_takes_the_run_over(
     uninterrupted one, and the guard's own guard is dropped by Slurm once it completes."""
     run = tmp_path / "guarded"
     job = submit(cluster, run, "--partition", "debug", "--time", "10:00", "--spares", "1",
-                 *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS))
+                 *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS, **NOT_ABOUT_HANGS))
     wait_for(lambda: trained_to(run, 7), 240, "step 7, past the commit of step 4")
     (guard,) = guards(run)
     assert state(guard) == "PENDING"
@@ -240,7 +242,7 @@ def test_a_killed_node_without_a_spare_leaves_the_run_on_fewer_nodes(
     batch it would have seen on 2x2."""
     run = tmp_path / "fewer"
     job = submit(cluster, run, "--partition", "debug", "--time", "10:00", "--min-nodes", "1",
-                 *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS))
+                 *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS, **NOT_ABOUT_HANGS))
     wait_for(lambda: trained_to(run, 7), 240, "step 7, past the warm-up and a commit")
     victim = heartbeat(run, 1)["slurm_node"]
     assert freeze(victim, signal.SIGKILL)
@@ -279,7 +281,7 @@ def test_a_frozen_batch_node_without_a_spare_continues_in_a_new_job(
     script on the frozen node: then it is also cancelled. The chaos soak meets that.)"""
     run = tmp_path / "orphan"
     job = submit(cluster, run, "--partition", "debug", "--time", "10:00",
-                 *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS))
+                 *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS, **NOT_ABOUT_HANGS))
     wait_for(lambda: trained_to(run, 7), 240, "step 7, past the commit of step 4")
     batch = heartbeat(run, 0)["slurm_node"]
     jobs = lambda: json.loads((run / "spec.json").read_text())["jobs"]  # noqa: E731

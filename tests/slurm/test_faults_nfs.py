@@ -19,7 +19,7 @@ from hpcshard.launch.procs import ranks_below
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import launchers
 from hpcshard.rundir.progress import boards
-from tests.conftest import STEPS, sets, step_records, wait_for
+from tests.conftest import NOT_ABOUT_HANGS, STEPS, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import (
     assert_bitwise_equal,
     committed,
@@ -46,7 +46,7 @@ def test_a_killed_rank_on_nfs_like_storage_and_skewed_clocks_restarts_in_place_b
     run = SHARED / f"killed-{uuid.uuid4().hex[:8]}"
     try:
         job = submit(cluster, run, "--partition", "nfs", "--time", "10:00", "--spares", "1",
-                     *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS))
+                     *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS, **NOT_ABOUT_HANGS))
         # (by the ranks' own boards: what this host's view of the run directory shows lags
         # by its cache times, and a 16-step run is over by then)
         wait_for(lambda: len(rank_pids(run)) == 4 and trained_on_board(6), 240, "step 6 on the boards")
@@ -93,7 +93,7 @@ def test_a_frozen_node_0_on_nfs_like_storage_is_replaced_through_the_standby_sto
     victim = ""
     try:
         job = submit(cluster, run, "--partition", "nfs", "--time", "10:00", "--spares", "1",
-                     *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS))
+                     *sets(steps=STEPS, ckpt_every=4, keep_last=100, eval_every=STEPS, **NOT_ABOUT_HANGS))
         wait_for(lambda: len(rank_pids(run)) == 4 and trained_on_board(6), 240, "step 6 on the boards")
         victim = heartbeat(run, 0)["slurm_node"]
         assert freeze(victim)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hpcshard.rundir import ledger, store
-from tests.conftest import ROOT, hpcshard, sets, step_records, wait_for
+from tests.conftest import NOT_ABOUT_HANGS, ROOT, hpcshard, sets, step_records, wait_for
 from tests.distributed.test_code_snapshot import edit, workspace
 from tests.distributed.test_runtime_checkpoint import committed, trained_to
 from tests.slurm.conftest import restarts, slurm, wait_state
@@ -94,7 +94,7 @@ def test_hard_requeue_without_notice_resumes_from_the_last_periodic_checkpoint(
         cluster: dict[str, str], tmp_path: Path) -> None:
     run = tmp_path / "hard"
     job = submit(cluster, run, "--partition", "debug", "--time", "10:00", "--requeue-policy", "requeue",
-                 *sets(steps=24, ckpt_every=4))
+                 *sets(steps=24, ckpt_every=4, **NOT_ABOUT_HANGS))
     wait_for(lambda: 8 in committed(run) and trained_to(run, 10), 240, "a periodic checkpoint")
     before = max(committed(run))
     slurm("scontrol", "requeue", job)  # no notice: Slurm kills the tasks outright
@@ -151,7 +151,7 @@ def test_chain_policy_continues_in_new_jobs_where_requeue_is_forbidden(
     run, work = tmp_path / "chained", workspace(tmp_path)
     proc = hpcshard("submit", "--backend", "slurm", "--nodes", "2", "--gpus", "2", str(work / "job.py"),
                     "--run-dir", str(run), "--time", "10:00", "--requeue-policy", "chain",
-                    *sets(steps=30, ckpt_every=4), env=cluster, cwd=work)
+                    *sets(steps=30, ckpt_every=4, **NOT_ABOUT_HANGS), env=cluster, cwd=work)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     edit(work)
     job = str(json.loads((run / "spec.json").read_text())["jobs"][-1])

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import hpcshard, hpcshard_bg, sets, wait_for
+from tests.conftest import NOT_ABOUT_HANGS, hpcshard, hpcshard_bg, sets, wait_for
 from tests.distributed.test_runtime_checkpoint import trained_to
 from tests.slurm.conftest import restarts, wait_state
 
@@ -22,7 +22,8 @@ def test_logs_follow_a_requeued_job_in_one_stream(cluster: dict[str, str], tmp_p
     run = tmp_path / "followed"
     sub = hpcshard("submit", "--backend", "slurm", "--nodes", "2", "--gpus", "1", "jobs/charlm.py",
                    "--run-dir", str(run), "--partition", "debug", "--time", "10:00",
-                   "--requeue-policy", "requeue", *sets(steps=16, ckpt_every=4, log_every=1), env=cluster)
+                   "--requeue-policy", "requeue", *sets(steps=16, ckpt_every=4, log_every=1,
+                                                        **NOT_ABOUT_HANGS), env=cluster)
     assert sub.returncode == 0, sub.stdout + sub.stderr
     job = str(json.loads((run / "spec.json").read_text())["jobs"][-1])
     follow = hpcshard_bg("logs", job, "-f", env=cluster)  # by the job id, before it runs

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from hpcshard.rundir import lease, ledger
 from hpcshard.rundir.spec import RunSpec
-from tests.conftest import hpcshard, sets, wait_for
+from tests.conftest import NOT_ABOUT_HANGS, hpcshard, sets, wait_for
 from tests.distributed.test_runtime_checkpoint import committed, trained_to
 from tests.slurm.conftest import slurm, wait_state
 from tests.slurm.test_launch_slurm import DONE, submit
@@ -25,7 +25,7 @@ def test_a_second_job_on_a_live_run_refuses_it_and_the_first_trains_to_the_end(
     record, a checkpoint or a cleaned file."""
     run = tmp_path / "owned"
     job = submit(cluster, run, "--partition", "low", "--time", "10:00",
-                 *sets(steps=40, ckpt_every=5, keep_last=100))
+                 *sets(steps=40, ckpt_every=5, keep_last=100, **NOT_ABOUT_HANGS))
     wait_for(partial(trained_to, run, 3), 240, "the first job to train")
     owner = lease.read(run)
     assert owner is not None and owner.job == job

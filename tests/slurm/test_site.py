@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hpcshard.rundir import ledger
-from tests.conftest import STEPS, hpcshard, sets, step_records, wait_for
+from tests.conftest import NOT_ABOUT_HANGS, STEPS, hpcshard, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import assert_bitwise_equal, committed, load, trained_to
 from tests.slurm.conftest import restarts, wait_state
 
@@ -96,7 +96,7 @@ def test_a_profile_alone_runs_the_demo_through_a_site_launch_block(
     is requeued by Slurm and resumes bit for bit where it stopped (the same weights as the
     2x2 reference that was never preempted)."""
     proc = hpcshard("submit", "--profile", "local", "--nodes", "2", "jobs/charlm.py",
-                    *sets(steps=STEPS), env=site_env)
+                    *sets(steps=STEPS, **NOT_ABOUT_HANGS), env=site_env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     job = re.search(r"submitted job (\d+)", proc.stdout).group(1)  # type: ignore[union-attr]
     run = Path(re.search(r"run directory: (\S+)", proc.stdout).group(1))  # type: ignore[union-attr]
