@@ -37,8 +37,9 @@ def _choice(name: str, value: str, choices: tuple[str, ...]) -> None:
         raise UserError(f"{name}={value!r} is not valid; choose one of: {', '.join(choices)}")
 
 
-def _precision(value: str) -> None:
-    """precision is the dtype of everything float8 leaves alone: fp8 is its own setting."""
+def check_precision(value: str) -> None:
+    """precision is the dtype of everything float8 leaves alone: fp8 is its own setting (a
+    UserError naming it for fp8, as for any other value not in PRECISIONS)."""
     if value.lower() in ("fp8", "float8"):
         raise UserError(f"precision={value!r} is not valid: float8 training is --set float8=true with "
                         "--set precision=bf16 (float8 matmuls in the blocks, bf16 elsewhere)")
@@ -271,7 +272,7 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _choice("sharding", self.sharding, SHARDING_MODES)
-        _precision(self.precision)
+        check_precision(self.precision)
         _choice("reduce_dtype", self.reduce_dtype, PRECISIONS)
         if self.output_dtype:
             _choice("output_dtype", self.output_dtype, PRECISIONS)

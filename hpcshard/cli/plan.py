@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from hpcshard.cli.common import table
-from hpcshard.config import PRECISIONS, SHARDING_MODES, parse_sets
+from hpcshard.config import PRECISIONS, SHARDING_MODES, check_precision, parse_sets
 from hpcshard.errors import JobCrashed
 
 UNITS = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
@@ -64,8 +64,8 @@ def parse_ac(text: str) -> int:
 @click.option("--shard", type=click.IntRange(min=0), default=0, show_default=True,
               help="Shard degree: replicate over groups of this many consecutive ranks (divided "
               "by tp), e.g. 16 on 8-GPU nodes spans 2 nodes [default: the job's, else the mode's].")
-@click.option("--precision", type=click.Choice(PRECISIONS),
-              help="Compute dtype [default: the job's, else bf16].")
+@click.option("--precision", metavar="|".join(PRECISIONS),
+              help="Compute dtype [default: the job's, else bf16]; float8: --set float8=true.")
 @click.option("--ac", "ac_text", default=None, metavar="none|full|selective|K",
               help="Activation checkpointing [default: the job's, else none].")
 @click.option("--micro-batch", type=click.IntRange(min=1), help="Sequences per GPU per micro-batch "
@@ -97,6 +97,8 @@ def plan(job: str | None, nodes: int, gpus: int, sharding: str, shard: int, prec
     mem = parse_memory(gpu_mem)
     held = parse_memory(reserve, "--reserve") if reserve.strip() not in ("0", "0B") else 0
     ac = parse_ac(ac_text) if ac_text is not None else None
+    if precision is not None:
+        check_precision(precision)
     sources = [x for x in (job, params, hf_config) if x]
     if len(sources) != 1:
         raise ValueError("give one model: a JOB, --params with --layers and --hidden, or --hf-config")

@@ -192,3 +192,17 @@ def test_the_preflight_resolves_and_checks_the_degree() -> None:
         preflight({"shard": "3"})
     with pytest.raises(UserError, match="shard=2 with min_nodes 3: on 3 node"):
         preflight({"shard": "2"}, nodes=4, gpus=1, min_nodes=3)
+
+
+@pytest.mark.parametrize(("value", "needle"), [("fp8", "--set float8=true"), ("float8", "--set float8=true"),
+                                               ("bf17", "choose one of: fp32, bf16, fp16")])
+def test_the_cli_plan_names_a_bad_precision_and_the_fix(value: str, needle: str) -> None:
+    """--precision takes what --set precision= takes; fp8 is its own setting, and says so."""
+    from click.testing import CliRunner
+
+    from hpcshard.cli.plan import plan
+
+    bad = CliRunner().invoke(plan, ["--params", "7B", "--layers", "32", "--hidden", "4096",
+                                    "--precision", value])
+    assert isinstance(bad.exception, UserError), bad.output
+    assert f"precision={value!r} is not valid" in str(bad.exception) and needle in str(bad.exception)
