@@ -24,6 +24,7 @@ from hpcshard.cli.options import (
     setting_option,
     settings,
     shape_options,
+    spare_options,
 )
 from hpcshard.launch import backends
 from hpcshard.launch.allocation import held, shape
@@ -34,8 +35,7 @@ from hpcshard.rundir.spec import create_run_dir
 @click.argument("job", required=False)
 @script_options
 @shape_options()
-@setting_option("spares")
-@setting_option("min_nodes")
+@spare_options
 @RUN_DIR
 @NAME
 @setting_option("max_restarts")
