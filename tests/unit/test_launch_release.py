@@ -213,26 +213,6 @@ def test_a_step_is_cancelled_when_no_node_may_be_set_down(
     assert [c for c in called.read_text().splitlines() if not c.startswith("scontrol show job")] == calls
 
 
-def test_follow_asks_slurm_every_second_once_the_run_ended_then_stops_after_the_grace(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from hpcshard.cli import common
-    from hpcshard.slurm import poll
-
-    clock = [0.0]
-    monkeypatch.setattr(common.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(common.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
-    asked: list[float] = []
-
-    def ask() -> tuple[bool, str]:
-        asked.append(clock[0])
-        return False, "RUNNING"  # (held by a lost node: it never says over)
-
-    log = tmp_path / "rank-0.log"
-    log.write_text("step 1\n")
-    common.follow_log(log, ask, poll.Backoff(5, 40), ended=lambda: clock[0] >= 20, grace=3)
-    assert asked == [0, 5, 15, 20, 21, 22, 23]  # backed off, then at once and every second
-
-
 @pytest.mark.parametrize("state,reason,code,said", [
     (JobState.RUNNING, EndReason.DONE, 0, "job 77: RUNNING (the run is done; Slurm is still ending the job)"),
     (JobState.COMPLETED, EndReason.DONE, 0, "job 77: COMPLETED"),

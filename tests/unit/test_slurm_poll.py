@@ -179,8 +179,11 @@ def test_a_followed_sweep_asks_once_a_poll_and_backs_off(tmp_path: Path, fake: C
     assert "task-19  lr=19" in out.output  # the table at the end
 
 
-def test_follow_log_asks_slurm_once_a_backoff_and_reads_the_log_every_second(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def follow_log_asks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                    says: Callable[[float], tuple[bool, str]], ended_at: float | None = None,
+                    **kw: Any) -> list[float]:
+    """When `common.follow_log` asked Slurm, on a stand-in clock (its sleeps advance it); `says`:
+    Slurm's answer at a time; `ended_at`: when the run ended (never: None)."""
     from hpcshard.cli import common
 
     clock = [0.0]
@@ -190,12 +193,27 @@ def test_follow_log_asks_slurm_once_a_backoff_and_reads_the_log_every_second(
 
     def ask() -> tuple[bool, str]:
         asked.append(clock[0])
-        return clock[0] >= 100, "RUNNING"
+        return says(clock[0])
 
     log = tmp_path / "rank-0.log"
     log.write_text("step 1\n")
-    common.follow_log(log, ask, poll.Backoff(5, 40))
+    if ended_at is not None:
+        kw["ended"] = lambda: clock[0] >= ended_at
+    common.follow_log(log, ask, poll.Backoff(5, 40), **kw)
+    return asked
+
+
+def test_follow_log_asks_slurm_once_a_backoff_and_reads_the_log_every_second(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    asked = follow_log_asks(tmp_path, monkeypatch, lambda now: (now >= 100, "RUNNING"))
     assert asked == [0, 5, 15, 35, 75, 115]  # 60 s: 5 calls, where every second was 60
+
+
+def test_follow_asks_slurm_every_second_once_the_run_ended_then_stops_after_the_grace(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # (held by a lost node: the job never says over; the run ended at 20 s)
+    asked = follow_log_asks(tmp_path, monkeypatch, lambda now: (False, "RUNNING"), ended_at=20, grace=3)
+    assert asked == [0, 5, 15, 20, 21, 22, 23]  # backed off, then at once and every second
 
 
 def test_poll_settings_are_site_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
