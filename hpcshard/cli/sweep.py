@@ -237,10 +237,9 @@ def follow_sweep(root: Path, backoff: Backoff) -> None:
     `backoff` apart: `poll_s`, doubling while no task changes, up to `poll_max_s`."""
     from hpcshard.slurm.poll import Watch
 
-    record = Sweep.read(root)
-    specs = [RunSpec.read(record.task_dir(root, i)) for i in range(len(record.configs))]
-    tasks = {job: i for i, spec in enumerate(specs)
-             if backends.of(spec).in_queue and (job := backends.of(spec).job(spec)) is not None}
+    record, specs, jobs = task_jobs(root)
+    tasks = {job: i for i, (spec, job) in enumerate(zip(specs, jobs, strict=True))
+             if job is not None and backends.of(spec).in_queue}
     watch = Watch(list(tasks))
     if tasks:
         click.echo(f"following {len(tasks)} Slurm job(s) of sweep {record.name}: one squeue every "
