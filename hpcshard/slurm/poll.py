@@ -121,8 +121,3 @@ def _forgotten(before: JobInfo | None, job: str) -> JobInfo:
     if before is not None and before.state.over:
         return before
     return JobInfo(job, parse(""), "ended")
-
-
-def calls() -> int:
-    """Slurm commands this process has run so far (`client.calls`)."""
-    return client.calls
