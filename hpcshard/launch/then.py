@@ -29,6 +29,7 @@ from hpcshard.rundir.chain import Chain, Then, check_fresh, decide_then, done_st
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.slurm import cluster
+from hpcshard.slurm.arrays import dependency
 from hpcshard.slurm.sbatch import SbatchRequest, render
 
 
@@ -61,7 +62,7 @@ def submit_steps(run_dir: Path, job: str) -> list[str]:
     ids = []
     for i, step in enumerate(Chain.read(run_dir).then):
         try:
-            new = cluster.sbatch(f"--dependency=afterany:{job}", str(script(spec, run_dir, i, step)))
+            new = cluster.sbatch(f"--dependency={dependency([job])}", str(script(spec, run_dir, i, step)))
         except (OSError, ValueError) as err:
             ids.append("")
             _record(run_dir, i, "", "failed", f"not submitted: {err}")
@@ -157,7 +158,7 @@ def _wait(spec: RunSpec, run_dir: Path, index: int, step: Then, jobs: list[str])
     if not path.exists():
         script(spec, run_dir, index, step)
     try:
-        new = cluster.sbatch(f"--dependency=afterany:{':'.join(jobs)}", str(path))
+        new = cluster.sbatch(f"--dependency={dependency(jobs)}", str(path))
     except ValueError as err:
         return _end(run_dir, index, "", "failed", f"the run goes on under job {jobs[0]}, and waiting "
                     f"for it failed: {err}")
