@@ -104,8 +104,8 @@ def submitted(run_dir: Path, after: After | None, job: str) -> None:
         Chain.update(Path(after.run), lambda c: c.followers.append(
             {"job": job, "kind": after.kind, "run": str(run_dir.resolve())}))
         _catch_up(Path(after.run), after, job)
-    for i, new in enumerate(submit_steps(run_dir, job)):
-        step = Chain.read(run_dir).then[i]
+    ids = submit_steps(run_dir, job)
+    for new, step in zip(ids, Chain.read(run_dir).then, strict=True):
         if new:
             click.echo(f"then: {step.label} as job {new}, once the run has ended done")
         else:
