@@ -59,6 +59,10 @@ class Start:
     at: str | None = None
     """The time of day it was written (HH:MM:SS; None: a line without a stamp)."""
 
+    def on(self, node: str) -> bool:
+        """Did the rank run on `node` (a host name, or a node number) in this piece?"""
+        return self.host == node or (node.isdigit() and self.node == int(node))
+
 
 def parse_start(line: str) -> Start | None:
     """The start line in `line` (with or without its logger's prefix); None for any other."""
@@ -175,10 +179,6 @@ class Where:
                    job=next((s.job for s in mine.values() if s.job), None),
                    at=min((s.at for s in mine.values() if s.at), default=None))
 
-    def on(self, node: str, rank: int) -> bool:
-        """Did `rank` run on `node` (a host name, or a node number) in this piece?"""
-        return self.hosts.get(rank) == node or (node.isdigit() and self.nodes.get(rank) == int(node))
-
 
 @dataclass(frozen=True)
 class Filter:
@@ -195,7 +195,8 @@ class Filter:
         if self.attempt is not None and (line.piece is None or line.piece[0] != self.attempt):
             return False
         if self.node is not None:
-            return line.piece is not None and Where.of(starts, line.piece).on(self.node, line.rank)
+            start = starts.get((line.rank, line.piece)) if line.piece is not None else None
+            return start is not None and start.on(self.node)
         return True
 
 
