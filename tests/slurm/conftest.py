@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, hpcshard
 
 SCRIPT = ROOT / "scripts" / "local-slurm"
 DIR = Path(os.environ.get("HPCSHARD_SLURM_DIR", "/tmp/hpcshard-slurm"))
@@ -131,6 +131,30 @@ def story(run: Path, lines: int = 30) -> str:
         for err in sorted((run / "submitit").glob(f"{job}_*_log.err")):
             out += [f"  {err.name}: {line}" for line in err.read_text(errors="replace").splitlines()[-lines:]]
     return "\n".join(out)
+
+
+POLL_S, POLL_MAX_S = 1, 4
+"""The site's poll settings for a followed sweep (`follow_sweep`)."""
+
+
+def follow_sweep(cluster: dict[str, str], root: Path, tmp_path: Path,
+                 timeout: float) -> tuple[str, list[list[str]]]:
+    """`hpcshard status SWEEP --follow` to the sweep's end under a site polling POLL_S apart
+    (backing off to POLL_MAX_S): its output and the Slurm calls it made (time, command). Its
+    polls are one squeue each for every task, never a call job by job: the last two calls are
+    the final table's (accounting, then squeue at most); and never more than one a poll."""
+    site = tmp_path / "site.toml"
+    site.write_text(f"[defaults]\npoll_s = {POLL_S}\npoll_max_s = {POLL_MAX_S}\n")
+    log = tmp_path / "calls.log"
+    start = time.time()
+    followed = hpcshard("status", str(root), "--follow", timeout=timeout,
+                        env={**cluster, "HPCSHARD_SITE": str(site), "HPCSHARD_SLURM_CALLS_LOG": str(log)})
+    took = time.time() - start
+    assert followed.returncode == 0, followed.stdout + followed.stderr
+    calls = [line.split(" ", 1) for line in log.read_text().splitlines()]
+    assert {name for _, name in calls[:-2]} == {"squeue"}, calls
+    assert len(calls) <= took / POLL_S + 3, (len(calls), took)
+    return followed.stdout, calls
 
 
 def freeze(node: str, sig: signal.Signals = signal.SIGSTOP) -> list[int]:

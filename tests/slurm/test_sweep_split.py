@@ -6,15 +6,13 @@ lowered to 6 for the session: conftest.MAX_ARRAY_SIZE): 7 configurations run as 
 from __future__ import annotations
 
 import json
-import time
 from datetime import datetime
 from pathlib import Path
 
 from tests.conftest import hpcshard, sets
-from tests.slurm.conftest import MAX_ARRAY_SIZE, slurm
+from tests.slurm.conftest import MAX_ARRAY_SIZE, follow_sweep, slurm
 
 TASKS, PARALLEL = MAX_ARRAY_SIZE + 1, 3
-POLL_S, POLL_MAX_S = 1, 4
 
 
 def most_at_once(spans: list[tuple[datetime, datetime]]) -> int:
@@ -42,23 +40,12 @@ def test_a_sweep_past_max_array_size_runs_whole_as_one_sweep(cluster: dict[str, 
     jobs = [json.loads((root / f"task-{i}" / "spec.json").read_text())["jobs"][-1] for i in range(TASKS)]
     assert jobs == [f"{first}_{i}" for i in range(MAX_ARRAY_SIZE)] + [f"{second}_0"]
 
-    site = tmp_path / "site.toml"
-    site.write_text(f"[defaults]\npoll_s = {POLL_S}\npoll_max_s = {POLL_MAX_S}\n")
-    log = tmp_path / "calls.log"
-    start = time.time()
-    followed = hpcshard("status", str(root), "--follow", timeout=540,
-                        env={**cluster, "HPCSHARD_SITE": str(site), "HPCSHARD_SLURM_CALLS_LOG": str(log)})
-    took = time.time() - start
-    assert followed.returncode == 0, followed.stdout + followed.stderr
-    out = followed.stdout
+    out, _ = follow_sweep(cluster, root, tmp_path, timeout=540)
     # One sweep: every task of both arrays followed, then in one table, all finished.
     assert f"following {TASKS} Slurm job(s)" in out and f"job arrays {first}, {second}" in out
     table = [line for line in out.splitlines() if line.startswith("task-") and "  " in line]
     assert len(table) == TASKS and all(" COMPLETED " in row and " 2/2 " in row for row in table), out
-    # The follow's polls: one squeue each for the tasks of both arrays, never job by job.
-    calls = [line.split(" ", 1) for line in log.read_text().splitlines()]
-    assert {name for _, name in calls[:-2]} == {"squeue"}, calls
-    assert len(calls) <= took / POLL_S + 3, (len(calls), took)
+    # (follow_sweep: one squeue a poll for the tasks of both arrays, never job by job)
 
     # The throttle held across the arrays (Slurm's own times), and the second array
     # started only once every task of the first was over.
