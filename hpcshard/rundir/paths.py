@@ -72,11 +72,6 @@ class RunPaths:
         return self.root / PROFILES
 
     @property
-    def chain(self) -> Path:
-        """What the run waits for and what comes after it (`rundir.chain`)."""
-        return self.root / CHAIN
-
-    @property
     def then(self) -> Path:
         """The scripts and logs of the `--then` jobs (`launch.then`)."""
         return self.root / "then"
