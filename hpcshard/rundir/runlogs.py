@@ -229,8 +229,6 @@ def header(piece: Piece, where: Where, started: Mapping[str, Any] | None) -> str
     return f"==> attempt {attempt} (restart {cycle}): {', '.join(parts) or 'no start line'} <=="
 
 
-_TAGGED = re.compile(r"^\d\d:\d\d:\d\d \[rank \d+\] ")
-
 
 @dataclass
 class Stream:
@@ -249,7 +247,7 @@ class Stream:
             if line.piece is not None and (line.piece != self.shown or not self.begun):
                 out.append(header(line.piece, Where.of(starts, line.piece), ledger.get(line.piece)))
             self.shown, self.begun = line.piece, True
-            tag = self.several and not _TAGGED.match(line.text)
+            tag = self.several and not _STAMP.match(line.text)
             out.append(f"[rank {line.rank}] {line.text}" if tag else line.text)
         return out
 
