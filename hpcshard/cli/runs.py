@@ -120,15 +120,17 @@ def ls(root: Path | None, limit: int, profile: str | None) -> None:
     if sweeps:
         from hpcshard.cli.sweep import summary, task_jobs
 
-        for record, _, tasks in map(task_jobs, sweeps):
+        known = [task_jobs(sweep_dir) for sweep_dir in sweeps]
+        for record, _, tasks in known:
             jobs_of_sweeps = [job for job in tasks if job is not None]
             since += [record.created] if jobs_of_sweeps else []
             jobs += jobs_of_sweeps
     # Every run's and every sweep task's job in one ask (`job_states`: at most two calls).
     slurm = job_states(list(dict.fromkeys(job for job in jobs if job is not None)),
                        since=min(since, default=None))
-    for sweep_dir in sweeps:
-        click.echo(f"sweep {sweep_dir.name}: {summary(sweep_dir, slurm)}")
+    if sweeps:
+        for sweep_dir, read in zip(sweeps, known, strict=True):
+            click.echo(f"sweep {sweep_dir.name}: {summary(sweep_dir, slurm, read)}")
     if not runs:
         return
     click.echo(f"{'run':<32} {'backend':<10} {'shape':>5} {'step':>11} {'loss':>7} {'state':<9} "

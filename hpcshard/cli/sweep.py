@@ -191,10 +191,13 @@ def task_jobs(root: Path) -> tuple[Sweep, list[RunSpec], list[str | None]]:
     return record, specs, [backends.of(spec).job(spec) for spec in specs]
 
 
-def task_rows(root: Path, slurm: dict[str, str] | None = None) -> list[tuple[str, str, str, str, str, str]]:
+def task_rows(root: Path, slurm: dict[str, str] | None = None,
+              known: tuple[Sweep, list[RunSpec], list[str | None]] | None = None
+              ) -> list[tuple[str, str, str, str, str, str]]:
     """Each run of the sweep: task, configuration, state, step, best eval loss, attempts.
-    `slurm`: the jobs' states when the caller asked already (`ls`: one ask for every sweep)."""
-    record, specs, jobs = task_jobs(root)
+    `slurm`: the jobs' states when the caller asked already (`ls`: one ask for every sweep);
+    `known`: its `task_jobs`, when the caller read them already."""
+    record, specs, jobs = known or task_jobs(root)
     if slurm is None:
         slurm = job_states([job for job in jobs if job is not None], since=record.created)
     rows = []
@@ -259,9 +262,11 @@ def follow_sweep(root: Path, backoff: Backoff) -> None:
     show_status(root)
 
 
-def summary(root: Path, slurm: dict[str, str] | None = None) -> str:
-    """One line of a sweep for `ls`: its runs by state, and the best evaluation loss."""
-    rows = task_rows(root, slurm)
+def summary(root: Path, slurm: dict[str, str] | None = None,
+            known: tuple[Sweep, list[RunSpec], list[str | None]] | None = None) -> str:
+    """One line of a sweep for `ls`: its runs by state, and the best evaluation loss
+    (`slurm`, `known`: `task_rows`')."""
+    rows = task_rows(root, slurm, known)
     states = Counter(row[2] for row in rows)
     best = min((row for row in rows if row[4] != "-"), key=lambda row: float(row[4]), default=None)
     return (f"{len(rows)} run(s): " + ", ".join(f"{n} {state}" for state, n in states.items())
