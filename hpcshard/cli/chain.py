@@ -137,15 +137,12 @@ def resumed(run_dir: Path, job: str) -> None:
     it (as a continuation moves it, `launch.then.carry`). A run `--after` it with afterok
     on a job that stopped without finishing would otherwise wait for ever
     (DependencyNeverSatisfied); one that started or ended meanwhile has nothing to move."""
-    from hpcshard.slurm import cluster
+    from hpcshard.launch.then import move
 
-    for follower in Chain.read(run_dir).followers:
-        try:
-            cluster.depend(follower["job"], f"{follower['kind']}:{job}")
-        except ValueError as err:
-            if follower.get("run"):  # (a `--then` job has long started: nothing to say)
-                click.echo(f"note: {follower['run']} (job {follower['job']}) was not moved onto job "
-                           f"{job}: {err}", err=True)
+    for follower, err in move(run_dir, job):
+        if follower.get("run"):  # (a `--then` job has long started: nothing to say)
+            click.echo(f"note: {follower['run']} (job {follower['job']}) was not moved onto job "
+                       f"{job}: {err}", err=True)
 
 
 def run_here(run_dir: Path, code: int) -> int:

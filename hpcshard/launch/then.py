@@ -87,13 +87,19 @@ def carry(run_dir: Path, old: str, new: str) -> list[str]:
     still waiting on `old` waits on `new` instead, so that "after this run" stays after
     its end. What could not be moved, one line each (a follower that started or ended
     meanwhile has nothing to move; a `--then` step that started checks the ledger)."""
-    said = []
+    return [f"follower {follower['job']} still waits on {old}: {err}" for follower, err in move(run_dir, new)]
+
+
+def move(run_dir: Path, new: str) -> list[tuple[dict[str, str], ValueError]]:
+    """Every follower of the run made to wait on job `new` (its own kind of dependency);
+    those Slurm refused, with why."""
+    refused = []
     for follower in Chain.read(run_dir).followers:
         try:
             cluster.depend(follower["job"], f"{follower['kind']}:{new}")
         except ValueError as err:
-            said.append(f"follower {follower['job']} still waits on {old}: {err}")
-    return said
+            refused.append((follower, err))
+    return refused
 
 
 def carriers(spec: RunSpec, run_dir: Path) -> list[str] | None:

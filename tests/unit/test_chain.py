@@ -231,8 +231,8 @@ def test_a_run_named_by_after_is_waited_for_through_its_newest_job(
     assert asked == ["9"]
 
 
-def test_a_continuation_moves_every_follower_onto_the_new_job(tmp_path: Path,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_continuation_moves_every_follower_onto_the_new_job(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """`launch.slurm.chain` and a guard's take-over call `carry`: what waited for the old job
     waits for the new one, each with its own kind; one that cannot be moved is said."""
     from hpcshard.launch import then
@@ -251,6 +251,20 @@ def test_a_continuation_moves_every_follower_onto_the_new_job(tmp_path: Path,
     said = then.carry(tmp_path, "12", "13")
     assert moved == [("30", "afterok:13")]
     assert said == ["follower 20 still waits on 12: Job has already started"]
+    # `resume` moves them the same way (chain.resumed), with a note for a run's job alone (a
+    # `--then` step's job has long started)
+    from hpcshard.cli import chain
+
+    Chain(followers=[{"job": "20", "kind": "afterany", "run": ""},
+                     {"job": "40", "kind": "afterok", "run": "/r/c"},
+                     {"job": "30", "kind": "afterok", "run": "/r/b"}]).write(tmp_path)
+    monkeypatch.setattr(cluster, "depend", lambda job, dependency: depend(
+        job, dependency) if job != "40" else depend("20", dependency))
+    moved.clear()
+    chain.resumed(tmp_path, "14")
+    assert moved == [("30", "afterok:14")]
+    assert capsys.readouterr().err == ("note: /r/c (job 40) was not moved onto job 14: Job has already "
+                                       "started\n")
 
 
 def test_a_then_step_waits_again_or_skips_as_the_ledger_says(tmp_path: Path,
