@@ -273,9 +273,10 @@ def run_held(spec: RunSpec, run_dir: Path, resume: str, owner: str, *, lead: int
     attempt = ledger.next_attempt(run_dir)
     deadline = cluster.end_time(alloc.job_id)
     ranks = RankEnv(attempt=attempt, resume=resume, notice=notice, deadline=deadline, lead=lead, owner=owner)
-    argv = srun_argv(alloc, spec.nodes + spec.spares, run_dir, step_name(spec.name, spec.created))
-    up = Launchers(run_dir, spec.nodes + spec.spares, attempt)
-    ender = StepEnd(run_dir, alloc, step_name(spec.name, spec.created), attempt, spec.nodes + spec.spares)
+    name, tasks = step_name(spec.name, spec.created), spec.nodes + spec.spares
+    argv = srun_argv(alloc, tasks, run_dir, name)
+    up = Launchers(run_dir, tasks, attempt)
+    ender = StepEnd(run_dir, alloc, name, attempt, tasks)
     # Its own session: the terminal's Ctrl-C comes to this command alone, which makes it
     # the notice (srun's own first Ctrl-C only prints its tasks' states, two within a
     # second kill them). srun forwards the signals it is sent to every task of the step.
