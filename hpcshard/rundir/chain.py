@@ -154,11 +154,16 @@ def verdict(records: Sequence[Mapping[str, Any]]) -> str | None:
                 or (r.get("event") == "fault" and r.get("restart"))]
     since = last[reopened[-1] + 1:] if reopened else last
     closing = [r for r in since if r.get("event") in ("end", "gave_up", "requeue", "chain", "guard")]
-    if any(r["event"] in ("requeue", "chain", "guard") for r in closing):
+    # A continuation goes on whatever end comes after it (the leader's stop may be written
+    # after the launcher that sent the job on wrote its requeue), unless a give-up follows
+    # it: a requeue left to the batch script whose actions could not be written
+    # (`launch.slurm._leave_to_host`) is no requeue. A give-up a guard then overrode is.
+    went_on = [i for i, r in enumerate(closing) if r["event"] in ("requeue", "chain", "guard")]
+    gave_up = [i for i, r in enumerate(closing) if r["event"] == "gave_up"]
+    if went_on and not (gave_up and gave_up[-1] > went_on[-1]):
         return None
-    gave_up = [r for r in closing if r["event"] == "gave_up"]
     if gave_up:
-        return f"gave up: {gave_up[-1].get('reason', '')}".rstrip(": ")
+        return f"gave up: {closing[gave_up[-1]].get('reason', '')}".rstrip(": ")
     ends = [r for r in closing if r["event"] == "end"]
     return str(ends[-1].get("reason")) if ends else None
 

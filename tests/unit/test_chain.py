@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from hpcshard.errors import UserError
+from hpcshard.rundir import ledger
 from hpcshard.rundir.chain import (
     After,
     Chain,
@@ -79,6 +80,14 @@ ENDINGS = [
     ([START0, rec("guard", 0, job="5", next="7", state="NODE_FAIL")], None),
     ([START0, rec("end", 0, reason="stop")], "stop"),  # requeue_policy none: waits for resume
     ([START0, rec("end", 0, reason="error"), rec("gave_up", 0, reason="a bug")], "gave up: a bug"),
+    # the leader's stop written after another launcher's requeue: still requeued
+    ([START0, rec("requeue", 0, job="5"), rec("end", 0, reason="stop")], None),
+    # a requeue left to the batch script, whose actions could not be written: it never comes
+    ([START0, rec("end", 0, reason="stop"), rec("requeue", 0, job="5", host=True),
+      rec("gave_up", 0, reason="the batch script's actions could not be written")],
+     "gave up: the batch script's actions could not be written"),
+    # a give-up a guard job then took over from: the run goes on
+    ([START0, rec("gave_up", 0, reason="x"), rec("guard", 0, job="5", next="7", state="FAILED")], None),
     ([START0, rec("end", 0, reason="error")], "error"),
     # the newest attempt decides: an old done does not stand for a resumed run's end
     ([START0, rec("end", 0, reason="done"), START1], None),
@@ -107,6 +116,14 @@ def test_a_job_fails_only_when_its_run_ended_other_than_done(records: list[dict[
     (requeued, continued, taken over) or ended done leaves its job COMPLETED (exit 0); an
     error, a stop nobody continues or a give-up, FAILED (exit 1)."""
     assert job_exit(records) == (0 if expected in (None, "done") else 1)
+
+
+@pytest.mark.parametrize("records,expected", ENDINGS)
+def test_follow_stops_where_the_verdict_is_final(records: list[dict[str, Any]], expected: str | None) -> None:
+    """`submit --follow` (`ledger.finished`) and what waits for the run (`verdict`) agree on
+    when it ended for good: done, or given up (a stop or an error is for Slurm's word)."""
+    final = expected is not None and (expected == "done" or expected.startswith("gave up"))
+    assert (ledger.finished(records, 0) is not None) == final
 
 
 def test_done_step_is_the_last_done_end() -> None:
