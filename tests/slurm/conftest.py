@@ -7,11 +7,12 @@ and must run these tests."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,44 @@ MAX_ARRAY_SIZE = 6
 """The cluster's MaxArraySize (Slurm's default is 1001), so that a sweep of a few tasks is
 more than one array takes (test_sweep_split). Every other sweep or array of these tests
 fits in one (the largest: test_polling's 6 tasks); a test that needs a larger one is split."""
+
+
+FAILED = pytest.StashKey[bool]()
+GROUP_PARTITIONS = {"debug_partition": ("debug",), "nfs_partition": ("nfs",)}
+"""The partitions a test of each group submits to (`tests/conftest.GROUPS`: one worker runs a
+group's tests one after another); low and high for the others."""
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None],
+                              ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    if report.when == "call":
+        item.stash[FAILED] = report.failed
+    return report
+
+
+@pytest.fixture(autouse=True)
+def clear_a_failed_tests_jobs(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that failed may leave its jobs running or pending (it stopped at an assert
+    while they went on). Its rerun (`tests/conftest.RERUNS`), and the next test of its
+    group, would queue behind them on the same few nodes and fail for want of them: its
+    group's partitions are emptied (scancel) and waited for, up to a minute and a half,
+    before either starts. Nothing is done after a test that passed."""
+    yield
+    if not request.node.stash.get(FAILED, False):
+        return
+    parts = next((p for mark, p in GROUP_PARTITIONS.items() if request.node.get_closest_marker(mark)),
+                 ("low", "high"))
+    env = {**os.environ, "SLURM_CONF": str(CONF)}
+    deadline = time.monotonic() + 90
+    with contextlib.suppress(OSError, subprocess.SubprocessError):  # (no cluster: nothing to clear)
+        for part in parts:
+            subprocess.run(["scancel", "--partition", part], env=env, capture_output=True, timeout=60)
+        while time.monotonic() < deadline and subprocess.run(
+                ["squeue", "-h", "-p", ",".join(parts)], env=env, capture_output=True, text=True,
+                timeout=60).stdout.strip():
+            time.sleep(2)
 
 
 @pytest.fixture(scope="session")
