@@ -39,13 +39,21 @@ GROUPS = {"tests/distributed/test_runtime_train.py": "runtime-facts",
 
 
 RERUNS = 1
-"""A multi-process test (dist, slurm) that fails is run once more (pytest-rerunfailures),
-and the first failure is printed in full under "rerun test summary info" at the suite's
-end. On CI's 2 cores, three workers' runs of launchers, ranks and a whole Slurm cluster
-starve each other for seconds at a time: about one test in 2,000 met a timing it had
-never met here (three CI runs, three different tests, each passing alone and under load).
-Each rerun listed is a race to find, as those three were (tests/conftest.NOT_ABOUT_HANGS);
-a test that fails twice is red. The unit layer is never rerun."""
+"""A multi-process test (dist, slurm) that fails is run once more (pytest-rerunfailures,
+where it is installed: the `test` extra), and the first failure is printed in full under
+"rerun test summary info" at the suite's end. On CI's 2 cores, three workers' runs of
+launchers, ranks and a whole Slurm cluster starve each other for seconds at a time: about
+one test in 2,000 met a timing it had never met here (three CI runs, three different tests,
+each passing alone and under load). Each rerun listed is a race to find, as those three
+were (tests/conftest.NOT_ABOUT_HANGS); a test that fails twice is red. The unit layer is
+never rerun."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Each rerun's first failure in full at the end (set here, not in pyproject's addopts:
+    a pytest without the plugin, such as the GPU machine's, would refuse the option)."""
+    if config.pluginmanager.hasplugin("rerunfailures"):
+        config.option.rerun_show_tracebacks = True
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist turns xdist_group marks into groups

@@ -364,6 +364,11 @@ def _leave_to_host(run: Path, spec: RunSpec, attempt: int, requeue: events.Reque
             return
         actions.write(Path(path))
     except (OSError, ValueError) as err:
+        if requeue is None:  # (drains only: whatever the run did, it did; another launcher's
+            # requeue already in the file stands, and a give-up here would end a run it continues)
+            print(f"hpcshard: the batch script's drains could not be written ({err}); drain the "
+                  "run's bad nodes by hand (`hpcshard status` lists them)", file=sys.stderr, flush=True)
+            return
         ledger.append(run, events.GaveUp(attempt=attempt, reason=f"the batch script's actions could not be "
                                          f"written ({err}); continue with `hpcshard resume {run}`"))
 

@@ -43,7 +43,9 @@ fits in one (the largest: test_polling's 6 tasks); a test that needs a larger on
 FAILED = pytest.StashKey[bool]()
 GROUP_PARTITIONS = {"debug_partition": ("debug",), "nfs_partition": ("nfs",)}
 """The partitions a test of each group submits to (`tests/conftest.GROUPS`: one worker runs a
-group's tests one after another); low and high for the others."""
+group's tests one after another); low and high for the others. One exception: test_owner
+(low/high) runs a short second job on debug beside its first, and cancels it itself; a
+debug test's failure in that minute cancels it too, and test_owner fails (once)."""
 
 
 @pytest.hookimpl(wrapper=True)

@@ -40,9 +40,12 @@ def test_a_second_job_on_a_live_run_refuses_it_and_the_first_trains_to_the_end(
     folder = run / "submitit"
     second = slurm("sbatch", "--parsable", "--hold", "--partition", "debug",
                    str(folder / f"{job}_submission.sh")).strip().split(";")[0]
-    shutil.copy(folder / f"{job}_submitted.pkl", folder / f"{second}_submitted.pkl")
-    slurm("scontrol", "release", second)
-    assert wait_state(second, DONE, timeout=240) == "COMPLETED"
+    try:  # (its own to clear: a failed test's cleanup empties the low/high partitions only)
+        shutil.copy(folder / f"{job}_submitted.pkl", folder / f"{second}_submitted.pkl")
+        slurm("scontrol", "release", second)
+        assert wait_state(second, DONE, timeout=240) == "COMPLETED"
+    finally:
+        slurm("scancel", second)
     said = "".join(p.read_text() for p in folder.glob(f"{second}_*_log.err"))
     assert f"job {second} does not own {run}" in said, said
 

@@ -14,6 +14,7 @@ from hpcshard.launch import exclusion, hostside
 from hpcshard.launch import slurm as launch_slurm
 from hpcshard.launch.hostside import Drain, HostActions, Way
 from hpcshard.rundir import events, ledger
+from hpcshard.rundir.chain import verdict
 from hpcshard.slurm.env import SlurmEnv
 from hpcshard.slurm.sbatch import SbatchRequest, render
 
@@ -133,15 +134,45 @@ def test_without_a_client_the_launcher_leaves_requeue_and_drains_to_the_batch_sc
     assert "no Slurm client" in err and "left to the batch script" in err
 
 
-def test_a_node_name_bash_could_split_gives_the_run_up_in_one_line(no_client: Path) -> None:
-    """A node name Slurm never gives reaches the host file's check: the run gives up (the
-    ledger says why), the launcher does not end in a traceback."""
+def test_a_node_name_bash_could_split_gives_the_run_up_in_one_line(
+        no_client: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A node name Slurm never gives reaches the host file's check, and the launcher does
+    not end in a traceback. A requeue so lost gives the run up (the ledger says why: nothing
+    requeues it); drains alone only say so, in one line: the run ended as it ended, or
+    another launcher's requeue in the file continues it, and a give-up would read as its end
+    (`chain.verdict`: the job FAILED, `--after` refused)."""
     run = no_client.parents[1]
     exclusion.declare_bad(run, 0, 0, 1, {"host": "h2", "slurm_node": "n2;reboot"}, "lost: silent", drain=True)
     spec = type("Spec", (), {"bad_nodes": "drain"})()
     launch_slurm._leave_to_host(run, spec, 0, None)  # type: ignore[arg-type]
+    assert not [r for r in ledger.read(run) if r["event"] == "gave_up"] and no_client.read_text() == ""
+    (said,) = [line for line in capsys.readouterr().err.splitlines() if "not one Slurm gives" in line]
+    assert "drains could not be written" in said and "by hand" in said
+    left = launch_slurm._continue(run, SLURM, 0, 0, 5, "requeue", owner=None)  # type: ignore[arg-type]
+    launch_slurm._leave_to_host(run, spec, 0, left)  # type: ignore[arg-type]
     (gave_up,) = [r for r in ledger.read(run) if r["event"] == "gave_up"]
     assert "not one Slurm gives" in gave_up["reason"] and no_client.read_text() == ""
+    assert verdict(ledger.read(run)) == f"gave up: {gave_up['reason']}"
+
+
+def test_a_drains_only_write_that_fails_leaves_another_launchers_requeue_standing(
+        no_client: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launcher that sent the job on wrote its requeue; a later one (fenced off) fails
+    to add its drains (a lock that timed out on NFS): the requeue still comes, and the run
+    still goes on for what waits for it."""
+    run = no_client.parents[1]
+    exclusion.declare_bad(run, 0, 0, 1, {"host": "h2", "slurm_node": "n2"}, "lost: silent", drain=True)
+    spec = type("Spec", (), {"bad_nodes": "drain"})()
+    left = launch_slurm._continue(run, SLURM, 0, 0, 5, "requeue", owner=None)  # type: ignore[arg-type]
+    launch_slurm._leave_to_host(run, spec, 0, left)  # type: ignore[arg-type]
+
+    def refused(_self: object, _path: Path) -> None:
+        raise OSError(37, "No locks available")
+
+    monkeypatch.setattr(HostActions, "write", refused)
+    launch_slurm._leave_to_host(run, spec, 0, None)  # type: ignore[arg-type]
+    assert HostActions.parse(no_client.read_text()).job == "12"  # type: ignore[union-attr]
+    assert verdict(ledger.read(run)) is None
 
 
 @pytest.mark.parametrize("action, host, needle", [
