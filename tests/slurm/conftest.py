@@ -52,7 +52,7 @@ debug test's failure in that minute cancels it too, and test_owner fails (once).
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None],
                               ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
     report = yield
-    if report.when == "call":
+    if report.when in ("setup", "call"):  # (a setup that failed has no call)
         item.stash[FAILED] = report.failed
     return report
 
@@ -74,9 +74,11 @@ def clear_a_failed_tests_jobs(request: pytest.FixtureRequest) -> Iterator[None]:
     with contextlib.suppress(OSError, subprocess.SubprocessError):  # (no cluster: nothing to clear)
         for part in parts:
             subprocess.run(["scancel", "--partition", part], env=env, capture_output=True, timeout=60)
-        while time.monotonic() < deadline and subprocess.run(
-                ["squeue", "-h", "-p", ",".join(parts)], env=env, capture_output=True, text=True,
-                timeout=60).stdout.strip():
+        while time.monotonic() < deadline:
+            queued = subprocess.run(["squeue", "-h", "-p", ",".join(parts)], env=env, capture_output=True,
+                                    text=True, timeout=60)
+            if queued.returncode == 0 and not queued.stdout.strip():  # (a failed squeue says nothing)
+                break
             time.sleep(2)
 
 
