@@ -229,7 +229,6 @@ def header(piece: Piece, where: Where, started: Mapping[str, Any] | None) -> str
     return f"==> attempt {attempt} (restart {cycle}): {', '.join(parts) or 'no start line'} <=="
 
 
-
 @dataclass
 class Stream:
     """Turns ordered lines into the text shown: a header above each piece (again where
