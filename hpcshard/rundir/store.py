@@ -39,6 +39,7 @@ from typing import Any
 from hpcshard.errors import UserError
 from hpcshard.rundir import paths
 from hpcshard.rundir.files import TMP_SUFFIX, fsync_dir, write_atomic
+from hpcshard.rundir.manifest import problem as shape_problem
 
 CHECKPOINTS = paths.CHECKPOINTS
 MANIFEST = "manifest.json"
@@ -173,15 +174,20 @@ def inspect(path: Path) -> Checkpoint:
 
 
 def _check(ckpt: Checkpoint, step: int | None) -> str:
-    """What is wrong with `ckpt` against its manifest ("" when nothing); fills its manifest."""
+    """What is wrong with `ckpt` against its manifest ("" when nothing); fills its manifest
+    once its shape is one hpcshard writes (`rundir.manifest`): a reader never gets another."""
     try:
-        ckpt.manifest = json.loads((ckpt.path / MANIFEST).read_text())
+        raw = json.loads((ckpt.path / MANIFEST).read_text())
     except FileNotFoundError:
         return "incomplete (no manifest)"
-    except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError) as err:
+    except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError, RecursionError) as err:
         return f"corrupt manifest ({err})"
+    wrong = shape_problem(raw)  # (one that parses but is not one hpcshard wrote)
+    if wrong:
+        return f"corrupt manifest ({wrong})"
+    ckpt.manifest = raw
     if step is None:
-        ckpt.step = int(ckpt.manifest.get("step", -1))
+        ckpt.step = int(ckpt.manifest["step"])
     expected: dict[str, int] = ckpt.manifest.get("files", {})
     found = sizes_by_name(ckpt.path, expected)
     missing = sorted(set(expected) - set(found))

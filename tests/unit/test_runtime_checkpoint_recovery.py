@@ -6,6 +6,7 @@ while loading, an EIO that persists, a damaged shard. Only damage may cost a che
 from __future__ import annotations
 
 import errno
+import json
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +21,7 @@ from torch.distributed.fsdp import fully_shard
 from hpcshard.config import TrainConfig
 from hpcshard.errors import UserError
 from hpcshard.rundir import store
-from hpcshard.runtime.checkpoint import Checkpointer, TrainParts, manager
+from hpcshard.runtime.checkpoint import Checkpointer, TrainParts, load_checkpoint, manager, save_checkpoint
 from hpcshard.runtime.checkpoint.failures import (
     CONTENT,
     FAULT,
@@ -30,6 +31,7 @@ from hpcshard.runtime.checkpoint.failures import (
     gravest,
 )
 from hpcshard.runtime.device import DistEnv
+from tests.unit.test_rundir_manifest import WRONG
 
 pytestmark = pytest.mark.unit
 
@@ -187,6 +189,37 @@ def test_a_damaged_shard_is_quarantined_and_the_older_one_loads(
     loaded = ckpt.resume("auto")
     assert loaded is not None and loaded.step == 2 and ckpt.parts.batches.at == 2
     assert names(ckpt) == [store.step_name(2), store.step_name(4) + store.CORRUPT]
+
+
+@pytest.mark.parametrize("shape", WRONG.values(), ids=WRONG.keys())
+def test_a_manifest_of_the_wrong_shape_is_skipped_by_the_trainer_and_your_own_loop(
+        world_of_one: None, tmp_path: Path, shape: Any) -> None:
+    """Rank 0 picks alone while every other rank waits for its word: a manifest that made
+    it raise (`manifest.get` on a list) left them waiting in the broadcast."""
+    saved(checkpointer(tmp_path), 2, 4)
+    newest = tmp_path / store.CHECKPOINTS / store.step_name(4) / store.MANIFEST
+    newest.write_text(json.dumps(shape(json.loads(newest.read_text()))))
+    ckpt = checkpointer(tmp_path)
+    loaded = ckpt.resume("auto")
+    assert loaded is not None and loaded.step == 2 and ckpt.parts.batches.at == 2
+    assert loaded.skipped[0][0] == store.step_name(4) and "corrupt manifest (" in loaded.skipped[0][1]
+    own = tmp_path / "own"
+    for step in (2, 4):
+        save_checkpoint(own, step, ckpt.parts.model, ckpt.parts.optimizer, extra={"at": step})
+    newest = own / store.step_name(4) / store.MANIFEST
+    newest.write_text(json.dumps(shape(json.loads(newest.read_text()))))
+    found = load_checkpoint(own, ckpt.parts.model, ckpt.parts.optimizer)
+    assert found is not None and found["step"] == 2 and found["extra"] == {"at": 2}
+
+
+def test_rank_0_failing_to_choose_fails_every_rank_with_it(world_of_one: None, tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever makes rank 0's choice raise (a bug) reaches every rank as its answer, a
+    `LoadFault`, instead of rank 0 alone leaving while the others wait for the answer."""
+    saved(checkpointer(tmp_path), 2)
+    monkeypatch.setattr(manager.store, "select", failing(1, lambda: TypeError("a bug"), store.select))
+    with pytest.raises(LoadFault, match="choosing the checkpoint in .* failed: TypeError: a bug"):
+        checkpointer(tmp_path).resume("auto")
 
 
 def test_a_checkpoint_that_does_not_fit_the_model_is_a_user_error(world_of_one: None, tmp_path: Path) -> None:

@@ -432,6 +432,9 @@ class Checkpointer:
                 log.warning("the checkpoints in %s could not be read (%s); looking again in "
                             "%.0f s", self.root, err, delay)
                 time.sleep(delay)
+            except Exception as err:  # a bug: every rank fails with it, none waits for rank 0
+                log.error("choosing the checkpoint in %s failed", self.root, exc_info=err)
+                return None, [], f"choosing the checkpoint in {self.root} failed: {one_line(err)}", "fault"
 
     def _log_skipped(self, skipped: list[tuple[str, str]]) -> None:
         if self.env.is_main:
