@@ -51,6 +51,10 @@ FORMAT = 2
 """2: the manifest lists exactly the files `.metadata` names (and itself); 1 listed every
 file found in `step-N.tmp` at the commit."""
 DELETING = ".deleting" + TMP_SUFFIX
+PROBE = "save-probe"
+"""The write probe after a failed save (`runtime.checkpoint.guard.probe`), written beside
+the checkpoints under a side name (`.save-probe.HOST.PID.RANDOM.tmp`) and removed at once;
+one a killed rank left is removed by the next start."""
 CORRUPT = ".corrupt"
 RETIRE_WAIT_S = 10.0
 """How long a process that retired checkpoints waits at its exit for their deletion, at
@@ -182,9 +186,9 @@ def _check(ckpt: Checkpoint, step: int | None) -> str:
         return "incomplete (no manifest)"
     except (json.JSONDecodeError, UnicodeDecodeError, IsADirectoryError, RecursionError) as err:
         return f"corrupt manifest ({err})"
-    wrong = shape_problem(raw)  # (one that parses but is not one hpcshard wrote)
-    if wrong:
-        return f"corrupt manifest ({wrong})"
+    shape = shape_problem(raw)  # (one that parses but is not one hpcshard wrote)
+    if shape:
+        return f"corrupt manifest ({shape})"
     ckpt.manifest = raw
     if step is None:
         ckpt.step = int(ckpt.manifest["step"])
@@ -313,12 +317,17 @@ def readable(ckpt: Checkpoint) -> Checkpoint:
 
 
 def clean_incomplete(root: Path) -> list[str]:
-    """Remove what interrupted saves and deletions left (`*.tmp`); returns their names."""
+    """Remove what interrupted saves and deletions left (`*.tmp`); returns their names. A
+    write probe a killed rank left (`PROBE`) goes too, unnamed: it is no checkpoint."""
     if not root.is_dir():
         return []
-    stale = sorted(p for p in root.iterdir() if p.is_dir() and p.name.endswith(TMP_SUFFIX))
+    entries = list(root.iterdir())
+    stale = sorted(p for p in entries if p.is_dir() and p.name.endswith(TMP_SUFFIX))
     for p in stale:
         shutil.rmtree(p, ignore_errors=True)
+    for p in entries:
+        if p.name.startswith(f".{PROBE}.") and p.name.endswith(TMP_SUFFIX):
+            p.unlink(missing_ok=True)
     return [p.name for p in stale]
 
 

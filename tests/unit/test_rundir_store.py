@@ -13,7 +13,7 @@ import pytest
 from click.testing import CliRunner
 
 from hpcshard.cli import main
-from hpcshard.rundir import launchers, store
+from hpcshard.rundir import files, launchers, store
 from hpcshard.rundir.spec import RunSpec, check_run_dir, create_run_dir, trusted_gid
 
 
@@ -184,6 +184,16 @@ def test_incomplete_directories_are_cleaned(root: Path) -> None:
     make(root, 10)
     make(root, 20, commit=False)
     assert store.clean_incomplete(root) == [store.step_name(20) + store.TMP_SUFFIX]
+    assert [p.name for p in root.iterdir()] == [store.step_name(10)]
+
+
+def test_a_write_probe_a_killed_rank_left_is_removed_at_the_next_start(root: Path) -> None:
+    """The probe after a failed save (`guard.probe`) is removed at once; a rank killed
+    between its write and its removal leaves it, 1 MiB, hidden: the next start removes it."""
+    make(root, 10)
+    left = files.side_name(root / store.PROBE)
+    left.write_bytes(b"x" * 64)
+    assert store.clean_incomplete(root) == []  # (not a checkpoint: not named)
     assert [p.name for p in root.iterdir()] == [store.step_name(10)]
 
 

@@ -5,16 +5,19 @@ storage refused says what is full and how big the next checkpoint is."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import io
 import logging
 import re
 from pathlib import Path
 from typing import Any
 
 import pytest
+from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 
 from hpcshard.rundir import lease, store
-from hpcshard.runtime.checkpoint import manager
+from hpcshard.runtime.checkpoint import guard, manager
 from hpcshard.runtime.checkpoint.guard import Disowned, storage_trouble
 from tests.unit.test_runtime_checkpoint_recovery import checkpointer, names, saved
 
@@ -122,3 +125,150 @@ def test_torch_saves_report_of_a_full_disk_is_judged_by_the_room_left(tmp_path: 
     assert storage_trouble(cut, tmp_path / "checkpoints", need=1 << 60).startswith(
         f"no space left on the device holding {tmp_path / 'checkpoints'}")
     assert storage_trouble(cut, tmp_path / "checkpoints", need=1) == ""
+
+
+class Quota:
+    """A user or project quota on the run directory, as the kernel keeps one: a write that
+    would take the files under `root` past `room` more bytes than they hold now writes what
+    fits and returns that (a short write); the next one fails with EDQUOT. statvfs still
+    shows the device's free space."""
+
+    def __init__(self, root: Path, room: int) -> None:
+        self.root = root
+        self.limit = self.used() + room
+
+    def used(self) -> int:
+        total = 0
+        for path in self.root.rglob("*"):
+            with contextlib.suppress(FileNotFoundError):
+                total += path.stat().st_size if path.is_file() else 0
+        return total
+
+    def room(self, size: int) -> int:
+        """What a write of `size` bytes may write now; EDQUOT when nothing."""
+        room = self.limit - self.used()
+        if room <= 0:
+            raise OSError(errno.EDQUOT, "Disk quota exceeded")
+        return min(size, room)
+
+
+def midway(ckpt_dir: Path) -> int:
+    """Bytes into a save of the same state that fall a quarter into its largest tensor's
+    data. A quota met there is met by torch.save's write of the tensor, and what the short
+    write left (over 8 KiB: Python's buffer) fails with it: DCP then reports the save as
+    "unexpected pos N vs M", with no errno, as it does on a full tmpfs (measured, torch
+    2.13). Met in the last 8 KiB of a write, the rest would wait in the buffer and the
+    file's close would raise EDQUOT itself: tensors of real size make that rare."""
+    metadata = FileSystemReader(str(ckpt_dir)).read_metadata()
+    largest = max(metadata.storage_data.values(), key=lambda info: info.length)
+    assert largest.length > 4 * io.DEFAULT_BUFFER_SIZE
+    return largest.offset + largest.length // 4
+
+
+def dcp_writes_under(monkeypatch: pytest.MonkeyPatch, quota: Quota) -> None:
+    """DCP's file writer opens its files as `Path.open("wb")` does (a BufferedWriter over a
+    FileIO), whose raw writes meet `quota` as a write(2) meets the kernel's."""
+    class QuotaFile(io.FileIO):
+        def write(self, data: Any) -> int:
+            view = memoryview(data)
+            return super().write(view[:quota.room(len(view))])
+
+    real = FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def create_stream(self: FileSystem, path: Any, mode: str) -> Any:
+        if mode != "wb":
+            with real(self, path, mode) as stream:
+                yield stream
+            return
+        with io.BufferedWriter(QuotaFile(path, "w")) as stream:
+            yield stream
+    monkeypatch.setattr(FileSystem, "create_stream", create_stream)
+
+
+def probe_writes_under(monkeypatch: pytest.MonkeyPatch, quota: Quota) -> None:
+    """The write probe's write(2) meets `quota` too (a quota cannot be made here for real)."""
+    def write(fd: int, data: bytes) -> None:
+        real_write_all(fd, data[:quota.room(len(data))])
+        quota.room(1)  # (the kernel's answer to the rest)
+    real_write_all = guard._write_all
+    monkeypatch.setattr(guard, "_write_all", write)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_save_refused_by_a_quota_without_an_errno_is_named_by_the_write_probe(
+        world_of_one: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture, async_save: bool) -> None:
+    """Under a quota, DCP's writer reports the refused write as torch.save's "unexpected
+    pos N vs M" (no errno) and statvfs shows the device's free room: the save was a plain
+    failure, and every later one failed the same way without the storage rule ever
+    stopping the run. The probe runs before the failed save is removed: with its bytes
+    gone, the quota's room would take the probe."""
+    ckpt = checkpointer(tmp_path, hidden=4096, async_save=async_save)
+    saved(ckpt, 2)
+    ckpt.wait()
+    size = ckpt.last_bytes
+    room = midway(tmp_path / store.CHECKPOINTS / store.step_name(2))
+    monkeypatch.setattr(guard, "PROBE_BYTES", room // 2)  # (with the failed save removed, it fits)
+    quota = Quota(tmp_path, room)
+    dcp_writes_under(monkeypatch, quota)
+    probe_writes_under(monkeypatch, quota)
+    with caplog.at_level(logging.DEBUG, logger="hpcshard"):
+        assert not (ckpt.save(4, "periodic") and ckpt.wait())  # (async: the failure comes at the wait)
+    assert "unexpected pos" in caplog.text  # the real shape of the failure: no errno
+    root = tmp_path / store.CHECKPOINTS
+    assert ckpt.full.startswith(f"{root} is over its disk quota (a write probe in {root} got EDQUOT: "
+                                "Disk quota exceeded; "), ckpt.full
+    assert f"the next checkpoint needs about {size / 1e6:.1f} MB" in ckpt.full
+    assert names(ckpt) == [store.step_name(2)]  # the failed save and the probe removed
+
+
+def test_saves_that_fail_without_an_errno_stop_the_run_at_the_third_in_a_row(
+        world_of_one: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """One full Lustre OST: the shards' writes are refused (no errno), the probe's file
+    lands on another OST and is written. Each failure is a plain one, said with what the
+    probe found; the third in a row is the storage's, as a full disk is (the trainer
+    then stops the run with that line, or trains on with on_storage_full=train); a commit
+    starts the count again."""
+    ckpt = checkpointer(tmp_path, hidden=4096)
+    saved(ckpt, 2)
+    real = FileSystem.create_stream
+    room = midway(tmp_path / store.CHECKPOINTS / store.step_name(2))
+    dcp_writes_under(monkeypatch, Quota(tmp_path, room))
+    root = tmp_path / store.CHECKPOINTS
+    with caplog.at_level(logging.DEBUG, logger="hpcshard"):
+        assert not ckpt.save(4, "periodic") and not ckpt.full
+        assert not ckpt.save(4, "periodic") and not ckpt.full
+        monkeypatch.setattr(FileSystem, "create_stream", real)  # the OST had room for a moment
+        assert ckpt.save(4, "periodic")
+        dcp_writes_under(monkeypatch, Quota(tmp_path, room))
+        assert not ckpt.save(6, "periodic") and not ckpt.full
+        assert not ckpt.save(6, "periodic") and not ckpt.full
+        assert not ckpt.save(6, "periodic")
+    assert re.fullmatch(rf"3 saves in a row failed, the last with RuntimeError: .*unexpected pos \d+ vs "
+                        rf"\d+ \(a write probe in {re.escape(str(root))} succeeded\): "
+                        rf"{re.escape(str(root))} takes no checkpoint", ckpt.full), ckpt.full
+    assert re.search(r"checkpoint at step 6 FAILED: RuntimeError: .*unexpected pos .* \(a write probe in "
+                     rf"{re.escape(str(root))} succeeded\); training state", caplog.text)
+    assert names(ckpt) == [store.step_name(2), store.step_name(4)]
+
+
+def test_a_probe_that_gets_another_error_names_it_and_the_save_is_one_failure(
+        world_of_one: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """EIO (a soft NFS mount, an evicted Lustre client) passes: one save lost, said with
+    the errno, counted toward the three."""
+    ckpt = checkpointer(tmp_path)
+    saved(ckpt, 2)
+    monkeypatch.setattr(manager.dcp, "save", raising(RuntimeError("unexpected pos 64 vs 32")))
+
+    def eio(fd: int, data: bytes) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+    monkeypatch.setattr(guard, "_write_all", eio)
+    with caplog.at_level(logging.ERROR, logger="hpcshard"):
+        assert not ckpt.save(4, "periodic") and not ckpt.full
+    root = tmp_path / store.CHECKPOINTS
+    assert (f"checkpoint at step 4 FAILED: RuntimeError: unexpected pos 64 vs 32 (a write probe in {root} "
+            "got EIO: Input/output error); training state and earlier checkpoints are intact") in caplog.text
+    assert ckpt.failures == 1 and names(ckpt) == [store.step_name(2)]

@@ -3,7 +3,14 @@
 A save that fails because the storage is full, over its quota or read-only fails again at
 every later save until someone frees space or fixes the mount: training on loses every step
 since the newest checkpoint at the next fault, so by default the run stops there
-(`on_storage_full`). Any other failure costs one save; the next one tries again.
+(`on_storage_full`). A failed save is the storage's unless shown otherwise: DCP's writer
+reports a write the storage refused as torch.save's "unexpected pos N vs M", with no errno,
+and under a user or project quota, or with one full Lustre OST, `statvfs` shows plenty of
+room. So a save that fails without naming full storage is followed by a small write probe
+in the checkpoint directory (`probe`), whose error names the cause (EDQUOT, ENOSPC, EIO...).
+Any other failure costs one save; the next one tries again, and a few in a row stop the
+run by the same rule (`manager.SAVE_FAILURES_STOP`): whatever they failed with, the
+storage takes no checkpoint.
 
 A job commits and cleans checkpoints only while it owns the run (`rundir.lease`): a job that
 was taken over (a guard's take-over, a `resume` that found this job over, a node thawed
@@ -14,13 +21,16 @@ an end record: the run is someone else's now.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
-from hpcshard.rundir import lease
-from hpcshard.rundir.files import STORAGE_ERRNOS
+from hpcshard.rundir import lease, store
+from hpcshard.rundir.files import STORAGE_ERRNOS, side_name
 from hpcshard.runtime.checkpoint.failures import causes
+from hpcshard.runtime.checkpoint.io import one_line
 
 STORAGE_WORDS = {errno.ENOSPC: "no space left on the device holding {}",
                  errno.EDQUOT: "{} is over its disk quota",
@@ -33,28 +43,106 @@ class Disowned(Exception):
     anything (every rank raises it together)."""
 
 
-def storage_trouble(err: BaseException, root: Path, need: int) -> str:
+PROBE_BYTES = 1 << 20
+"""What the write probe writes: 1 MiB, random (a compressing or deduplicating file system
+stores zeros for nothing). More than the room a quota leaves once a save has filled it,
+little to write beside training."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """The write probe after a failed save: whether it ran, and the error it got (None: the
+    storage took its write)."""
+
+    ran: bool = False
+    error: OSError | None = None
+
+    def words(self, root: Path) -> str:
+        """What it found, for the failure's line ("" when it did not run)."""
+        if not self.ran:
+            return ""
+        if self.error is None:
+            return f"a write probe in {root} succeeded"
+        code = errno.errorcode.get(self.error.errno or 0, "no errno")
+        return f"a write probe in {root} got {code}: {self.error.strerror or self.error}"
+
+
+def full_errno(err: BaseException) -> int | None:
+    """The errno of full, over-quota or read-only storage that some rank's failure names."""
+    return next((c.errno for c in causes(err) if isinstance(c, OSError) and c.errno in STORAGE_ERRNOS),
+                None)
+
+
+def probe(root: Path, err: BaseException) -> Probe:
+    """After a save that failed with `err` and before the failed save is removed (under a
+    quota its bytes are what fills it: the room they leave would take the probe): unless
+    `err` already names full storage, write, fsync (NFS and Lustre report a quota at the
+    flush, not at the write) and remove PROBE_BYTES in `root` (or its nearest existing
+    parent: the save may have failed before making it). Never raises."""
+    if full_errno(err) is not None:
+        return Probe()
+    where = next((p for p in (root, *root.parents) if os.path.isdir(p)), root)
+    path = side_name(where / store.PROBE)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            _write_all(fd, os.urandom(PROBE_BYTES))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as refused:
+        return Probe(ran=True, error=refused)
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    return Probe(ran=True)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write until `data` is written: a write cut short at a quota's or a device's edge
+    returns what it wrote; the next one fails with the errno."""
+    view = memoryview(data)
+    while view:
+        wrote = os.write(fd, view)
+        if not wrote:
+            raise OSError(errno.ENOSPC, "No space left on device (a write of nothing)")
+        view = view[wrote:]
+
+
+def storage_trouble(err: BaseException, root: Path, need: int, probed: Probe | None = None) -> str:
     """What is wrong with the storage of `root` after a save that failed with `err` and
     needed about `need` bytes; "" when nothing is (the save failed for another reason).
 
     DCP gathers every rank's exception; a write into a full file system often comes back
-    not as ENOSPC but as torch.save's "unexpected pos N vs M", so the room left (with the
-    failed save removed) is compared with `need` too."""
-    found = [c.errno for c in causes(err) if isinstance(c, OSError) and c.errno in STORAGE_ERRNOS]
+    not as ENOSPC but as torch.save's "unexpected pos N vs M": then the write probe's error
+    (`probed`) says it, or the room left (with the failed save removed) is compared with
+    `need` (a quota is not seen there, nor one full OST)."""
+    found = full_errno(err)
+    said = []
+    if found is None and probed is not None and probed.error is not None \
+            and probed.error.errno in STORAGE_ERRNOS:
+        found = probed.error.errno
+        said.append(probed.words(root))
     existing = next(p for p in (root, *root.parents) if os.path.exists(p))  # (no raise: ESTALE)
-    try:
+    with contextlib.suppress(OSError):
         fs = os.statvfs(existing)
-    except OSError:
-        return STORAGE_WORDS[found[0]].format(root) if found else ""
-    free = fs.f_bavail * fs.f_frsize
-    if not found and fs.f_flag & os.ST_RDONLY:
-        found = [errno.EROFS]
-    if not found and free < need:
-        found = [errno.ENOSPC]
-    if not found:
+        free = fs.f_bavail * fs.f_frsize
+        if found is None and fs.f_flag & os.ST_RDONLY:
+            found = errno.EROFS
+        if found is None and free < need:
+            found = errno.ENOSPC
+        said.append(f"{free / 1e6:.1f} MB free, the next checkpoint needs about {need / 1e6:.1f} MB")
+    if found is None:
         return ""
-    return (f"{STORAGE_WORDS[found[0]].format(root)} ({free / 1e6:.1f} MB free, the next "
-            f"checkpoint needs about {need / 1e6:.1f} MB)")
+    return STORAGE_WORDS[found].format(root) + (f" ({'; '.join(said)})" if said else "")
+
+
+def in_a_row(failed: int, err: BaseException, root: Path, probed: Probe) -> str:
+    """The storage rule's line for `failed` saves in a row that failed, the last with `err`,
+    none naming full storage: the path, the last error, what the probe found."""
+    found = probed.words(root)
+    return (f"{failed} saves in a row failed, the last with {one_line(err)}"
+            f"{f' ({found})' if found else ''}: {root} takes no checkpoint")
 
 
 def disowned(run_dir: Path, token: str, doing: str) -> str:

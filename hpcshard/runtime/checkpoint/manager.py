@@ -45,7 +45,7 @@ from hpcshard.runtime.checkpoint.failures import (
     MetadataReader,
     load_agreed,
 )
-from hpcshard.runtime.checkpoint.guard import Disowned, disowned, storage_trouble
+from hpcshard.runtime.checkpoint.guard import Disowned, Probe, disowned, in_a_row, probe, storage_trouble
 from hpcshard.runtime.checkpoint.io import (
     HandOffStager,
     PrivateWriter,
@@ -69,8 +69,20 @@ log = logging.getLogger("hpcshard")
 
 COMMITTED, FAILED, FULL, DISOWNED = 1, 0, 2, 3
 """What rank 0 tells every rank of a save: committed; failed (the next save tries again);
-failed for the run's storage (full, over quota, read-only); not committed because this
-job no longer owns the run (every rank raises `Disowned`)."""
+failed for the run's storage (full, over quota, read-only, or SAVE_FAILURES_STOP in a
+row); not committed because this job no longer owns the run (every rank raises
+`Disowned`)."""
+SAVE_FAILURES_STOP = 3
+"""Saves in a row that fail, for whatever reason, before the run's storage is taken to take
+no checkpoint (the storage rule, `on_storage_full`: stop by default). One failure is a
+save lost to something passing (a peer lost mid-save, a server's failover): the next
+tries again. Two in a row can still be one outage that outlasted a save interval. A third,
+after the write probe named nothing, is storage that refuses checkpoints in a way no
+errno says (one full Lustre OST that the probe's file missed, a quota that the probe
+fitted under): training on would lose everything since the newest checkpoint at the next
+fault, and each time-limit requeue would restart from it, up to max_requeues times.
+Three is NVIDIA's resiliency extension's bound too (cycles without checkpoint progress).
+The count is this process's: a restart or a requeue starts it again."""
 
 
 @dataclass
@@ -134,6 +146,9 @@ class Checkpointer:
         self.full = ""
         """Set when the last save failed for the run's storage (on rank 0: what is wrong,
         one line); "" once a save commits."""
+        self.failures = 0
+        """Saves in a row that failed (0 once one commits): SAVE_FAILURES_STOP of them are
+        the storage's."""
 
     # -- what is saved --------------------------------------------------------------
 
@@ -250,6 +265,7 @@ class Checkpointer:
         if outcome == COMMITTED:
             self.last_saved = step
             self.save_seconds.append(float(told[1].item()))
+        self.failures = 0 if outcome == COMMITTED else self.failures + 1
         self.full = (why or "the run's storage takes no checkpoint") if outcome == FULL else ""
         return outcome == COMMITTED
 
@@ -279,24 +295,30 @@ class Checkpointer:
                 log.error("checkpoint at step %d NOT committed (%s); earlier checkpoints are "
                           "intact%s", step, failed, "; is a second job using this run directory?"
                           if isinstance(failed, store.Incomplete) else "")
+        # Before the failed save is removed: under a quota its bytes are what fills it.
+        probed = probe(self.root, err)
         shutil.rmtree(tmp, ignore_errors=True)
         log.debug("checkpoint failure", exc_info=err)
         try:
-            return self._classify(step, err, reason)
+            return self._classify(step, err, reason, probed)
         except Exception as judging:  # (never on rank 0 alone: the others wait in `_agree`)
             log.error("checkpoint at step %d FAILED: %s (and judging why failed: %s); training "
                       "state and earlier checkpoints are intact", step, one_line(err), judging)
             return FAILED, ""
 
-    def _classify(self, step: int, err: BaseException, reason: str) -> tuple[int, str]:
+    def _classify(self, step: int, err: BaseException, reason: str, probed: Probe) -> tuple[int, str]:
         """FULL and what is wrong when the storage took no save (with the failed one
-        removed: what it lacks for the next), else FAILED; one line either way (DCP wraps
-        every rank's traceback into one exception). Where the run stops for it (stop mode;
-        a stop's or the end's save) its own last line says it on the console."""
-        full = storage_trouble(err, self.root, self._next_bytes(step))
+        removed: what it lacks for the next), or when SAVE_FAILURES_STOP saves in a row
+        failed, else FAILED; one line either way (DCP wraps every rank's traceback into one
+        exception). Where the run stops for it (stop mode; a stop's or the end's save) its
+        own last line says it on the console."""
+        full = storage_trouble(err, self.root, self._next_bytes(step), probed)
+        if not full and self.failures + 1 >= SAVE_FAILURES_STOP:
+            full = in_a_row(self.failures + 1, err, self.root, probed)
         if not full:
-            log.error("checkpoint at step %d FAILED: %s; training state and earlier checkpoints "
-                      "are intact", step, one_line(err))
+            found = probed.words(self.root)
+            log.error("checkpoint at step %d FAILED: %s%s; training state and earlier checkpoints "
+                      "are intact", step, one_line(err), f" ({found})" if found else "")
             return FAILED, ""
         training_on = self.settings.on_storage_full == "train" and reason == "periodic"
         (log.warning if training_on else log.debug)(
