@@ -35,6 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hpcshard.errors import UserError
+from hpcshard.rundir.copies import code_digest
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.spec import Code, RunSpec
 
@@ -70,10 +71,7 @@ class Snapshot:
 
     @property
     def digest(self) -> str:
-        h = hashlib.sha256()
-        for name in sorted(self.files):
-            h.update(name.encode() + b"\0" + hashlib.sha256(self.files[name]).digest())
-        return h.hexdigest()
+        return code_digest((name, hashlib.sha256(data).digest()) for name, data in self.files.items())
 
     @property
     def live(self) -> list[str]:

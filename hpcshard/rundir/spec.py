@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hpcshard.rundir import paths, store
+from hpcshard.rundir.copies import is_copy
 from hpcshard.rundir.files import locked, write_atomic
 from hpcshard.rundir.paths import RunPaths
 
@@ -237,13 +238,17 @@ class RunSpec:
 
     def _follow_code(self, run_dir: Path) -> None:
         """A run directory moved (or copied) since its code was: the copy is found where it
-        is now, in the run's `code/` (a sweep's task: the sweep's), by its digest."""
+        is now, in the run's `code/` (a sweep's task: the sweep's), by its digest. A folder
+        of that name is only a name (the digest's first 16 digits, and the sweep's `code/`
+        is the run directory's parent's): it is taken when it is the copy the spec records
+        (`copies.is_copy`). Else the spec keeps the path the copy had, and the ranks fail on it
+        ("job file ... does not exist"): other code is never imported in its place."""
         code = self.code
         if code is None or not code.dir or Path(code.dir).is_dir():
             return
         name = Path(code.dir).name
         places = (run_dir / paths.CODE / name, run_dir.parent / paths.CODE / name)
-        now = next((d for d in places if d.is_dir()), None)
+        now = next((d for d in places if d.is_dir() and is_copy(d, code.digest, self.run_group)), None)
         if now is None:
             return
         old, self.code = code.dir, code.moved(now.resolve())

@@ -10,6 +10,7 @@ import hashlib
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -290,6 +291,78 @@ def test_a_moved_run_directory_finds_its_copy(repo: Path, tmp_path: Path) -> Non
     assert again.code is not None and Path(again.job).is_file()
     assert again.job.startswith(str((moved / "run" / "code").resolve()))
     assert all(p.startswith(str(moved.resolve())) for p in again.code.path)
+
+
+def in_the_parent(repo: Path, tmp_path: Path) -> tuple[Path, Path, RunSpec]:
+    """A run whose copy of the code is its parent's `code/NAME`, as a sweep's task's is, and
+    which was then moved: (the run as it is now, its copy, its spec as written)."""
+    run = tmp_path / "a" / "run"
+    spec, _ = copied(repo / "jobs" / "train.py", run)
+    assert spec.code is not None
+    copy = Path(spec.code.dir)
+    (run.parent / "code").mkdir()
+    copy.rename(run.parent / "code" / copy.name)
+    (tmp_path / "a").rename(tmp_path / "b")
+    return tmp_path / "b" / "run", tmp_path / "b" / "code" / copy.name, spec
+
+
+def test_a_moved_sweeps_task_finds_its_copy_in_the_sweep_though_python_wrote_beside_it(
+        repo: Path, tmp_path: Path) -> None:
+    run, copy, _ = in_the_parent(repo, tmp_path)
+    (copy / "jobs" / "__pycache__").mkdir()
+    (copy / "jobs" / "__pycache__" / "helper.cpython-311.pyc").write_bytes(b"compiled")  # a rank's import
+    copy.parent.chmod(0o775)  # (`code/` as a umask of 002 makes it, in a private sweep)
+    again = RunSpec.read(run)
+    assert again.code is not None and again.job == str(copy.resolve() / "jobs" / "train.py")
+
+
+def _edited(copy: Path) -> None:
+    (copy / "jobs" / "helper.py").write_text("TAG = 'B'\n")
+
+
+def _cut_short(copy: Path) -> None:
+    (copy / "lib" / "util.py").unlink()
+
+
+def _one_more(copy: Path) -> None:
+    (copy / "lib" / "sitecustomize.py").write_text("import os\n")
+
+
+def _linked(copy: Path) -> None:
+    (copy / "jobs" / "helper.py").unlink()
+    (copy / "jobs" / "helper.py").symlink_to(copy.parent.parent / "elsewhere.py")
+    (copy.parent.parent / "elsewhere.py").write_text("TAG = 'A'\n")
+
+
+def _writable_by_others(copy: Path) -> None:
+    copy.parent.chmod(0o777)  # (anyone may swap the copy once it was checked)
+
+
+def _another_users(copy: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    os.chown(copy, 65534, 65534)
+
+
+def _in_another_users_folder(copy: Path) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("giving a folder to another user needs root")
+    os.chown(copy.parent, 65534, 65534)  # (they may rename it away and put theirs there)
+
+
+@pytest.mark.parametrize("other", [_edited, _cut_short, _one_more, _linked, _writable_by_others,
+                                   _another_users, _in_another_users_folder])
+def test_a_moved_run_imports_no_other_code_under_its_copys_name(
+        repo: Path, tmp_path: Path, other: Callable[[Path], None]) -> None:
+    """The copy's folder is named by the first 16 digits of its digest, and a sweep's task
+    looks for it in its parent's `code/`: a folder of that name that is not the copy (edited
+    since, cut short, another user's or one others may rewrite) was imported in its place.
+    Now the spec keeps the copy's old path, and the ranks fail on it."""
+    run, copy, spec = in_the_parent(repo, tmp_path)
+    other(copy)
+    again = RunSpec.read(run)
+    assert again.job == spec.job and again.code == spec.code  # where it was: not there
+    assert not Path(again.job).exists()
 
 
 def test_resume_with_live_code_imports_the_source_again(repo: Path, tmp_path: Path) -> None:

@@ -1,0 +1,74 @@
+"""A run's copy of its code (`cli.snapshot`), found again where its run directory moved:
+the copy's digest, and whether a folder of the copy's name is the copy (stdlib)."""
+
+from __future__ import annotations
+
+import grp
+import hashlib
+import os
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+
+from hpcshard.rundir import store
+
+
+def code_digest(files: Iterable[tuple[str, bytes]]) -> str:
+    """The digest of a copy of code (`Code.digest`): each file's name (relative, with `/`)
+    and the sha256 of its bytes, in the order of the names."""
+    h = hashlib.sha256()
+    for name, sha256 in sorted(files):
+        h.update(name.encode() + b"\0" + sha256)
+    return h.hexdigest()
+
+
+def copy_digest(path: Path) -> str:
+    """`code_digest` of what the folder `path` holds; "" where something in it is not a
+    plain file (a copy holds none) or cannot be read. What Python writes beside the files
+    it imports (`__pycache__/`) is not part of the copy."""
+    found = []
+    try:
+        for folder, subdirs, names in os.walk(path):
+            subdirs[:] = [d for d in subdirs if d != "__pycache__"]
+            for name in names:
+                file = Path(folder, name)
+                if file.is_symlink() or not file.is_file():
+                    return ""
+                with file.open("rb") as f:
+                    sha256 = hashlib.file_digest(f, "sha256").digest()
+                found.append((file.relative_to(path).as_posix(), sha256))
+    except OSError:
+        return ""
+    return code_digest(found)
+
+
+_COPIES: set[tuple[str, str]] = set()
+"""Copies this process found whole (folder, digest): a sweep's tasks share one, and `ls`
+reads every task's spec."""
+
+
+def is_copy(found: Path, digest: str, group: str) -> bool:
+    """Is the folder `found` the copy of code whose digest is `digest`: the user's own (or
+    the run group's, as its checkpoints are) and writable by no one else, in a `code/` of
+    theirs that not everyone may write, holding exactly the copy's files? Else it could be
+    other code under the copy's name: a copy edited since, one cut short, or one another
+    user put (or may swap in, once it was checked) where a sweep's task finds its copy,
+    its parent's `code/`. (`code/` itself is made with the umask's mode: group-writable
+    under a umask of 002, in a run directory no one else may enter.)"""
+    gid = _gid(group)
+    if not digest or store.unsafe_permissions(found, gid):
+        return False
+    holder = found.parent.lstat()
+    if (holder.st_uid != os.geteuid() and holder.st_gid != gid) or holder.st_mode & stat.S_IWOTH:
+        return False
+    key = (str(found.resolve()), digest)
+    if key not in _COPIES and copy_digest(found) == digest:
+        _COPIES.add(key)
+    return key in _COPIES
+
+
+def _gid(group: str) -> int | None:
+    try:
+        return grp.getgrnam(group).gr_gid if group else None
+    except KeyError:
+        return None
