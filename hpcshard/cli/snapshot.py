@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from hpcshard.errors import UserError
-from hpcshard.rundir.copies import code_digest
+from hpcshard.rundir.copies import cached, code_digest
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.spec import Code, RunSpec
 
@@ -118,7 +118,8 @@ def take(source: str, *, module: bool, limit_mb: int, skip: tuple[Path, ...] = (
     real, limit = root.resolve(), limit_mb * 2**20
     listed = _git_files(root) if commit else _walk(root, limit)
     skipped = tuple(p.resolve() for p in skip)
-    files, modes = _read(root, _without_runs(listed), skipped, limit_mb)
+    code = [n for n in _without_runs(listed) if not cached(n)]  # (git lists unignored caches)
+    files, modes = _read(root, code, skipped, limit_mb)
     entry = "" if module else Path(source).resolve().relative_to(real).as_posix()
     if entry and entry not in files:  # (a job file git ignores, or one in a skipped directory)
         files[entry], modes[entry] = Path(source).read_bytes(), Path(source).stat().st_mode & 0o777

@@ -12,6 +12,16 @@ from pathlib import Path
 
 from hpcshard.rundir import store
 
+CACHE = "__pycache__"
+"""What Python writes beside the files it imports: never part of a copy. Not taken at
+submit, even where git lists it (a workspace whose .gitignore does not name it), and not
+counted when a moved copy is checked (a rank's import rewrites it there)."""
+
+
+def cached(name: str) -> bool:
+    """Is the file `name` (relative, with `/`) in a CACHE folder?"""
+    return CACHE in name.split("/")[:-1]
+
 
 def code_digest(files: Iterable[tuple[str, bytes]]) -> str:
     """The digest of a copy of code (`Code.digest`): each file's name (relative, with `/`)
@@ -24,12 +34,12 @@ def code_digest(files: Iterable[tuple[str, bytes]]) -> str:
 
 def copy_digest(path: Path) -> str:
     """`code_digest` of what the folder `path` holds; "" where something in it is not a
-    plain file (a copy holds none) or cannot be read. What Python writes beside the files
-    it imports (`__pycache__/`) is not part of the copy."""
+    plain file (a copy holds none) or cannot be read. CACHE folders are not part of the
+    copy."""
     found = []
     try:
         for folder, subdirs, names in os.walk(path):
-            subdirs[:] = [d for d in subdirs if d != "__pycache__"]
+            subdirs[:] = [d for d in subdirs if d != CACHE]
             for name in names:
                 file = Path(folder, name)
                 if file.is_symlink() or not file.is_file():

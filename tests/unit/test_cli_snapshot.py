@@ -316,6 +316,26 @@ def test_a_moved_sweeps_task_finds_its_copy_in_the_sweep_though_python_wrote_bes
     assert again.code is not None and again.job == str(copy.resolve() / "jobs" / "train.py")
 
 
+def test_a_moved_run_finds_its_copy_though_its_workspace_left_pythons_caches_unignored(
+        repo: Path, tmp_path: Path) -> None:
+    """A git workspace whose .gitignore does not name `__pycache__` (the job was run by
+    hand once) listed its caches among the untracked files git does not ignore: the copy
+    held them and its digest counted them, while the check of a moved copy leaves
+    `__pycache__` out (a rank's import rewrites it there): the run's own copy was refused."""
+    (repo / "jobs" / "__pycache__").mkdir()
+    (repo / "jobs" / "__pycache__" / "helper.cpython-311.pyc").write_bytes(b"compiled at home")
+    run = tmp_path / "a" / "run"
+    spec, snap = copied(repo / "jobs" / "train.py", run)
+    assert not any("__pycache__" in name for name in snap.files)  # caches are no code
+    assert spec.code is not None
+    copy = Path(spec.code.dir)
+    (copy / "jobs" / "__pycache__").mkdir(exist_ok=True)
+    (copy / "jobs" / "__pycache__" / "helper.cpython-311.pyc").write_bytes(b"compiled by a rank")
+    (tmp_path / "a").rename(tmp_path / "b")
+    again = RunSpec.read(tmp_path / "b" / "run")
+    assert again.job == str((tmp_path / "b" / "run" / "code" / copy.name).resolve() / "jobs" / "train.py")
+
+
 def _edited(copy: Path) -> None:
     (copy / "jobs" / "helper.py").write_text("TAG = 'B'\n")
 
