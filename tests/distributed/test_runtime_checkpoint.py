@@ -465,3 +465,32 @@ def test_a_job_whose_run_was_taken_over_leaves_without_committing(tmp_path: Path
              if json.loads((path / store.MANIFEST).read_text())["time"] > changed]
     assert len(after) <= 1, after  # (one whose owner check came just before the change)
     assert json.loads((run / "owner.json").read_text())["job"] == "999"
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_saves_refused_without_an_errno_stop_the_run_at_the_third_in_a_row(
+        tmp_path: Path, async_save: bool) -> None:
+    """One full Lustre OST, seen by 2 real ranks: from step 4 on, every shard write fails as
+    torch.save's "unexpected pos" (no errno) and the write probe, which rank 0 alone writes
+    while rank 1 waits for its word, is taken. Steps 4 and 6 are plain failures; step 8's
+    is the third in a row: the run stops for its storage (exit 74, an end record that
+    says so, one line naming the error and the directory), neither restarted nor
+    requeued, step 2 intact. An async save's failure is found when it is waited for: at
+    the next step's boundary."""
+    run, stop = tmp_path / "run", 9 if async_save else 8
+    env = {"PYTHONPATH": f"{Path(__file__).parent / 'refused_saves'}:{ROOT}", "REFUSE_SAVES_FROM": "4"}
+    proc = hpcshard("submit", "--gpus", "2", "jobs/charlm.py", "--run-dir", str(run),
+                    *sets(steps=12, ckpt_every=2, async_save=async_save), env=env)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == STORAGE_EXIT, out[-3000:]
+    root = run / store.CHECKPOINTS
+    said = [line for line in out.splitlines() if f"stopped at step {stop} for the run's storage" in line]
+    assert said and "3 saves in a row failed, the last with RuntimeError: " in said[0], out[-3000:]
+    assert f"(a write probe in {root} succeeded): {root} takes no checkpoint" in said[0]
+    assert "step 2, is intact" in said[0]
+    end = ledger.end_of(run, 0)
+    assert end is not None and (end["reason"], end["step"], end["saved_step"]) == ("storage", stop, 2)
+    events = [r["event"] for r in ledger.read(run)]
+    assert "fault" not in events and "bad_node" not in events and events.count("start") == 1
+    assert sorted(committed(run)) == [2] and not [p for p in root.iterdir() if p.name != store.LATEST
+                                                   and p.name != store.step_name(2)]
