@@ -25,10 +25,11 @@ def cached(name: str) -> bool:
 
 def code_digest(files: Iterable[tuple[str, bytes]]) -> str:
     """The digest of a copy of code (`Code.digest`): each file's name (relative, with `/`)
-    and the sha256 of its bytes, in the order of the names."""
+    and the sha256 of its bytes, in the order of the names. A name is the file system's
+    bytes (os.fsencode's rule: one that is not UTF-8 is read with surrogateescape)."""
     h = hashlib.sha256()
     for name, sha256 in sorted(files):
-        h.update(name.encode() + b"\0" + sha256)
+        h.update(name.encode(errors="surrogateescape") + b"\0" + sha256)
     return h.hexdigest()
 
 

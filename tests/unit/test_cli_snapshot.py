@@ -336,6 +336,21 @@ def test_a_moved_run_finds_its_copy_though_its_workspace_left_pythons_caches_uni
     assert again.job == str((tmp_path / "b" / "run" / "code" / copy.name).resolve() / "jobs" / "train.py")
 
 
+def test_a_file_name_that_is_not_utf8_is_copied_and_found_again(repo: Path, tmp_path: Path) -> None:
+    """Linux names are bytes: git lists one that is not UTF-8 (`café` in Latin-1) and the
+    snapshot holds it (decoded with surrogateescape), but the digest encoded it strictly:
+    the submit failed with a UnicodeEncodeError traceback, and a moved run's check of its
+    copy with it (every command that reads the spec)."""
+    (repo / os.fsdecode(b"caf\xe9.txt")).write_text("latin-1\n")
+    run = tmp_path / "a" / "run"
+    spec, _ = copied(repo / "jobs" / "train.py", run)
+    assert spec.code is not None
+    copy = Path(spec.code.dir)
+    (tmp_path / "a").rename(tmp_path / "b")
+    again = RunSpec.read(tmp_path / "b" / "run")
+    assert again.job == str((tmp_path / "b" / "run" / "code" / copy.name).resolve() / "jobs" / "train.py")
+
+
 def _edited(copy: Path) -> None:
     (copy / "jobs" / "helper.py").write_text("TAG = 'B'\n")
 
