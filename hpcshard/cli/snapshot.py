@@ -156,7 +156,11 @@ def write(snap: Snapshot, run_dir: Path, spec: RunSpec) -> None:
 
 
 def _copy(snap: Snapshot, into: Path, mode: int) -> None:
-    into.parent.mkdir(exist_ok=True)
+    if not into.parent.is_dir():
+        # As private as the copies, not the umask's mode: a moved run takes a copy only in
+        # a `code/` that no one else may write (`copies.is_copy`), and a umask of 0 made it 0777.
+        into.parent.mkdir(exist_ok=True)
+        os.chmod(into.parent, mode | 0o700)
     staging = Path(tempfile.mkdtemp(prefix=".code-", dir=into.parent))
     try:
         for name, data in snap.files.items():

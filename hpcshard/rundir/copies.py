@@ -64,8 +64,9 @@ def is_copy(found: Path, digest: str, group: str) -> bool:
     theirs that not everyone may write, holding exactly the copy's files? Else it could be
     other code under the copy's name: a copy edited since, one cut short, or one another
     user put (or may swap in, once it was checked) where a sweep's task finds its copy,
-    its parent's `code/`. (`code/` itself is made with the umask's mode: group-writable
-    under a umask of 002, in a run directory no one else may enter.)"""
+    its parent's `code/`. (`code/` is made as private as the copy; one made before with the
+    umask's mode is group-writable under a umask of 002, in a run directory no one else may
+    enter: taken.)"""
     gid = _gid(group)
     if not digest or store.unsafe_permissions(found, gid):
         return False

@@ -20,7 +20,7 @@ from hpcshard import site
 from hpcshard.cli import request, snapshot
 from hpcshard.errors import UserError
 from hpcshard.launch import backends
-from hpcshard.rundir.spec import Code, RunSpec
+from hpcshard.rundir.spec import Code, RunSpec, create_run_dir
 
 
 def git(where: Path, *args: str) -> None:
@@ -331,6 +331,28 @@ def test_a_moved_run_finds_its_copy_though_its_workspace_left_pythons_caches_uni
     copy = Path(spec.code.dir)
     (copy / "jobs" / "__pycache__").mkdir(exist_ok=True)
     (copy / "jobs" / "__pycache__" / "helper.cpython-311.pyc").write_bytes(b"compiled by a rank")
+    (tmp_path / "a").rename(tmp_path / "b")
+    again = RunSpec.read(tmp_path / "b" / "run")
+    assert again.job == str((tmp_path / "b" / "run" / "code" / copy.name).resolve() / "jobs" / "train.py")
+
+
+def test_a_run_submitted_under_a_umask_of_0_finds_its_copy_once_moved(repo: Path, tmp_path: Path) -> None:
+    """`code/` was made with the umask's mode: 0777 under a umask of 0 (GitLab's docker
+    executor runs job scripts so), and a moved run refuses a copy in a folder everyone
+    may write (`copies.is_copy`): its own copy. It is made as private as the copy now."""
+    run = tmp_path / "a" / "run"
+    old = os.umask(0)
+    try:
+        create_run_dir(run)  # (0700 whatever the umask)
+        job = str(repo / "jobs" / "train.py")
+        spec = RunSpec(job=job, sets={}, nodes=1, gpus=1, backend="local", name="r")
+        snapshot.write(snapshot.take(job, module=False, limit_mb=10), run, spec)
+        spec.write(run)
+    finally:
+        os.umask(old)
+    assert spec.code is not None
+    copy = Path(spec.code.dir)
+    assert not copy.parent.stat().st_mode & 0o002
     (tmp_path / "a").rename(tmp_path / "b")
     again = RunSpec.read(tmp_path / "b" / "run")
     assert again.job == str((tmp_path / "b" / "run" / "code" / copy.name).resolve() / "jobs" / "train.py")
