@@ -230,10 +230,10 @@ class TrainConfig:
     on_storage_full: str = "stop"
     """A save that fails because the run's storage is full, over its quota or read-only
     (its error says so, or a write probe after a save that failed without an errno does),
-    and the third save in a row that failed for any reason: stop (the run ends at that
-    step, exit 74, the newest checkpoint intact; free space, then resume) | train (train on
-    unprotected, trying each later save again). A stop, straggler or final save that fails
-    so ends the run either way."""
+    and the third save in a row that failed for any reason (counted across restarts and
+    requeues): stop (the run ends at that step, exit 74, the newest checkpoint intact; fix
+    the storage, then resume) | train (train on unprotected, trying each later save again).
+    A stop, straggler or final save that fails so ends the run either way."""
     stop_signals: str = NOTICE
     """Signals that request a stop at the next step boundary (comma-separated names).
     Not USR1 by default: NCCL may use it."""

@@ -333,6 +333,27 @@ class Rollback(Event):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class SaveFailed(Event):
+    """A checkpoint save that was not committed (rank 0 writes it). The failed saves in a
+    row count toward the storage rule across restarts and requeues
+    (`runtime.checkpoint.manager.SAVE_FAILURES_STOP`, `ledger.failed_saves`)."""
+
+    KIND: ClassVar[str] = "save_failed"
+    cycle: int
+    """The cycle it failed in."""
+    step: int
+    """The step the save was of."""
+    since: int
+    """The newest committed step the ranks had when it failed: the checkpoint they resumed
+    from or last committed (-1: none). Failed saves in a row share it."""
+    error: str
+    """What it failed with, one line (at most 300 characters)."""
+    probe: str
+    """What the write probe beside the checkpoints found: "ok" (it wrote), its error
+    ("EIO: Input/output error"), or "" (not run: the failure named full storage itself)."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class BadNode(Event):
     """A node declared bad: never used again by the run."""
 
@@ -435,7 +456,8 @@ class Cancel(Event):
 
 KINDS: Final[dict[str, type[Event]]] = {
     cls.KIND: cls for cls in (Start, End, RankFailed, Fault, Recovered, Watchdog, Links, Straggler,
-                              Rollback, BadNode, NodeDown, GaveUp, Requeue, Chain, Guard, Cancel)}
+                              Rollback, SaveFailed, BadNode, NodeDown, GaveUp, Requeue, Chain, Guard,
+                              Cancel)}
 """Every event kind, by its name in the ledger."""
 
 

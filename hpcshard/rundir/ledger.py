@@ -87,3 +87,19 @@ def bad_node_records(records: list[dict[str, Any]], attempt: int | None = None,
 def bad_slurm_nodes(run_dir: Path) -> list[str]:
     """The Slurm nodes this run must never use again (its bad-node records)."""
     return sorted({r["slurm_node"] for r in bad_nodes(run_dir) if r.get("slurm_node")})
+
+
+def failed_saves(records: list[dict[str, Any]], since: int) -> list[dict[str, Any]]:
+    """The failed saves in a row among `records` for ranks that train on from the committed
+    step `since` (-1: none): the `save_failed` records that followed that same checkpoint,
+    in any attempt or cycle (a restart or a requeue resumes from it and fails the same
+    way), since the run last stopped for its storage (the user's `resume` after such a
+    stop gives the storage its tries again). A commit starts a new row: its saves follow
+    a newer step."""
+    row: list[dict[str, Any]] = []
+    for r in records:
+        if r.get("event") == "end" and r.get("reason") == events.EndReason.STORAGE:
+            row = []
+        elif r.get("event") == "save_failed" and r.get("since") == since:
+            row.append(r)
+    return row

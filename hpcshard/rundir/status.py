@@ -161,6 +161,7 @@ def report(run_dir: Path, spec: RunSpec, slurm_state: SlurmJob | None,
                      f"{age} ago)")
     else:
         lines.append("checkpoint: none committed yet")
+    lines += failing_saves(run_dir, done[-1].step if done else -1)
     rows = attempts(run_dir)
     by_run = {(r["job"], int(r["run"])): r for r in slurm_runs or []}
     if rows:
@@ -220,6 +221,19 @@ def report(run_dir: Path, spec: RunSpec, slurm_state: SlurmJob | None,
                          f"at step {r['step']}, rolled back to step {r['to']}, skipping "
                          f"{len(r['skipped'])} global batch(es)")
     return lines
+
+
+def failing_saves(run_dir: Path, newest: int) -> list[str]:
+    """The saves that failed in a row since the newest checkpoint (step `newest`, -1: none),
+    across restarts and requeues (`ledger.failed_saves`): how many, and the last one's error."""
+    row = ledger.failed_saves(ledger.read(run_dir), newest)
+    if not row:
+        return []
+    last = row[-1]
+    probe = {"": "", "ok": "; a write probe beside it wrote fine"}.get(
+        last.get("probe", ""), f"; a write probe beside it got {last.get('probe')}")
+    return [f"failed saves: {len(row)} in a row since {f'step {newest}' if newest >= 0 else 'the start'}, "
+            f"the last at step {last['step']} ({last['attempt']}.{last['cycle']}): {last['error']}{probe}"]
 
 
 def profile_lines(run_dir: Path) -> list[str]:

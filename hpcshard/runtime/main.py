@@ -37,7 +37,7 @@ from hpcshard.rundir.runlogs import start_line
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.runtime import links
 from hpcshard.runtime.checkpoint import Loaded
-from hpcshard.runtime.checkpoint.guard import Disowned
+from hpcshard.runtime.checkpoint.guard import FREE, Disowned
 from hpcshard.runtime.device import DistEnv, init_distributed
 from hpcshard.runtime.job import load_job
 from hpcshard.runtime.logfile import LogFile
@@ -190,10 +190,11 @@ def _storage_stop(run_dir: Path, ranks: RankEnv, env: DistEnv, summary: Summary,
     torchrun tears the others down as soon as one rank exits non-zero."""
     if env.is_main:
         full = trainer.ckpt.full if trainer.ckpt is not None else "the run's storage refused the save"
+        fix = trainer.ckpt.fix if trainer.ckpt is not None else FREE
         newest = (f"the newest checkpoint, step {summary.saved_step}, is intact"
                   if summary.saved_step >= 0 else "no checkpoint was saved")
-        line = (f"stopped at step {summary.step} for the run's storage: {full}; {newest}; free "
-                f"space (or fix the mount), then hpcshard resume {run_dir}"
+        line = (f"stopped at step {summary.step} for the run's storage: {full}; {newest}; {fix}, "
+                f"then hpcshard resume {run_dir}"
                 + ("" if trainer.cfg.on_storage_full == "train"
                    else " (--set on_storage_full=train trains on without checkpoints instead)"))
         print(f"error: {line}", file=sys.stderr, flush=True)

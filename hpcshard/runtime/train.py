@@ -363,7 +363,7 @@ class Trainer:
                                       if self.init_from and self.frozen else {}),
                                    **({"data": fingerprint} if fingerprint else {})})
         self.ckpt = (Checkpointer(parts, env, cfg, run_dir, owner=self.limits.owner,
-                                  newest=self.limits.newest)
+                                  newest=self.limits.newest, start=(self.limits.attempt, self.limits.cycle))
                      if run_dir is not None else None)
         self.profiler = Profiler(ProfileSection.of(cfg), env, run_dir,
                                  start=f"{self.limits.attempt}.{self.limits.cycle}")

@@ -474,7 +474,7 @@ def test_saves_refused_without_an_errno_stop_the_run_at_the_third_in_a_row(
     torch.save's "unexpected pos" (no errno) and the write probe, which rank 0 alone writes
     while rank 1 waits for its word, is taken. Steps 4 and 6 are plain failures; step 8's
     is the third in a row: the run stops for its storage (exit 74, an end record that
-    says so, one line naming the error and the directory), neither restarted nor
+    says so, one line naming the error and the directory once), neither restarted nor
     requeued, step 2 intact. An async save's failure is found when it is waited for: at
     the next step's boundary."""
     run, stop = tmp_path / "run", 9 if async_save else 8
@@ -485,12 +485,17 @@ def test_saves_refused_without_an_errno_stop_the_run_at_the_third_in_a_row(
     assert proc.returncode == STORAGE_EXIT, out[-3000:]
     root = run / store.CHECKPOINTS
     said = [line for line in out.splitlines() if f"stopped at step {stop} for the run's storage" in line]
-    assert said and "3 saves in a row failed, the last with RuntimeError: " in said[0], out[-3000:]
-    assert f"(a write probe in {root} succeeded): {root} takes no checkpoint" in said[0]
-    assert "step 2, is intact" in said[0]
+    assert said and "the saves failed 3 times in a row, the last with RuntimeError: " in said[0], out[-3000:]
+    assert (f"; a write probe beside them wrote fine, so the checkpoint directory {root} takes no checkpoint "
+            "for a reason not known (a quota on one OST" in said[0]), said[0]
+    assert said[0].count(str(root)) == 1 and "free space" not in said[0]
+    assert f"step 2, is intact; find and fix the cause, then hpcshard resume {run}" in said[0]
     end = ledger.end_of(run, 0)
     assert end is not None and (end["reason"], end["step"], end["saved_step"]) == ("storage", stop, 2)
     events = [r["event"] for r in ledger.read(run)]
     assert "fault" not in events and "bad_node" not in events and events.count("start") == 1
+    # (each in the ledger, for a restart or a requeue to count on: rank 0's, once)
+    assert [(r["step"], r["since"], r["probe"]) for r in ledger.read(run) if r["event"] == "save_failed"] \
+        == [(4, 2, "ok"), (6, 2, "ok"), (8, 2, "ok")]
     assert sorted(committed(run)) == [2] and not [p for p in root.iterdir() if p.name != store.LATEST
                                                    and p.name != store.step_name(2)]

@@ -89,6 +89,10 @@ CASES: list[tuple[float, events.Event, dict[str, Any]]] = [
                            of=3),  # runtime.train
      {"event": "rollback", "attempt": 0, "cycle": 1, "step": 7, "to": 4, "skipped": [[0, 96], [0, 112]],
       "rollback": 1, "of": 3}),
+    (1011, events.SaveFailed(attempt=0, cycle=1, step=6, since=4, probe="ok",
+                             error="RuntimeError: unexpected pos 64 vs 32"),  # runtime.checkpoint.manager
+     {"event": "save_failed", "attempt": 0, "cycle": 1, "step": 6, "since": 4,
+      "error": "RuntimeError: unexpected pos 64 vs 32", "probe": "ok"}),
     (1012, events.End(attempt=0, reason=EndReason.STOP, cycle=1, step=8, saved_step=8),  # runtime.main
      {"event": "end", "attempt": 0, "reason": "stop", "cycle": 1, "step": 8, "saved_step": 8}),
     (1013, events.Requeue(attempt=0, job="77", error=None, excluded=["n2"], nodes=1),  # launch.slurm
@@ -153,7 +157,7 @@ def write_old(run: Path) -> None:
 
 def test_every_kind_is_in_the_cases() -> None:
     assert {type(event) for _, event, _ in CASES} == set(events.KINDS.values())
-    assert len(events.KINDS) == 16
+    assert len(events.KINDS) == 17
 
 
 @pytest.mark.parametrize("event,line", [(e, line) for _, e, line in CASES],
@@ -261,3 +265,21 @@ def test_status_and_goodput_read_a_typed_ledger_as_the_old_one(tmp_path: Path,
                   "links (0.0)", "stragglers (1)", "gave up: the cap of 3", "guard job 79 took the run over",
                   "rollback 1 of 3"):
         assert shown in text, shown
+
+
+def test_status_shows_the_saves_failing_in_a_row_since_the_newest_checkpoint(tmp_path: Path) -> None:
+    """Across attempts and cycles; those that followed an older checkpoint, or came before
+    the run last stopped for its storage, are not in the row."""
+    def failed(attempt: int, step: int, since: int, probe: str = "ok") -> events.SaveFailed:
+        return events.SaveFailed(attempt=attempt, cycle=0, step=step, since=since, error=f"E{step}",
+                                 probe=probe)
+    for event in (failed(0, 3, 2), failed(0, 4, 2), events.End(attempt=0, reason=EndReason.STORAGE),
+                  failed(1, 4, 2), failed(1, 8, 6), failed(2, 4, 2, probe="EIO: Input/output error")):
+        ledger.append(tmp_path, event)
+    assert [r["step"] for r in ledger.failed_saves(ledger.read(tmp_path), 2)] == [4, 4]
+    assert status.failing_saves(tmp_path, 2) == [
+        "failed saves: 2 in a row since step 2, the last at step 4 (2.0): E4; a write probe beside it got "
+        "EIO: Input/output error"]
+    assert status.failing_saves(tmp_path, 6) == ["failed saves: 1 in a row since step 6, the last at step 8 "
+                                                 "(1.0): E8; a write probe beside it wrote fine"]
+    assert status.failing_saves(tmp_path, 8) == []

@@ -9,6 +9,7 @@ import contextlib
 import errno
 import io
 import logging
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,11 @@ from typing import Any
 import pytest
 from torch.distributed.checkpoint.filesystem import FileSystem, FileSystemReader
 
-from hpcshard.rundir import lease, store
+from hpcshard.rundir import events, lease, ledger, store
+from hpcshard.rundir.events import EndReason
 from hpcshard.runtime.checkpoint import guard, manager
 from hpcshard.runtime.checkpoint.guard import Disowned, storage_trouble
+from hpcshard.runtime.checkpoint.io import one_line
 from tests.unit.test_runtime_checkpoint_recovery import checkpointer, names, saved
 
 pytestmark = pytest.mark.unit
@@ -246,11 +249,14 @@ def test_saves_that_fail_without_an_errno_stop_the_run_at_the_third_in_a_row(
         assert not ckpt.save(6, "periodic") and not ckpt.full
         assert not ckpt.save(6, "periodic") and not ckpt.full
         assert not ckpt.save(6, "periodic")
-    assert re.fullmatch(rf"3 saves in a row failed, the last with RuntimeError: .*unexpected pos \d+ vs "
-                        rf"\d+ \(a write probe in {re.escape(str(root))} succeeded\): "
-                        rf"{re.escape(str(root))} takes no checkpoint", ckpt.full), ckpt.full
+    assert re.fullmatch(rf"the saves failed 3 times in a row, the last with RuntimeError: .*unexpected pos "
+                        rf"\d+ vs \d+; a write probe beside them wrote fine, so the checkpoint directory "
+                        rf"{re.escape(str(root))} takes no checkpoint for a reason not known \(a quota on "
+                        r"one OST, a failing server, or the job's state not saving\)", ckpt.full), ckpt.full
+    assert ckpt.full.count(str(root)) == 1 and ckpt.fix == guard.FIND  # (not "free space")
     assert re.search(r"checkpoint at step 6 FAILED: RuntimeError: .*unexpected pos .* \(a write probe in "
-                     rf"{re.escape(str(root))} succeeded\); training state", caplog.text)
+                     rf"{re.escape(str(root))} succeeded\); training state and earlier checkpoints are "
+                     r"intact; 2 in a row \(3 are the storage's\)", caplog.text)
     assert names(ckpt) == [store.step_name(2), store.step_name(4)]
 
 
@@ -272,3 +278,132 @@ def test_a_probe_that_gets_another_error_names_it_and_the_save_is_one_failure(
     assert (f"checkpoint at step 4 FAILED: RuntimeError: unexpected pos 64 vs 32 (a write probe in {root} "
             "got EIO: Input/output error); training state and earlier checkpoints are intact") in caplog.text
     assert ckpt.failures == 1 and names(ckpt) == [store.step_name(2)]
+
+
+# -- failed saves in a row, across restarts and requeues ---------------------------------
+
+CUT = RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4096 vs 2048")
+"""How DCP's writer reports a write one full OST refused: no errno (the probe writes fine)."""
+
+
+def a_start(run: Path, attempt: int, cycle: int = 0) -> manager.Checkpointer:
+    """A new process of the run, resumed from its newest checkpoint, as the runtime starts
+    one: a restart (the next cycle) or a requeue (the next attempt)."""
+    ckpt = checkpointer(run)
+    ckpt.start = (attempt, cycle)
+    assert ckpt.resume("auto") is not None
+    return ckpt
+
+
+def in_a_row(caplog: pytest.LogCaptureFixture) -> list[int]:
+    """The count each plain failure's line gave, in order."""
+    return [int(n) for n in re.findall(r"are intact; (\d+) in a row", caplog.text)]
+
+
+def test_failed_saves_count_across_requeues_and_the_third_in_a_row_stops_the_run(
+        world_of_one: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The loop of issue 42's defect 2: each requeue resumed from the last good checkpoint,
+    failed its saves again and counted from zero (four attempts of two failed saves each,
+    8 in a row, never stopped), its attempt's training lost up to max_requeues times. Each
+    failed save is in the ledger now, and the row is those that followed the checkpoint
+    the ranks resumed from: the requeue's first failure is the third."""
+    saved(checkpointer(tmp_path), 2)
+    monkeypatch.setattr(manager.dcp, "save", raising(CUT))
+    root = tmp_path / store.CHECKPOINTS
+    with caplog.at_level(logging.ERROR, logger="hpcshard"):
+        first = a_start(tmp_path, 0)
+        assert not first.save(4, "periodic") and not first.save(6, "periodic") and not first.full
+        requeued = a_start(tmp_path, 1)
+        assert not requeued.save(4, "periodic") and requeued.full
+    assert requeued.full.startswith("the saves failed 3 times in a row, the last with RuntimeError: "), \
+        requeued.full
+    assert in_a_row(caplog) == [1, 2]
+    assert f"wrote fine, so the checkpoint directory {root} takes no checkpoint" in requeued.full
+    failed = [(r["attempt"], r["cycle"], r["step"], r["since"], r["probe"], r["error"])
+              for r in ledger.read(tmp_path) if r["event"] == "save_failed"]
+    assert failed == [(0, 0, 4, 2, "ok", one_line(CUT)), (0, 0, 6, 2, "ok", one_line(CUT)),
+                      (1, 0, 4, 2, "ok", one_line(CUT))]
+
+
+def test_a_commit_or_a_stop_for_the_storage_starts_the_row_again_and_a_restart_does_not(
+        world_of_one: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A restart (the next cycle) counts on, as a requeue does. A commit ends the row: the
+    saves after it follow a newer checkpoint, in this process and in the next. A run that
+    stopped for its storage is resumed by its user once the cause is fixed: its saves get
+    their three tries again."""
+    saved(checkpointer(tmp_path), 2)
+    real = manager.dcp.save
+    monkeypatch.setattr(manager.dcp, "save", raising(CUT))
+    with caplog.at_level(logging.ERROR, logger="hpcshard"):
+        assert not a_start(tmp_path, 0, 0).save(4, "periodic")  # 1
+        restarted = a_start(tmp_path, 0, 1)
+        assert not restarted.save(4, "periodic")  # 2
+        monkeypatch.setattr(manager.dcp, "save", real)
+        assert restarted.save(4, "periodic")  # committed: a new row
+        monkeypatch.setattr(manager.dcp, "save", raising(CUT))
+        assert not restarted.save(6, "periodic")  # 1 (after step 4)
+        requeued = a_start(tmp_path, 1)
+        assert not requeued.save(6, "periodic") and not requeued.full  # 2
+        assert not requeued.save(8, "periodic") and requeued.full  # 3: the run stops
+        ledger.append(tmp_path, events.End(attempt=1, cycle=0, reason=EndReason.STORAGE, step=8, saved_step=4,
+                                           storage=requeued.full))  # (as runtime.main writes it)
+        resumed = a_start(tmp_path, 2)
+        assert not resumed.save(6, "periodic") and not resumed.full
+    assert in_a_row(caplog) == [1, 2, 1, 2, 1]
+
+
+def test_a_ledger_that_refuses_the_record_fails_nothing_and_the_process_counts_its_own(
+        world_of_one: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Storage that refuses the checkpoints may refuse the ledger's record too (or its lock
+    may time out): said once per save, never raised on rank 0 alone (the others wait for
+    its word), and this process's own failures still count to three."""
+    ckpt = checkpointer(tmp_path)
+    saved(ckpt, 2)
+    monkeypatch.setattr(manager.dcp, "save", raising(CUT))
+    monkeypatch.setattr(manager.ledger, "append", raising(OSError(errno.EIO, "Input/output error")))
+    with caplog.at_level(logging.WARNING, logger="hpcshard"):
+        assert not ckpt.save(4, "periodic") and not ckpt.save(6, "periodic") and not ckpt.full
+        assert not ckpt.save(8, "periodic") and ckpt.full.startswith("the saves failed 3 times in a row")
+    assert caplog.text.count("could not be recorded in the ledger (OSError: [Errno 5] Input/output error): "
+                             "a restart or requeue will not count it") == 3
+
+
+def test_the_write_probe_goes_where_the_next_start_removes_it_though_no_save_made_the_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save that failed before it made `checkpoints/` left the probe in the run directory,
+    where no start looks: one a killed rank left there stayed for good."""
+    root = tmp_path / store.CHECKPOINTS
+    written: list[Path] = []
+
+    def write(fd: int, data: bytes) -> None:  # (where the probe is while it writes)
+        written.append(Path(os.readlink(f"/proc/self/fd/{fd}")))
+    monkeypatch.setattr(guard, "_write_all", write)
+    assert guard.probe(root, CUT) == guard.Probe(ran=True)
+    (probe,) = written
+    assert probe.parent == root and not probe.exists()
+    assert oct(root.stat().st_mode & 0o777) == oct(0o750)  # (as a save makes it)
+    probe.write_bytes(b"left by a rank killed while it wrote")
+    store.clean_incomplete(root)
+    assert list(root.iterdir()) == []
+
+
+def test_a_write_probe_that_raises_fails_the_save_on_every_rank_alike(
+        world_of_one: None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 0 must never raise alone in a save's outcome (the others wait for its word):
+    the probe is inside that guarantee, not beside it; the failed save is removed still."""
+    ckpt = checkpointer(tmp_path)
+    saved(ckpt, 2)
+
+    def bug(root: Path, err: BaseException) -> guard.Probe:
+        (root / (store.step_name(4) + store.TMP_SUFFIX)).mkdir()  # (what the failed save left)
+        raise RuntimeError("a bug in the probe")
+    monkeypatch.setattr(manager.dcp, "save", raising(CUT))
+    monkeypatch.setattr(manager, "probe", bug)
+    with caplog.at_level(logging.ERROR, logger="hpcshard"):
+        assert not ckpt.save(4, "periodic") and not ckpt.full
+    assert "(and judging why failed: a bug in the probe)" in caplog.text
+    assert names(ckpt) == [store.step_name(2)]

@@ -9,8 +9,8 @@ and under a user or project quota, or with one full Lustre OST, `statvfs` shows 
 room. So a save that fails without naming full storage is followed by a small write probe
 in the checkpoint directory (`probe`), whose error names the cause (EDQUOT, ENOSPC, EIO...).
 Any other failure costs one save; the next one tries again, and a few in a row stop the
-run by the same rule (`manager.SAVE_FAILURES_STOP`): whatever they failed with, the
-storage takes no checkpoint.
+run by the same rule (`manager.SAVE_FAILURES_STOP`, counted across restarts and requeues):
+whatever they failed with, the storage takes no checkpoint.
 
 A job commits and cleans checkpoints only while it owns the run (`rundir.lease`): a job that
 was taken over (a guard's take-over, a `resume` that found this job over, a node thawed
@@ -30,7 +30,7 @@ from pathlib import Path
 from hpcshard.rundir import lease, store
 from hpcshard.rundir.files import STORAGE_ERRNOS, side_name
 from hpcshard.runtime.checkpoint.failures import causes
-from hpcshard.runtime.checkpoint.io import one_line
+from hpcshard.runtime.checkpoint.io import one_line, private_dir
 
 STORAGE_WORDS = {errno.ENOSPC: "no space left on the device holding {}",
                  errno.EDQUOT: "{} is over its disk quota",
@@ -59,12 +59,22 @@ class Probe:
 
     def words(self, root: Path) -> str:
         """What it found, for the failure's line ("" when it did not run)."""
+        return f"a write probe in {root} {self.result}" if self.ran else ""
+
+    @property
+    def result(self) -> str:
+        """"succeeded", or "got ERRNO: what it says"."""
+        if self.error is None:
+            return "succeeded"
+        code = errno.errorcode.get(self.error.errno or 0, "no errno")
+        return f"got {code}: {self.error.strerror or self.error}"
+
+    @property
+    def brief(self) -> str:
+        """For the ledger (`events.SaveFailed.probe`): "" (not run), "ok" or "ERRNO: ..."."""
         if not self.ran:
             return ""
-        if self.error is None:
-            return f"a write probe in {root} succeeded"
-        code = errno.errorcode.get(self.error.errno or 0, "no errno")
-        return f"a write probe in {root} got {code}: {self.error.strerror or self.error}"
+        return "ok" if self.error is None else self.result.removeprefix("got ")
 
 
 def full_errno(err: BaseException) -> int | None:
@@ -77,13 +87,15 @@ def probe(root: Path, err: BaseException) -> Probe:
     """After a save that failed with `err` and before the failed save is removed (under a
     quota its bytes are what fills it: the room they leave would take the probe): unless
     `err` already names full storage, write, fsync (NFS and Lustre report a quota at the
-    flush, not at the write) and remove PROBE_BYTES in `root` (or its nearest existing
-    parent: the save may have failed before making it). Never raises."""
+    flush, not at the write) and remove PROBE_BYTES in `root`. `root` is made first, as a
+    save makes it (the save may have failed before): a probe a killed rank left is then
+    where the next start removes it (`store.clean_incomplete`), and a refused mkdir is
+    the probe's answer. An OSError is what it found; anything else raises."""
     if full_errno(err) is not None:
         return Probe()
-    where = next((p for p in (root, *root.parents) if os.path.isdir(p)), root)
-    path = side_name(where / store.PROBE)
+    path = side_name(root / store.PROBE)
     try:
+        private_dir(root)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             _write_all(fd, os.urandom(PROBE_BYTES))
@@ -137,12 +149,21 @@ def storage_trouble(err: BaseException, root: Path, need: int, probed: Probe | N
     return STORAGE_WORDS[found].format(root) + (f" ({'; '.join(said)})" if said else "")
 
 
+FREE = "free space (or fix the mount)"
+"""What a user does before `hpcshard resume` when the storage said why it took no save."""
+FIND = "find and fix the cause"
+"""...and when it did not (`in_a_row`)."""
+
+
 def in_a_row(failed: int, err: BaseException, root: Path, probed: Probe) -> str:
     """The storage rule's line for `failed` saves in a row that failed, the last with `err`,
-    none naming full storage: the path, the last error, what the probe found."""
-    found = probed.words(root)
-    return (f"{failed} saves in a row failed, the last with {one_line(err)}"
-            f"{f' ({found})' if found else ''}: {root} takes no checkpoint")
+    none naming full storage: the last error, what the probe found, the path (once)."""
+    said = {"": "", "ok": "; a write probe beside them wrote fine"}.get(
+        probed.brief, f"; a write probe beside them {probed.result}")
+    unknown = (" for a reason not known (a quota on one OST, a failing server, or the job's state "
+               "not saving)") if probed.brief == "ok" else ""
+    return (f"the saves failed {failed} times in a row, the last with {one_line(err)}{said}, so the "
+            f"checkpoint directory {root} takes no checkpoint{unknown}")
 
 
 def disowned(run_dir: Path, token: str, doing: str) -> str:

@@ -101,7 +101,7 @@ class HandOffStager(DefaultStager):
             done.set_exception(err)
 
 
-def _private_dir(path: Path) -> None:
+def private_dir(path: Path) -> None:
     """0750 whatever the umask: the loader refuses group-writable checkpoints."""
     path.mkdir(exist_ok=True, mode=0o750)
     path.chmod(0o750)
@@ -125,6 +125,6 @@ class PrivateWriter(FileSystemWriter):
 
     def prepare_local_plan(self, plan: Any) -> Any:
         if self.main:
-            _private_dir(self.root)
-            _private_dir(self.tmp)
+            private_dir(self.root)
+            private_dir(self.tmp)
         return super().prepare_local_plan(plan)

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from hpcshard.config import TrainConfig
 from hpcshard.errors import UserError
-from hpcshard.rundir import store
+from hpcshard.rundir import events, ledger, store
 from hpcshard.rundir.spec import trusted_gid
 from hpcshard.runtime.checkpoint.failures import (
     LOAD_RETRY_DELAYS_S,
@@ -45,7 +45,16 @@ from hpcshard.runtime.checkpoint.failures import (
     MetadataReader,
     load_agreed,
 )
-from hpcshard.runtime.checkpoint.guard import Disowned, Probe, disowned, in_a_row, probe, storage_trouble
+from hpcshard.runtime.checkpoint.guard import (
+    FIND,
+    FREE,
+    Disowned,
+    Probe,
+    disowned,
+    in_a_row,
+    probe,
+    storage_trouble,
+)
 from hpcshard.runtime.checkpoint.io import (
     HandOffStager,
     PrivateWriter,
@@ -82,7 +91,10 @@ errno says (one full Lustre OST that the probe's file missed, a quota that the p
 fitted under): training on would lose everything since the newest checkpoint at the next
 fault, and each time-limit requeue would restart from it, up to max_requeues times.
 Three is NVIDIA's resiliency extension's bound too (cycles without checkpoint progress).
-The count is this process's: a restart or a requeue starts it again."""
+The count survives restarts and requeues (each resumes from the same checkpoint and fails
+the same way, its attempt's training lost, up to max_requeues times): rank 0 records each
+failed save in the ledger (`events.SaveFailed`), and the row is those that followed the
+checkpoint the ranks resumed from (`ledger.failed_saves`), then this process's own."""
 
 
 @dataclass
@@ -116,7 +128,7 @@ class Checkpointer:
     """Saves and loads one run's full state under RUN_DIR/checkpoints."""
 
     def __init__(self, parts: TrainParts, env: DistEnv, cfg: TrainConfig, run_dir: Path,
-                 owner: str = "", newest: int = 0) -> None:
+                 owner: str = "", newest: int = 0, start: tuple[int, int] = (0, 0)) -> None:
         self.parts, self.env, self.cfg = parts, env, cfg
         """`cfg`: the whole config, saved with each checkpoint (and its hash) and compared
         on resume; what the checkpointer itself does follows its section, `settings`."""
@@ -124,6 +136,8 @@ class Checkpointer:
         self.run_dir, self.owner, self.newest = run_dir, owner, newest
         """`owner`: this job's lease token (RankEnv.owner; "": no lease, it always owns);
         `newest`: a restart's newest committed step as the launchers know it (RankEnv)."""
+        self.start = start
+        """This process's attempt and cycle (RankEnv), for its ledger records."""
         self.root = run_dir / store.CHECKPOINTS
         # Async saves run their collectives on a gloo group of their own, so they never
         # interleave with training's collectives on the default group.
@@ -146,9 +160,14 @@ class Checkpointer:
         self.full = ""
         """Set when the last save failed for the run's storage (on rank 0: what is wrong,
         one line); "" once a save commits."""
+        self.fix = FREE
+        """On rank 0, with `full`: what the user does before `hpcshard resume`."""
         self.failures = 0
-        """Saves in a row that failed (0 once one commits): SAVE_FAILURES_STOP of them are
-        the storage's."""
+        """This process's saves in a row that failed (0 once one commits)."""
+        self.before: int | None = None
+        """On rank 0: saves in a row that failed before this process, the ledger's (read at
+        its first failure; 0 once a save commits). With `failures`, SAVE_FAILURES_STOP of
+        them are the storage's."""
 
     # -- what is saved --------------------------------------------------------------
 
@@ -263,7 +282,7 @@ class Checkpointer:
         if outcome == DISOWNED:
             raise Disowned(why or "this job no longer owns the run; it stops without committing")
         if outcome == COMMITTED:
-            self.last_saved = step
+            self.last_saved, self.before = step, 0
             self.save_seconds.append(float(told[1].item()))
         self.failures = 0 if outcome == COMMITTED else self.failures + 1
         self.full = (why or "the run's storage takes no checkpoint") if outcome == FULL else ""
@@ -295,16 +314,26 @@ class Checkpointer:
                 log.error("checkpoint at step %d NOT committed (%s); earlier checkpoints are "
                           "intact%s", step, failed, "; is a second job using this run directory?"
                           if isinstance(failed, store.Incomplete) else "")
-        # Before the failed save is removed: under a quota its bytes are what fills it.
-        probed = probe(self.root, err)
-        shutil.rmtree(tmp, ignore_errors=True)
-        log.debug("checkpoint failure", exc_info=err)
+        return self._failed(step, tmp, reason, err)
+
+    def _failed(self, step: int, tmp: Path, reason: str, err: BaseException) -> tuple[int, str]:
+        """Rank 0's part of `_agree` after a save that failed with `err`: probe the storage,
+        remove the failed save, judge (`_classify`) and record it (`_record`). Never raises:
+        the others wait in `_agree`'s broadcast."""
+        probed = Probe()
         try:
-            return self._classify(step, err, reason, probed)
-        except Exception as judging:  # (never on rank 0 alone: the others wait in `_agree`)
+            try:  # before the failed save is removed: under a quota its bytes are what fills it
+                probed = probe(self.root, err)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            log.debug("checkpoint failure", exc_info=err)
+            judged = self._classify(step, err, reason, probed)
+        except Exception as judging:
             log.error("checkpoint at step %d FAILED: %s (and judging why failed: %s); training "
                       "state and earlier checkpoints are intact", step, one_line(err), judging)
-            return FAILED, ""
+            judged = FAILED, ""
+        self._record(step, err, probed)
+        return judged
 
     def _classify(self, step: int, err: BaseException, reason: str, probed: Probe) -> tuple[int, str]:
         """FULL and what is wrong when the storage took no save (with the failed one
@@ -312,13 +341,15 @@ class Checkpointer:
         failed, else FAILED; one line either way (DCP wraps every rank's traceback into one
         exception). Where the run stops for it (stop mode; a stop's or the end's save) its
         own last line says it on the console."""
-        full = storage_trouble(err, self.root, self._next_bytes(step), probed)
-        if not full and self.failures + 1 >= SAVE_FAILURES_STOP:
-            full = in_a_row(self.failures + 1, err, self.root, probed)
+        full, row = storage_trouble(err, self.root, self._next_bytes(step), probed), self._row() + 1
+        self.fix = FREE
+        if not full and row >= SAVE_FAILURES_STOP:
+            full, self.fix = in_a_row(row, err, self.root, probed), FIND
         if not full:
             found = probed.words(self.root)
             log.error("checkpoint at step %d FAILED: %s%s; training state and earlier checkpoints "
-                      "are intact", step, one_line(err), f" ({found})" if found else "")
+                      "are intact; %d in a row (%d are the storage's)", step, one_line(err),
+                      f" ({found})" if found else "", row, SAVE_FAILURES_STOP)
             return FAILED, ""
         training_on = self.settings.on_storage_full == "train" and reason == "periodic"
         (log.warning if training_on else log.debug)(
@@ -326,6 +357,33 @@ class Checkpointer:
             "intact%s", step, full, one_line(err),
             "; training on without it (on_storage_full=train)" if training_on else "")
         return FULL, full
+
+    def _row(self) -> int:
+        """Saves in a row that failed before this one: the ledger's before this process (its
+        records that followed the checkpoint it resumed from: `ledger.failed_saves`), then
+        its own. A ledger that cannot be read counts this process's alone (read again at
+        the next failure)."""
+        if self.before is None:
+            try:
+                self.before = len(ledger.failed_saves(ledger.read(self.run_dir), self.last_saved))
+            except (OSError, ValueError) as err:
+                log.warning("the failed saves before this start could not be counted (%s): "
+                            "counting this start's own", err)
+                return self.failures
+        return self.before + self.failures
+
+    def _record(self, step: int, err: BaseException, probed: Probe) -> None:
+        """The failed save in the ledger, for the starts after this one to count (`_row`).
+        Tried, never fatal: storage that refuses it is what the save failed on, and this
+        process counts its own failures either way."""
+        attempt, cycle = self.start
+        try:
+            ledger.append(self.run_dir, events.SaveFailed(
+                attempt=attempt, cycle=cycle, step=step, since=self.last_saved,
+                error=one_line(err)[:300], probe=probed.brief))
+        except Exception as refused:  # (OSError, a lock that timed out or was broken)
+            log.warning("the failed save at step %d could not be recorded in the ledger (%s): a "
+                        "restart or requeue will not count it", step, one_line(refused))
 
     def _next_bytes(self, step: int) -> int:
         """About how big the next checkpoint is: this run's last one, else the newest on
