@@ -45,9 +45,9 @@ def main() -> int:
     if spec.script:  # bring your own script: it keeps its own interpreter exit
         from hpcshard import script
 
-        if spec.code is not None:
-            spec.code.use()  # the copy of the code submitted (`cli.snapshot`)
-
+        if spec.code_lost:
+            return script.refuse(run_dir, spec.code_lost)
+        spec.use_code()  # the copy of the code submitted (`cli.snapshot`)
         return script.run(run_dir, spec.script, EARLY)
     from hpcshard.runtime.main import main as run
 

@@ -20,6 +20,7 @@ Stdlib only: the CLI imports this module to check a script before anything is cr
 from __future__ import annotations
 
 import ast
+import contextlib
 import faulthandler
 import importlib.util
 import os
@@ -32,6 +33,7 @@ import traceback
 from pathlib import Path
 from typing import Any, TextIO
 
+from hpcshard.errors import UserError
 from hpcshard.rundir import events, flight, launchers, ledger, progress
 from hpcshard.rundir.events import EndReason
 from hpcshard.rundir.paths import RunPaths
@@ -132,6 +134,20 @@ def _notice_handler(notice: signal.Signals, script_signal: str) -> Any:
         if forward is not None and forward != notice:
             os.kill(os.getpid(), forward)
     return handle
+
+
+def refuse(run_dir: Path, why: str) -> int:
+    """A script that cannot run here, for a reason a restart would meet again (its copy of
+    the code was not found: `RunSpec.code_lost`): one line, an end record saying it is the
+    user's to fix (the launchers restart nothing), and the user error's exit code, as a
+    job's rank does (`runtime.main`)."""
+    env = RankEnv.from_environ()
+    print(f"error: {why}", file=sys.stderr, flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:
+        with contextlib.suppress(OSError):
+            ledger.append(run_dir, events.End(attempt=env.attempt, reason=EndReason.ERROR, cycle=env.cycle,
+                                              user_error=True, error=why))
+    return UserError.exit_code
 
 
 def run(run_dir: Path, script: Script, early: list[int]) -> int:

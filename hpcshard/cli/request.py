@@ -188,6 +188,8 @@ def again(spec: RunSpec, run_dir: Path, *, nodes: int | None = None, gpus: int |
     settings as its last submission, sized for it, without the nodes it declared bad. `code`:
     the run's copy of its code (snapshot), a new copy of its source as it is now (current),
     or its source itself at every start (live)."""
+    if code == "snapshot" and spec.code_lost:  # (the preflight would fail on the copy's old path)
+        raise UserError(spec.code_lost)
     check_secrets_again(spec)
     probe_writable(run_dir)
     check_resume(run_dir, resume)

@@ -58,25 +58,34 @@ _COPIES: set[tuple[str, str]] = set()
 reads every task's spec."""
 
 
-def is_copy(found: Path, digest: str, group: str) -> bool:
-    """Is the folder `found` the copy of code whose digest is `digest`: the user's own (or
-    the run group's, as its checkpoints are) and writable by no one else, in a `code/` of
-    theirs that not everyone may write, holding exactly the copy's files? Else it could be
-    other code under the copy's name: a copy edited since, one cut short, or one another
-    user put (or may swap in, once it was checked) where a sweep's task finds its copy,
-    its parent's `code/`. (`code/` is made as private as the copy; one made before with the
-    umask's mode is group-writable under a umask of 002, in a run directory no one else may
-    enter: taken.)"""
+def refused(found: Path, digest: str, group: str) -> str:
+    """Why the folder `found` is not the copy of code whose digest is `digest`, in a few
+    words; "" when it is: the user's own (or the run group's, as its checkpoints are) and
+    writable by no one else, in a `code/` of theirs that not everyone may write, holding
+    exactly the copy's files. Else it could be other code under the copy's name: a copy
+    edited since, one cut short, or one another user put (or may swap in, once it was
+    checked) where a sweep's task finds its copy, its parent's `code/`. (`code/` is made as
+    private as the copy; one made before with the umask's mode is group-writable under a
+    umask of 002, in a run directory no one else may enter: taken.)"""
     gid = _gid(group)
-    if not digest or store.unsafe_permissions(found, gid):
-        return False
+    if not digest:
+        return "the run's spec records no digest to check it by"
+    if store.unsafe_permissions(found, gid):
+        return f"it is not yours (or the run group's) alone to write ({_mode(found)})"
     holder = found.parent.lstat()
     if (holder.st_uid != os.geteuid() and holder.st_gid != gid) or holder.st_mode & stat.S_IWOTH:
-        return False
+        return f"the folder holding it is not yours, or everyone may write it ({_mode(found.parent)})"
     key = (str(found.resolve()), digest)
     if key not in _COPIES and copy_digest(found) == digest:
         _COPIES.add(key)
-    return key in _COPIES
+    return "" if key in _COPIES else ("its files are not the copy submitted (edited, cut short, added "
+                                      "to or linked since)")
+
+
+def _mode(path: Path) -> str:
+    """`path`'s mode and owner, as `ls -ld` shows them."""
+    st = path.lstat()
+    return f"{stat.filemode(st.st_mode)}, uid {st.st_uid}, gid {st.st_gid}"
 
 
 def _gid(group: str) -> int | None:

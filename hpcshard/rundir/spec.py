@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from hpcshard.errors import UserError
 from hpcshard.rundir import paths, store
-from hpcshard.rundir.copies import is_copy
+from hpcshard.rundir.copies import refused
 from hpcshard.rundir.files import locked, write_atomic
 from hpcshard.rundir.paths import RunPaths
 
@@ -217,6 +218,12 @@ class RunSpec:
     through the run directory's files (a store that let in an empty key would let in
     anyone)."""
 
+    def __post_init__(self) -> None:
+        self.code_lost = ""
+        """Set by `read` where the run's copy of its code is not where the spec says and no
+        folder found is the copy: one line, why and the fix (`use_code` raises it). Not
+        written to spec.json."""
+
     def write(self, run_dir: Path) -> None:
         raw = asdict(self)
         # (the file's shape since the first spec: an empty object for what there is not)
@@ -238,24 +245,45 @@ class RunSpec:
 
     def _follow_code(self, run_dir: Path) -> None:
         """A run directory moved (or copied) since its code was: the copy is found where it
-        is now, in the run's `code/` (a sweep's task: the sweep's), by its digest. A folder
-        of that name is only a name (the digest's first 16 digits, and the sweep's `code/`
-        is the run directory's parent's): it is taken when it is the copy the spec records
-        (`copies.is_copy`). Else the spec keeps the path the copy had, and the ranks fail on it
-        ("job file ... does not exist"): other code is never imported in its place."""
+        is now, in the run's `code/` (a sweep's task: the sweep's, its parent's, also where
+        the task is read through a link, a split sweep's `.array-K/task-I`), by its digest.
+        A folder of that name is only a name (the digest's first 16 digits, and the sweep's
+        `code/` is the run directory's parent's): it is taken when it is the copy the spec
+        records (`copies.refused`). Else the spec keeps the path the copy had, other code is
+        never imported in its place, and `code_lost` says why."""
         code = self.code
         if code is None or not code.dir or Path(code.dir).is_dir():
             return
         name = Path(code.dir).name
-        places = (run_dir / paths.CODE / name, run_dir.parent / paths.CODE / name)
-        now = next((d for d in places if d.is_dir() and is_copy(d, code.digest, self.run_group)), None)
-        if now is None:
+        places = {p.resolve(): p for p in (run_dir / paths.CODE / name, run_dir.parent / paths.CODE / name,
+                                           run_dir.resolve().parent / paths.CODE / name)}
+        why = ""
+        for place in (p for p in places.values() if p.is_dir()):
+            why = refused(place, code.digest, self.run_group)
+            if not why:
+                break
+            why = f"{place} was refused: {why}"
+        else:
+            why = why or "neither its code/ nor its sweep's holds it"
+            self.code_lost = (f"the run's copy of its code is no longer at {code.dir} (its run directory "
+                              f"moved?), and {why}; `hpcshard resume {run_dir} --code current` takes a "
+                              "new copy")
             return
-        old, self.code = code.dir, code.moved(now.resolve())
+        old, now = code.dir, place.resolve()
+        self.code = code.moved(now)
         if Path(self.job).is_relative_to(old):
-            self.job = str(now.resolve() / Path(self.job).relative_to(old))
+            self.job = str(now / Path(self.job).relative_to(old))
         if self.script is not None and Path(self.script.target).is_relative_to(old):
             self.script = replace(self.script, target=self.job)
+
+    def use_code(self) -> None:
+        """Put the run's copy of its code first on this process's sys.path (a rank's, before
+        it imports the job: `Code.use`); a UserError when the copy was not found
+        (`code_lost`), rather than the job's import failing on its old path."""
+        if self.code_lost:
+            raise UserError(self.code_lost)
+        if self.code is not None:
+            self.code.use()
 
     @classmethod
     def update(cls, run_dir: Path, change: Callable[[RunSpec], None]) -> RunSpec:

@@ -125,7 +125,7 @@ def report(run_dir: Path, spec: RunSpec, slurm_state: SlurmJob | None,
     lines = [f"run {spec.name}: {spec.nodes} node(s){spares} x {spec.gpus} GPU(s), "
              f"backend {spec.backend}, {run_dir}"]
     if spec.code is not None:
-        lines.append(f"code: {spec.code.summary}")
+        lines.append(f"code: {spec.code_lost or spec.code.summary}")
     if slurm_state is not None:
         job, s = spec.jobs[-1], slurm_state
         lines.append(f"slurm job {job}: {s.state_text or 'no longer known to Slurm'}, restarts "

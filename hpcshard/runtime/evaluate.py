@@ -33,8 +33,7 @@ def evaluate(run_dir: Path, step: int) -> float:
     spec = RunSpec.read(run_dir)
     if spec.script is not None:
         raise UserError(f"{run_dir} runs a script: its evaluation is its own")
-    if spec.code is not None:
-        spec.code.use()
+    spec.use_code()
     job = load_job(spec.job)
     sets = kept_sets(spec.sets, spec.resolved.config)
     cfg = build_config(job.config, {**sets, "eval_every": "1"})  # (any: it only turns evaluation on)

@@ -44,8 +44,7 @@ def _checkpoint(run_dir: Path, step: int | None) -> tuple[store.Checkpoint, Any,
         raise ValueError(f"no committed checkpoint in {run_dir / store.CHECKPOINTS}")
     store.check_safe(ckpt, trusted_gid(run_dir))
     spec = RunSpec.read(run_dir)
-    if spec.code is not None:
-        spec.code.use()
+    spec.use_code()
     job = load_job(spec.job)
     cfg = build_config(job.config, kept_sets(spec.sets, spec.resolved.config))
     with on_meta():

@@ -117,8 +117,7 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
         # so a rank blocked inside a C++ collective still answers.)
         faulthandler.register(STACKS_SIGNAL, file=RunPaths(run_dir).rank_log(env.rank).open("a"),
                               all_threads=True)
-        if spec.code is not None:
-            spec.code.use()  # the copy of the code submitted (`cli.snapshot`)
+        spec.use_code()  # the copy of the code submitted (`cli.snapshot`)
         job = load_job(spec.job)
         cfg = build_config(job.config, kept_sets(spec.sets, spec.resolved.config))
         stop = StopRequest(f"{cfg.stop_signals},{ranks.notice}").install(early or [])

@@ -20,6 +20,7 @@ from hpcshard import site
 from hpcshard.cli import request, snapshot
 from hpcshard.errors import UserError
 from hpcshard.launch import backends
+from hpcshard.rundir import status
 from hpcshard.rundir.spec import Code, RunSpec, create_run_dir
 
 
@@ -407,19 +408,74 @@ def _in_another_users_folder(copy: Path) -> None:
     os.chown(copy.parent, 65534, 65534)  # (they may rename it away and put theirs there)
 
 
-@pytest.mark.parametrize("other", [_edited, _cut_short, _one_more, _linked, _writable_by_others,
-                                   _another_users, _in_another_users_folder])
-def test_a_moved_run_imports_no_other_code_under_its_copys_name(
-        repo: Path, tmp_path: Path, other: Callable[[Path], None]) -> None:
+NOT_THE_COPY = "its files are not the copy submitted (edited, cut short, added to or linked since)"
+NOT_YOURS = "it is not yours (or the run group's) alone to write (drw"
+NOT_YOUR_FOLDER = "the folder holding it is not yours, or everyone may write it (drw"
+
+
+@pytest.mark.parametrize("other, why", [(_edited, NOT_THE_COPY), (_cut_short, NOT_THE_COPY),
+                                        (_one_more, NOT_THE_COPY), (_linked, NOT_THE_COPY),
+                                        (_writable_by_others, NOT_YOUR_FOLDER), (_another_users, NOT_YOURS),
+                                        (_in_another_users_folder, NOT_YOUR_FOLDER)])
+def test_a_moved_run_imports_no_other_code_under_its_copys_name_and_says_why(
+        repo: Path, tmp_path: Path, other: Callable[[Path], None], why: str) -> None:
     """The copy's folder is named by the first 16 digits of its digest, and a sweep's task
     looks for it in its parent's `code/`: a folder of that name that is not the copy (edited
     since, cut short, another user's or one others may rewrite) was imported in its place.
-    Now the spec keeps the copy's old path, and the ranks fail on it."""
+    Now the spec keeps the copy's old path, and a rank (or `resume`'s preflight) says why
+    in one line and how to take a new copy, not "job file ... does not exist; give a .py
+    file or a module name" on the old path."""
     run, copy, spec = in_the_parent(repo, tmp_path)
     other(copy)
     again = RunSpec.read(run)
     assert again.job == spec.job and again.code == spec.code  # where it was: not there
     assert not Path(again.job).exists()
+    assert spec.code is not None
+    said = (f"the run's copy of its code is no longer at {spec.code.dir} (its run directory moved?), and "
+            f"{copy} was refused: {why}")
+    assert again.code_lost.startswith(said), again.code_lost
+    assert again.code_lost.endswith(f"; `hpcshard resume {run} --code current` takes a new copy")
+    assert "\n" not in again.code_lost
+    with pytest.raises(UserError) as raised:
+        again.use_code()  # (a rank's, `ckpt export`'s, an evaluation's: before the job is imported)
+    assert str(raised.value) == again.code_lost
+
+
+def test_resume_says_why_the_copy_was_refused_and_takes_a_new_one_when_asked(
+        repo: Path, tmp_path: Path) -> None:
+    """`resume` (the run's copy) stops at the refused copy with the ranks' line, before its
+    preflight fails on the copy's old path; `--code current` copies the source again."""
+    run, copy, _ = in_the_parent(repo, tmp_path)
+    _edited(copy)
+    with pytest.raises(UserError, match=r"^the run's copy of its code is no longer at .* was refused: its "
+                       r"files are not the copy submitted .*--code current` takes a new copy$"):
+        request.again(RunSpec.read(run), run)
+    fresh = request.again(RunSpec.read(run), run, code="current")
+    assert fresh.ask is not None and fresh.ask.source == str(repo / "jobs" / "train.py")
+
+
+def test_a_moved_run_whose_copy_is_nowhere_says_so(repo: Path, tmp_path: Path) -> None:
+    run = tmp_path / "a" / "run"
+    spec, _ = copied(repo / "jobs" / "train.py", run)
+    assert spec.code is not None
+    (run / "code").rename(tmp_path / "elsewhere")
+    again = RunSpec.read(run)
+    assert again.code_lost == (f"the run's copy of its code is no longer at {spec.code.dir} (its run "
+                               "directory moved?), and neither its code/ nor its sweep's holds it; "
+                               f"`hpcshard resume {run} --code current` takes a new copy")
+    assert f"code: {again.code_lost}" in status.report(run, again, None)
+
+
+def test_a_split_sweeps_task_read_through_its_arrays_link_finds_the_sweeps_copy(
+        repo: Path, tmp_path: Path) -> None:
+    """A sweep split over several arrays reads its later arrays' tasks through links
+    (SWEEP/.array-K/task-I -> ../task-I): the run directory's parent is `.array-K`, which
+    holds no `code/`, and such a task of a moved sweep never found its copy."""
+    run, copy, _ = in_the_parent(repo, tmp_path)
+    (run.parent / ".array-1").mkdir()
+    (run.parent / ".array-1" / "task-0").symlink_to(os.path.join("..", run.name))
+    again = RunSpec.read(run.parent / ".array-1" / "task-0")
+    assert again.job == str(copy.resolve() / "jobs" / "train.py") and not again.code_lost
 
 
 def test_resume_with_live_code_imports_the_source_again(repo: Path, tmp_path: Path) -> None:

@@ -137,3 +137,18 @@ def test_the_docs_document_every_variable_a_script_gets() -> None:
     readme = (ROOT / "docs" / "user" / "scripts.md").read_text()
     for name in script.ENV_DOC:
         assert f"`{name}`" in readme, name
+
+
+def test_a_script_whose_copy_of_the_code_is_lost_stops_as_a_user_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Its copy not found (`RunSpec.code_lost`): one line and exit 2, and rank 0's end record
+    tells the launchers it is the user's to fix (a restart would meet it again), as a job's
+    rank does; not a FileNotFoundError on the copy's old path, restarted until it is a bug."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("HPCSHARD_ATTEMPT", "1")
+    monkeypatch.setenv("HPCSHARD_CYCLE", "0")
+    why = "the run's copy of its code is no longer at /old/code/x (its run directory moved?), and ..."
+    assert script.refuse(tmp_path, why) == 2
+    assert capsys.readouterr().err == f"error: {why}\n"
+    assert events.parse(ledger.read(tmp_path)[-1]) == events.End(
+        attempt=1, reason=events.EndReason.ERROR, cycle=0, user_error=True, error=why)
