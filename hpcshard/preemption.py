@@ -36,7 +36,8 @@ from types import FrameType
 from typing import NoReturn
 
 from hpcshard.rundir import progress as _board
-from hpcshard.rundir.rankenv import REQUEUE_EXIT
+from hpcshard.rundir.proc import clock
+from hpcshard.rundir.rankenv import REQUEUE_EXIT, deadline_in
 
 REQUEUE = REQUEUE_EXIT
 """Exit with this code (every rank) after saving: the run is requeued and resumes.
@@ -90,10 +91,20 @@ def requested(sync: bool = True) -> bool:
     return bool(flag.item())
 
 
+def time_left() -> float | None:
+    """Seconds until the job's time limit ends, now; None: no limit known. A duration on
+    this host's boot clock, from what Slurm told the node's launcher: a wall clock that is
+    off or steps does not move it. Plan a stop of your own with this, not with the time of
+    day."""
+    at = deadline_in(os.environ)
+    return None if at is None else at - clock()
+
+
 def deadline() -> float | None:
-    """Unix time at which the job's time limit ends, or None (no limit known)."""
-    value = os.environ.get("HPCSHARD_DEADLINE")
-    return float(value) if value else None
+    """Unix time at which the job's time limit ends, on this host's wall clock (now plus
+    `time_left`), or None (no limit known)."""
+    left = time_left()
+    return None if left is None else time.time() + left
 
 
 PHASES = ("step", "save", "eval", "load")

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import signal
-import time
 from types import FrameType
 
 from hpcshard.config import signal_names
+from hpcshard.rundir.proc import clock
 
 log = logging.getLogger("hpcshard")
 
@@ -22,20 +22,24 @@ class StopRequest:
         self.signals = [getattr(signal, n) for n in signal_names(names)]
         self.received: str | None = None
         self.at = 0.0
+        """When the first one came, on this host's boot clock (`rundir.proc.clock`): what a
+        time-limit stop is planned from (`train.stop_time`), never the wall clock."""
 
-    def install(self, early: list[int] | tuple[int, ...] = ()) -> StopRequest:
+    def install(self, early: list[int] | tuple[int, ...] = (), at: float | None = None) -> StopRequest:
         """Take the signals from now on; `early`: ones that came before (a notice while
-        torch was still loading, which the entry point kept)."""
+        torch was still loading, which the entry point kept), the first of them `at` (boot
+        clock; None: now)."""
+        for signum in early:  # (first: a notice now must not count as the first)
+            if signum in self.signals and self.received is None:
+                self._handle(signum, None)
+                self.at = self.at if at is None else min(at, self.at)
         for sig in self.signals:
             signal.signal(sig, self._handle)
-        for signum in early:
-            if signum in self.signals:
-                self._handle(signum, None)
         return self
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if self.received is None:
-            self.received, self.at = signal.Signals(signum).name, time.time()
+            self.received, self.at = signal.Signals(signum).name, clock()
 
     @property
     def requested(self) -> bool:

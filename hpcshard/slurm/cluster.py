@@ -8,7 +8,7 @@ repeating it is safe (`client`, whose `Reply` says how it ended and never raises
 One error convention, for every function here:
 
 - A query (ping, available, max_array_size, submitted_from, history, query_job,
-  job_alive, show_job, job_state, end_time, usable_nodes, requeued_by_other) never
+  job_alive, show_job, job_state, time_left, usable_nodes, requeued_by_other) never
   raises: that Slurm did not answer is part of its typed answer. None where one value is
   asked (None: unknown, and never taken for "no"), `JobQuery.said` where "no such job"
   and "no answer" decide different things, ping's (ok, what it said).
@@ -264,6 +264,8 @@ class JobInfo:
     array_job: str = ""
     """The job array it belongs to (ArrayJobId; scontrol only). Asked by that id, scontrol
     answers with every task of the array, one line each: these fields are one task's."""
+    time_limit: str = ""
+    """TimeLimit as scontrol prints it ([D-]HH:MM:SS, UNLIMITED; scontrol only)."""
 
     @classmethod
     def of_scontrol(cls, job: str, fields: dict[str, str]) -> JobInfo:
@@ -274,7 +276,7 @@ class JobInfo:
                    int(restarts) if restarts.isdigit() else None, get("NodeList", ""), get("RunTime", ""),
                    get("ExitCode", ""), get("StartTime", ""), get("EndTime", ""), get("Reason", ""),
                    get("StdOut", ""), get("BatchHost", ""), get("Partition", ""),
-                   array_job=get("ArrayJobId", ""))
+                   array_job=get("ArrayJobId", ""), time_limit=get("TimeLimit", ""))
 
     @classmethod
     def forgotten(cls, job: str) -> JobInfo:
@@ -368,14 +370,26 @@ def show_job(job_id: str, timeout: float | None = None) -> JobInfo | None:
     return query_job(job_id, timeout).info
 
 
-def end_time(job_id: str) -> int | None:
-    """When the job's time limit ends (Unix time), for HPCSHARD_DEADLINE."""
+def time_left(job_id: str) -> float | None:
+    """Seconds left of the job's time limit: its TimeLimit less its RunTime, two durations,
+    for the time-limit stop (`launch.slurm.limit_ends`). Not EndTime: a time of day, which
+    only means "now" on a clock that agrees with the controller's.
+
+    scontrol works RunTime out itself, as the asking host's clock's now less the
+    controller's StartTime (slurm_sprint_job_info), so a host whose wall clock is off has its
+    offset in this answer too; what the ranks plan with is bounded by the notice, which the
+    controller sends on its own clock (`runtime.train.stop_time`). None: no limit
+    (UNLIMITED, a partition's), or Slurm did not answer (no client in the container,
+    a controller that is down): no deadline from Slurm, and every notice stops at once."""
     info = show_job(job_id, timeout=30)
-    text = info.end if info else ""
-    try:
-        return int(time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S")))
-    except ValueError:
+    if info is None:
         return None
+    try:
+        limit = parse_limit(info.time_limit)
+        ran = parse_limit(info.run_time) or 0  # (00:00:00 reads as "no limit": none ran)
+    except ValueError:  # "Partition_Limit", or nothing said
+        return None
+    return None if limit is None else float(max(0, limit - ran))
 
 
 def usable_nodes(partition: str, exclude: list[str] | tuple[str, ...] = ()) -> int | None:

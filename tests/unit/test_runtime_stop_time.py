@@ -45,3 +45,38 @@ def test_a_slower_save_after_the_notice_brings_the_stop_forward_and_nothing_move
     # Faster saves or steps later on never push a planned stop towards the deadline.
     assert stop_time(NOW, deadline=deadline, lead=120, saves=[1.0, 10.0, 0.1, 0.1, 0.1], steps=[0.01],
                      before=slower) == slower
+
+
+LEAD, SAVE, STEP = 120, 4.0, 0.5
+NEEDS = 2 * SAVE + 2 * STEP + STOP_MARGIN_S
+"""What a time-limit stop keeps before the limit: the save twice over, two steps, the margin."""
+
+
+@pytest.mark.parametrize("behind, early", [
+    (0, 0),      # clocks agree, the notice on time: no second of the allocation wasted
+    (0, 8),      # Slurm sent it 8 s early (as measured on the local cluster)
+    (0, 45),
+    (30, 0),     # the node's clock 30 s behind the controller's
+    (30, 8),
+    (45, 0),
+    (60, 0),
+    (50, 15),    # more than the slack in all: taken for a preemption, it stops at once
+    (-30, 8),    # ahead
+    (-60, 0),
+])
+def test_a_node_whose_clock_is_off_still_stops_before_the_limit(behind: float, early: float) -> None:
+    """The controller ends the job at END (true time: the host's boot clock counts the same
+    seconds, only its wall clock is off). Its notice comes LEAD s before END, or `early`
+    s sooner. The launcher's deadline is the controller's time left, TimeLimit less a
+    RunTime that scontrol works out on the node's own wall clock: `behind` s behind, it
+    says that much too much is left. The stop must leave the save (twice), two steps and
+    the margin before END all the same: a save that crosses it ends the job TIMEOUT, never
+    requeued."""
+    end = NOW + 1000
+    noticed = end - LEAD - early
+    at = stop_time(noticed, deadline=end + behind, lead=LEAD, saves=[SAVE], steps=[STEP])
+    assert noticed <= at <= end - NEEDS
+    if behind <= 0 and early == 0:
+        assert at == pytest.approx(end - NEEDS + min(behind, 0))  # (no later than a correct clock)
+    if behind + early <= NOTICE_SLACK_S:
+        assert at > noticed  # the time limit's notice: it trains on
