@@ -404,9 +404,18 @@ def usable_nodes(partition: str, exclude: list[str] | tuple[str, ...] = ()) -> i
 
 
 REQUEUE_BUDGET_S = 60.0
-"""How long a requeue keeps trying through a controller that does not answer. It runs
-after the notice (signal_lead, 120 s by default, before the time limit) and the save, and
-a job that reaches its limit ends TIMEOUT, which Slurm never requeues."""
+"""How long a requeue keeps trying through a controller that does not answer, at least
+(`requeue_budget`). It runs after the notice (signal_lead, 120 s by default, before the
+time limit) and the save, and a job that reaches its limit ends TIMEOUT, which Slurm never
+requeues; but only a controller ends a job at its limit, and one that does not answer
+ends none."""
+SLURMCTLD_TIMEOUT_S = 120.0
+"""Slurm's default SlurmctldTimeout: how long a backup controller waits for the primary to
+answer before it takes control (slurm.conf(5))."""
+FAILOVER_FACTOR = 2.0
+"""A requeue outlasts this many SlurmctldTimeouts: the backup takes control one of them
+after the primary's last answer and loads the saved state; Slurm's own clients wait 1.5 of
+them for it (src/common/slurm_protocol_api.c), and one more try follows."""
 HELD_BUDGET_S = 20.0
 """Once `requeuehold` took, Slurm ends the job's steps, this launcher among them: TERM
 (ignored) and KILL KillWait later (30 s by default). The update and the release that must
@@ -417,11 +426,34 @@ job this launcher runs in cannot be pending unless a requeue took (ours, whose a
 lost, or the job's own): the requeue is done."""
 
 
+def slurmctld_timeout() -> float:
+    """The site's SlurmctldTimeout, from the slurm.conf this client reads (SLURM_CONF, which
+    a configless site's slurmd sets to its cached copy in a job, else /etc/slurm): asked of
+    no controller, for the one asked may be the one that is down. SLURMCTLD_TIMEOUT_S where
+    the file does not say (or cannot be read)."""
+    path = Path(os.environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf")
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return SLURMCTLD_TIMEOUT_S
+    found = re.findall(r"^\s*slurmctldtimeout\s*=\s*(\d+)", text, re.IGNORECASE | re.MULTILINE)
+    return float(found[-1]) if found else SLURMCTLD_TIMEOUT_S
+
+
+def requeue_budget() -> float:
+    """How long a requeue keeps trying through a controller that does not answer: through a
+    fail-over to the backup controller (FAILOVER_FACTOR x SlurmctldTimeout: 240 s by
+    default), and REQUEUE_BUDGET_S at least. Giving up sooner stops a run that the backup
+    would have requeued; trying on costs nothing while no controller answers, since none
+    ends the job meanwhile (its time limit is a controller's to enforce)."""
+    return max(REQUEUE_BUDGET_S, FAILOVER_FACTOR * slurmctld_timeout())
+
+
 def _scontrol(args: list[str], deadline: float) -> client.Reply:
     """An scontrol action on this job that is safe to repeat (requeue, update, release),
-    retried through transient failures until `deadline`, and outliving the TERM that a
-    requeue brings."""
-    return client.run(["scontrol", *args], tries=5, deadline=deadline, ignore_term=True)
+    retried through transient failures as often as `deadline` allows, and outliving the TERM
+    that a requeue brings."""
+    return client.run(["scontrol", *args], tries=sys.maxsize, deadline=deadline, ignore_term=True)
 
 
 def _requeued(reply: client.Reply) -> bool:
@@ -441,11 +473,12 @@ def requeue(job_id: str, exclude: list[str] | tuple[str, ...] = (), nodes: int |
     nodes it must not run on again (held while its ExcNodeList is updated, so the
     scheduler cannot place it first). `nodes`: fewer nodes than it had (what is left of
     the partition once those are excluded). Transient failures are retried for up to
-    REQUEUE_BUDGET_S; a `release` follows every `requeuehold` that may have taken.
+    `requeue_budget` (through a fail-over to the backup controller); a `release` follows
+    every `requeuehold` that may have taken.
     Returns what went wrong besides, in one line ("" when nothing did: a queued job may
     keep the nodes it had, its ExcNodeList not changed); SlurmError when the job is not
     known to be back in the queue (it will not start again by itself)."""
-    deadline = time.monotonic() + REQUEUE_BUDGET_S
+    deadline = time.monotonic() + requeue_budget()
     if not (exclude or nodes):
         reply = _scontrol(["requeue", job_id], deadline)
         if not _requeued(reply):
