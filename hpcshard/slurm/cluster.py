@@ -378,15 +378,19 @@ def time_left(job_id: str) -> float | None:
     scontrol works RunTime out itself, as the asking host's clock's now less the
     controller's StartTime (slurm_sprint_job_info), so a host whose wall clock is off has its
     offset in this answer too; what the ranks plan with is bounded by the notice, which the
-    controller sends on its own clock (`runtime.train.stop_time`). None: no limit
-    (UNLIMITED, a partition's), or Slurm did not answer (no client in the container,
-    a controller that is down): no deadline from Slurm, and every notice stops at once."""
+    controller sends on its own clock (`runtime.train.stop_time`). On a host whose clock is
+    behind by more than the job has run (a launcher asks as the job starts) RunTime is
+    negative, which scontrol prints as INVALID: taken as 0, the whole limit left, too much
+    by what the job has run, as much as the host's clock is behind at most. None: no limit
+    (UNLIMITED, a partition's), or Slurm did not answer (no client in the container, a
+    controller that is down): no deadline from Slurm, and every notice stops at once."""
     info = show_job(job_id, timeout=30)
     if info is None:
         return None
     try:
         limit = parse_limit(info.time_limit)
-        ran = parse_limit(info.run_time) or 0  # (00:00:00 reads as "no limit": none ran)
+        # (00:00:00 reads as "no limit" to parse_limit: none ran)
+        ran = 0 if info.run_time == "INVALID" else parse_limit(info.run_time) or 0
     except ValueError:  # "Partition_Limit", or nothing said
         return None
     return None if limit is None else float(max(0, limit - ran))

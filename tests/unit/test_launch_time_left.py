@@ -32,6 +32,10 @@ def scontrol(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     ("RunTime=00:00:00 TimeLimit=1-00:00:00", 86400.0),  # (a RunTime of 0 is no "no limit")
     ("RunTime=1-02:00:00 TimeLimit=2-00:00:00", 79200.0),
     ("RunTime=00:03:20 TimeLimit=00:03:00", 0.0),  # past its limit (OverTimeLimit): nothing left
+    # Asked on a node whose clock is 30 s behind, 10 s into the job: scontrol's RunTime (its
+    # clock less the controller's StartTime) is -20 s, which Slurm's secs2time_str prints so.
+    # The whole limit: 10 s too much, which the notice bounds.
+    ("RunTime=INVALID TimeLimit=00:03:00", 180.0),
     ("RunTime=00:01:00 TimeLimit=UNLIMITED", None),
     ("RunTime=00:01:00 TimeLimit=Partition_Limit", None),
     ("RunTime=00:01:00", None),  # not said
