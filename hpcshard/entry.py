@@ -25,7 +25,8 @@ EARLY: list[int] = []
 """Signals received before the runtime installed its handlers."""
 EARLY_AT: list[float] = []
 """When each came, on the host's boot clock: a time-limit stop is planned from when the
-notice came, not from when the runtime took it over (seconds of imports later)."""
+notice came, not from when the runtime took it over (the imports, the rendezvous and the
+job's build later). Both lists go to the runtime as they are, read once it has its handlers."""
 
 
 def _early(signum: int, _frame: FrameType | None) -> None:
@@ -56,7 +57,7 @@ def main() -> int:
         return script.run(run_dir, spec.script, EARLY)
     from hpcshard.runtime.main import main as run
 
-    code = run(sys.argv[1:], early=EARLY, start=START, early_at=EARLY_AT[0] if EARLY_AT else None)
+    code = run(sys.argv[1:], early=EARLY, start=START, early_at=EARLY_AT)
     # Skip interpreter finalization: the process groups are destroyed, but the mesh and
     # the FSDP modules still hold gloo/NCCL objects whose C++ destructors can race their
     # own threads there (a rare SIGABRT, "terminate called without an active exception",
@@ -86,7 +87,7 @@ def rank(run_dir: str) -> None:
     sys.argv = [__file__, run_dir]
     from hpcshard.runtime.main import main as run
 
-    code = run([run_dir], early=EARLY, start=START, early_at=EARLY_AT[0] if EARLY_AT else None)
+    code = run([run_dir], early=EARLY, start=START, early_at=EARLY_AT)
     _flush()
     if code:
         raise SystemExit(code)

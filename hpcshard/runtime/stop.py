@@ -25,16 +25,18 @@ class StopRequest:
         """When the first one came, on this host's boot clock (`rundir.proc.clock`): what a
         time-limit stop is planned from (`train.stop_time`), never the wall clock."""
 
-    def install(self, early: list[int] | tuple[int, ...] = (), at: float | None = None) -> StopRequest:
-        """Take the signals from now on; `early`: ones that came before (a notice while
-        torch was still loading, which the entry point kept), the first of them `at` (boot
-        clock; None: now)."""
-        for signum in early:  # (first: a notice now must not count as the first)
-            if signum in self.signals and self.received is None:
-                self._handle(signum, None)
-                self.at = self.at if at is None else min(at, self.at)
+    def install(self, early: list[int] | tuple[int, ...] = (),
+                at: list[float] | tuple[float, ...] = ()) -> StopRequest:
+        """Take the signals from now on; `early`: ones that came before, while the rank
+        started (a notice during torch's import, the rendezvous, the job's build), `at`:
+        when each came (boot clock). The entry point's own lists, read only once this
+        process's handlers are in: a notice that comes meanwhile is in them, and one that
+        comes later is the handler's, after the early one (which stays the first)."""
         for sig in self.signals:
             signal.signal(sig, self._handle)
+        first = next((signum for signum in early if signum in self.signals), None)
+        if first is not None:
+            self.received, self.at = signal.Signals(first).name, min([*at, self.at or clock()])
         return self
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:

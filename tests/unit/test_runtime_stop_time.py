@@ -3,6 +3,11 @@ time limit's own notice (`runtime.train.stop_time`)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from hpcshard.runtime.train import NOTICE_SLACK_S, STOP_MARGIN_S, stop_time
@@ -80,3 +85,35 @@ def test_a_node_whose_clock_is_off_still_stops_before_the_limit(behind: float, e
         assert at == pytest.approx(end - NEEDS + min(behind, 0))  # (no later than a correct clock)
     if behind + early <= NOTICE_SLACK_S:
         assert at > noticed  # the time limit's notice: it trains on
+
+
+WARM_RANK = """
+import os, signal, sys, types
+from hpcshard import entry
+from hpcshard.runtime.stop import StopRequest
+
+def runtime_main(argv, early=None, start=None, early_at=None):
+    # The rank is past its imports (warm: the zygote's) and in its rendezvous, or building
+    # the job, when the notice comes; the runtime takes the signals over only after that.
+    os.kill(os.getpid(), signal.SIGUSR2)
+    stop = StopRequest("USR2").install(early, early_at)  # (as runtime.main passes them on)
+    print(stop.received, stop.at == entry.EARLY_AT[0], flush=True)
+    return 0
+
+sys.modules["hpcshard.runtime.main"] = types.SimpleNamespace(main=runtime_main)
+entry.rank(sys.argv[1])
+"""
+
+
+def test_a_notice_during_a_warm_ranks_start_keeps_its_arrival_time(tmp_path: Path) -> None:
+    """A warm rank (forked by the zygote, torch already loaded) spends its start in the
+    rendezvous and the job's build, before the runtime installs its handlers; a notice then
+    is the entry point's (EARLY, EARLY_AT). Its time is what the time-limit stop is planned
+    from (the notice plus the lead: `train.limit_end`), so it must be the time it came, not
+    the moment the runtime took it over: the entry point passed the first arrival as it
+    stood when the runtime was called, none for a warm rank, whose import is instant."""
+    env = {**os.environ, "HPCSHARD_STOP_SIGNAL": "USR2"}
+    proc = subprocess.run([sys.executable, "-c", WARM_RANK, str(tmp_path)], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["SIGUSR2", "True"], proc.stdout + proc.stderr
