@@ -168,6 +168,33 @@ def deadline_in(env: Mapping[str, str]) -> float | None:
     return clock() + float(wall) - time.time() if wall else None
 
 
+NOTICE_SLACK_S = 60.0
+"""Slurm may send --signal up to a minute early (its event resolution): a notice that came
+within the lead time plus this of the deadline is the time limit's."""
+
+
+def limit_end(noticed: float, deadline: float, lead: int) -> float:
+    """When the time limit ends, as a time-limit notice that came at `noticed` says: the
+    earlier of the launcher's `deadline` and the notice plus `lead`. All on this host's boot
+    clock. The deadline is a duration the controller gave (TimeLimit less RunTime), counted
+    from when it was asked; but scontrol works RunTime out on this host's wall clock, so a
+    clock 45 s behind the controller's puts the end 45 s late. The notice is the
+    controller's own: it sends it `lead` seconds before the end on its clock (or up to a
+    minute earlier, never later), so the notice plus the lead is never past the end,
+    whatever this host's clock says."""
+    return min(deadline, noticed + lead)
+
+
+def noticed_end(deadline: float, noticed: float | None, lead: int | None) -> float:
+    """When the time limit ends, as best this host can tell: the launcher's `deadline`,
+    bounded by a notice that came at `noticed` within the `lead` (and NOTICE_SLACK_S) of
+    it, the time limit's (`limit_end`); a notice further off is a preemption's, which says
+    nothing of the limit."""
+    if noticed is None or lead is None or deadline - noticed > lead + NOTICE_SLACK_S:
+        return deadline
+    return limit_end(noticed, deadline, lead)
+
+
 def script_environ(run_dir: Path, attempt: int, script_signal: str) -> dict[str, str]:
     """The variables a script (not an hpcshard job) reads on top of torchrun's: ENV_DOC."""
     return {"HPCSHARD_RUN_DIR": str(run_dir),

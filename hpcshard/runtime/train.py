@@ -26,7 +26,7 @@ from hpcshard.config import TrainConfig
 from hpcshard.errors import UserError
 from hpcshard.rundir import events, store
 from hpcshard.rundir.proc import clock
-from hpcshard.rundir.rankenv import RankEnv
+from hpcshard.rundir.rankenv import NOTICE_SLACK_S, RankEnv, limit_end
 from hpcshard.runtime import float8
 from hpcshard.runtime.adapters import apply_freeze, apply_lora, frozen, with_adapters
 from hpcshard.runtime.blocks import find_blocks, on_meta
@@ -143,24 +143,9 @@ class Summary:
     unigram_entropy: float
 
 
-NOTICE_SLACK_S = 60.0
-"""Slurm may send --signal up to a minute early (its event resolution): a notice that came
-within the lead time plus this of the deadline is the time limit's."""
 STOP_MARGIN_S = 10.0
 """What a time-limit stop leaves spare beyond its estimate (the save, twice over, and two
 steps): the ranks must be done before Slurm kills them."""
-
-
-def limit_end(noticed: float, deadline: float, lead: int) -> float:
-    """When the time limit ends, as a time-limit notice that came at `noticed` says: the
-    earlier of the launcher's `deadline` and the notice plus `lead`. All on this host's boot
-    clock. The deadline is a duration the controller gave (TimeLimit less RunTime), counted
-    from when it was asked; but scontrol works RunTime out on this host's wall clock, so a
-    clock 45 s behind the controller's puts the end 45 s late. The notice is the
-    controller's own: it sends it `lead` seconds before the end on its clock (or up to a
-    minute earlier, never later), so the notice plus the lead is never past the end,
-    whatever this host's clock says."""
-    return min(deadline, noticed + lead)
 
 
 def stop_time(noticed: float, deadline: float | None, lead: int | None, saves: list[float],

@@ -65,3 +65,27 @@ def test_the_deadline_counts_from_when_slurm_was_asked(monkeypatch: pytest.Monke
     assert slurm.limit_ends("77") == 1600.0
     monkeypatch.setattr(cluster, "time_left", lambda job: None)
     assert slurm.limit_ends("77") is None
+
+
+@pytest.mark.parametrize("noticed, left", [
+    (None, 130.0),    # no notice yet: what the launcher was told, all it knows
+    (1472.0, 92.0),   # the time limit's notice (8 s early): the notice plus the lead bounds it
+    (1000.0, 130.0),  # a notice 10 minutes before the deadline: a preemption's, nothing of the limit
+])
+def test_an_own_loops_time_left_is_bounded_by_the_notice(monkeypatch: pytest.MonkeyPatch,
+                                                         noticed: float | None, left: float) -> None:
+    """A loop of the user's own plans its stop with `preemption.time_left()`. On a node whose
+    clock is 30 s behind the controller's, the launcher's deadline (scontrol's RunTime is
+    worked out on that clock) is 30 s late: boot-clock 1630 for a limit that ends at 1600.
+    The notice (lead 120 s) came at 1472; at 1500 the truth is 100 s left, and what the
+    loop hears must not be more than the notice plus its lead says (92 s): hpcshard's own
+    loop plans so (`train.limit_end`), and an own loop that read 130 s saved across the
+    limit and ended TIMEOUT, never requeued."""
+    from hpcshard import preemption
+    from hpcshard.rundir import rankenv
+
+    monkeypatch.setattr(preemption, "clock", lambda: 1500.0)
+    monkeypatch.setattr(preemption, "_received", [] if noticed is None else [noticed])
+    monkeypatch.setenv("HPCSHARD_DEADLINE_BOOT", f"1630.000 {rankenv.boot_id()}")
+    monkeypatch.setenv("HPCSHARD_NOTICE_LEAD", "120")
+    assert preemption.time_left() == pytest.approx(left)
