@@ -432,16 +432,36 @@ lost, or the job's own): the requeue is done."""
 
 def slurmctld_timeout() -> float:
     """The site's SlurmctldTimeout, from the slurm.conf this client reads (SLURM_CONF, which
-    a configless site's slurmd sets to its cached copy in a job, else /etc/slurm): asked of
-    no controller, for the one asked may be the one that is down. SLURMCTLD_TIMEOUT_S where
-    the file does not say (or cannot be read)."""
-    path = Path(os.environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf")
+    slurmd sets in every job, to its cached copy on a configless site; else /etc/slurm) and
+    the files it includes (an HA site keeps its controllers' lines in one): asked of no
+    controller, for the one asked may be the one that is down. SLURMCTLD_TIMEOUT_S where
+    the files do not say (or cannot be read)."""
+    found = _conf_values(Path(os.environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf"), "SlurmctldTimeout")
+    return float(found[-1]) if found else SLURMCTLD_TIMEOUT_S
+
+
+INCLUDE_DEPTH = 4
+"""How deep `Include` directives are followed (Slurm refuses a file that includes itself)."""
+
+
+def _conf_values(path: Path, key: str, depth: int = 0) -> list[str]:
+    """The values of `key` in slurm.conf `path` in the order Slurm reads them, those of the
+    files it includes where they stand (`Include NAME`: relative to its directory, a glob
+    allowed); a file that cannot be read says nothing."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
-        return SLURMCTLD_TIMEOUT_S
-    found = re.findall(r"^\s*slurmctldtimeout\s*=\s*(\d+)", text, re.IGNORECASE | re.MULTILINE)
-    return float(found[-1]) if found else SLURMCTLD_TIMEOUT_S
+        return []
+    found: list[str] = []
+    for line in text.splitlines():
+        if m := re.match(r"\s*include\s+(\S+)", line, re.IGNORECASE):
+            if depth < INCLUDE_DEPTH:
+                name = path.parent / m[1]  # (an absolute name stays as it is)
+                for each in sorted(name.parent.glob(name.name)) if "*" in name.name else [name]:
+                    found += _conf_values(each, key, depth + 1)
+        elif m := re.match(rf"\s*{key}\s*=\s*(\d+)", line, re.IGNORECASE):
+            found.append(m[1])
+    return found
 
 
 def requeue_budget() -> float:

@@ -17,9 +17,9 @@ from hpcshard.slurm import client, cluster
 from hpcshard.slurm.env import SlurmEnv
 
 HANG = "exec /bin/sleep 30\n"
+"""A command whose controller never answers (exec: the sleep itself is what times out)."""
 SLURMCTLD_TIMEOUT = cluster.slurmctld_timeout
 """The real one (the `bin_dir` fixture puts a stand-in in its place)."""
-"""A command whose controller never answers (exec: the sleep itself is what times out)."""
 
 
 @pytest.fixture
@@ -160,6 +160,24 @@ def test_slurmctld_timeout_is_read_from_the_clients_slurm_conf(
     assert cluster.slurmctld_timeout() == seconds
     assert cluster.requeue_budget() == max(cluster.REQUEUE_BUDGET_S, 2 * seconds)
 
+
+
+@pytest.mark.parametrize("include", ["ha.conf", "{dir}/ha.conf", "conf.d/*.conf"])
+def test_slurmctld_timeout_is_read_from_a_file_the_slurm_conf_includes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, include: str) -> None:
+    """An HA site may keep its controllers' lines (SlurmctldHost, SlurmctldTimeout) in a
+    file of their own that slurm.conf includes (relative to its directory, absolute, or a
+    glob). Read from slurm.conf alone, a SlurmctldTimeout of 300 was Slurm's default of
+    120: the requeue gave up after 240 s, before the backup took control at 300."""
+    (tmp_path / "conf.d").mkdir()
+    for where in ("ha.conf", "conf.d/ha.conf"):
+        (tmp_path / where).write_text("SlurmctldHost=a\nSlurmctldHost=b\nSlurmctldTimeout=300\n")
+    conf = tmp_path / "slurm.conf"
+    conf.write_text(f"ClusterName=x\nSlurmctldTimeout=60\nInclude {include.format(dir=tmp_path)}\n")
+    monkeypatch.setenv("SLURM_CONF", str(conf))
+    assert cluster.slurmctld_timeout() == 300.0 and cluster.requeue_budget() == 600.0
+    conf.write_text(f"include {include.format(dir=tmp_path)}\nSlurmctldTimeout=60\n")  # (the later one)
+    assert cluster.slurmctld_timeout() == 60.0
 
 HUNG_CALLS = {
     "sbatch": (lambda: cluster.sbatch("job.sh"), "may have been submitted"),
