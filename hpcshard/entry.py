@@ -15,6 +15,7 @@ import time
 from types import FrameType
 
 from hpcshard.rundir import console
+from hpcshard.rundir.proc import clock
 from hpcshard.rundir.rankenv import RankEnv
 
 START = time.time()
@@ -22,10 +23,15 @@ START = time.time()
 
 EARLY: list[int] = []
 """Signals received before the runtime installed its handlers."""
+EARLY_AT: list[float] = []
+"""When each came, on the host's boot clock: a time-limit stop is planned from when the
+notice came, not from when the runtime took it over (the imports, the rendezvous and the
+job's build later). Both lists go to the runtime as they are, read once it has its handlers."""
 
 
 def _early(signum: int, _frame: FrameType | None) -> None:
     EARLY.append(signum)
+    EARLY_AT.append(clock())
 
 
 def notice() -> signal.Signals:
@@ -51,7 +57,7 @@ def main() -> int:
         return script.run(run_dir, spec.script, EARLY)
     from hpcshard.runtime.main import main as run
 
-    code = run(sys.argv[1:], early=EARLY, start=START)
+    code = run(sys.argv[1:], early=EARLY, start=START, early_at=EARLY_AT)
     # Skip interpreter finalization: the process groups are destroyed, but the mesh and
     # the FSDP modules still hold gloo/NCCL objects whose C++ destructors can race their
     # own threads there (a rare SIGABRT, "terminate called without an active exception",
@@ -70,6 +76,7 @@ def rank(run_dir: str) -> None:
     global START
     START = time.time()
     EARLY.clear()
+    EARLY_AT.clear()
     # The agent's handlers (SIGTERM/INT/HUP/QUIT raise in torchelastic) came with the fork;
     # a rank behaves as a fresh interpreter would.
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
@@ -80,7 +87,7 @@ def rank(run_dir: str) -> None:
     sys.argv = [__file__, run_dir]
     from hpcshard.runtime.main import main as run
 
-    code = run([run_dir], early=EARLY, start=START)
+    code = run([run_dir], early=EARLY, start=START, early_at=EARLY_AT)
     _flush()
     if code:
         raise SystemExit(code)

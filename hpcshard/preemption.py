@@ -36,18 +36,20 @@ from types import FrameType
 from typing import NoReturn
 
 from hpcshard.rundir import progress as _board
-from hpcshard.rundir.rankenv import REQUEUE_EXIT
+from hpcshard.rundir.proc import clock
+from hpcshard.rundir.rankenv import REQUEUE_EXIT, deadline_in, noticed_end
 
 REQUEUE = REQUEUE_EXIT
 """Exit with this code (every rank) after saving: the run is requeued and resumes.
 EX_TEMPFAIL from sysexits.h; the same code hpcshard's own launcher uses."""
 
 _received: list[float] = []
+"""When this process's handler took the notice, on the host's boot clock (`time_left`)."""
 
 
 def _handle(_signum: int, _frame: FrameType | None) -> None:
     if not _received:
-        _received.append(time.time())
+        _received.append(clock())
 
 
 def notice_signals() -> list[signal.Signals]:
@@ -90,10 +92,30 @@ def requested(sync: bool = True) -> bool:
     return bool(flag.item())
 
 
+def time_left() -> float | None:
+    """Seconds until the job's time limit ends, now; None: no limit known. A duration on
+    this host's boot clock, from what Slurm told the node's launcher (scontrol's time left,
+    which a node's wall clock that is off carries), and, once the time limit's notice came,
+    no later than the notice plus its lead (HPCSHARD_NOTICE_LEAD: the controller sends it
+    on its own clock), as hpcshard's own training loop plans its stop: a wall clock that is
+    off or steps moves neither. Plan a stop of your own with this, not with the time of day."""
+    at = deadline_in(os.environ)
+    lead = os.environ.get("HPCSHARD_NOTICE_LEAD")
+    return None if at is None else noticed_end(at, _noticed_at(), int(lead) if lead else None) - clock()
+
+
+def _noticed_at() -> float | None:
+    """When the notice first came to this process (boot clock): its handler, hpcshard's
+    script wrapper, or the entry point before either ran."""
+    script, entry = sys.modules.get("hpcshard.script"), sys.modules.get("hpcshard.entry")
+    return min([*_received, *getattr(script, "RECEIVED", ()), *getattr(entry, "EARLY_AT", ())], default=None)
+
+
 def deadline() -> float | None:
-    """Unix time at which the job's time limit ends, or None (no limit known)."""
-    value = os.environ.get("HPCSHARD_DEADLINE")
-    return float(value) if value else None
+    """Unix time at which the job's time limit ends, on this host's wall clock (now plus
+    `time_left`), or None (no limit known)."""
+    left = time_left()
+    return None if left is None else time.time() + left
 
 
 PHASES = ("step", "save", "eval", "load")

@@ -28,7 +28,6 @@ import runpy
 import signal
 import socket
 import sys
-import time
 import traceback
 from pathlib import Path
 from typing import Any, TextIO
@@ -37,6 +36,7 @@ from hpcshard.errors import UserError
 from hpcshard.rundir import events, flight, launchers, ledger, progress
 from hpcshard.rundir.events import EndReason
 from hpcshard.rundir.paths import RunPaths
+from hpcshard.rundir.proc import clock
 from hpcshard.rundir.rankenv import (
     ENV_DOC,
     REQUEUE_EXIT,
@@ -120,7 +120,8 @@ class _Tee:
 
 
 RECEIVED: list[float] = []
-"""When this rank's wrapper took the launcher's notice (`hpcshard.preemption` reads it)."""
+"""When this rank's wrapper took the launcher's notice, on the host's boot clock
+(`hpcshard.preemption` reads it)."""
 
 
 def _notice_handler(notice: signal.Signals, script_signal: str) -> Any:
@@ -130,7 +131,7 @@ def _notice_handler(notice: signal.Signals, script_signal: str) -> Any:
     def handle(_signum: int, _frame: object) -> None:
         if RECEIVED:  # Slurm signals every process of the step and the launcher forwards
             return    # the notice too: the script hears it once
-        RECEIVED.append(time.time())
+        RECEIVED.append(clock())
         if forward is not None and forward != notice:
             os.kill(os.getpid(), forward)
     return handle

@@ -38,10 +38,11 @@ from typing import Any
 from hpcshard.errors import UserError
 from hpcshard.launch import release
 from hpcshard.launch.node import NodeEnv, run_node
-from hpcshard.launch.slurm import coord_port, rdzv_port
+from hpcshard.launch.slurm import coord_port, export, limit_ends, rdzv_port
 from hpcshard.rundir import events, ledger
 from hpcshard.rundir.events import EndReason
 from hpcshard.rundir.launchers import pid_file
+from hpcshard.rundir.proc import clock
 from hpcshard.rundir.rankenv import NOTICE, REQUEUE_EXIT, STORAGE_EXIT, RankEnv, signal_name
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.slurm.env import Held, SlurmEnv
@@ -86,10 +87,10 @@ def shape(alloc: Held, nodes: int | None, spares: int, gpus: int | None) -> tupl
 
 def notice_due(now: float, deadline: float | None, lead: int | None) -> bool:
     """Is it time for the time limit's notice (`lead` seconds before the allocation's
-    `deadline`)? The command sends it itself: an salloc without `--signal` would otherwise
-    end in SIGTERM and SIGKILL (KillWait later) with nothing saved since the last periodic
-    checkpoint. With salloc's own `--signal` the ranks get two notices; the second changes
-    nothing."""
+    `deadline`, both on this host's boot clock: `launch.slurm.limit_ends`)? The command
+    sends it itself: an salloc without `--signal` would otherwise end in SIGTERM and SIGKILL
+    (KillWait later) with nothing saved since the last periodic checkpoint. With salloc's
+    own `--signal` the ranks get two notices; the second changes nothing."""
     return deadline is not None and lead is not None and now >= deadline - lead
 
 
@@ -264,15 +265,14 @@ def run_held(spec: RunSpec, run_dir: Path, resume: str, owner: str, *, lead: int
     code (`outcome`). Ctrl-C (or a TERM or HUP to this command) is the notice: the ranks
     stop at the next step boundary with a checkpoint; a second Ctrl-C stops them now.
     `lead`: seconds before the allocation's end that this command sends the notice itself."""
-    from hpcshard.slurm import cluster
-
     alloc = held(environ)
     shape(alloc, spec.nodes, spec.spares, spec.gpus)
     if not spec.jobs or spec.jobs[-1] != alloc.job_id:
         spec = RunSpec.add_job(run_dir, alloc.job_id)
     attempt = ledger.next_attempt(run_dir)
-    deadline = cluster.end_time(alloc.job_id)
-    ranks = RankEnv(attempt=attempt, resume=resume, notice=notice, deadline=deadline, lead=lead, owner=owner)
+    # On this host's clock: the step's launchers, on other hosts, ask Slurm for their own (`main`).
+    deadline = limit_ends(alloc.job_id)
+    ranks = RankEnv(attempt=attempt, resume=resume, notice=notice, lead=lead, owner=owner)
     name, tasks = step_name(spec.name, spec.created), spec.nodes + spec.spares
     argv = srun_argv(alloc, tasks, run_dir, name)
     up = Launchers(run_dir, tasks, attempt)
@@ -298,7 +298,7 @@ def run_held(spec: RunSpec, run_dir: Path, resume: str, owner: str, *, lead: int
             if not due and asked:
                 due = (f"stopping at the next step boundary with a checkpoint (sent {notice} to every "
                        "node); Ctrl-C again stops now, without one")
-            elif not due and notice_due(time.time(), deadline, lead):
+            elif not due and notice_due(clock(), deadline, lead):
                 due = "allocation"
             # Not before every launcher has its handler: until then srun forwards a notice
             # to no task, or it kills a launcher that is still importing.
@@ -309,7 +309,7 @@ def run_held(spec: RunSpec, run_dir: Path, resume: str, owner: str, *, lead: int
             if due and not sent and len(asked) < 2 and up.ready():
                 sent = True
                 if due == "allocation":
-                    due = (f"allocation {alloc.job_id} ends in {(deadline or 0) - time.time():.0f} s: sent "
+                    due = (f"allocation {alloc.job_id} ends in {(deadline or 0) - clock():.0f} s: sent "
                            f"the ranks {notice} (they save before it ends)")
                 _say(f"hpcshard: {due}")
                 proc.send_signal(signal.Signals[signal_name(notice)])
@@ -337,11 +337,15 @@ def node_env(slurm: SlurmEnv, per_node: int) -> NodeEnv:
 def main(argv: list[str]) -> int:
     """`python -m hpcshard.launch.allocation RUN_DIR`: one node's launcher, in the step's
     task on that node. The command that started the step owns the run and passed the
-    ranks' variables (HPCSHARD_*) through srun's environment."""
+    ranks' variables (HPCSHARD_*) through srun's environment, but for the deadline: a
+    moment on one host's clock means nothing on another's, so each node asks Slurm for the
+    time left itself, as a batch job's launchers do."""
     run = Path(argv[0])
     spec = RunSpec.read(run)
-    ranks = RankEnv.from_environ()
-    return run_node(node_env(SlurmEnv.from_environ(), spec.gpus), run, stop_signal=ranks.notice_signal)
+    slurm = SlurmEnv.from_environ()
+    ranks = replace(RankEnv.from_environ(), deadline=limit_ends(slurm.job_id))
+    export(ranks)
+    return run_node(node_env(slurm, spec.gpus), run, stop_signal=ranks.notice_signal)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,8 @@ from hpcshard.rundir.chain import job_exit
 from hpcshard.rundir.files import write_atomic
 from hpcshard.rundir.launchers import attempt_file
 from hpcshard.rundir.paths import RunPaths
-from hpcshard.rundir.rankenv import NOTICE, REQUEUE_EXIT, RankEnv
+from hpcshard.rundir.proc import clock
+from hpcshard.rundir.rankenv import DEADLINE_VARS, NOTICE, REQUEUE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.slurm import cluster
 from hpcshard.slurm.env import SlurmEnv, expand_nodelist
@@ -45,6 +46,24 @@ def coord_port(job_id: str, restart: int) -> int:
     """Where node 0's launcher serves the launchers' store (`launch.coord`): derived like
     the rendezvous port, half the range away from it."""
     return 20000 + (rdzv_port(job_id, restart) - 20000 + 5000) % 10000
+
+
+def limit_ends(job_id: str) -> float | None:
+    """When the job's time limit ends, on this host's boot clock (`RankEnv.deadline`): the
+    controller's time left (`cluster.time_left`, a duration) counted from the moment it was
+    asked, which is no later than the moment scontrol read its clock for RunTime (a slow
+    answer makes the deadline earlier, never later). None: no limit known."""
+    asked = clock()
+    left = cluster.time_left(job_id)
+    return None if left is None else asked + left
+
+
+def export(ranks: RankEnv) -> None:
+    """This launcher's ranks' variables, into its environment (its ranks and every later
+    restart's inherit them), without a deadline that came with the environment."""
+    for name in DEADLINE_VARS:
+        os.environ.pop(name, None)
+    os.environ.update(ranks.to_environ())
 
 
 def node_env(slurm: SlurmEnv, per_node: int) -> NodeEnv:
@@ -282,9 +301,9 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     sbatch = SbatchRequest.recorded(spec.slurm)
     ranks = RankEnv(attempt=attempt, resume=resume if fresh else "auto",
                     restart_count=slurm.restart_count, notice=sbatch.signal if sbatch else NOTICE,
-                    deadline=cluster.end_time(slurm.ref),
+                    deadline=limit_ends(slurm.ref),
                     lead=sbatch.signal_lead_s if sbatch else None, owner=owner.token)
-    os.environ.update(ranks.to_environ())
+    export(ranks)
     # submitit installed its own SIGUSR2 handler (checkpoint, then requeue from global rank
     # 0 with its own timeout bookkeeping). run_node replaces it: the notice goes to the ranks.
     code = run_node(node_env(slurm, per_node), run, stop_signal=ranks.notice_signal)

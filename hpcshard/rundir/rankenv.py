@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from hpcshard.rundir.paths import RunPaths
+from hpcshard.rundir.proc import boot_id, clock
 
 REQUEUE_EXIT = 75
 """Exit code meaning "stopped cleanly on request, checkpoint committed: requeue me"
@@ -52,7 +54,8 @@ ENV_DOC = {
     "HPCSHARD_CHECKPOINT_DIR": "RUN_DIR/checkpoints: save here, resume from here",
     "HPCSHARD_ATTEMPT": "0 for the first attempt, +1 for each requeue or `hpcshard resume`",
     "HPCSHARD_RESTART_COUNT": "requeues of this submission (Slurm's SLURM_RESTART_COUNT)",
-    "HPCSHARD_DEADLINE": "Unix time at which the job's time limit ends (unset without a limit)",
+    "HPCSHARD_DEADLINE": "Unix time at which the job's time limit ends, on this node's clock "
+                         "(unset without a limit)",
     "HPCSHARD_NOTICE_SIGNAL": "the signal the script gets when the job must stop (e.g. SIGTERM)",
 }
 """The variables a script may read (docs/user/scripts.md's table is checked against this)."""
@@ -85,7 +88,13 @@ class RankEnv:
     notice: str = DEFAULT_NOTICE
     """HPCSHARD_STOP_SIGNAL: the launcher's notice, which the ranks listen for."""
     deadline: float | None = None
-    """HPCSHARD_DEADLINE: Unix time at which the time limit ends; None: no limit known."""
+    """When the job's time limit ends, on this host's boot clock (`rundir.proc.clock`); None:
+    no limit known. A launcher makes it from the controller's time left (a duration) and the
+    moment it asked; its ranks, processes of the same host and boot started at any time
+    later (a restart in the allocation), read the same clock, so what is left is measured
+    from that one answer, never from a wall clock. HPCSHARD_DEADLINE_BOOT carries it with its
+    boot; HPCSHARD_DEADLINE, for scripts, is the same moment on this host's wall clock as
+    the variables are made (`to_environ`)."""
     lead: int | None = None
     """HPCSHARD_NOTICE_LEAD: seconds before the deadline that the time-limit notice comes
     (the profile's signal_lead); None: unknown (every notice stops at once)."""
@@ -109,12 +118,12 @@ class RankEnv:
     @classmethod
     def from_environ(cls, environ: Mapping[str, str] | None = None) -> RankEnv:
         env = os.environ if environ is None else environ
-        deadline = env.get("HPCSHARD_DEADLINE")
+        deadline = deadline_in(env)
         return cls(attempt=int(env.get("HPCSHARD_ATTEMPT", "0")),
                    resume=env.get("HPCSHARD_RESUME", "auto"),
                    restart_count=int(env.get("HPCSHARD_RESTART_COUNT", "0")),
                    notice=env.get("HPCSHARD_STOP_SIGNAL", DEFAULT_NOTICE),
-                   deadline=float(deadline) if deadline else None,
+                   deadline=deadline,
                    lead=int(env["HPCSHARD_NOTICE_LEAD"]) if env.get("HPCSHARD_NOTICE_LEAD") else None,
                    cycle=int(env.get("HPCSHARD_CYCLE", "0")), board=env.get("HPCSHARD_BOARD", ""),
                    owner=env.get("HPCSHARD_OWNER", ""), newest=int(env.get("HPCSHARD_NEWEST_STEP") or 0))
@@ -126,7 +135,8 @@ class RankEnv:
                "HPCSHARD_BOARD": self.board, "HPCSHARD_OWNER": self.owner,
                "HPCSHARD_NEWEST_STEP": str(self.newest)}
         if self.deadline is not None:
-            env["HPCSHARD_DEADLINE"] = str(int(self.deadline))
+            env["HPCSHARD_DEADLINE_BOOT"] = f"{self.deadline:.3f} {boot_id()}"
+            env["HPCSHARD_DEADLINE"] = str(int(time.time() + self.time_left()))
         if self.lead is not None:
             env["HPCSHARD_NOTICE_LEAD"] = str(self.lead)
         return env
@@ -134,6 +144,55 @@ class RankEnv:
     @property
     def notice_signal(self) -> signal.Signals:
         return signal.Signals[self.notice]
+
+    def time_left(self) -> float:
+        """Seconds until the time limit ends, now (0 without a deadline: call with one)."""
+        return 0.0 if self.deadline is None else self.deadline - clock()
+
+
+DEADLINE_VARS = ("HPCSHARD_DEADLINE", "HPCSHARD_DEADLINE_BOOT")
+"""A deadline's variables. A launcher drops what its environment brought (a continuation
+job submitted from an earlier job's launcher inherits that job's) before it sets its own:
+another job's deadline on the same boot would be believed."""
+
+
+def deadline_in(env: Mapping[str, str]) -> float | None:
+    """The deadline on this host's boot clock: HPCSHARD_DEADLINE_BOOT when it was made on
+    this boot of this host (made elsewhere, its number means nothing here: no deadline);
+    else a Unix time in HPCSHARD_DEADLINE (a launcher of the user's own, a test), taken
+    as this host's wall clock says it now."""
+    made = env.get("HPCSHARD_DEADLINE_BOOT", "").split()
+    if made:
+        return float(made[0]) if " ".join(made[1:]) == boot_id() else None
+    wall = env.get("HPCSHARD_DEADLINE")
+    return clock() + float(wall) - time.time() if wall else None
+
+
+NOTICE_SLACK_S = 60.0
+"""Slurm may send --signal up to a minute early (its event resolution): a notice that came
+within the lead time plus this of the deadline is the time limit's."""
+
+
+def limit_end(noticed: float, deadline: float, lead: int) -> float:
+    """When the time limit ends, as a time-limit notice that came at `noticed` says: the
+    earlier of the launcher's `deadline` and the notice plus `lead`. All on this host's boot
+    clock. The deadline is a duration the controller gave (TimeLimit less RunTime), counted
+    from when it was asked; but scontrol works RunTime out on this host's wall clock, so a
+    clock 45 s behind the controller's puts the end 45 s late. The notice is the
+    controller's own: it sends it `lead` seconds before the end on its clock (or up to a
+    minute earlier, never later), so the notice plus the lead is never past the end,
+    whatever this host's clock says."""
+    return min(deadline, noticed + lead)
+
+
+def noticed_end(deadline: float, noticed: float | None, lead: int | None) -> float:
+    """When the time limit ends, as best this host can tell: the launcher's `deadline`,
+    bounded by a notice that came at `noticed` within the `lead` (and NOTICE_SLACK_S) of
+    it, the time limit's (`limit_end`); a notice further off is a preemption's, which says
+    nothing of the limit."""
+    if noticed is None or lead is None or deadline - noticed > lead + NOTICE_SLACK_S:
+        return deadline
+    return limit_end(noticed, deadline, lead)
 
 
 def script_environ(run_dir: Path, attempt: int, script_signal: str) -> dict[str, str]:

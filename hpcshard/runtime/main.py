@@ -84,9 +84,11 @@ def check_writable(run_dir: Path) -> None:
 
 
 def main(argv: list[str] | None = None, early: list[int] | None = None,
-         start: float | None = None) -> int:
-    """One rank's whole run. `early`: signals the entry point received before this was
-    imported (a notice while torch loaded); `start`: when the entry point started."""
+         start: float | None = None, early_at: list[float] | None = None) -> int:
+    """One rank's whole run. `early`: signals the entry point received before the runtime
+    took them (a notice while torch loaded, or during the rendezvous), each at the time in
+    `early_at` (boot clock): the entry point's own lists, which it appends to until then;
+    `start`: when the entry point started."""
     args = sys.argv[1:] if argv is None else argv
     run_dir = Path(args[0])
     spec = RunSpec.read(run_dir)
@@ -120,7 +122,9 @@ def main(argv: list[str] | None = None, early: list[int] | None = None,
         spec.use_code()  # the copy of the code submitted (`cli.snapshot`)
         job = load_job(spec.job)
         cfg = build_config(job.config, kept_sets(spec.sets, spec.resolved.config))
-        stop = StopRequest(f"{cfg.stop_signals},{ranks.notice}").install(early or [])
+        # (the entry point's lists themselves, even empty: a notice until the handlers are in)
+        stop = StopRequest(f"{cfg.stop_signals},{ranks.notice}").install(
+            [] if early is None else early, [] if early_at is None else early_at)
         hooks = Hooks(report=report, record=_recorder(run_dir, env.is_main))
         trainer = Trainer(job, cfg, env, run_dir, hooks=hooks, past=_past(run_dir))
         startup["built"] = time.time()

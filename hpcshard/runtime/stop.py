@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import logging
 import signal
-import time
 from types import FrameType
 
 from hpcshard.config import signal_names
+from hpcshard.rundir.proc import clock
 
 log = logging.getLogger("hpcshard")
 
@@ -22,20 +22,26 @@ class StopRequest:
         self.signals = [getattr(signal, n) for n in signal_names(names)]
         self.received: str | None = None
         self.at = 0.0
+        """When the first one came, on this host's boot clock (`rundir.proc.clock`): what a
+        time-limit stop is planned from (`train.stop_time`), never the wall clock."""
 
-    def install(self, early: list[int] | tuple[int, ...] = ()) -> StopRequest:
-        """Take the signals from now on; `early`: ones that came before (a notice while
-        torch was still loading, which the entry point kept)."""
+    def install(self, early: list[int] | tuple[int, ...] = (),
+                at: list[float] | tuple[float, ...] = ()) -> StopRequest:
+        """Take the signals from now on; `early`: ones that came before, while the rank
+        started (a notice during torch's import, the rendezvous, the job's build), `at`:
+        when each came (boot clock). The entry point's own lists, read only once this
+        process's handlers are in: a notice that comes meanwhile is in them, and one that
+        comes later is the handler's, after the early one (which stays the first)."""
         for sig in self.signals:
             signal.signal(sig, self._handle)
-        for signum in early:
-            if signum in self.signals:
-                self._handle(signum, None)
+        first = next((signum for signum in early if signum in self.signals), None)
+        if first is not None:
+            self.received, self.at = signal.Signals(first).name, min([*at, self.at or clock()])
         return self
 
     def _handle(self, signum: int, _frame: FrameType | None) -> None:
         if self.received is None:
-            self.received, self.at = signal.Signals(signum).name, time.time()
+            self.received, self.at = signal.Signals(signum).name, clock()
 
     @property
     def requested(self) -> bool:

@@ -25,7 +25,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 from hpcshard.config import TrainConfig
 from hpcshard.errors import UserError
 from hpcshard.rundir import events, store
-from hpcshard.rundir.rankenv import RankEnv
+from hpcshard.rundir.proc import clock
+from hpcshard.rundir.rankenv import NOTICE_SLACK_S, RankEnv, limit_end
 from hpcshard.runtime import float8
 from hpcshard.runtime.adapters import apply_freeze, apply_lora, frozen, with_adapters
 from hpcshard.runtime.blocks import find_blocks, on_meta
@@ -142,9 +143,6 @@ class Summary:
     unigram_entropy: float
 
 
-NOTICE_SLACK_S = 60.0
-"""Slurm may send --signal up to a minute early (its event resolution): a notice that came
-within the lead time plus this of the deadline is the time limit's."""
 STOP_MARGIN_S = 10.0
 """What a time-limit stop leaves spare beyond its estimate (the save, twice over, and two
 steps): the ranks must be done before Slurm kills them."""
@@ -152,12 +150,13 @@ steps): the ranks must be done before Slurm kills them."""
 
 def stop_time(noticed: float, deadline: float | None, lead: int | None, saves: list[float],
               steps: list[float], before: float | None = None) -> float:
-    """When a notice that came at `noticed` should stop training. A preemption (or any
-    notice far from the deadline, or without a measured save) stops at once: the job is
-    killed a grace period later. The time limit's notice comes `lead` seconds before a
-    deadline Slurm keeps: training goes on until the deadline less twice the slowest of
-    the last saves, two steps and STOP_MARGIN_S, which loses no step and wastes less of
-    the allocation than stopping at the notice.
+    """When a notice that came at `noticed` should stop training (all times on this host's
+    boot clock, `rundir.proc.clock`; no wall clock). A preemption (or any notice far from
+    the deadline, or without a measured save) stops at once: the job is killed a grace
+    period later. The time limit's notice comes `lead` seconds before the end Slurm keeps:
+    training goes on until that end (`limit_end`) less twice the slowest of the last saves,
+    two steps and STOP_MARGIN_S, which loses no step and wastes less of the allocation than
+    stopping at the notice.
 
     `before`: the stop time planned at an earlier step boundary. Planned again at every
     boundary, it only ever moves earlier: a save after the notice that ran slower than
@@ -166,7 +165,7 @@ def stop_time(noticed: float, deadline: float | None, lead: int | None, saves: l
     if deadline is None or lead is None or not saves or deadline - noticed > lead + NOTICE_SLACK_S:
         return noticed if before is None else min(before, noticed)
     step = sorted(steps)[len(steps) // 2] if steps else 0.0
-    at = max(noticed, deadline - (2 * max(saves[-3:]) + 2 * step + STOP_MARGIN_S))
+    at = max(noticed, limit_end(noticed, deadline, lead) - (2 * max(saves[-3:]) + 2 * step + STOP_MARGIN_S))
     return at if before is None else min(before, at)
 
 
@@ -343,8 +342,8 @@ class Trainer:
         self.step_times: collections.deque[float] = collections.deque(maxlen=32)
         """Seconds the last steps took (what a step costs when the time limit nears)."""
         self.stop_at: float | None = None
-        """When a stop notice takes effect: at once, or for a time-limit notice the deadline
-        less what saving needs (`stop_time`)."""
+        """When a stop notice takes effect, on this host's boot clock: at once, or for a
+        time-limit notice the limit's end less what saving needs (`stop_time`)."""
         self.planned_with = 0
         """How many of this process's saves `stop_at` was planned with."""
         self.limits = RankEnv.from_environ()
@@ -572,23 +571,28 @@ class Trainer:
 
     def _stop_due(self, stop: StopRequest | None) -> bool:
         """This rank's view (the ranks then agree, all-reduced): does the notice stop
-        training at this step? Each rank works out the same time from the same deadline."""
+        training at this step? Each rank plans from its own host's clock (its notice, its
+        launcher's deadline): the all-reduce stops every rank when the earliest plan says so."""
         if stop is None or not stop.requested:
             return False
         known = len(self.ckpt.save_seconds) if self.ckpt is not None else 0
         if self.stop_at is not None and known == self.planned_with:
-            return time.time() >= self.stop_at
+            return clock() >= self.stop_at
         # Planned at the first boundary after the notice, and again after each save that
         # committed since (an async one in flight at the notice): never later, only earlier.
         saves, before, self.planned_with = self._save_seconds(), self.stop_at, known
-        self.stop_at = stop_time(stop.at, self.limits.deadline, self.limits.lead, saves,
-                                 list(self.step_times), before=before)
+        limits = self.limits
+        self.stop_at = stop_time(stop.at, limits.deadline, limits.lead, saves, list(self.step_times),
+                                 before=before)
         if self.stop_at > stop.at and self.stop_at != before and self.env.is_main:
-            log.info("time-limit notice: training on until %s, %.0f s before the deadline "
-                     "(the save takes about %.1f s)", time.strftime("%H:%M:%S",
-                     time.localtime(self.stop_at)), (self.limits.deadline or 0) - self.stop_at,
+            assert limits.deadline is not None and limits.lead is not None  # (else: at once)
+            end = limit_end(stop.at, limits.deadline, limits.lead)
+            log.info("time-limit notice: training on until %s, %.0f s before the time limit ends "
+                     "(as %s says; the save takes about %.1f s)",
+                     time.strftime("%H:%M:%S", time.localtime(time.time() + self.stop_at - clock())),
+                     end - self.stop_at, "Slurm's time left" if end < stop.at + limits.lead else "the notice",
                      max(saves[-3:], default=0.0))
-        return time.time() >= self.stop_at
+        return clock() >= self.stop_at
 
     def _stragglers(self, metrics: Metrics) -> str:
         """Time the probe on every rank and compare (runtime.straggler). Every rank sees the

@@ -30,7 +30,10 @@ SBATCH_TIMEOUT_S = 150.0
 """How long one sbatch may take: it waits by itself (up to 120 s) while the controller
 says it is busy."""
 BACKOFF_S = 1.0
-"""The wait before the first retry; it doubles for each next one."""
+"""The wait before the first retry; it doubles for each next one..."""
+BACKOFF_MAX_S = 8.0
+"""...up to this (the fifth try's): a retry bounded by a deadline, not a count, keeps
+asking every few seconds, and goes through soon after the controller is back."""
 CALLS_LOG = "HPCSHARD_SLURM_CALLS_LOG"
 """A file that gets one line per Slurm command run (its time and the command's name):
 what tests and `python -m bench polling` count the controller's load by."""
@@ -158,5 +161,5 @@ def run(args: list[str], *, timeout: float | None = None, tries: int = 1,
                 or (deadline is not None and time.monotonic() + wait >= deadline)):
             return reply
         time.sleep(wait)
-        wait *= 2
+        wait = min(2 * wait, max(BACKOFF_MAX_S, BACKOFF_S))
     raise AssertionError("unreachable: the last try returns")

@@ -8,7 +8,7 @@ repeating it is safe (`client`, whose `Reply` says how it ended and never raises
 One error convention, for every function here:
 
 - A query (ping, available, max_array_size, submitted_from, history, query_job,
-  job_alive, show_job, job_state, end_time, usable_nodes, requeued_by_other) never
+  job_alive, show_job, job_state, time_left, usable_nodes, requeued_by_other) never
   raises: that Slurm did not answer is part of its typed answer. None where one value is
   asked (None: unknown, and never taken for "no"), `JobQuery.said` where "no such job"
   and "no answer" decide different things, ping's (ok, what it said).
@@ -264,6 +264,8 @@ class JobInfo:
     array_job: str = ""
     """The job array it belongs to (ArrayJobId; scontrol only). Asked by that id, scontrol
     answers with every task of the array, one line each: these fields are one task's."""
+    time_limit: str = ""
+    """TimeLimit as scontrol prints it ([D-]HH:MM:SS, UNLIMITED; scontrol only)."""
 
     @classmethod
     def of_scontrol(cls, job: str, fields: dict[str, str]) -> JobInfo:
@@ -274,7 +276,7 @@ class JobInfo:
                    int(restarts) if restarts.isdigit() else None, get("NodeList", ""), get("RunTime", ""),
                    get("ExitCode", ""), get("StartTime", ""), get("EndTime", ""), get("Reason", ""),
                    get("StdOut", ""), get("BatchHost", ""), get("Partition", ""),
-                   array_job=get("ArrayJobId", ""))
+                   array_job=get("ArrayJobId", ""), time_limit=get("TimeLimit", ""))
 
     @classmethod
     def forgotten(cls, job: str) -> JobInfo:
@@ -368,14 +370,30 @@ def show_job(job_id: str, timeout: float | None = None) -> JobInfo | None:
     return query_job(job_id, timeout).info
 
 
-def end_time(job_id: str) -> int | None:
-    """When the job's time limit ends (Unix time), for HPCSHARD_DEADLINE."""
+def time_left(job_id: str) -> float | None:
+    """Seconds left of the job's time limit: its TimeLimit less its RunTime, two durations,
+    for the time-limit stop (`launch.slurm.limit_ends`). Not EndTime: a time of day, which
+    only means "now" on a clock that agrees with the controller's.
+
+    scontrol works RunTime out itself, as the asking host's clock's now less the
+    controller's StartTime (slurm_sprint_job_info), so a host whose wall clock is off has its
+    offset in this answer too; what the ranks plan with is bounded by the notice, which the
+    controller sends on its own clock (`runtime.train.stop_time`). On a host whose clock is
+    behind by more than the job has run (a launcher asks as the job starts) RunTime is
+    negative, which scontrol prints as INVALID: taken as 0, the whole limit left, too much
+    by what the job has run, as much as the host's clock is behind at most. None: no limit
+    (UNLIMITED, a partition's), or Slurm did not answer (no client in the container, a
+    controller that is down): no deadline from Slurm, and every notice stops at once."""
     info = show_job(job_id, timeout=30)
-    text = info.end if info else ""
-    try:
-        return int(time.mktime(time.strptime(text, "%Y-%m-%dT%H:%M:%S")))
-    except ValueError:
+    if info is None:
         return None
+    try:
+        limit = parse_limit(info.time_limit)
+        # (00:00:00 reads as "no limit" to parse_limit: none ran)
+        ran = 0 if info.run_time == "INVALID" else parse_limit(info.run_time) or 0
+    except ValueError:  # "Partition_Limit", or nothing said
+        return None
+    return None if limit is None else float(max(0, limit - ran))
 
 
 def usable_nodes(partition: str, exclude: list[str] | tuple[str, ...] = ()) -> int | None:
@@ -390,9 +408,18 @@ def usable_nodes(partition: str, exclude: list[str] | tuple[str, ...] = ()) -> i
 
 
 REQUEUE_BUDGET_S = 60.0
-"""How long a requeue keeps trying through a controller that does not answer. It runs
-after the notice (signal_lead, 120 s by default, before the time limit) and the save, and
-a job that reaches its limit ends TIMEOUT, which Slurm never requeues."""
+"""How long a requeue keeps trying through a controller that does not answer, at least
+(`requeue_budget`). It runs after the notice (signal_lead, 120 s by default, before the
+time limit) and the save, and a job that reaches its limit ends TIMEOUT, which Slurm never
+requeues; but only a controller ends a job at its limit, and one that does not answer
+ends none."""
+SLURMCTLD_TIMEOUT_S = 120.0
+"""Slurm's default SlurmctldTimeout: how long a backup controller waits for the primary to
+answer before it takes control (slurm.conf(5))."""
+FAILOVER_FACTOR = 2.0
+"""A requeue outlasts this many SlurmctldTimeouts: the backup takes control one of them
+after the primary's last answer and loads the saved state; Slurm's own clients wait 1.5 of
+them for it (src/common/slurm_protocol_api.c), and one more try follows."""
 HELD_BUDGET_S = 20.0
 """Once `requeuehold` took, Slurm ends the job's steps, this launcher among them: TERM
 (ignored) and KILL KillWait later (30 s by default). The update and the release that must
@@ -403,11 +430,54 @@ job this launcher runs in cannot be pending unless a requeue took (ours, whose a
 lost, or the job's own): the requeue is done."""
 
 
+def slurmctld_timeout() -> float:
+    """The site's SlurmctldTimeout, from the slurm.conf this client reads (SLURM_CONF, which
+    slurmd sets in every job, to its cached copy on a configless site; else /etc/slurm) and
+    the files it includes (an HA site keeps its controllers' lines in one): asked of no
+    controller, for the one asked may be the one that is down. SLURMCTLD_TIMEOUT_S where
+    the files do not say (or cannot be read)."""
+    found = _conf_values(Path(os.environ.get("SLURM_CONF") or "/etc/slurm/slurm.conf"), "SlurmctldTimeout")
+    return float(found[-1]) if found else SLURMCTLD_TIMEOUT_S
+
+
+INCLUDE_DEPTH = 4
+"""How deep `Include` directives are followed (Slurm refuses a file that includes itself)."""
+
+
+def _conf_values(path: Path, key: str, depth: int = 0) -> list[str]:
+    """The values of `key` in slurm.conf `path` in the order Slurm reads them, those of the
+    files it includes where they stand (`Include NAME`: relative to its directory, a glob
+    allowed); a file that cannot be read says nothing."""
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return []
+    found: list[str] = []
+    for line in text.splitlines():
+        if m := re.match(r"\s*include\s+(\S+)", line, re.IGNORECASE):
+            if depth < INCLUDE_DEPTH:
+                name = path.parent / m[1]  # (an absolute name stays as it is)
+                for each in sorted(name.parent.glob(name.name)) if "*" in name.name else [name]:
+                    found += _conf_values(each, key, depth + 1)
+        elif m := re.match(rf"\s*{key}\s*=\s*(\d+)", line, re.IGNORECASE):
+            found.append(m[1])
+    return found
+
+
+def requeue_budget() -> float:
+    """How long a requeue keeps trying through a controller that does not answer: through a
+    fail-over to the backup controller (FAILOVER_FACTOR x SlurmctldTimeout: 240 s by
+    default), and REQUEUE_BUDGET_S at least. Giving up sooner stops a run that the backup
+    would have requeued; trying on costs nothing while no controller answers, since none
+    ends the job meanwhile (its time limit is a controller's to enforce)."""
+    return max(REQUEUE_BUDGET_S, FAILOVER_FACTOR * slurmctld_timeout())
+
+
 def _scontrol(args: list[str], deadline: float) -> client.Reply:
     """An scontrol action on this job that is safe to repeat (requeue, update, release),
-    retried through transient failures until `deadline`, and outliving the TERM that a
-    requeue brings."""
-    return client.run(["scontrol", *args], tries=5, deadline=deadline, ignore_term=True)
+    retried through transient failures as often as `deadline` allows, and outliving the TERM
+    that a requeue brings."""
+    return client.run(["scontrol", *args], tries=sys.maxsize, deadline=deadline, ignore_term=True)
 
 
 def _requeued(reply: client.Reply) -> bool:
@@ -427,11 +497,12 @@ def requeue(job_id: str, exclude: list[str] | tuple[str, ...] = (), nodes: int |
     nodes it must not run on again (held while its ExcNodeList is updated, so the
     scheduler cannot place it first). `nodes`: fewer nodes than it had (what is left of
     the partition once those are excluded). Transient failures are retried for up to
-    REQUEUE_BUDGET_S; a `release` follows every `requeuehold` that may have taken.
+    `requeue_budget` (through a fail-over to the backup controller); a `release` follows
+    every `requeuehold` that may have taken.
     Returns what went wrong besides, in one line ("" when nothing did: a queued job may
     keep the nodes it had, its ExcNodeList not changed); SlurmError when the job is not
     known to be back in the queue (it will not start again by itself)."""
-    deadline = time.monotonic() + REQUEUE_BUDGET_S
+    deadline = time.monotonic() + requeue_budget()
     if not (exclude or nodes):
         reply = _scontrol(["requeue", job_id], deadline)
         if not _requeued(reply):

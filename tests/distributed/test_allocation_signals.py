@@ -58,7 +58,7 @@ SALLOC = {"SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n[1-2]"}
 def test_ctrl_c_is_the_notice_and_a_second_one_stops_now(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     log = fake_srun(tmp_path, monkeypatch, save=1)  # (the notice alone does not end it)
-    monkeypatch.setattr(cluster, "end_time", lambda job: None)
+    monkeypatch.setattr(cluster, "time_left", lambda job: None)
     spec, run = spec_in(tmp_path)
 
     def press() -> None:
@@ -83,9 +83,9 @@ def test_ctrl_c_is_the_notice_and_a_second_one_stops_now(tmp_path: Path,
 def test_the_allocations_end_sends_the_notice_lead_seconds_before(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     log = fake_srun(tmp_path, monkeypatch, save=0)
-    end = int(time.time()) + 6
-    monkeypatch.setattr(cluster, "end_time", lambda job: end)
+    monkeypatch.setattr(cluster, "time_left", lambda job: 6.0)  # (a duration: no clock of Slurm's)
     spec, run = spec_in(tmp_path)
+    end = time.time() + 6
     code = allocation.run_held(spec, run, "auto", "", lead=3, environ=SALLOC)
     assert log.read_text().split() == ["USR2"] and code == REQUEUE_EXIT
     at = float(log.with_suffix(".at").read_text())
@@ -125,7 +125,7 @@ def test_a_notice_due_while_the_launchers_start_waits_for_them(tmp_path: Path,
     for k in (0, 1):  # an earlier attempt's, left behind
         (run / "launch" / f"node-{k}.pid").write_text('{"pid": 1}\n')
     log = late_srun(tmp_path, monkeypatch, run, up=1.5)
-    monkeypatch.setattr(cluster, "end_time", lambda job: int(time.time()) + 60)
+    monkeypatch.setattr(cluster, "time_left", lambda job: 60.0)
     code = allocation.run_held(spec, run, "auto", "", lead=120, environ=SALLOC)
     assert log.exists() and log.read_text().split() == ["USR2"] and code == REQUEUE_EXIT
 
@@ -146,7 +146,7 @@ def test_a_hangup_with_the_terminal_gone_is_still_the_notice(tmp_path: Path,
     notice still goes to the step, and the command waits for the step's end."""
     spec, run = spec_in(tmp_path)
     log = late_srun(tmp_path, monkeypatch, run, up=0)
-    monkeypatch.setattr(cluster, "end_time", lambda job: None)
+    monkeypatch.setattr(cluster, "time_left", lambda job: None)
 
     def hang_up() -> None:
         wait = time.monotonic() + 10
@@ -187,7 +187,7 @@ def test_a_run_over_with_a_frozen_node_ends_its_step_not_the_allocation(
     (bin_dir / "srun").write_text(HUNG.format(log=log, run=run))
     (bin_dir / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
-    monkeypatch.setattr(cluster, "end_time", lambda job: None)
+    monkeypatch.setattr(cluster, "time_left", lambda job: None)
     monkeypatch.setattr(steps, "run_steps", lambda job, name, timeout=None: [f"{job}.0"])
     monkeypatch.setattr(cluster, "show_job", lambda job, timeout=None: cluster.JobInfo(
         job=job, state=JobState.RUNNING, state_text="RUNNING", nodes="n[1-3]"))

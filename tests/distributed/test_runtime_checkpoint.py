@@ -143,9 +143,11 @@ def test_a_time_limit_notice_trains_on_until_the_deadline_less_the_save(tmp_path
     ranks (89 CPU-s for 75 s at -n 1 with the demo's own steps)."""
     run = tmp_path / "deadline"
     deadline = time.time() + 100  # (a start under the suite's load takes most of a minute)
+    # A lead longer than what is left at any notice: the deadline, not the notice plus the
+    # lead, is the end the ranks plan for (`train.limit_end`), and the test reads it back.
     proc = hpcshard_bg("submit", "--nodes", "1", "--gpus", "2", FAULTY, "--run-dir", str(run),
                        "--max-requeues", "0", *sets(steps=2000, ckpt_every=3, keep_last=2, sleep_s=0.8),
-                       env={"HPCSHARD_DEADLINE": str(int(deadline)), "HPCSHARD_NOTICE_LEAD": "60"})
+                       env={"HPCSHARD_DEADLINE": str(int(deadline)), "HPCSHARD_NOTICE_LEAD": "120"})
     wait_for(partial(trained_to, run, 4), 180, "step 4, past a measured save")
     noticed_step = max(r["step"] for r in step_records(run))
     assert deadline - time.time() > 20, "the job started too slowly for this test's deadline"

@@ -2,14 +2,18 @@
 on NFS-like storage whose views cache lookups (a file one node creates stays invisible to
 the others for the negative-lookup time), two of the three nodes with wall clocks 30 s
 ahead and behind. The launchers coordinate through node 0's store, so nothing waits for a
-file to appear on another host, and nothing compares two hosts' clocks."""
+file to appear on another host, and nothing compares two hosts' clocks: not the time-limit
+stop either, which the node behind plans from the controller's notice."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import signal
+import subprocess
+import time
 import uuid
 from pathlib import Path
 
@@ -19,14 +23,27 @@ from hpcshard.launch.procs import ranks_below
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import launchers
 from hpcshard.rundir.progress import boards
-from tests.conftest import NOT_ABOUT_HANGS, STEPS, sets, step_records, wait_for
+from hpcshard.runtime.train import STOP_MARGIN_S
+from tests.conftest import NOT_ABOUT_HANGS, STEPS, hpcshard, sets, step_records, wait_for
 from tests.distributed.test_runtime_checkpoint import (
+    FAULTY,
     assert_bitwise_equal,
     committed,
     load,
     rank_pids,
 )
-from tests.slurm.conftest import NFS_NODES, SHARED, SKEW, freeze, restarts, slurm, wait_state
+from tests.slurm.conftest import (
+    NFS_NODES,
+    SHARED,
+    SKEW,
+    freeze,
+    job_info,
+    restarts,
+    slurm,
+    state,
+    story,
+    wait_state,
+)
 from tests.slurm.test_faults import heartbeat
 from tests.slurm.test_launch_slurm import DONE, submit
 
@@ -125,3 +142,59 @@ def test_a_frozen_node_0_on_nfs_like_storage_is_replaced_through_the_standby_sto
             freeze(victim, signal.SIGCONT)
             slurm("scontrol", "update", f"NodeName={victim}", "State=RESUME")
         shutil.rmtree(run, ignore_errors=True)
+
+
+@pytest.mark.nfs_partition
+def test_a_node_whose_clock_is_behind_stops_before_its_time_limit_and_requeues(
+        cluster: dict[str, str]) -> None:
+    """One node whose wall clock is 30 s behind the controller's (the nfs node with the
+    feature clock_behind), a job with a 3 minute limit and the notice 90 s before it. The
+    ranks train on after the notice and must stop, in true time, with their save (twice
+    over), two steps and the margin left before the limit. Planned on the node's clock
+    against the controller's EndTime, the stop came 30 s late: its save crossed the limit,
+    and a job that reaches its limit ends TIMEOUT, which is never requeued (whether Slurm
+    killed it first was up to its timer: the stop's time is what this test asserts). Each
+    step sleeps 0.8 s (tests/jobs/faulty.py): time passes, not CPU."""
+    run = SHARED / f"behind-{uuid.uuid4().hex[:8]}"
+    (node,) = [n for n, skew in SKEW.items() if skew < 0]
+    job = ""
+    try:
+        proc = hpcshard("submit", "--backend", "slurm", "--nodes", "1", "--gpus", "1", FAULTY,
+                        "--run-dir", str(run), "--partition", "nfs", "--constraint", "clock_behind",
+                        "--time", "3", "--signal-lead", "90", "--requeue-policy", "requeue",
+                        *sets(steps=2000, ckpt_every=3, keep_last=2, sleep_s=0.8, **NOT_ABOUT_HANGS),
+                        env=cluster)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        job = str(json.loads((run / "spec.json").read_text())["jobs"][-1])
+        wait_state(job, {"RUNNING"}, 120)
+        info = job_info(job)
+        assert info["NodeList"] == node, info
+        # The limit's end on the controller's clock, which is this host's (a time of day
+        # without a zone, as scontrol prints it: this host's zone).
+        limit = time.mktime(time.strptime(info["EndTime"], "%Y-%m-%dT%H:%M:%S"))
+        wait_for(lambda: ledger.end_of(run, 0) is not None, 300, "the first attempt's end")
+        end = ledger.end_of(run, 0)
+        assert end is not None and end["reason"] == "stop", end
+        # The end record was written after the stop's save, on the node's wall clock.
+        stopped = end["time"] - SKEW[node]
+        assert stopped < limit - STOP_MARGIN_S / 2, (limit - stopped, story(run))
+        log = (run / "logs" / "rank-0.log").read_text()
+        assert "time-limit notice: training on until" in log, (log[-3000:], story(run))  # (not at once)
+        assert "as the notice says" in log, log[-3000:]  # (the node's own deadline is too late)
+        wait_for(lambda: restarts(job) >= 1, 120, "the requeue")  # (requeued: not TIMEOUT)
+        assert [r["event"] for r in ledger.read(run)].count("requeue") >= 1, story(run)
+    finally:
+        if job:  # (requeued, it would train on: it has shown what it had to)
+            cancel(job)
+        shutil.rmtree(run, ignore_errors=True)
+
+
+def cancel(job: str, within: float = 120) -> None:
+    """scancel `job` until it has ended: Slurm refuses to cancel a job on its way back
+    through the queue (COMPLETING after a requeue), which then runs again."""
+    deadline = time.monotonic() + within
+    while state(job) not in DONE:
+        assert time.monotonic() < deadline, f"job {job} still {state(job)} after {within}s of scancel"
+        with contextlib.suppress(subprocess.CalledProcessError):
+            slurm("scancel", job)
+        time.sleep(1)

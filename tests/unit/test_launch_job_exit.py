@@ -59,7 +59,7 @@ def launcher_exit(run: Path, monkeypatch: pytest.MonkeyPatch, records: list[even
     monkeypatch.setattr(slurm.SlurmEnv, "from_environ", classmethod(lambda cls: env))
     monkeypatch.setattr(slurm, "own_run", lambda run, ref: lease.Owner.of_job(ref))
     monkeypatch.setattr(slurm.hostside, "has_client", lambda action="requeue": True)
-    monkeypatch.setattr(slurm.cluster, "end_time", lambda job: None)
+    monkeypatch.setattr(slurm.cluster, "time_left", lambda job: None)
     monkeypatch.setattr(slurm, "run_node", lambda *a, **k: code)
     monkeypatch.setattr(slurm, "_await_end", lambda *a: None)
     monkeypatch.setattr(slurm, "_continue", lambda run, env, attempt, *a, **k: ledger.append(
