@@ -80,7 +80,8 @@ HELLO_LIMIT = 4 << 10
 """The longest hello, the line a connection says first, read before its key is checked (a
 launcher's is about 150 bytes: its node, attempt and key, the prefixes it watches). It also
 bounds what the store reads ahead of any connection it has not yet read a line from (twice
-this, and one read of the socket); a longer line closes the connection."""
+this, and one read of the socket, HELLO_LIMIT too until the key checks: `_admit`); a longer
+line closes the connection."""
 HELLO_S = 10.0
 """How long a connection may take to say its hello (a launcher says it as it connects,
 and gives up on the answer after CONNECT_TRY_S)."""
@@ -91,7 +92,7 @@ Past that the oldest of them is closed: whatever connects to the port, a launche
 connects after it is let in, and a launcher closed so connects again (`Client.connect`)."""
 READ_CHUNK = 1 << 20
 """The most one read takes from a connection's reader (all it holds: twice HELLO_LIMIT and
-one read of the socket, 256 KB)."""
+one read of the socket, 256 KB once the key checked)."""
 WATCHED = ("fault/", "next/", "fenced/", "standby/")
 """What the store pushes to every launcher the moment it is set."""
 CARRIED = ("fault/", "next/", "fenced/")
@@ -227,6 +228,7 @@ class Server:
             if writer not in self.unproven:
                 return  # (closed meanwhile, the oldest of too many: `_admit`)
             del self.unproven[writer]
+            vars(writer.transport).pop("max_size", None)  # (asyncio's own again: `_admit`)
             node = int(hello["node"])
             watch = tuple(str(w) for w in hello.get("watch", WATCHED))
             self.conns[node] = (writer, watch)
@@ -261,6 +263,11 @@ class Server:
             del self.unproven[oldest]
             oldest.close()
         self.unproven[writer] = None
+        # One read of its socket takes HELLO_LIMIT at most until the key checks, not asyncio's
+        # 256 KB (`_SelectorSocketTransport.max_size`, read at each read): the cap is counted
+        # in connections, two per launcher, and a thousand launchers' worth of strangers that
+        # each sent 256 KB at once grew node 0's launcher from 39 to 284 MB.
+        writer.transport.max_size = HELLO_LIMIT  # type: ignore[attr-defined]
 
     @staticmethod
     def _write(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:

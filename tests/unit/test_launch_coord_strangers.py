@@ -101,6 +101,28 @@ def test_a_store_fed_unauthenticated_long_lines_stays_small(server: coord.Server
     until(lambda: 1 in server.conns and not server.unproven)
 
 
+def test_a_stranger_s_first_read_is_small_too(server: coord.Server) -> None:
+    """One read of a socket takes up to 256 KB in asyncio, whatever the reader's limit: a
+    stranger that sends 1 MB at once cost the store 257 KB (traced) before its line was cut,
+    and the cap is counted in connections (STRANGERS and two per launcher): a thousand
+    launchers' worth of strangers doing it at once grew node 0's launcher from 39 to 284 MB.
+    Until the key checks, a read takes HELLO_LIMIT at most."""
+    payload = b"x" * (1 << 20)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        until(lambda: len(server.unproven) == 1)
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            sock.setblocking(False)
+            with contextlib.suppress(OSError):  # (what the socket takes at once is enough)
+                sock.send(payload)
+            until(lambda: not server.unproven)
+            grown = tracemalloc.get_traced_memory()[1] - before
+        finally:
+            tracemalloc.stop()
+    assert grown < 64 << 10, f"a stranger cost the store {grown >> 10} KB"
+
+
 def test_a_launcher_let_in_may_still_send_long_lines(tmp_path: Path, server: coord.Server) -> None:
     """After the hello, LINE_LIMIT stays the bound: a node's down record carries its ranks'
     flight records, each naming every group's members (about 4 MB for 8 ranks of 80,000)."""
