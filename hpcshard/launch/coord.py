@@ -171,8 +171,7 @@ class Server:
         """The addresses it listens on ("::" or "0.0.0.0": every interface)."""
 
     def start(self) -> Server:
-        """Listen (an OSError when the port is taken, or `host` does not resolve: the caller
-        falls back to files)."""
+        """Listen (an OSError when the port is taken: the caller falls back to files)."""
         socks = ports.listen(self.host, self.port)
         # (a thousand launchers connect within a second or two: the kernel caps the backlog at
         # net.core.somaxconn; asyncio's default, 100, dropped the rest for a SYN retry each.

@@ -66,10 +66,15 @@ def addresses(host: str) -> list[Address]:
     loopback. A name this host alone resolves to loopback (Debian's `127.0.1.1 NAME` in
     /etc/hosts; the local Slurm's node names) says nothing of the address its peers get
     for it. Empty: every interface, the only place sure to be where they come. ("": every
-    interface; a name that does not resolve: an OSError, as a failed bind.)"""
+    interface; so is a name that does not resolve here: its look-up may have failed for a
+    moment, EAI_AGAIN from a DNS server busy as every node of the job starts, and the
+    peers' own may not.)"""
     if not host:
         return []
-    found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return []
     literal = _is_address(host)
     chosen: list[Address] = []
     for family, _, _, _, sockaddr in found:
