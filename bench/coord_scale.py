@@ -92,7 +92,7 @@ def node0(run_dir: Path, nodes: int, faults: int, out: Path, port_file: Path) ->
             return asyncio.run_coroutine_threadsafe(read(), self.loop).result(30)
 
     _raise_fd_limit()
-    server = Timed(KEY, 0, attempt=ATTEMPT)
+    server = Timed(KEY, 0, attempt=ATTEMPT, nodes=nodes)
     server.start()
     chan = coord.Channel(run_dir, 0)
     chan.server = server

@@ -14,7 +14,10 @@ for a launcher; the launchers' import contract keeps torch in the warm agent's p
 and TCPStore only answers questions: every launcher would poll it for a fault five times a
 second (O(N) requests per poll at node 0) where this one pushes the fault and the decision
 to every launcher once. The protocol is a line of JSON each way over one TCP connection per
-launcher (asyncio on the server, one reader thread per client); about 300 lines.
+launcher (asyncio on the server, one reader thread per client); about 300 lines. The store
+listens where the launchers are told to reach it (`ports.listen`), and a connection costs it
+little until its hello gives the job's key: one short line (HELLO_LIMIT), said within HELLO_S,
+with a cap on how many may wait to say it (STRANGERS).
 
 What goes through it (keys; the attempt A and the cycle C as in `rundir.launchers`):
     fault/A/C     the cycle's fault, first declarer wins; pushed to every launcher
@@ -63,13 +66,33 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from hpcshard.launch import ports
 from hpcshard.launch.liveness import LOST_S, UNHEARD_S, newer
 from hpcshard.rundir import launchers
 
 CONNECT_TRY_S = 1.0
 """One try to connect (node 0's launcher may start a few seconds after this one)."""
 LINE_LIMIT = 64 << 20
-"""The longest message (every heartbeat of 10,000 nodes is about 2 MB)."""
+"""The longest message once a connection's hello checked (every heartbeat of 10,000 nodes
+is about 2 MB; a node's down record, its ranks' flight records naming each group's members,
+about 4 MB for 8 ranks of 80,000)."""
+HELLO_LIMIT = 4 << 10
+"""The longest hello, the line a connection says first, read before its key is checked (a
+launcher's is about 150 bytes: its node, attempt and key, the prefixes it watches). It also
+bounds what the store reads ahead of any connection it has not yet read a line from (twice
+this, and one read of the socket, HELLO_LIMIT too until the key checks: `_admit`); a longer
+line closes the connection."""
+HELLO_S = 10.0
+"""How long a connection may take to say its hello (a launcher says it as it connects,
+and gives up on the answer after CONNECT_TRY_S)."""
+STRANGERS = 64
+"""How many connections may wait to say their hello beyond two per launcher of the job
+(`Server.nodes`: a launcher's try that it gave up may still be open beside its next).
+Past that the oldest of them is closed: whatever connects to the port, a launcher that
+connects after it is let in, and a launcher closed so connects again (`Client.connect`)."""
+READ_CHUNK = 1 << 20
+"""The most one read takes from a connection's reader (all it holds: twice HELLO_LIMIT and
+one read of the socket, 256 KB once the key checked)."""
 WATCHED = ("fault/", "next/", "fenced/", "standby/")
 """What the store pushes to every launcher the moment it is set."""
 CARRIED = ("fault/", "next/", "fenced/")
@@ -122,10 +145,16 @@ class Server:
         """The store this process serves on `port`, if it does."""
         return cls.running.get(port)
 
-    def __init__(self, key: str, port: int, host: str = "", attempt: int = 0) -> None:
+    def __init__(self, key: str, port: int, host: str = "", attempt: int = 0, nodes: int = 0) -> None:
         self.key, self.host, self.port, self.attempt = key, host, port, attempt
+        """`host`: the name or address the launchers are told to reach this store by; it
+        listens there alone (`ports.listen`; "": every interface)."""
+        self.nodes = nodes
+        """The job's launchers (spares included): room for them all to connect at once."""
         self.data: dict[str, Any] = {}
         self.conns: dict[int, tuple[asyncio.StreamWriter, tuple[str, ...]]] = {}
+        self.unproven: dict[asyncio.StreamWriter, None] = {}
+        """The connections yet to say their hello, oldest first (`_admit`)."""
         self.gone: set[int] = set()
         """Nodes whose connection closed before they said they ended (`left`)."""
         self.ended: set[int] = set()
@@ -137,16 +166,21 @@ class Server:
         self.requests = 0
         self.loop = asyncio.new_event_loop()
         self.thread: threading.Thread | None = None
-        self.server: asyncio.base_events.Server | None = None
+        self.servers: list[asyncio.base_events.Server] = []
+        self.bound: list[str] = []
+        """The addresses it listens on ("::" or "0.0.0.0": every interface)."""
 
     def start(self) -> Server:
         """Listen (an OSError when the port is taken: the caller falls back to files)."""
-        sock = _listen(self.host, self.port)
+        socks = ports.listen(self.host, self.port)
         # (a thousand launchers connect within a second or two: the kernel caps the backlog at
-        # net.core.somaxconn; asyncio's default, 100, dropped the rest for a SYN retry each)
-        self.server = self.loop.run_until_complete(asyncio.start_server(
-            self._serve, sock=sock, limit=LINE_LIMIT, backlog=4096))
-        self.port = int(sock.getsockname()[1])
+        # net.core.somaxconn; asyncio's default, 100, dropped the rest for a SYN retry each.
+        # The reader's limit is the hello's: a connection's lines after it are `_Lines`')
+        for sock in socks:
+            self.servers.append(self.loop.run_until_complete(asyncio.start_server(
+                self._serve, sock=sock, limit=HELLO_LIMIT, backlog=4096)))
+        self.port = int(socks[0].getsockname()[1])
+        self.bound = [str(sock.getsockname()[0]) for sock in socks]
         self.thread = threading.Thread(target=self.loop.run_forever, name="hpcshard-coord", daemon=True)
         self.thread.start()
         Server.running[self.port] = self
@@ -158,9 +192,9 @@ class Server:
         Server.running.pop(self.port, None)
 
         async def stop() -> None:
-            assert self.server is not None
-            self.server.close()
-            for writer, _ in list(self.conns.values()):
+            for server in self.servers:
+                server.close()
+            for writer in [*(w for w, _ in self.conns.values()), *self.unproven]:
                 writer.close()
 
         with contextlib.suppress(Exception):
@@ -178,20 +212,29 @@ class Server:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         node: int | None = None
         _no_delay(writer)
+        self._admit(writer)
         try:
-            hello = json.loads(await asyncio.wait_for(reader.readline(), 10))
+            # (HELLO_LIMIT and HELLO_S bound what a stranger costs: anyone on the network may
+            # connect to the port, and four connections' long lines, read up to LINE_LIMIT
+            # before the key was checked, grew node 0's launcher from 23 to 265 MB)
+            hello = json.loads(await asyncio.wait_for(reader.readline(), HELLO_S))
             if (hello.get("op") != "hello" or not hmac.compare_digest(str(hello.get("key", "")), self.key)
                     or hello.get("attempt") != self.attempt or int(hello["node"]) in self.conns):
                 # (a stranger; another job's launcher, or an older attempt's thawed one, on
                 # a port reused; a second launcher saying it is a node already here: the
                 # first one keeps its place)
                 return
+            if writer not in self.unproven:
+                return  # (closed meanwhile, the oldest of too many: `_admit`)
+            del self.unproven[writer]
+            vars(writer.transport).pop("max_size", None)  # (asyncio's own again: `_admit`)
             node = int(hello["node"])
             watch = tuple(str(w) for w in hello.get("watch", WATCHED))
             self.conns[node] = (writer, watch)
             pushed = {k: v for k, v in self.data.items() if k.startswith(watch)}
             self._write(writer, {"id": hello.get("id"), "instance": self.instance, "pushed": pushed})
-            while line := await reader.readline():
+            lines = _Lines(reader, LINE_LIMIT)
+            while line := await lines.next():
                 self.requests += 1
                 request = json.loads(line)
                 if request.get("op") == "leave":
@@ -203,11 +246,27 @@ class Server:
                 asyncio.LimitOverrunError):
             pass  # (a stranger, or a line that is no JSON object: refused, no traceback)
         finally:
+            self.unproven.pop(writer, None)
             if node is not None and self.conns.get(node, (None,))[0] is writer:
                 del self.conns[node]
                 if node not in self.ended:
                     self.gone.add(node)
             writer.close()
+
+    def _admit(self, writer: asyncio.StreamWriter) -> None:
+        """Count a connection among those yet to say their hello; past the cap (STRANGERS
+        and two per launcher), close the oldest of them. The oldest, not the newest: idle
+        connections held open would otherwise keep a launcher out until they time out."""
+        while self.unproven and len(self.unproven) >= STRANGERS + 2 * self.nodes:
+            oldest = next(iter(self.unproven))
+            del self.unproven[oldest]
+            oldest.close()
+        self.unproven[writer] = None
+        # One read of its socket takes HELLO_LIMIT at most until the key checks, not asyncio's
+        # 256 KB (`_SelectorSocketTransport.max_size`, read at each read): the cap is counted
+        # in connections, two per launcher, and a thousand launchers' worth of strangers that
+        # each sent 256 KB at once grew node 0's launcher from 39 to 284 MB.
+        writer.transport.max_size = HELLO_LIMIT  # type: ignore[attr-defined]
 
     @staticmethod
     def _write(writer: asyncio.StreamWriter, message: dict[str, Any]) -> None:
@@ -255,14 +314,31 @@ def _no_delay(writer: asyncio.StreamWriter) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    """One listening socket on `port` (0: a free one) for every address family: asyncio,
-    given no host, binds one socket per family, and with port 0 each gets a port of its
-    own (the store named one; a launcher reaching its host by the other family found
-    nothing there). A dual-stack IPv6 socket takes IPv4 too; without IPv6, IPv4 alone."""
-    if host or not socket.has_dualstack_ipv6():
-        return socket.create_server((host, port))
-    return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+class _Lines:
+    """The lines of a connection let in, each up to `limit` bytes. (Its reader's own limit
+    is the hello's: it also bounds what is read ahead of a connection not yet let in.)"""
+
+    def __init__(self, reader: asyncio.StreamReader, limit: int) -> None:
+        self.reader, self.limit = reader, limit
+        self.pending = bytearray()
+        self.looked = 0
+        """How far `pending` is known to hold no end of line."""
+
+    async def next(self) -> bytes:
+        """The next line, with its end; b"" once the connection closed. A ValueError for a
+        line over the limit."""
+        while (end := self.pending.find(b"\n", self.looked)) < 0:
+            self.looked = len(self.pending)
+            if self.looked > self.limit:
+                raise ValueError(f"a line over {self.limit} bytes")
+            chunk = await self.reader.read(READ_CHUNK)
+            if not chunk:
+                return b""
+            self.pending += chunk
+        line = bytes(self.pending[:end + 1])
+        del self.pending[:end + 1]
+        self.looked = 0
+        return line
 
 
 # -- a launcher's connection ---------------------------------------------------------------
@@ -461,14 +537,17 @@ class Channel:
         """Every peer showed up on the standby it moved to (`Supervisor._isolated`): nobody
         is on the files to be heard there (`_bridging`)."""
         self.closed = False
-        self.attempt, self.key = 0, ""
+        self.attempt, self.key, self.nodes = 0, "", 0
+        """`nodes`: the job's launchers (`Server.nodes`), once `open` was told them."""
         self.moving = threading.RLock()
         """Held while it moves: another thread's call waits for the standby, not the files."""
 
     # -- the store's life ------------------------------------------------------------
     def open(self, host: str, port: int, key: str, attempt: int, serve: bool,
-             where: dict[str, Any] | None = None, waiting: Callable[[], None] | None = None) -> bool:
-        """Connect to the job's store at host:port (node 0, `serve`, starts it first).
+             where: dict[str, Any] | None = None, waiting: Callable[[], None] | None = None,
+             nodes: int = 0) -> bool:
+        """Connect to the job's store at host:port (node 0, `serve`, starts it first, there
+        alone: `host` is the name every launcher is told, `Server.host`).
         Until it is connected, and if it cannot be within UNHEARD_S, the files serve.
         Each launcher first writes its heartbeat file once: should the store be lost, its
         peers find that name already there (a name first looked up after it was created
@@ -480,10 +559,10 @@ class Channel:
         with contextlib.suppress(OSError):
             (self.run_dir / launchers.LAUNCH).mkdir(exist_ok=True)
             launchers.beat(self.run_dir, attempt, self.node, {**(where or {}), "pid": os.getpid(), "seq": 0})
-        self.attempt, self.key = attempt, key
+        self.attempt, self.key, self.nodes = attempt, key, nodes
         if serve:
             try:
-                self.server = Server(key, port, attempt=attempt).start()
+                self.server = Server(key, port, host, attempt, nodes).start()
             except OSError as err:
                 self._give_up(f"node 0 could not serve the store on port {port} ({err.strerror})")
                 return False
@@ -512,12 +591,12 @@ class Channel:
     def stand_by(self, host: str) -> bool:
         """Serve the standby for the store's host, and say where in the store (`standby/`):
         every launcher knows it before it is needed. `host`: this launcher's host, as the
-        others reach it. False: no store in use, or no port could be had (the files stay
-        the way out)."""
+        others reach it (it listens there alone). False: no store in use, or no port could be
+        had (the files stay the way out)."""
         if self.store is None or self.standby is not None:
             return False
         try:
-            standby = Server(self.key, 0, attempt=self.attempt).start()
+            standby = Server(self.key, 0, host, self.attempt, self.nodes).start()
         except OSError:
             return False
         where = {"host": host, "port": standby.port, "node": self.node}

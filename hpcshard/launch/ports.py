@@ -1,5 +1,5 @@
 """Ports a launcher listens on (a rendezvous, the launchers' store), picked below the
-host's ephemeral range.
+host's ephemeral range, and the addresses the store listens on (`listen`).
 
 A port from `bind(port 0)` is an ephemeral one: between the pick and the listen, any
 outgoing connection of the host may take it as its source port, and the listen then
@@ -11,9 +11,12 @@ ports there too (`launch.slurm.rdzv_port`)."""
 from __future__ import annotations
 
 import contextlib
+import errno
+import ipaddress
 import random
 import socket
 from pathlib import Path
+from typing import Any
 
 LOW = 30000
 """The lowest port picked: above the range Slurm jobs derive their first ports from
@@ -51,3 +54,86 @@ def listen_ports(n: int, host: str = "") -> list[int]:
             s.bind((host, 0))
             found.append(int(s.getsockname()[1]))
         return found
+
+
+Address = tuple[socket.AddressFamily, tuple[Any, ...]]
+"""A family and a socket address to bind (the port left to `listen`)."""
+
+
+def addresses(host: str) -> list[Address]:
+    """Where to listen for peers told to reach this host as `host` (they resolve it on their
+    own hosts): an address as given; for a name, the addresses it has here, but none of
+    loopback. A name this host alone resolves to loopback (Debian's `127.0.1.1 NAME` in
+    /etc/hosts; the local Slurm's node names) says nothing of the address its peers get
+    for it. Empty: every interface, the only place sure to be where they come. ("": every
+    interface; so is a name that does not resolve here: its look-up may have failed for a
+    moment, EAI_AGAIN from a DNS server busy as every node of the job starts, and the
+    peers' own may not.)"""
+    if not host:
+        return []
+    try:
+        found = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return []
+    literal = _is_address(host)
+    chosen: list[Address] = []
+    for family, _, _, _, sockaddr in found:
+        if family not in (socket.AF_INET, socket.AF_INET6) or (family, sockaddr) in chosen:
+            continue
+        if literal or not ipaddress.ip_address(str(sockaddr[0]).split("%")[0]).is_loopback:
+            chosen.append((family, sockaddr))
+    return chosen
+
+
+def _is_address(host: str) -> bool:
+    with contextlib.suppress(ValueError):
+        ipaddress.ip_address(host.split("%")[0])
+        return True
+    return False
+
+
+def listen(host: str, port: int, tries: int = 5) -> list[socket.socket]:
+    """Listening sockets on `port` (0: a free one, the same at every address) at `host`'s
+    `addresses`. An address this host does not have (the name leads its peers elsewhere: a
+    NAT, a floating address) is left out; none left: every interface, as for a name that
+    means loopback here only. An OSError when the port is taken."""
+    wanted = addresses(host)
+    for _ in range(tries - 1):
+        with contextlib.suppress(_Taken):
+            return _listen_at(wanted, port) or [_listen_everywhere(port)]
+    return _listen_at(wanted, port) or [_listen_everywhere(port)]
+
+
+class _Taken(OSError):
+    """A free port picked at the first address was taken at another: pick again."""
+
+
+def _listen_at(wanted: list[Address], port: int) -> list[socket.socket]:
+    """One socket per address, all on one port (the first picks it where `port` is 0)."""
+    held: list[socket.socket] = []
+    try:
+        for family, sockaddr in wanted:
+            at = int(held[0].getsockname()[1]) if held else port
+            try:
+                held.append(socket.create_server((sockaddr[0], at, *sockaddr[2:]), family=family))
+            except OSError as err:
+                if err.errno == errno.EADDRNOTAVAIL:
+                    continue
+                if err.errno == errno.EADDRINUSE and held and port == 0:
+                    raise _Taken(err.errno, err.strerror) from err
+                raise
+    except OSError:
+        for sock in held:
+            sock.close()
+        raise
+    return held
+
+
+def _listen_everywhere(port: int) -> socket.socket:
+    """One socket on `port` for every address family: asyncio, given no host, binds one
+    socket per family, and with port 0 each gets a port of its own (the store named one; a
+    launcher reaching its host by the other family found nothing there). A dual-stack IPv6
+    socket takes IPv4 too; without IPv6, IPv4 alone."""
+    if not socket.has_dualstack_ipv6():
+        return socket.create_server(("", port))
+    return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)

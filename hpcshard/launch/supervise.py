@@ -517,7 +517,8 @@ class Supervisor:
         written before the store has no key: a store would let in anyone who shows none."""
         if coord.mode() == "store" and self.node.coord_port and self.spec.coord_key:
             self.chan.open(str(self.node.rdzv_host), int(self.node.coord_port), self.spec.coord_key,
-                           self.ranks.attempt, serve=self.me == 0, where=self.where, waiting=self.beat)
+                           self.ranks.attempt, serve=self.me == 0, where=self.where, waiting=self.beat,
+                           nodes=int(self.node.nnodes))
             self._stand_by()
 
     def _stand_by(self) -> None:
@@ -926,7 +927,8 @@ class Supervisor:
         if not self.chan.lost_why or coord.mode() != "store":
             return None
         try:
-            return coord.Server(self.spec.coord_key, 0, attempt=self.ranks.attempt).start()
+            return coord.Server(self.spec.coord_key, 0, self._host(), self.ranks.attempt,
+                                int(self.node.nnodes)).start()
         except OSError:
             return None
 
@@ -945,7 +947,7 @@ class Supervisor:
         old.close()
         self.chan.server = coord.Server.serving(decided.coord_port) if decided.host == self._host() else None
         if self.chan.open(decided.host, decided.coord_port, self.spec.coord_key, self.ranks.attempt,
-                          serve=False, where=self.where, waiting=self.beat):
+                          serve=False, where=self.where, waiting=self.beat, nodes=int(self.node.nnodes)):
             print(f"hpcshard: node {self.me}: the launchers coordinate through the store on "
                   f"{decided.host}:{decided.coord_port} from cycle {cycle}", file=sys.stderr, flush=True)
         elif self.chan.server is not None:  # (one its own decider cannot reach serves nobody)
