@@ -35,7 +35,6 @@ import json
 import os
 import platform
 import random
-import resource
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import PY, RESULTS, ROOT, Metric, env, save, show
+from hpcshard.launch import ports
 
 NAME = "coord"
 NODES = (2, 8, 32, 128, 512, 1024, 4096)
@@ -56,11 +56,6 @@ GAP_S = 2.0
 EMULATORS = 2
 KEY = "bench-coord-key"
 ATTEMPT = 0
-
-
-def _raise_fd_limit() -> None:
-    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 # -- node 0: the real store and the real decider -------------------------------------------
@@ -91,7 +86,7 @@ def node0(run_dir: Path, nodes: int, faults: int, out: Path, port_file: Path) ->
 
             return asyncio.run_coroutine_threadsafe(read(), self.loop).result(30)
 
-    _raise_fd_limit()
+    ports.raise_fd_limit()
     server = Timed(KEY, 0, attempt=ATTEMPT, nodes=nodes)
     server.start()
     chan = coord.Channel(run_dir, 0)
@@ -241,7 +236,7 @@ async def _launcher(node: int, port: int, faults: int, declarer: bool, go: Path,
 
 def emulate(port: int, first: int, last: int, nodes: int, faults: int, go: Path, out: Path) -> None:
     """Launchers `first`..`last` as connections; where each heard each fault and decision."""
-    _raise_fd_limit()
+    ports.raise_fd_limit()
     heard: dict[str, dict[int, float]] = {"fault": {}, "next": {}}
 
     async def main() -> None:

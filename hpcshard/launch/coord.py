@@ -172,6 +172,7 @@ class Server:
 
     def start(self) -> Server:
         """Listen (an OSError when the port is taken: the caller falls back to files)."""
+        ports.raise_fd_limit()
         socks = ports.listen(self.host, self.port)
         # (a thousand launchers connect within a second or two: the kernel caps the backlog at
         # net.core.somaxconn; asyncio's default, 100, dropped the rest for a SYN retry each.

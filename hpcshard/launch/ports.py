@@ -14,6 +14,7 @@ import contextlib
 import errno
 import ipaddress
 import random
+import resource
 import socket
 from pathlib import Path
 from typing import Any
@@ -137,3 +138,15 @@ def _listen_everywhere(port: int) -> socket.socket:
     if not socket.has_dualstack_ipv6():
         return socket.create_server(("", port))
     return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True)
+
+
+def raise_fd_limit() -> None:
+    """Open files up to the hard limit: a store holds a connection per launcher and up to
+    `coord.STRANGERS` + 2 per launcher waiting for their hello, past the usual soft limit
+    of 1,024 from about 320 nodes (its next open, a file or a connection, then failed with
+    EMFILE). The hard limit is the site's to set; raising the soft one to it is every
+    process's right."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        with contextlib.suppress(ValueError, OSError):  # (an unlimited one is refused: kept)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
