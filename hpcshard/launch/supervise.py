@@ -42,7 +42,7 @@ from hpcshard.launch.policy import Decision, Facts
 from hpcshard.launch.ports import listen_ports
 from hpcshard.launch.procs import Agent, alive, children, descendants, kill_below, kill_tree, send
 from hpcshard.launch.watchdog import Limits, Watchdog, process_state
-from hpcshard.rundir import events, flight, launchers, lease, ledger, store
+from hpcshard.rundir import events, files, flight, launchers, lease, ledger, store
 from hpcshard.rundir.events import EndReason
 from hpcshard.rundir.progress import Board, board_path
 from hpcshard.rundir.rankenv import STORAGE_EXIT, RankEnv
@@ -65,6 +65,10 @@ DOWN_TRIES = 3
 """Tries of a launcher's down record that its storage refused for no lack of room."""
 LINGER_S = 2 * LOST_S
 """How long node 0's store outlives its launcher's end for the others to end too."""
+KILLED_EXIT_S = 10.0
+"""How long a rank killed inside the ledger's lock is given to exit before its launcher
+breaks the lock (`_clear_left`): a process frees its memory before it is gone, seconds for
+a large one. One still there after it is left to the lock's own rules."""
 COMMS_ERRORS = ("DistBackendError", "DistNetworkError", "DistError", "DistStoreError")
 """Exceptions a rank raises because a peer died: a consequence, never the culprit."""
 COMMS_MESSAGES = ("gloo/transport", "Connection reset", "Connection closed", "Broken pipe", "NCCL")
@@ -468,6 +472,7 @@ class Supervisor:
         except Fenced as why:  # its ranks must not train on, nor it speak for the run
             self.fenced = True
             kill_below(os.getpid())  # agents, ranks, zygote, a health check
+            self._clear_left(beating=False)  # (what its killed ranks left: no record)
             print(f"hpcshard: node {self.me} leaves the run: {why}", file=sys.stderr, flush=True)
             if isinstance(why, TakenOver):  # (its peers leave too, and take it for nothing worse)
                 with contextlib.suppress(OSError):
@@ -485,6 +490,7 @@ class Supervisor:
             # A bug here must not leave ranks training unsupervised, nor peers waiting for a
             # node whose launcher is gone: kill them, and say this launcher is done.
             kill_below(os.getpid())
+            self._clear_left(beating=False)
             self._done(1)
             self._close()
             raise
@@ -630,9 +636,22 @@ class Supervisor:
             board.close(remove=True)
             return self._no_agent(cycle, err)
         try:
-            return self._watch(self.proc, board, cycle)
+            watch = self._watch(self.proc, board, cycle)
         finally:
             board.close(remove=True)
+        self._clear_left()  # (its ranks are gone: ended, or killed)
+        return watch
+
+    def _clear_left(self, beating: bool = True) -> None:
+        """This node's ranks are gone (ended or killed): the ledger's lock, if one of them
+        held it as it was killed, is broken now, and their side files removed. A rank
+        appends as it fails, which is the moment it is killed, and a waiter on another host
+        cannot look a pid of this host up: it would wait files.LOCK_STALE_S (the decider's
+        records with it). Done before this node says it is down, so the decider's records,
+        which come after every down, find the lock free."""
+        with contextlib.suppress(OSError):  # (storage that refuses it: the fault path goes on)
+            files.clear_left(self.run_dir / ledger.LEDGER, wait=KILLED_EXIT_S,
+                             waiting=self.beat if beating else lambda: None)
 
     def _no_agent(self, cycle: int, err: BaseException) -> Watch:
         """The cycle's agent could not be started: a fault of this node's like any other

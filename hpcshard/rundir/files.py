@@ -96,7 +96,8 @@ LOCK_STALE_S = 30.0
 """A lock whose holder's token stayed the same this long (on the waiter's own monotonic
 clock) is taken for one left by a crashed holder and broken: a holder keeps it for
 milliseconds (a read-modify-write of a small file). A holder on this host that is gone
-(its pid and start time) is broken at once."""
+(its pid and start time) is broken at once, by a waiter of this host or by the launcher
+that killed it (`clear_left`): a waiter on another host cannot look its pid up."""
 
 
 class LockLost(OSError):
@@ -117,8 +118,10 @@ def locked(path: Path, timeout: float = 120.0, poll: float = 0.05) -> Iterator[C
     call right before it writes: LockLost when the lock was broken meanwhile (this holder
     stood still that long). TimeoutError after `timeout` seconds."""
     lock = path.with_name(path.name + ".lock")
-    token = json.dumps({**(proc.identity(os.getpid()) or {}), "nonce": secrets.token_hex(8)}) + "\n"
-    mine = side_name(lock)
+    me = {**(proc.identity(os.getpid()) or {"host": socket.gethostname(), "pid": os.getpid()}),
+          "nonce": secrets.token_hex(8)}
+    token = json.dumps(me) + "\n"
+    mine = _side_of(lock, me) or side_name(lock)  # (named by its token: its breaker removes it)
     mine.write_text(token)
     deadline = time.monotonic() + timeout
     seen, since = "", time.monotonic()
@@ -126,13 +129,12 @@ def locked(path: Path, timeout: float = 120.0, poll: float = 0.05) -> Iterator[C
         while True:
             with contextlib.suppress(OSError):
                 os.link(mine, lock)
-            if mine.stat().st_nlink == 2:
+            if _links(mine, token) == 2:
                 break
             holder = _read(lock)
             if holder != seen:
                 seen, since = holder, time.monotonic()
-            if holder and (_gone(holder) or time.monotonic() - since > LOCK_STALE_S):
-                _break(lock, holder)
+            if holder and (_gone(holder) or time.monotonic() - since > LOCK_STALE_S) and _break(lock, holder):
                 continue
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{lock} is held by {_who(seen)} for over {timeout:.0f} s")
@@ -153,6 +155,66 @@ def locked(path: Path, timeout: float = 120.0, poll: float = 0.05) -> Iterator[C
             mine.unlink()
 
 
+def clear_left(path: Path, wait: float = 0.0, waiting: Callable[[], None] = lambda: None,
+               poll: float = 0.05) -> None:
+    """What processes of this host that are gone left of PATH.lock: the lock, broken as a
+    waiter of this host would break it, and their side files (killed while they held it,
+    or while they waited for it). For the launcher that killed its ranks: they append to
+    the ledger the moment they fail, which is when they are killed, and a waiter on
+    another host cannot look their pids up (it would wait LOCK_STALE_S). `wait`: how long
+    a holder of this host that still runs is given to end (killed a moment ago, it may
+    take seconds to free its memory); one that runs on is left to the rules of `locked`,
+    and so is the next holder once it let go (a live process's hold of milliseconds).
+    `waiting` is called at each look meanwhile (the launcher's heartbeat)."""
+    lock = path.with_name(path.name + ".lock")
+    deadline = time.monotonic() + wait
+    first = holder = _read(lock)
+    while holder == first and _here(holder) and not _gone(holder) and time.monotonic() < deadline:
+        waiting()
+        time.sleep(poll)
+        holder = _read(lock)
+    if holder and _gone(holder):
+        _break(lock, holder)
+    _remove_left(lock)
+
+
+def _remove_left(lock: Path) -> None:
+    """Remove the side files of `lock` whose processes, of this host, are gone. Only this
+    host can tell that a pid of its own is gone, and a process that is gone never uses its
+    side file again; another host's are left alone (its own launcher removes them). A
+    side file still being written reads empty, and names nobody."""
+    prefix = f".{lock.name}."
+    for name in os.listdir(lock.parent):
+        if name.startswith(prefix) and name.endswith(TMP_SUFFIX):
+            side = lock.parent / name
+            if _gone(_read(side)):
+                side.unlink(missing_ok=True)
+
+
+def _side_of(lock: Path, record: dict[str, Any]) -> Path | None:
+    """The side file of the holder a token names (by its host, pid and nonce), as
+    `side_name` would name it: what its breaker removes with the lock. None for a token
+    that names none (one of an older version)."""
+    host, pid, nonce = record.get("host"), record.get("pid"), record.get("nonce")
+    if not (isinstance(host, str) and isinstance(pid, int) and isinstance(nonce, str)):
+        return None
+    try:
+        return lock.with_name(f".{lock.name}.{host}.{pid}.{nonce}{TMP_SUFFIX}")
+    except ValueError:  # (a name with a slash in it)
+        return None
+
+
+def _links(mine: Path, token: str) -> int:
+    """How many names this waiter's side file has: 2 when it is the lock too. A breaker
+    that took it for a stale holder (it had just linked it, then stood still) removed it:
+    written again, and the lock is not this waiter's."""
+    try:
+        return mine.stat().st_nlink
+    except FileNotFoundError:
+        mine.write_text(token)
+        return 1
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text()
@@ -168,10 +230,18 @@ def _holder(text: str) -> dict[str, Any]:
     return found if isinstance(found, dict) else {}
 
 
-def _gone(holder: str) -> bool:
-    """Is the lock's holder a process of this host that no longer runs?"""
+def _here(holder: str) -> bool:
+    """Is the lock's holder a process of this host (whose pid means something here)?"""
     record = _holder(holder)
-    return bool(record) and proc.here(record) and not proc.same(record)
+    return bool(record) and proc.here(record)
+
+
+def _gone(holder: str) -> bool:
+    """Is the lock's holder a process of this host that no longer runs? One that exited
+    and awaits its parent (a zombie) is gone too: a rank killed with its agent may stay one
+    until someone reaps it."""
+    record = _holder(holder)
+    return bool(record) and proc.here(record) and not proc.running(record)
 
 
 def _who(holder: str) -> str:
@@ -179,24 +249,32 @@ def _who(holder: str) -> str:
     return f"process {record.get('pid')} on {record.get('host')}" if record else "someone"
 
 
-def _break(lock: Path, holder: str) -> None:
+def _break(lock: Path, holder: str) -> bool:
     """Remove a stale lock, once, whoever else breaks it at the same time: its inode is first
     linked to a name of its own that only one breaker can create (the stale holder's);
     if that inode turns out to be a fresh holder's (another breaker was faster and the lock
-    was taken again), nothing is removed."""
+    was taken again), nothing is removed. The holder's side file goes with it: nobody else
+    would ever remove it. False when another breaker is on it (the waiter then waits a
+    poll: it would spin)."""
     grave = lock.with_name(f"{lock.name}.broken.{hashlib.sha1(holder.encode()).hexdigest()[:16]}")
     try:
         os.link(lock, grave)
+    except FileNotFoundError:
+        return True  # gone already: the waiter tries to take it at once
     except OSError:
-        return  # gone already, or another breaker is on it
+        return False  # another breaker is on it
     try:
         if _read(grave) == holder and os.stat(lock).st_ino == os.stat(grave).st_ino:
             lock.unlink()
+            side = _side_of(lock, _holder(holder))
+            if side is not None:
+                side.unlink(missing_ok=True)
     except FileNotFoundError:
         pass
     finally:
         with contextlib.suppress(FileNotFoundError):
             grave.unlink()
+    return True
 
 
 def append_line(path: Path, line: str) -> None:

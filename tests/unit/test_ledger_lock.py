@@ -1,0 +1,130 @@
+"""The ledger cannot be stalled by a dying rank (issue 42): a rank killed inside the
+ledger's lock, seen from a waiter on another host; a holder killed and not yet reaped; the
+side files that killed processes left."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from functools import partial
+from pathlib import Path
+
+import pytest
+
+from hpcshard.launch import coord
+from hpcshard.rundir import events, files, ledger, proc
+from tests.conftest import wait_for
+from tests.unit.test_launch_races import HOLD, make_supervisor
+
+pytestmark = pytest.mark.unit
+
+RANK = """
+import sys, time
+from pathlib import Path
+from hpcshard.rundir import files
+with files.locked(Path(sys.argv[1]) / "attempts.jsonl"):  # (a rank's failure record)
+    print("held", flush=True)
+    time.sleep(60)
+"""
+AGENT = f"""
+import subprocess, sys
+ranks = [subprocess.Popen([sys.executable, "-c", {RANK!r}, sys.argv[1]]) for _ in range(2)]
+sys.exit(max(r.wait() for r in ranks))
+"""
+ELSEWHERE = """
+import sys, time
+from pathlib import Path
+from hpcshard.rundir import events, ledger, proc
+proc.boot_id = lambda: "another-host"  # (no pid of the test's host means anything here)
+ledger.append(Path(sys.argv[1]), events.GaveUp(attempt=0, reason="the decider's record"))
+print(time.monotonic(), flush=True)
+"""
+LANDS_S = 2.0
+"""How soon after the killing launcher's cycle ends another host's append lands: the lock
+is free by then, and the waiter looks every 50 ms; the rest is room for a loaded machine
+to schedule it. Before, it waited files.LOCK_STALE_S (30 s)."""
+
+
+def side_files(run_dir: Path, pid: int | None = None) -> list[str]:
+    """The ledger lock's side files (of process `pid`)."""
+    return [p.name for p in run_dir.iterdir() if p.name.startswith(".attempts.jsonl.lock.")
+            and (pid is None or f".{pid}." in p.name)]
+
+
+def test_a_rank_killed_inside_the_ledgers_lock_holds_up_no_other_hosts_append(tmp_path: Path) -> None:
+    """Ranks append their failure records the moment their launchers kill them. Another
+    host's waiter (the decider, with its fault and bad-node records) cannot look a pid of
+    this host up: it broke the lock only once it had stood still for LOCK_STALE_S. The
+    killed ranks' side files (the holder's, and the other's, which waited) stayed in the
+    run directory for good."""
+    sup = make_supervisor(tmp_path, owner="", node_rank=1, nnodes=2)
+    node = replace(sup.node, run_id=f"ledger-lock-{os.getpid()}")
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    elsewhere: subprocess.Popen[str] | None = None
+    try:
+        assert agent.stdout is not None and agent.stdout.readline().strip() == "held"
+        wait_for(lambda: len(side_files(tmp_path)) == 2, 60, "the other rank to wait")
+        elsewhere = subprocess.Popen([sys.executable, "-c", ELSEWHERE, str(tmp_path)],
+                                     stdout=subprocess.PIPE, text=True)
+        wait_for(lambda: side_files(tmp_path, elsewhere.pid), 60, "the other host's append to wait")
+        # Node 0 declares a fault: this launcher kills its ranks, the holder with them.
+        coord.Channel(tmp_path, 0).declare_fault(0, 0, {"cause": "a rank of node 0 died", "node": 0})
+        sup.start = lambda node, env: agent  # type: ignore[method-assign,assignment]
+        watch = sup.cycle(node, 0)
+        ended = time.monotonic()
+        out, _ = elsewhere.communicate(timeout=60)
+    finally:
+        for p in (agent, elsewhere):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    assert watch.fault is not None and agent.returncode == -9
+    assert float(out) - ended < LANDS_S, f"landed {float(out) - ended:.1f} s after the cycle ended"
+    assert [r["reason"] for r in ledger.read(tmp_path)] == ["the decider's record"]
+    assert side_files(tmp_path) == [] and not (tmp_path / "attempts.jsonl.lock").exists()
+
+
+def test_a_holder_killed_and_not_yet_reaped_is_gone(tmp_path: Path) -> None:
+    """A rank killed with its agent is a zombie until someone reaps it: its pid and start
+    time still answer, and a waiter of its own host took it for alive (LOCK_STALE_S)."""
+    p = subprocess.Popen([sys.executable, "-c", HOLD, str(tmp_path / ledger.LEDGER)],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "held"
+        p.kill()
+        wait_for(lambda: proc.stat_fields(p.pid)[:1] == ["Z"], 30, "a zombie")
+        began = time.monotonic()
+        ledger.append(tmp_path, events.GaveUp(attempt=0, reason="x"))
+        assert time.monotonic() - began < LANDS_S
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_the_side_files_of_killed_waiters_are_removed_and_no_live_ones(tmp_path: Path) -> None:
+    """A process killed while it waited for the lock left its side file for good; the
+    launcher's sweep (`files.clear_left`) removes those of this host's gone processes and
+    leaves live ones (the holder's, another waiter's) and another host's alone."""
+    target = tmp_path / ledger.LEDGER
+    with files.locked(target):
+        mine = side_files(tmp_path, os.getpid())
+        waiters = [subprocess.Popen([sys.executable, "-c", HOLD, str(target)], stdout=subprocess.PIPE)
+                   for _ in range(2)]
+        try:
+            for w in waiters:
+                wait_for(partial(side_files, tmp_path, w.pid), 60, "a waiter's side file")
+            waiters[0].kill()
+            waiters[0].wait()
+            elsewhere = tmp_path / ".attempts.jsonl.lock.n9.4242.00ff.tmp"
+            elsewhere.write_text('{"pid": 4242, "start": 1, "boot": "another-host", "host": "n9"}\n')
+            files.clear_left(target)
+            assert side_files(tmp_path, waiters[0].pid) == []
+            assert side_files(tmp_path, waiters[1].pid) and side_files(tmp_path, os.getpid()) == mine
+            assert elsewhere.exists() and (tmp_path / "attempts.jsonl.lock").exists()
+        finally:
+            for w in waiters:
+                w.kill()
+                w.wait()
