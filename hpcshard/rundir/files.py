@@ -107,7 +107,8 @@ class LockLost(OSError):
 
 
 @contextlib.contextmanager
-def locked(path: Path, timeout: float = 120.0, poll: float = 0.05) -> Iterator[Callable[[], None]]:
+def locked(path: Path, timeout: float = 120.0, poll: float = 0.05,
+           writes: int = 0) -> Iterator[Callable[[], None]]:
     """Hold PATH.lock while the block runs: a read-modify-write of `path` by several
     processes or hosts. A link() lock, as NFS recommends (an O_EXCL create is not atomic
     on NFSv2, and flock() is not kept by every NFS server): the holder's token (its process
@@ -116,11 +117,16 @@ def locked(path: Path, timeout: float = 120.0, poll: float = 0.05) -> Iterator[C
     of this host (`rundir.proc`), else once its token stood still for LOCK_STALE_S on this
     process's monotonic clock (no two hosts' clocks compared). The block gets a check to
     call right before it writes: LockLost when the lock was broken meanwhile (this holder
-    stood still that long). TimeoutError after `timeout` seconds."""
+    stood still that long). TimeoutError after `timeout` seconds.
+
+    `writes`: at most how many bytes the block appends to `path` (`append_held`), said in
+    the token. A holder that stood still past LOCK_STALE_S after its check (a file server
+    that stalled under its write) may still write them once its lock is broken; whoever
+    breaks it makes that much room first (`_make_room`)."""
     lock = path.with_name(path.name + ".lock")
     me = {**(proc.identity(os.getpid()) or {"host": socket.gethostname(), "pid": os.getpid()}),
           "nonce": secrets.token_hex(8)}
-    token = json.dumps(me) + "\n"
+    token = json.dumps({**me, **({"writes": writes} if writes else {})}) + "\n"
     mine = _side_of(lock, me) or side_name(lock)  # (named by its token: its breaker removes it)
     mine.write_text(token)
     deadline = time.monotonic() + timeout
@@ -134,7 +140,9 @@ def locked(path: Path, timeout: float = 120.0, poll: float = 0.05) -> Iterator[C
             holder = _read(lock)
             if holder != seen:
                 seen, since = holder, time.monotonic()
-            if holder and (_gone(holder) or time.monotonic() - since > LOCK_STALE_S) and _break(lock, holder):
+            gone = bool(holder) and _gone(holder)
+            if holder and (gone or time.monotonic() - since > LOCK_STALE_S) and \
+                    _break(lock, holder, stale=not gone):
                 continue
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{lock} is held by {_who(seen)} for over {timeout:.0f} s")
@@ -249,13 +257,14 @@ def _who(holder: str) -> str:
     return f"process {record.get('pid')} on {record.get('host')}" if record else "someone"
 
 
-def _break(lock: Path, holder: str) -> bool:
+def _break(lock: Path, holder: str, stale: bool = False) -> bool:
     """Remove a stale lock, once, whoever else breaks it at the same time: its inode is first
     linked to a name of its own that only one breaker can create (the stale holder's);
     if that inode turns out to be a fresh holder's (another breaker was faster and the lock
     was taken again), nothing is removed. The holder's side file goes with it: nobody else
-    would ever remove it. False when another breaker is on it (the waiter then waits a
-    poll: it would spin)."""
+    would ever remove it. `stale`: the holder may still run (it only stood still), so
+    what it may still append gets its room in the file before anyone can take the lock.
+    False when another breaker is on it (the waiter then waits a poll: it would spin)."""
     grave = lock.with_name(f"{lock.name}.broken.{hashlib.sha1(holder.encode()).hexdigest()[:16]}")
     try:
         os.link(lock, grave)
@@ -265,8 +274,11 @@ def _break(lock: Path, holder: str) -> bool:
         return False  # another breaker is on it
     try:
         if _read(grave) == holder and os.stat(lock).st_ino == os.stat(grave).st_ino:
+            record = _holder(holder)
+            if stale:
+                _make_room(lock, record.get("writes"))
             lock.unlink()
-            side = _side_of(lock, _holder(holder))
+            side = _side_of(lock, record)
             if side is not None:
                 side.unlink(missing_ok=True)
     except FileNotFoundError:
@@ -275,6 +287,49 @@ def _break(lock: Path, holder: str) -> bool:
         with contextlib.suppress(FileNotFoundError):
             grave.unlink()
     return True
+
+
+def _make_room(lock: Path, writes: object) -> None:
+    """Room in the locked file for what a holder whose lock is broken under it may still
+    append (`writes` bytes, its token says): it writes where the file ended while it held
+    the lock (`append_held`; on NFS even O_APPEND does, as the client saw the end: the
+    server knows no appends), and the next holder would write there too. So the file is
+    first made that much longer, ending in a newline: the late record fills the room (it
+    ends in a newline of its own), or the room stays a line of NUL bytes, which readers
+    skip (`read_lines`). A file that takes no writes gets none; the lock is broken anyway
+    (the late write would be refused too)."""
+    if not isinstance(writes, int) or writes <= 0:
+        return
+    with contextlib.suppress(OSError):
+        fd = os.open(lock.with_name(lock.name.removesuffix(".lock")), os.O_WRONLY | os.O_CREAT, 0o644)
+        try:
+            os.pwrite(fd, b"\n", os.fstat(fd).st_size + writes - 1)
+        finally:
+            os.close(fd)
+
+
+def append_held(path: Path, line: str, held: Callable[[], None]) -> None:
+    """Append one line to `path` under its lock (`locked`, with `held` its check): at the
+    end the file has while the lock is held, found before the check. A holder that stands
+    still after its check writes there however late, into the room its breaker made
+    (`_make_room`), never over what others wrote since. A write cut short (no space left)
+    is taken back while the lock is still this holder's (past it, the bytes after are
+    another's), and the OSError is raised."""
+    data = line.encode()
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        at = os.fstat(fd).st_size
+        held()
+        try:
+            if os.pwrite(fd, data, at) != len(data):
+                raise OSError(28, "No space left on device (a short write)")
+        except OSError:
+            with contextlib.suppress(LockLost):
+                held()
+                os.ftruncate(fd, at)
+            raise
+    finally:
+        os.close(fd)
 
 
 def append_line(path: Path, line: str) -> None:
@@ -297,8 +352,9 @@ def append_line(path: Path, line: str) -> None:
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
     """Every JSON record of a .jsonl file, oldest first (none yet: empty). A line that does
-    not parse (cut short by a full disk, before `append_line` took such writes back) is
-    skipped: the records around it are still the run's history."""
+    not parse (cut short by a full disk, before `append_line` took such writes back; room
+    made for a late holder that never wrote, `_make_room`) is skipped: the records around
+    it are still the run's history."""
     if not path.exists():
         return []
     found = []

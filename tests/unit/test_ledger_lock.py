@@ -1,12 +1,14 @@
 """The ledger cannot be stalled by a dying rank (issue 42): a rank killed inside the
 ledger's lock, seen from a waiter on another host; a holder killed and not yet reaped; the
-side files that killed processes left."""
+side files that killed processes left; a live holder whose lock was broken while its
+record was on its way to a stalled file server."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import replace
 from functools import partial
@@ -128,3 +130,80 @@ def test_the_side_files_of_killed_waiters_are_removed_and_no_live_ones(tmp_path:
             for w in waiters:
                 w.kill()
                 w.wait()
+
+
+class StalledServer:
+    """Ledger writes as an NFS client makes them: an O_APPEND write lands at the end the
+    client saw when it opened the file (close-to-open; the server has no appends). The
+    first write of the thread `stalled` is held back, as a file server that stalls under
+    it would, until `go` is set."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.stalled: threading.Thread | None = None
+        self.waiting, self.go = threading.Event(), threading.Event()
+        self.seen: dict[int, int] = {}
+        real_open, real_write, real_pwrite = os.open, os.write, os.pwrite
+
+        def open_(path: object, flags: int, *args: object, **kw: object) -> int:
+            # (the client appends, not the file: Linux's pwrite on an O_APPEND file appends)
+            fd = real_open(path, flags & ~os.O_APPEND, *args, **kw)  # type: ignore[arg-type]
+            if flags & os.O_APPEND:
+                self.seen[fd] = os.fstat(fd).st_size
+            return fd
+
+        def write(fd: int, data: bytes) -> int:
+            if fd not in self.seen:
+                return real_write(fd, data)
+            return pwrite(fd, data, self.seen[fd])
+
+        def pwrite(fd: int, data: bytes, at: int) -> int:
+            if threading.current_thread() is self.stalled and not self.waiting.is_set():
+                self.waiting.set()
+                assert self.go.wait(60)
+            return real_pwrite(fd, data, at)
+
+        monkeypatch.setattr(os, "open", open_)
+        monkeypatch.setattr(os, "write", write)
+        monkeypatch.setattr(os, "pwrite", pwrite)
+
+
+def test_a_holder_that_stood_still_with_its_record_on_the_way_overwrites_nobodys(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The suspected case: a live holder passed its check, and its write stalled (an NFS
+    server hiccup) past LOCK_STALE_S. Its lock was broken, the breaker appended at the
+    end, and the late write landed where the end had been, over the breaker's record. Now
+    the breaker first makes room for the late record (its length is in the token)."""
+    monkeypatch.setattr(files, "LOCK_STALE_S", 0.3)
+    server = StalledServer(monkeypatch)
+    late = threading.Thread(target=ledger.append, args=(tmp_path, events.GaveUp(attempt=0, reason="late")))
+    server.stalled = late
+    ledger.append(tmp_path, events.GaveUp(attempt=0, reason="before"))
+    late.start()
+    assert server.waiting.wait(60)
+    ledger.append(tmp_path, events.GaveUp(attempt=0, reason="the breaker's, a longer one"))
+    server.go.set()
+    late.join(60)
+    assert [r["reason"] for r in ledger.read(tmp_path)] == ["before", "late", "the breaker's, a longer one"]
+    assert [p.name for p in tmp_path.iterdir()] == ["attempts.jsonl"]  # (no lock, no side file)
+
+
+def test_a_ledger_append_cut_short_is_taken_back(tmp_path: Path) -> None:
+    """A full disk: the holder's write at the end it found is taken back whole, as
+    `append_line` takes back an O_APPEND write."""
+    import resource
+    import signal
+
+    ledger.append(tmp_path, events.GaveUp(attempt=0, reason="before " * 60))  # (longer than a token)
+    size = (tmp_path / ledger.LEDGER).stat().st_size
+    old = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (size + 10, old[1]))
+    try:
+        with pytest.raises(OSError, match="short write"):
+            ledger.append(tmp_path, events.GaveUp(attempt=0, reason="cut short"))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert (tmp_path / ledger.LEDGER).stat().st_size == size
+    ledger.append(tmp_path, events.GaveUp(attempt=0, reason="after"))
+    assert [r["reason"] for r in ledger.read(tmp_path)] == ["before " * 60, "after"]
