@@ -472,7 +472,6 @@ class Supervisor:
         except Fenced as why:  # its ranks must not train on, nor it speak for the run
             self.fenced = True
             kill_below(os.getpid())  # agents, ranks, zygote, a health check
-            self._clear_left(beating=False)  # (what its killed ranks left: no record)
             print(f"hpcshard: node {self.me} leaves the run: {why}", file=sys.stderr, flush=True)
             if isinstance(why, TakenOver):  # (its peers leave too, and take it for nothing worse)
                 with contextlib.suppress(OSError):
@@ -481,6 +480,7 @@ class Supervisor:
                 for say, *where in ((self.chan.beat,), (launchers.beat, self.run_dir)):
                     self._try("its last heartbeat", say, *where, self.ranks.attempt, self.me, last,
                               beating=False)
+            self._clear_left(beating=False)  # (after its last word: it may wait for its ranks)
             # (only a take-over's push needs its store to outlive it; any other fence is its
             # peers going on without it: those still on its store must fall back to the
             # files now, with the others, not decide through it for LINGER_S more)
@@ -490,8 +490,8 @@ class Supervisor:
             # A bug here must not leave ranks training unsupervised, nor peers waiting for a
             # node whose launcher is gone: kill them, and say this launcher is done.
             kill_below(os.getpid())
-            self._clear_left(beating=False)
             self._done(1)
+            self._clear_left(beating=False)  # (after its last word: it may wait for its ranks)
             self._close()
             raise
         self._done(code)

@@ -56,6 +56,14 @@ def side_files(run_dir: Path, pid: int | None = None) -> list[str]:
             and (pid is None or f".{pid}." in p.name)]
 
 
+def end(p: subprocess.Popen[str] | subprocess.Popen[bytes]) -> None:
+    if p.poll() is None:
+        p.kill()
+    p.wait()
+    if p.stdout is not None:
+        p.stdout.close()
+
+
 def test_a_rank_killed_inside_the_ledgers_lock_holds_up_no_other_hosts_append(tmp_path: Path) -> None:
     """Ranks append their failure records the moment their launchers kill them. Another
     host's waiter (the decider, with its fault and bad-node records) cannot look a pid of
@@ -80,9 +88,8 @@ def test_a_rank_killed_inside_the_ledgers_lock_holds_up_no_other_hosts_append(tm
         out, _ = elsewhere.communicate(timeout=60)
     finally:
         for p in (agent, elsewhere):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
+            if p is not None:
+                end(p)
     assert watch.fault is not None and agent.returncode == -9
     assert float(out) - ended < LANDS_S, f"landed {float(out) - ended:.1f} s after the cycle ended"
     assert [r["reason"] for r in ledger.read(tmp_path)] == ["the decider's record"]
@@ -102,8 +109,7 @@ def test_a_holder_killed_and_not_yet_reaped_is_gone(tmp_path: Path) -> None:
         ledger.append(tmp_path, events.GaveUp(attempt=0, reason="x"))
         assert time.monotonic() - began < LANDS_S
     finally:
-        p.kill()
-        p.wait()
+        end(p)
 
 
 def test_the_side_files_of_killed_waiters_are_removed_and_no_live_ones(tmp_path: Path) -> None:
@@ -113,7 +119,7 @@ def test_the_side_files_of_killed_waiters_are_removed_and_no_live_ones(tmp_path:
     target = tmp_path / ledger.LEDGER
     with files.locked(target):
         mine = side_files(tmp_path, os.getpid())
-        waiters = [subprocess.Popen([sys.executable, "-c", HOLD, str(target)], stdout=subprocess.PIPE)
+        waiters = [subprocess.Popen([sys.executable, "-c", HOLD, str(target)], stdout=subprocess.DEVNULL)
                    for _ in range(2)]
         try:
             for w in waiters:
@@ -128,8 +134,7 @@ def test_the_side_files_of_killed_waiters_are_removed_and_no_live_ones(tmp_path:
             assert elsewhere.exists() and (tmp_path / "attempts.jsonl.lock").exists()
         finally:
             for w in waiters:
-                w.kill()
-                w.wait()
+                end(w)
 
 
 class StalledServer:
