@@ -100,6 +100,10 @@ milliseconds (a read-modify-write of a small file). A holder on this host that i
 that killed it (`clear_left`): a waiter on another host cannot look its pid up."""
 
 
+BROKEN = "broken\n"
+"""What a breaker appends to a live holder's token before it makes room (`_spoil`)."""
+
+
 class LockLost(OSError):
     """The lock was broken while its holder still worked under it (it stood still for
     LOCK_STALE_S: a frozen node, a stalled file server): what it read may be stale, and it
@@ -231,8 +235,9 @@ def _read(path: Path) -> str:
 
 
 def _holder(text: str) -> dict[str, Any]:
+    """The holder a token names (its first line: a broken lock's has BROKEN after it)."""
     try:
-        found = json.loads(text)
+        found = json.loads(text.partition("\n")[0])
     except ValueError:
         return {}
     return found if isinstance(found, dict) else {}
@@ -262,9 +267,12 @@ def _break(lock: Path, holder: str, stale: bool = False) -> bool:
     linked to a name of its own that only one breaker can create (the stale holder's);
     if that inode turns out to be a fresh holder's (another breaker was faster and the lock
     was taken again), nothing is removed. The holder's side file goes with it: nobody else
-    would ever remove it. `stale`: the holder may still run (it only stood still), so
-    what it may still append gets its room in the file before anyone can take the lock.
-    False when another breaker is on it (the waiter then waits a poll: it would spin)."""
+    would ever remove it. `stale`: the holder may still run (it only stood still), so its
+    lock is first marked broken (`_spoil`), and what it may still append gets its room in
+    the file before anyone can take the lock.
+    False when another breaker is on it (the waiter then waits a poll: it would spin), or
+    when the room could not be made (the lock stays, and is tried again once it stood
+    still: the late record would land over the next holder's)."""
     grave = lock.with_name(f"{lock.name}.broken.{hashlib.sha1(holder.encode()).hexdigest()[:16]}")
     try:
         os.link(lock, grave)
@@ -273,11 +281,13 @@ def _break(lock: Path, holder: str, stale: bool = False) -> bool:
     except OSError:
         return False  # another breaker is on it
     try:
-        if _read(grave) == holder and os.stat(lock).st_ino == os.stat(grave).st_ino:
+        ino = os.stat(grave).st_ino
+        if _read(grave) == holder and os.stat(lock).st_ino == ino:
             record = _holder(holder)
-            if stale:
-                _make_room(lock, record.get("writes"))
-            lock.unlink()
+            if stale and not (_spoil(grave) and _make_room(lock, record.get("writes"))):
+                return False
+            if os.stat(lock).st_ino == ino:  # (its holder can no longer let go of it: see _spoil)
+                lock.unlink()
             side = _side_of(lock, record)
             if side is not None:
                 side.unlink(missing_ok=True)
@@ -289,23 +299,44 @@ def _break(lock: Path, holder: str, stale: bool = False) -> bool:
     return True
 
 
-def _make_room(lock: Path, writes: object) -> None:
+def _spoil(grave: Path) -> bool:
+    """Say in a live holder's token that its lock is broken (BROKEN after it, through the
+    breaker's own name for its inode), before room is made for it: from then on its check
+    fails, so a holder that passed its check found the file's end before the room was
+    made (`append_held`), and it no longer lets go of the lock (its token is not there),
+    which stays the breaker's to remove however long the room takes (a file server that
+    stalls the breaker too). False when the token could not be written."""
+    try:
+        fd = os.open(grave, os.O_WRONLY | os.O_APPEND)
+        try:
+            os.write(fd, BROKEN.encode())
+        finally:
+            os.close(fd)  # (NFS reports a write it could not flush here)
+    except OSError:
+        return False
+    return True
+
+
+def _make_room(lock: Path, writes: object) -> bool:
     """Room in the locked file for what a holder whose lock is broken under it may still
     append (`writes` bytes, its token says): it writes where the file ended while it held
     the lock (`append_held`; on NFS even O_APPEND does, as the client saw the end: the
     server knows no appends), and the next holder would write there too. So the file is
     first made that much longer, ending in a newline: the late record fills the room (it
     ends in a newline of its own), or the room stays a line of NUL bytes, which readers
-    skip (`read_lines`). A file that takes no writes gets none; the lock is broken anyway
-    (the late write would be refused too)."""
+    skip (`read_lines`). False when the file took no room (full, over quota, refused):
+    the late record would land where the next holder writes."""
     if not isinstance(writes, int) or writes <= 0:
-        return
-    with contextlib.suppress(OSError):
+        return True
+    try:
         fd = os.open(lock.with_name(lock.name.removesuffix(".lock")), os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             os.pwrite(fd, b"\n", os.fstat(fd).st_size + writes - 1)
         finally:
-            os.close(fd)
+            os.close(fd)  # (NFS reports a write it could not flush here)
+    except OSError:
+        return False
+    return True
 
 
 def append_held(path: Path, line: str, held: Callable[[], None]) -> None:

@@ -5,6 +5,8 @@ record was on its way to a stalled file server."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import subprocess
 import sys
@@ -212,3 +214,207 @@ def test_a_ledger_append_cut_short_is_taken_back(tmp_path: Path) -> None:
     assert (tmp_path / ledger.LEDGER).stat().st_size == size
     ledger.append(tmp_path, events.GaveUp(attempt=0, reason="after"))
     assert [r["reason"] for r in ledger.read(tmp_path)] == ["before " * 60, "after"]
+
+
+class Late:
+    """A holder's ledger append in a thread of its own, `reason` its record: `decided` is set
+    once it passed its check (its write is on its way, held back until `land` is set) or
+    its append ended without a write (`error` then says why)."""
+
+    def __init__(self, run_dir: Path, reason: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.decided, self.land = threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._append, args=(run_dir, reason))
+        real_pwrite = os.pwrite
+
+        def pwrite(fd: int, data: bytes, at: int) -> int:
+            if threading.current_thread() is self.thread:
+                self.decided.set()
+                assert self.land.wait(60)
+            return real_pwrite(fd, data, at)
+
+        monkeypatch.setattr(os, "pwrite", pwrite)
+
+    def _append(self, run_dir: Path, reason: str) -> None:
+        try:
+            ledger.append(run_dir, events.GaveUp(attempt=0, reason=reason))
+        except BaseException as err:  # (LockLost: what the test looks at)
+            self.error = err
+        finally:
+            self.decided.set()
+
+
+def test_a_holder_that_goes_on_while_its_lock_is_broken_writes_over_nobody(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file server's stall ends for the stood-still holder and its breaker at once: the
+    holder finds the file's end after the room was made and passes its check before the
+    lock is removed. It wrote at the end of the room, where the next holder writes too
+    (on NFS its bytes reach the server at its close, after the next holder's open): the
+    breaker's record was lost. Its check now fails once its lock is being broken."""
+    monkeypatch.setattr(files, "LOCK_STALE_S", 0.3)
+    ledger.append(tmp_path, events.GaveUp(attempt=0, reason="before"))
+    late = Late(tmp_path, "late", monkeypatch)
+    opened, room = threading.Event(), threading.Event()
+    real_open, real_room = os.open, files._make_room
+
+    def open_(path: object, flags: int, *args: object, **kw: object) -> int:
+        if threading.current_thread() is late.thread and str(path).endswith(ledger.LEDGER):
+            opened.set()
+            assert room.wait(60)  # (its open stalled until the room was made)
+        return real_open(path, flags, *args, **kw)  # type: ignore[arg-type]
+
+    def make_room(lock: Path, writes: object) -> bool:
+        made = real_room(lock, writes)
+        room.set()
+        assert late.decided.wait(60)  # (its check, before the lock is removed)
+        return made is not False
+
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setattr(files, "_make_room", make_room)
+    late.thread.start()
+    assert opened.wait(60)
+    ledger.append(tmp_path, events.GaveUp(attempt=0, reason="the breaker's"))
+    late.land.set()
+    late.thread.join(60)
+    assert [r["reason"] for r in ledger.read(tmp_path)] == ["before", "the breaker's"]
+    assert isinstance(late.error, files.LockLost)
+
+
+def test_a_breaker_that_stalls_making_room_removes_no_later_holders_lock(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The breaker's room is a write, which the same file server stall holds up: the
+    stood-still holder went on meanwhile and let go, a new holder took the lock and passed
+    its check, and the breaker, going on, removed the new holder's lock: two holders wrote
+    at one end. The breaker's lock is now the breaker's to remove: its holder no longer
+    lets go of it."""
+    monkeypatch.setattr(files, "LOCK_STALE_S", 0.3)
+    path = tmp_path / ledger.LEDGER
+    ledger.append(tmp_path, events.GaveUp(attempt=0, reason="before"))
+    nxt = Late(tmp_path, "the next holder's", monkeypatch)
+    holds, stood, room, waits = (threading.Event() for _ in range(4))
+    real_room, real_sleep = files._make_room, time.sleep
+
+    def stands_still() -> None:
+        with files.locked(path, writes=200):
+            holds.set()
+            assert stood.wait(60)
+
+    def make_room(lock: Path, writes: object) -> bool:
+        made = real_room(lock, writes)
+        room.set()
+        wait_for(lambda: nxt.decided.is_set() or waits.is_set(), 60, "the next holder")
+        return made is not False
+
+    def sleep(s: float) -> None:
+        if threading.current_thread() is nxt.thread:
+            waits.set()  # (it found the lock taken)
+        real_sleep(s)
+
+    monkeypatch.setattr(files, "_make_room", make_room)
+    monkeypatch.setattr(time, "sleep", sleep)
+    holder = threading.Thread(target=stands_still)
+    holder.start()
+    assert holds.wait(60)
+    breaker = threading.Thread(target=ledger.append,
+                               args=(tmp_path, events.GaveUp(attempt=0, reason="the breaker's")))
+    breaker.start()
+    assert room.wait(60)
+    stood.set()
+    holder.join(60)
+    nxt.thread.start()
+    breaker.join(60)
+    nxt.land.set()
+    nxt.thread.join(60)
+    assert nxt.error is None
+    assert [r["reason"] for r in ledger.read(tmp_path)] == ["before", "the breaker's", "the next holder's"]
+
+
+def test_a_lock_whose_room_cannot_be_made_is_not_broken_yet(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A file that takes no room for a moment (full, over quota): the lock was broken
+    anyway, and the late record landed over the breaker's. It stays until the room is
+    made (the breaker tries again once the lock stood still)."""
+    monkeypatch.setattr(files, "LOCK_STALE_S", 0.3)
+    ledger.append(tmp_path, events.GaveUp(attempt=0, reason="before"))
+    late = Late(tmp_path, "late", monkeypatch)
+    real_room, refused = files._make_room, list[Path]()
+
+    def make_room(lock: Path, writes: object) -> bool:
+        if not refused:
+            refused.append(lock)
+            with monkeypatch.context() as m:  # (no space for this one write)
+                m.setattr(os, "pwrite", partial(_refuse, errno.ENOSPC))
+                return real_room(lock, writes) is not False
+        return real_room(lock, writes) is not False
+
+    monkeypatch.setattr(files, "_make_room", make_room)
+    late.thread.start()
+    assert late.decided.wait(60)
+    ledger.append(tmp_path, events.GaveUp(attempt=0, reason="the breaker's, a longer one"))
+    late.land.set()
+    late.thread.join(60)
+    assert refused and late.error is None
+    assert [r["reason"] for r in ledger.read(tmp_path)] == ["before", "late", "the breaker's, a longer one"]
+
+
+def _refuse(code: int, *args: object) -> int:
+    raise OSError(code, os.strerror(code))
+
+
+BREAKER = """
+import sys, time
+from pathlib import Path
+from hpcshard.rundir import files
+files.LOCK_STALE_S = 0.3
+real = files._make_room
+def room(lock, writes):
+    made = real(lock, writes)
+    print("making room", flush=True)
+    time.sleep(600)  # (its launcher kills it here)
+files._make_room = room
+with files.locked(Path(sys.argv[1])):
+    pass
+"""
+
+
+def test_a_breaker_killed_while_it_makes_room_leaves_a_lock_that_is_broken_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks append as they fail, the moment their launchers kill them: one that broke a
+    lock was killed while it made room (a write: on NFS, as long as the server stalls).
+    Its claim on the break (the holder's grave) stayed, and no later waiter could break
+    that lock: every append failed after its timeout, for good. The lock now says it is
+    being broken, which is another holder's token: broken in turn once it stood still."""
+    path = tmp_path / ledger.LEDGER
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_ELSEWHERE, str(path)],
+                              stdout=subprocess.PIPE, text=True)
+    breaker: subprocess.Popen[str] | None = None
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        breaker = subprocess.Popen([sys.executable, "-c", BREAKER, str(path)],
+                                   stdout=subprocess.PIPE, text=True)
+        assert breaker.stdout is not None and breaker.stdout.readline().strip() == "making room"
+    finally:
+        for p in (breaker, holder):  # (the holder's host is gone too)
+            if p is not None:
+                end(p)
+    monkeypatch.setattr(files, "LOCK_STALE_S", 0.3)
+    _append_within(tmp_path, 30)  # (the default timeout is 120 s: this says it in 30)
+    assert [r["reason"] for r in ledger.read(tmp_path)] == ["x"]
+
+
+HOLD_ELSEWHERE = """
+import sys, time
+from pathlib import Path
+from hpcshard.rundir import files, proc
+proc.boot_id = lambda: "another-host"
+with files.locked(Path(sys.argv[1]), writes=100):
+    print("held", flush=True)
+    time.sleep(600)
+"""
+
+
+def _append_within(run_dir: Path, timeout: float) -> None:
+    """`ledger.append`'s record "x", with a lock timeout of `timeout` seconds."""
+    path = run_dir / ledger.LEDGER
+    with files.locked(path, timeout=timeout, writes=200) as held:
+        files.append_held(path, json.dumps({"event": "gave_up", "attempt": 0, "reason": "x"}) + "\n", held)
