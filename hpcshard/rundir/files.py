@@ -344,21 +344,21 @@ def append_held(path: Path, line: str, held: Callable[[], None]) -> None:
     end the file has while the lock is held, found before the check. A holder that stands
     still after its check writes there however late, into the room its breaker made
     (`_make_room`), never over what others wrote since. A write cut short (no space left)
-    is taken back while the lock is still this holder's (past it, the bytes after are
-    another's), and the OSError is raised."""
+    is taken back while the lock is still this holder's and nothing came after it (a
+    holder that stood still between its check and the take-back: its breaker's room, and
+    what the next holder wrote after it, are not its to cut), and the OSError is raised."""
     data = line.encode()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         at = os.fstat(fd).st_size
         held()
-        try:
-            if os.pwrite(fd, data, at) != len(data):
-                raise OSError(28, "No space left on device (a short write)")
-        except OSError:
+        written = os.pwrite(fd, data, at)
+        if written != len(data):
             with contextlib.suppress(LockLost):
                 held()
-                os.ftruncate(fd, at)
-            raise
+                if os.fstat(fd).st_size == at + written:
+                    os.ftruncate(fd, at)
+            raise OSError(28, "No space left on device (a short write)")
     finally:
         os.close(fd)
 

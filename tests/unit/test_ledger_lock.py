@@ -5,6 +5,7 @@ record was on its way to a stalled file server."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
@@ -359,6 +360,49 @@ def test_a_lock_whose_room_cannot_be_made_is_not_broken_yet(
 
 def _refuse(code: int, *args: object) -> int:
     raise OSError(code, os.strerror(code))
+
+
+def test_a_write_cut_short_is_not_taken_back_over_what_came_after_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A holder whose write was cut short checked its lock, then stood still before it took
+    the write back: its lock was broken, the breaker wrote after the room, and the
+    take-back cut the breaker's record off. Only a file that still ends where the cut
+    write left it is taken back."""
+    monkeypatch.setattr(files, "LOCK_STALE_S", 0.3)
+    path = tmp_path / ledger.LEDGER
+    ledger.append(tmp_path, events.GaveUp(attempt=0, reason="before"))
+    cut = threading.Thread(target=_cut_short, args=(tmp_path,))
+    checks, stood, go = list[Path](), threading.Event(), threading.Event()
+    real_pwrite, real_read = os.pwrite, files._read
+
+    def pwrite(fd: int, data: bytes, at: int) -> int:
+        if threading.current_thread() is cut:
+            return real_pwrite(fd, data[:10], at)  # (the disk filled up under it)
+        return real_pwrite(fd, data, at)
+
+    def read(p: Path) -> str:
+        text = real_read(p)
+        if threading.current_thread() is cut and p.name.endswith(".lock"):
+            checks.append(p)
+            if len(checks) == 2:  # (its check before the take-back passed: it stands still)
+                stood.set()
+                assert go.wait(60)
+        return text
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(files, "_read", read)
+    cut.start()
+    assert stood.wait(60)
+    ledger.append(tmp_path, events.GaveUp(attempt=0, reason="the breaker's"))
+    go.set()
+    cut.join(60)
+    assert [r["reason"] for r in ledger.read(tmp_path)] == ["before", "the breaker's"]
+    assert path.read_bytes().endswith(b"\n")
+
+
+def _cut_short(run_dir: Path) -> None:
+    with contextlib.suppress(OSError):  # (the short write's: what the test looks at is the file)
+        ledger.append(run_dir, events.GaveUp(attempt=0, reason="cut short"))
 
 
 BREAKER = """
