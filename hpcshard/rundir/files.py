@@ -11,7 +11,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -167,25 +167,27 @@ def locked(path: Path, timeout: float = 120.0, poll: float = 0.05,
             mine.unlink()
 
 
-def clear_left(path: Path, wait: float = 0.0, waiting: Callable[[], None] = lambda: None,
-               poll: float = 0.05) -> None:
-    """What processes of this host that are gone left of PATH.lock: the lock, broken as a
-    waiter of this host would break it, and their side files (killed while they held it,
-    or while they waited for it). For the launcher that killed its ranks: they append to
-    the ledger the moment they fail, which is when they are killed, and a waiter on
-    another host cannot look their pids up (it would wait LOCK_STALE_S). `wait`: how long
-    a holder of this host that still runs is given to end (killed a moment ago, it may
-    take seconds to free its memory); one that runs on is left to the rules of `locked`,
-    and so is the next holder once it let go (a live process's hold of milliseconds).
-    `waiting` is called at each look meanwhile (the launcher's heartbeat)."""
+def clear_left(path: Path, killed: Iterable[int] = (), wait: float = 0.0,
+               waiting: Callable[[], None] = lambda: None, poll: float = 0.05) -> None:
+    """What the processes `killed` (pids of this host: a launcher's ranks, and what ran
+    below them) and any other gone process of this host left of PATH.lock: a lock one of
+    them held, broken as a waiter of this host would break it, and their side files
+    (killed while they held the lock, or waited for it). For the launcher that killed
+    its ranks: they append to the ledger the moment they fail, which is when they are
+    killed, and a waiter on another host cannot look their pids up (it would wait
+    LOCK_STALE_S). Each is first given up to `wait` seconds to be gone: killed a moment
+    ago, a process may take seconds to free its memory, and until it is gone it may
+    still take the lock, or hold on to its side file. One still there after that is left
+    to the rules of `locked`, and its side file to the next sweep. `waiting` is called at
+    each look meanwhile (the launcher's heartbeat)."""
     lock = path.with_name(path.name + ".lock")
+    dying = [found for found in map(proc.identity, killed) if found is not None]
     deadline = time.monotonic() + wait
-    first = holder = _read(lock)
-    while holder == first and _here(holder) and not _gone(holder) and time.monotonic() < deadline:
+    while any(proc.running(p) for p in dying) and time.monotonic() < deadline:
         waiting()
         time.sleep(poll)
-        holder = _read(lock)
-    if holder and _gone(holder):
+    holder = _read(lock)
+    if _gone(holder):
         _break(lock, holder)
     _remove_left(lock)
 
@@ -241,12 +243,6 @@ def _holder(text: str) -> dict[str, Any]:
     except ValueError:
         return {}
     return found if isinstance(found, dict) else {}
-
-
-def _here(holder: str) -> bool:
-    """Is the lock's holder a process of this host (whose pid means something here)?"""
-    record = _holder(holder)
-    return bool(record) and proc.here(record)
 
 
 def _gone(holder: str) -> bool:
