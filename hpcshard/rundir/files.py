@@ -1,5 +1,6 @@
 """Small files written so that a reader never sees half of one, and a lock that holds on
-NFS (stdlib)."""
+NFS, `locked` (stdlib): its docstring says the lock's protocol, step by step, and why in
+that order."""
 
 from __future__ import annotations
 
@@ -93,15 +94,13 @@ def create_exclusive(path: Path, text: str) -> bool:
 
 
 LOCK_STALE_S = 30.0
-"""A lock whose holder's token stayed the same this long (on the waiter's own monotonic
-clock) is taken for one left by a crashed holder and broken: a holder keeps it for
-milliseconds (a read-modify-write of a small file). A holder on this host that is gone
+"""A lock whose content stayed the same this long (on the waiter's own monotonic clock) is
+taken for one left by a holder that crashed or stands still, and broken: a holder keeps it
+for milliseconds (a read-modify-write of a small file). A holder on this host that is gone
 (its pid and start time) is broken at once, by a waiter of this host or by the launcher
 that killed it (`clear_left`): a waiter on another host cannot look its pid up."""
-
-
 BROKEN = "broken\n"
-"""What a breaker appends to a live holder's token before it makes room (`_spoil`)."""
+"""What a breaker appends to the token of a holder that may still run (`locked`: waiter, 2)."""
 
 
 class LockLost(OSError):
@@ -113,20 +112,56 @@ class LockLost(OSError):
 @contextlib.contextmanager
 def locked(path: Path, timeout: float = 120.0, poll: float = 0.05,
            writes: int = 0) -> Iterator[Callable[[], None]]:
-    """Hold PATH.lock while the block runs: a read-modify-write of `path` by several
-    processes or hosts. A link() lock, as NFS recommends (an O_EXCL create is not atomic
-    on NFSv2, and flock() is not kept by every NFS server): the holder's token (its process
-    identity and a nonce) is linked to the lock's name; the link count of its own file says
-    whether it got it. A lock left by a holder that is gone is broken: at once when it was
-    of this host (`rundir.proc`), else once its token stood still for LOCK_STALE_S on this
-    process's monotonic clock (no two hosts' clocks compared). The block gets a check to
-    call right before it writes: LockLost when the lock was broken meanwhile (this holder
-    stood still that long). TimeoutError after `timeout` seconds.
+    """Hold PATH.lock while the block runs: a read-modify-write of `path`, or an append to
+    it (`append_held`), by processes of several hosts. A link() lock, as NFS recommends (an
+    O_EXCL create is not atomic on NFSv2, and flock() is not kept by every NFS server).
+    The block gets `held`, a check to call right before it writes. TimeoutError after
+    `timeout` seconds. `writes`: at most how many bytes the block appends to `path`.
 
-    `writes`: at most how many bytes the block appends to `path` (`append_held`), said in
-    the token. A holder that stood still past LOCK_STALE_S after its check (a file server
-    that stalled under its write) may still write them once its lock is broken; whoever
-    breaks it makes that much room first (`_make_room`)."""
+    The holder:
+    1. Writes its token (its process identity, a nonce, `writes`) into a side file named
+       from it, and links that to PATH.lock. The side file's link count (2) says it got
+       the lock, not link()'s result: on NFS a LINK whose reply was lost is sent again,
+       and fails, although the first one made the link.
+    2. Right before it writes, checks that the lock still holds its token unchanged
+       (`held`; LockLost if not). A breaker changes it first of all (waiter, 2), so a
+       holder that passed its check found the file's end before any room was made.
+    3. Writes at the end it found under the lock (`append_held`), however late the write
+       lands: a file server may stall it past LOCK_STALE_S, and the lock be broken.
+    4. Lets go: removes the lock if it still holds its token unchanged (one whose token a
+       breaker changed is the breaker's to remove), then its side file.
+
+    A waiter breaks the lock once its holder is a process of this host that is gone (at
+    once: only this host can look its pid up), or once its content stood still
+    LOCK_STALE_S on the waiter's own monotonic clock (no two hosts' clocks compared):
+    1. It claims the break: links the lock to a grave named from that content, a name one
+       waiter only can create. The grave keeps the holder's inode whatever the lock's name
+       holds later. A grave that is not the lock's inode with that content: the lock
+       moved on (let go, or taken again), and is left alone.
+    2. If the holder may still run (it only stood still), it appends BROKEN to its token
+       through the grave. From now on the holder's check fails, and the holder no longer
+       lets go: the lock is the breaker's to remove, however long step 3 takes.
+    3. If the lock is still that inode, it makes `writes` bytes of room at the file's end
+       (`_make_room`): a late write of the holder's (holder, 3) lands there, not where the
+       next holder writes; if none comes, the room is a line readers skip. A file that
+       takes no room (full): it stops here, and the lock, with its new content, is broken
+       again once that stood still.
+    4. It removes the lock if it is still that inode and content, then every grave of a
+       lock that moved on (its own, and those of breakers that died, step 5), and the
+       holder's side file.
+    5. A grave that stays while the content stands still (its breaker died before step 2,
+       or, on a gone holder's lock, before step 4): once the content stood still
+       2 x LOCK_STALE_S, a waiter does step 2 through that grave itself. The new content
+       has a grave name of its own, and is broken in turn.
+
+    A launcher, once the ranks it killed are gone (`clear_left`), breaks a lock one of them
+    held as a waiter of this host would, and removes the side files of gone processes of
+    this host, and graves as in step 4 (of a breaker that died within its step 4).
+
+    Not withstood: a process that stands still past LOCK_STALE_S between a look at the lock
+    and the step it takes on it (holder 4, waiter 3 and 4: each one step after its look),
+    while the lock is broken and taken again: it removes the next holder's lock, or makes
+    its room inside the next holder's record."""
     lock = path.with_name(path.name + ".lock")
     me = {**(proc.identity(os.getpid()) or {"host": socket.gethostname(), "pid": os.getpid()}),
           "nonce": secrets.token_hex(8)}
@@ -144,9 +179,9 @@ def locked(path: Path, timeout: float = 120.0, poll: float = 0.05,
             holder = _read(lock)
             if holder != seen:
                 seen, since = holder, time.monotonic()
-            gone = bool(holder) and _gone(holder)
-            if holder and (gone or time.monotonic() - since > LOCK_STALE_S) and \
-                    _break(lock, holder, stale=not gone):
+            still, gone = time.monotonic() - since, _gone(holder)
+            if holder and (gone or still > LOCK_STALE_S) and \
+                    _break(lock, holder, stale=not gone, stuck=still > 2 * LOCK_STALE_S):
                 continue
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{lock} is held by {_who(seen)} for over {timeout:.0f} s")
@@ -193,16 +228,30 @@ def clear_left(path: Path, killed: Iterable[int] = (), wait: float = 0.0,
 
 
 def _remove_left(lock: Path) -> None:
-    """Remove the side files of `lock` whose processes, of this host, are gone. Only this
-    host can tell that a pid of its own is gone, and a process that is gone never uses its
-    side file again; another host's are left alone (its own launcher removes them). A
-    side file still being written reads empty, and names nobody."""
+    """Remove the side files of `lock` whose processes, of this host, are gone, and the
+    graves of a lock that moved on (`_remove_graves`). Only this host can tell that a pid
+    of its own is gone, and a process that is gone never uses its side file again;
+    another host's are left alone (its own launcher removes them). A side file still
+    being written reads empty, and names nobody."""
     prefix = f".{lock.name}."
     for name in os.listdir(lock.parent):
         if name.startswith(prefix) and name.endswith(TMP_SUFFIX):
             side = lock.parent / name
             if _gone(_read(side)):
                 side.unlink(missing_ok=True)
+    _remove_graves(lock)
+
+
+def _remove_graves(lock: Path) -> None:
+    """Remove the graves that are not the lock's inode: no claim on anything, as the lock
+    moved on. Left by breakers that died on a lock that was then broken by another
+    (waiter, 5), or after they removed it; one that is alive finds its grave gone, or the
+    lock not the holder's it claimed, and does nothing more (`_holds`)."""
+    prefix = f"{lock.name}.broken."
+    for name in os.listdir(lock.parent):
+        grave = lock.parent / name
+        if name.startswith(prefix) and _inode(grave) != _inode(lock):
+            grave.unlink(missing_ok=True)
 
 
 def _side_of(lock: Path, record: dict[str, Any]) -> Path | None:
@@ -258,50 +307,61 @@ def _who(holder: str) -> str:
     return f"process {record.get('pid')} on {record.get('host')}" if record else "someone"
 
 
-def _break(lock: Path, holder: str, stale: bool = False) -> bool:
-    """Remove a stale lock, once, whoever else breaks it at the same time: its inode is first
-    linked to a name of its own that only one breaker can create (the stale holder's);
-    if that inode turns out to be a fresh holder's (another breaker was faster and the lock
-    was taken again), nothing is removed. The holder's side file goes with it: nobody else
-    would ever remove it. `stale`: the holder may still run (it only stood still), so its
-    lock is first marked broken (`_spoil`), and what it may still append gets its room in
-    the file before anyone can take the lock.
-    False when another breaker is on it (the waiter then waits a poll: it would spin), or
-    when the room could not be made (the lock stays, and is tried again once it stood
-    still: the late record would land over the next holder's)."""
+def _break(lock: Path, holder: str, stale: bool = False, stuck: bool = False) -> bool:
+    """A waiter's steps 1-5 (`locked`) on a lock whose content it read as `holder`. `stale`:
+    the holder may still run (it only stood still); `stuck`: the content stood still
+    2 x LOCK_STALE_S. True when the waiter may try to take the lock at once; False when it
+    waits a poll: another breaker is on it (it would spin), or the room could not be
+    made."""
     grave = lock.with_name(f"{lock.name}.broken.{hashlib.sha1(holder.encode()).hexdigest()[:16]}")
     try:
         os.link(lock, grave)
     except FileNotFoundError:
-        return True  # gone already: the waiter tries to take it at once
-    except OSError:
-        return False  # another breaker is on it
+        return True  # gone already
+    except OSError:  # another breaker is on it, or died on it (step 5)
+        if stuck and _holds(grave, lock, holder):
+            _spoil(grave)
+        return False
     try:
-        ino = os.stat(grave).st_ino
-        if _read(grave) == holder and os.stat(lock).st_ino == ino:
-            record = _holder(holder)
-            if stale and not (_spoil(grave) and _make_room(lock, record.get("writes"))):
-                return False
-            if os.stat(lock).st_ino == ino:  # (its holder can no longer let go of it: see _spoil)
-                lock.unlink()
-            side = _side_of(lock, record)
-            if side is not None:
-                side.unlink(missing_ok=True)
-    except FileNotFoundError:
-        pass
+        if not _holds(grave, lock, holder):
+            return True  # the lock moved on
+        record = _holder(holder)
+        if stale and not (_spoil(grave) and _holds(grave, lock, holder, spoiled=True)
+                          and _make_room(lock, record.get("writes"))):
+            return False
+        if _holds(grave, lock, holder, spoiled=stale):
+            lock.unlink(missing_ok=True)
+            _remove_graves(lock)
+        side = _side_of(lock, record)
+        if side is not None:
+            side.unlink(missing_ok=True)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            grave.unlink()
+        grave.unlink(missing_ok=True)
     return True
 
 
+def _holds(grave: Path, lock: Path, holder: str, spoiled: bool = False) -> bool:
+    """Is the lock still the inode `grave` names, holding `holder` (`spoiled`: with BROKEN
+    after it, once or more)? A grave keeps its inode, and so its number, from being given
+    to a new file (the next holder's lock); the content is looked at too, as a grave that
+    was removed (`_remove_left`) keeps nothing."""
+    text = _read(grave)
+    if text != holder and not (spoiled and text.startswith(holder + BROKEN)):
+        return False
+    found = _inode(grave)
+    return found is not None and found == _inode(lock)
+
+
+def _inode(path: Path) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+
+
 def _spoil(grave: Path) -> bool:
-    """Say in a live holder's token that its lock is broken (BROKEN after it, through the
-    breaker's own name for its inode), before room is made for it: from then on its check
-    fails, so a holder that passed its check found the file's end before the room was
-    made (`append_held`), and it no longer lets go of the lock (its token is not there),
-    which stays the breaker's to remove however long the room takes (a file server that
-    stalls the breaker too). False when the token could not be written."""
+    """Waiter, step 2: BROKEN after the token of the holder whose inode `grave` names.
+    False when it could not be written."""
     try:
         fd = os.open(grave, os.O_WRONLY | os.O_APPEND)
         try:
@@ -314,14 +374,14 @@ def _spoil(grave: Path) -> bool:
 
 
 def _make_room(lock: Path, writes: object) -> bool:
-    """Room in the locked file for what a holder whose lock is broken under it may still
-    append (`writes` bytes, its token says): it writes where the file ended while it held
-    the lock (`append_held`; on NFS even O_APPEND does, as the client saw the end: the
-    server knows no appends), and the next holder would write there too. So the file is
-    first made that much longer, ending in a newline: the late record fills the room (it
-    ends in a newline of its own), or the room stays a line of NUL bytes, which readers
-    skip (`read_lines`). False when the file took no room (full, over quota, refused):
-    the late record would land where the next holder writes."""
+    """Waiter, step 3: room in the locked file for what a holder whose lock is broken under
+    it may still append (`writes` bytes, its token says). It writes where the file ended
+    while it held the lock (`append_held`; on NFS even O_APPEND does, as the client saw the
+    end: the server knows no appends), and the next holder would write there too. So the
+    file is first made that much longer, ending in a newline: the late record fills the
+    room (it ends in a newline of its own), or the room stays a line of NUL bytes, which
+    readers skip (`read_lines`). A room made twice (two breakers, one that stood still) is
+    two such lines. False when the file took no room (full, over quota, refused)."""
     if not isinstance(writes, int) or writes <= 0:
         return True
     try:

@@ -172,6 +172,22 @@ def test_killed_ranks_still_exiting_leave_nothing_once_gone(tmp_path: Path) -> N
             end(r)
 
 
+def test_the_graves_of_a_lock_that_moved_on_are_removed(tmp_path: Path) -> None:
+    """A breaker killed after it removed the lock, before its grave: the grave stayed in the
+    run directory for good. The sweep removes a grave that is not the lock's inode, and
+    leaves a claim on the lock as it is (a breaker at work) alone."""
+    target = tmp_path / ledger.LEDGER
+    left = tmp_path / "attempts.jsonl.lock.broken.0123456789abcdef"
+    left.write_text('{"pid": 4242, "start": 1, "boot": "another-host", "host": "n9"}\n')
+    with files.locked(target):
+        claim = tmp_path / "attempts.jsonl.lock.broken.fedcba9876543210"
+        os.link(tmp_path / "attempts.jsonl.lock", claim)
+        files.clear_left(target)
+        assert claim.exists() and not left.exists()
+    claim.unlink()
+    assert [p.name for p in tmp_path.iterdir()] == []
+
+
 class StalledServer:
     """Ledger writes as an NFS client makes them: an O_APPEND write lands at the end the
     client saw when it opened the file (close-to-open; the server has no appends). The
@@ -326,6 +342,8 @@ def test_a_breaker_that_stalls_making_room_removes_no_later_holders_lock(
     nxt = Late(tmp_path, "the next holder's", monkeypatch)
     holds, stood, room, waits = (threading.Event() for _ in range(4))
     real_room, real_sleep = files._make_room, time.sleep
+    breaker = threading.Thread(target=ledger.append,
+                               args=(tmp_path, events.GaveUp(attempt=0, reason="the breaker's")))
 
     def stands_still() -> None:
         with files.locked(path, writes=200):
@@ -339,8 +357,9 @@ def test_a_breaker_that_stalls_making_room_removes_no_later_holders_lock(
         return made is not False
 
     def sleep(s: float) -> None:
-        if threading.current_thread() is nxt.thread:
-            waits.set()  # (it found the lock taken)
+        if threading.current_thread() is nxt.thread and not waits.is_set():
+            waits.set()  # (it found the lock taken: the breaker's, which goes on and appends...)
+            breaker.join(60)  # (...before the next holder looks again: no race for the free lock)
         real_sleep(s)
 
     monkeypatch.setattr(files, "_make_room", make_room)
@@ -348,8 +367,6 @@ def test_a_breaker_that_stalls_making_room_removes_no_later_holders_lock(
     holder = threading.Thread(target=stands_still)
     holder.start()
     assert holds.wait(60)
-    breaker = threading.Thread(target=ledger.append,
-                               args=(tmp_path, events.GaveUp(attempt=0, reason="the breaker's")))
     breaker.start()
     assert room.wait(60)
     stood.set()
@@ -476,6 +493,53 @@ def test_a_breaker_killed_while_it_makes_room_leaves_a_lock_that_is_broken_again
     monkeypatch.setattr(files, "LOCK_STALE_S", 0.3)
     _append_within(tmp_path, 30)  # (the default timeout is 120 s: this says it in 30)
     assert [r["reason"] for r in ledger.read(tmp_path)] == ["x"]
+
+
+CLAIMS = """
+import os, sys, time
+from pathlib import Path
+from hpcshard.rundir import files
+files.LOCK_STALE_S = 0.3
+real = os.link
+def link(src, dst, *args, **kw):
+    real(src, dst, *args, **kw)
+    if ".broken." in str(dst):
+        print("claimed", flush=True)
+        time.sleep(600)  # (killed here, the break claimed and nothing more done)
+os.link = link
+with files.locked(Path(sys.argv[1])):
+    pass
+"""
+
+
+@pytest.mark.parametrize("holder", ["elsewhere", "here"])
+def test_a_breaker_killed_as_soon_as_it_claimed_the_break_holds_the_lock_up_not_for_good(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, holder: str) -> None:
+    """A waiter that claimed the break of a lock (its grave linked) died before it changed
+    anything: its claim stayed, and no later waiter could claim the break. Every append
+    failed after its timeout, for the rest of the run. A claim that stays while the lock
+    stands still 2 x LOCK_STALE_S now gives way: a waiter changes the lock's content
+    itself, and the new content is broken as any other. Of a holder on another host, or
+    of a dead one of this host (broken with no room made)."""
+    path = tmp_path / ledger.LEDGER
+    hold = HOLD_ELSEWHERE if holder == "elsewhere" else HOLD_ELSEWHERE.replace("proc.boot_id = ", "# ")
+    first = subprocess.Popen([sys.executable, "-c", hold, str(path)], stdout=subprocess.PIPE, text=True)
+    breaker: subprocess.Popen[str] | None = None
+    try:
+        assert first.stdout is not None and first.stdout.readline().strip() == "held"
+        if holder == "here":
+            end(first)  # (dead, and reaped: a waiter of this host breaks it at once)
+        breaker = subprocess.Popen([sys.executable, "-c", CLAIMS, str(path)], stdout=subprocess.PIPE,
+                                   text=True)
+        assert breaker.stdout is not None and breaker.stdout.readline().strip() == "claimed"
+    finally:
+        for p in (breaker, first):
+            if p is not None:
+                end(p)
+    monkeypatch.setattr(files, "LOCK_STALE_S", 0.3)
+    _append_within(tmp_path, 30)  # (the default timeout is 120 s: this says it in 30)
+    assert [r["reason"] for r in ledger.read(tmp_path)] == ["x"]
+    assert not [p for p in tmp_path.iterdir() if ".broken." in p.name]
 
 
 HOLD_ELSEWHERE = """
