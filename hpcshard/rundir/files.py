@@ -396,25 +396,23 @@ def _make_room(lock: Path, writes: object) -> bool:
 
 
 def append_held(path: Path, line: str, held: Callable[[], None]) -> None:
-    """Append one line to `path` under its lock (`locked`, with `held` its check): at the
-    end the file has while the lock is held, found before the check. A holder that stands
-    still after its check writes there however late, into the room its breaker made
-    (`_make_room`), never over what others wrote since. A write cut short (no space left)
-    is taken back while the lock is still this holder's and nothing came after it (a
-    holder that stood still between its check and the take-back: its breaker's room, and
-    what the next holder wrote after it, are not its to cut), and the OSError is raised."""
+    """Append one line to `path` under its lock (`locked`, `held` its check): at the end
+    the file has while the lock is held, found before the check (holder, steps 2-3). A
+    file that does not end in a newline (a write cut short before it) gets one first, so
+    that the line is a line of its own: one byte more than `line`, which `locked`'s
+    `writes` counts. A write cut short (no space left) raises OSError and is not taken
+    back: cutting the file is safe only while nothing came after the cut write, which a
+    holder that stood still between its look and its cut cannot know (its breaker's room,
+    the next holder's record); what it wrote is a line readers skip."""
     data = line.encode()
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         at = os.fstat(fd).st_size
+        if at and os.pread(fd, 1, at - 1) != b"\n":
+            data = b"\n" + data
         held()
-        written = os.pwrite(fd, data, at)
-        if written != len(data):
-            with contextlib.suppress(LockLost):
-                held()
-                if os.fstat(fd).st_size == at + written:
-                    os.ftruncate(fd, at)
-            raise OSError(28, "No space left on device (a short write)")
+        if os.pwrite(fd, data, at) != len(data):
+            raise OSError(errno.ENOSPC, "No space left on device (a short write)")
     finally:
         os.close(fd)
 
@@ -439,9 +437,9 @@ def append_line(path: Path, line: str) -> None:
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
     """Every JSON record of a .jsonl file, oldest first (none yet: empty). A line that does
-    not parse (cut short by a full disk, before `append_line` took such writes back; room
-    made for a late holder that never wrote, `_make_room`) is skipped: the records around
-    it are still the run's history."""
+    not parse (cut short by a full disk: `append_held` leaves it, and `append_line` did
+    before it took such writes back; room made for a late holder that never wrote,
+    `_make_room`) is skipped: the records around it are still the run's history."""
     if not path.exists():
         return []
     found = []

@@ -31,7 +31,8 @@ def append(run_dir: Path, event: events.Event) -> None:
     leaves it that much room."""
     fields = events.record(event)  # (TypeError for anything but an event: see there)
     path = run_dir / LEDGER
-    most = len(_line(fields).encode()) + FLOAT_REPR_MAX  # (stamped again under the lock)
+    # (stamped again under the lock; and a newline first after a line cut short: append_held)
+    most = len(_line(fields).encode()) + FLOAT_REPR_MAX + 1
     with locked(path, writes=most) as held:
         append_held(path, _line(fields), held)
 

@@ -243,9 +243,10 @@ def test_a_holder_that_stood_still_with_its_record_on_the_way_overwrites_nobodys
     assert [p.name for p in tmp_path.iterdir()] == ["attempts.jsonl"]  # (no lock, no side file)
 
 
-def test_a_ledger_append_cut_short_is_taken_back(tmp_path: Path) -> None:
-    """A full disk: the holder's write at the end it found is taken back whole, as
-    `append_line` takes back an O_APPEND write."""
+def test_a_ledger_append_cut_short_leaves_a_line_the_next_one_does_not_join(tmp_path: Path) -> None:
+    """A full disk: the holder's write at the end it found is cut short and raises. What it
+    wrote stays, a line readers skip; the next record starts a line of its own (glued to
+    the cut one, it would be skipped with it)."""
     import resource
     import signal
 
@@ -260,7 +261,7 @@ def test_a_ledger_append_cut_short_is_taken_back(tmp_path: Path) -> None:
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, old)
         signal.signal(signal.SIGXFSZ, handler)
-    assert (tmp_path / ledger.LEDGER).stat().st_size == size
+    assert (tmp_path / ledger.LEDGER).stat().st_size == size + 10
     ledger.append(tmp_path, events.GaveUp(attempt=0, reason="after"))
     assert [r["reason"] for r in ledger.read(tmp_path)] == ["before " * 60, "after"]
 
@@ -413,10 +414,11 @@ def _refuse(code: int, *args: object) -> int:
 
 def test_a_write_cut_short_is_not_taken_back_over_what_came_after_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A holder whose write was cut short checked its lock, then stood still before it took
-    the write back: its lock was broken, the breaker wrote after the room, and the
-    take-back cut the breaker's record off. Only a file that still ends where the cut
-    write left it is taken back."""
+    """A holder whose write was cut short (a full disk) stood still after it: its lock was
+    broken, and the breaker wrote after the room. Cutting the file back to where the cut
+    write began cut the breaker's record off (and a check of the file's end before the
+    cut left a stall between the two). Nothing is cut now: the cut write is a line
+    readers skip."""
     monkeypatch.setattr(files, "LOCK_STALE_S", 0.3)
     path = tmp_path / ledger.LEDGER
     ledger.append(tmp_path, events.GaveUp(attempt=0, reason="before"))
@@ -433,7 +435,7 @@ def test_a_write_cut_short_is_not_taken_back_over_what_came_after_it(
         text = real_read(p)
         if threading.current_thread() is cut and p.name.endswith(".lock"):
             checks.append(p)
-            if len(checks) == 2:  # (its check before the take-back passed: it stands still)
+            if len(checks) == 2:  # (its look after the cut write: it stands still)
                 stood.set()
                 assert go.wait(60)
         return text
