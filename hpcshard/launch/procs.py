@@ -90,10 +90,11 @@ def send(pids: list[int], sig: int) -> None:
 
 
 def kill_tree(proc: Agent, stacks: list[int] | tuple[int, ...] = (),
-              also: list[int] | tuple[int, ...] = ()) -> None:
-    """End a cycle's agent and every rank below it, whatever state they are in. `stacks`:
-    ranks asked first to write their Python stacks into their logs (what a hang was doing).
-    `also`: ranks that may no longer be below it (an agent that died leaves orphans)."""
+              also: list[int] | tuple[int, ...] = ()) -> list[int]:
+    """End a cycle's agent and every rank below it, whatever state they are in; the pids
+    killed. `stacks`: ranks asked first to write their Python stacks into their logs (what
+    a hang was doing). `also`: ranks that may no longer be below it (an agent that died
+    leaves orphans)."""
     pids = [*descendants(proc.pid), *(p for p in also if alive(p)), proc.pid]
     if stacks:  # which collective each rank waits in, before a stopped one may move again
         flight.ask([p for p in stacks if process_state(p) not in ("T", "t")])
@@ -102,13 +103,16 @@ def kill_tree(proc: Agent, stacks: list[int] | tuple[int, ...] = (),
     if stacks:  # where each rank is: its Python stacks, into its log
         send(list(stacks), STACKS_SIGNAL)
         time.sleep(STACKS_WAIT_S)
-    send([*descendants(proc.pid), *pids], signal.SIGKILL)
+    killed = [*descendants(proc.pid), *pids]
+    send(killed, signal.SIGKILL)
     proc.wait()
+    return killed
 
 
-def kill_below(pid: int) -> None:
+def kill_below(pid: int) -> list[int]:
     """Every process below `pid`, at once and for good (SIGCONT first: a stopped one would
-    not die of anything else)."""
+    not die of anything else); the pids killed."""
     below = descendants(pid)
     send(below, signal.SIGCONT)
     send(below, signal.SIGKILL)
+    return below

@@ -42,7 +42,7 @@ from hpcshard.launch.policy import Decision, Facts
 from hpcshard.launch.ports import listen_ports
 from hpcshard.launch.procs import Agent, alive, children, descendants, kill_below, kill_tree, send
 from hpcshard.launch.watchdog import Limits, Watchdog, process_state
-from hpcshard.rundir import events, flight, launchers, lease, ledger, store
+from hpcshard.rundir import events, files, flight, launchers, lease, ledger, store
 from hpcshard.rundir.events import EndReason
 from hpcshard.rundir.progress import Board, board_path
 from hpcshard.rundir.rankenv import STORAGE_EXIT, RankEnv
@@ -65,6 +65,11 @@ DOWN_TRIES = 3
 """Tries of a launcher's down record that its storage refused for no lack of room."""
 LINGER_S = 2 * LOST_S
 """How long node 0's store outlives its launcher's end for the others to end too."""
+KILLED_EXIT_S = 10.0
+"""How long the ranks a launcher killed are given to be gone before it clears what they
+left of the ledger's lock (`_clear_left`): a process frees its memory before it is gone,
+seconds for a large one, and may still take the lock meanwhile. One still there after it
+is left to the lock's own rules."""
 COMMS_ERRORS = ("DistBackendError", "DistNetworkError", "DistError", "DistStoreError")
 """Exceptions a rank raises because a peer died: a consequence, never the culprit."""
 COMMS_MESSAGES = ("gloo/transport", "Connection reset", "Connection closed", "Broken pipe", "NCCL")
@@ -164,6 +169,9 @@ class Watch:
     rank; this says where it ran)."""
     flight: dict[int, dict[str, Any]] = field(default_factory=dict)
     """This node's ranks' flight records (`flight.brief`), for the decider."""
+    killed: list[int] = field(default_factory=list)
+    """The processes this launcher killed (its ranks, and what ran below them): waited for
+    before the ledger's lock is cleared (`Supervisor._clear_left`)."""
 
 
 class Supervisor:
@@ -467,7 +475,7 @@ class Supervisor:
             code = self._run()
         except Fenced as why:  # its ranks must not train on, nor it speak for the run
             self.fenced = True
-            kill_below(os.getpid())  # agents, ranks, zygote, a health check
+            killed = kill_below(os.getpid())  # agents, ranks, zygote, a health check
             print(f"hpcshard: node {self.me} leaves the run: {why}", file=sys.stderr, flush=True)
             if isinstance(why, TakenOver):  # (its peers leave too, and take it for nothing worse)
                 with contextlib.suppress(OSError):
@@ -476,6 +484,7 @@ class Supervisor:
                 for say, *where in ((self.chan.beat,), (launchers.beat, self.run_dir)):
                     self._try("its last heartbeat", say, *where, self.ranks.attempt, self.me, last,
                               beating=False)
+            self._clear_left(killed, beating=False)  # (after its last word: it may wait for them)
             # (only a take-over's push needs its store to outlive it; any other fence is its
             # peers going on without it: those still on its store must fall back to the
             # files now, with the others, not decide through it for LINGER_S more)
@@ -484,8 +493,9 @@ class Supervisor:
         except BaseException:
             # A bug here must not leave ranks training unsupervised, nor peers waiting for a
             # node whose launcher is gone: kill them, and say this launcher is done.
-            kill_below(os.getpid())
+            killed = kill_below(os.getpid())
             self._done(1)
+            self._clear_left(killed, beating=False)  # (after its last word: it may wait for them)
             self._close()
             raise
         self._done(code)
@@ -631,9 +641,23 @@ class Supervisor:
             board.close(remove=True)
             return self._no_agent(cycle, err)
         try:
-            return self._watch(self.proc, board, cycle)
+            watch = self._watch(self.proc, board, cycle)
         finally:
             board.close(remove=True)
+        self._clear_left(watch.killed)  # (its ranks ended, or were killed)
+        return watch
+
+    def _clear_left(self, killed: list[int], beating: bool = True) -> None:
+        """This node's ranks ended, or were killed (`killed`, once they are gone, within
+        KILLED_EXIT_S): the ledger's lock, if one of them held it as it was killed, is
+        broken now, and their side files removed. A rank appends as it fails, which is the
+        moment it is killed, and a waiter on another host cannot look a pid of this host
+        up: it would wait files.LOCK_STALE_S (the decider's records with it). Done before
+        this node says it is down, so the decider's records, which come after every down,
+        find the lock free."""
+        with contextlib.suppress(OSError):  # (storage that refuses it: the fault path goes on)
+            files.clear_left(self.run_dir / ledger.LEDGER, killed, wait=KILLED_EXIT_S,
+                             waiting=self.beat if beating else lambda: None)
 
     def _no_agent(self, cycle: int, err: BaseException) -> Watch:
         """The cycle's agent could not be started: a fault of this node's like any other
@@ -733,14 +757,15 @@ class Supervisor:
         # (measured in `bench control`) that a crash or a lost node, whose culprit is
         # known, does not need.
         hung = hang is not None or "silent_s" in (self.chan.fault(attempt, cycle) or fault or {})
+        killed: list[int] = []
         if proc.poll() is None:
-            kill_tree(proc, stacks=live if hung else [], also=live)
+            killed = kill_tree(proc, stacks=live if hung else [], also=live)
         elif live:  # the agent died and left its ranks behind: they must not train on
-            kill_tree(proc, also=live)
+            killed = kill_tree(proc, also=live)
         declared = self.chan.fault(attempt, cycle) or fault or info
         return Watch(code=proc.returncode or 1, fault=declared, dead=dead + stopped, reached=reached,
                      ranks=where, flight=flight.read_ranks(self.run_dir, attempt, cycle,
-                                                           [s.rank for s in now]))
+                                                           [s.rank for s in now]), killed=killed)
 
     def _cause(self, code: int | None, dead: list[dict[str, Any]], hang: dict[str, Any] | None,
                cycle: int) -> dict[str, Any]:

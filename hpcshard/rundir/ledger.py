@@ -12,9 +12,12 @@ from pathlib import Path
 from typing import Any
 
 from hpcshard.rundir import events, paths
-from hpcshard.rundir.files import append_line, locked, read_lines
+from hpcshard.rundir.files import append_held, locked, read_lines
 
 LEDGER = paths.LEDGER
+FLOAT_REPR_MAX = 24
+"""The most characters a float's repr takes ('-1.2345678901234567e-100'): how much longer
+the time stamped under the lock can make a line than the one measured before it."""
 
 
 def append(run_dir: Path, event: events.Event) -> None:
@@ -22,12 +25,20 @@ def append(run_dir: Path, event: events.Event) -> None:
     record has one shape, its class's. Launchers and ranks of several hosts append: under
     the ledger's lock, as O_APPEND writes of two NFS clients are not atomic (each appends at
     the end its own client last saw, and one record overwrites the other); the lock's
-    holder opens the file afresh, which revalidates its size (close-to-open)."""
+    holder opens the file afresh, which revalidates its size (close-to-open), and writes
+    at that end (`files.append_held`). Its token says how long the line may be: should the
+    holder stand still past files.LOCK_STALE_S with the line on its way, its breaker
+    leaves it that much room."""
     fields = events.record(event)  # (TypeError for anything but an event: see there)
     path = run_dir / LEDGER
-    with locked(path) as held:
-        held()
-        append_line(path, json.dumps({"time": time.time(), **fields}) + "\n")
+    # (stamped again under the lock; and a newline first after a line cut short: append_held)
+    most = len(_line(fields).encode()) + FLOAT_REPR_MAX + 1
+    with locked(path, writes=most) as held:
+        append_held(path, _line(fields), held)
+
+
+def _line(fields: dict[str, Any]) -> str:
+    return json.dumps({"time": time.time(), **fields}) + "\n"
 
 
 def read(run_dir: Path) -> list[dict[str, Any]]:

@@ -110,6 +110,13 @@ def same(record: dict[str, Any]) -> bool:
             and start_ticks(pid) == record.get("start"))
 
 
+def running(record: dict[str, Any]) -> bool:
+    """`same`, and not a zombie: a process that exited but was not yet reaped (its parent
+    killed with it, or busy) still has its pid and start time, but it holds nothing and
+    writes nothing more: its files were closed, and their data flushed, as it exited."""
+    return same(record) and stat_fields(int(record["pid"]))[:1] not in (["Z"], ["X"])
+
+
 def _pidfd(pid: int) -> int | None:
     """A handle on process `pid` that a later process with its pid cannot take over (Linux
     5.3+); None where there is none (then the pid itself is signalled)."""

@@ -525,7 +525,7 @@ def test_node_0_fenced_closes_its_store_at_once(tmp_path: Path, monkeypatch: pyt
         raise Fenced("its peers left its store while it stood still for 9 s")
 
     monkeypatch.setattr(sup, "_run", fenced)
-    monkeypatch.setattr(supervise, "kill_below", lambda pid: None)
+    monkeypatch.setattr(supervise, "kill_below", lambda pid: [])
     began = time.monotonic()
     assert sup.run() == 0
     assert time.monotonic() - began < 2
