@@ -258,10 +258,25 @@ class Corpus:
         k, done = int(np.searchsorted(self.starts, start, side="right")) - 1, 0
         while done < length:
             at = start + done - int(self.starts[k])
-            piece = self.shards[k].data[at: at + length - done]
+            piece = self._ids(k, at, self.shards[k].data[at: at + length - done])
             out[done: done + len(piece)] = piece
             done, k = done + len(piece), k + 1
         return out
+
+    def _ids(self, k: int, at: int, piece: np.ndarray) -> np.ndarray:
+        """Tokens read from shard k at `at`, refused in one line naming the shard when one is
+        not below the manifest's vocab_size (a damaged shard, or a tokenizer's gap id that
+        an older `data prepare` wrote past the bound it gave): the model is sized from it,
+        and such an id would fail in its embedding (on a GPU: a device-side assert, at every
+        restart). Checked where tokens are read, not by reading a whole shard when it is
+        first mapped: a rank reads windows, and every rank reading every shard it touches
+        whole would read the corpus at each start."""
+        if len(piece) and int(piece.max()) >= self.vocab_size:
+            bad = int(np.argmax(piece >= self.vocab_size))
+            raise UserError(f"{self.shards[k].bin}: token {at + bad} is id {int(piece[bad])}, not below the "
+                            f"manifest's vocab_size {self.vocab_size}; the corpus is damaged or was "
+                            "prepared with a wrong bound: prepare it again with `hpcshard data prepare`")
+        return piece
 
     def document(self, d: int) -> tuple[int, int]:
         """Document d's first token in the stream and its length."""
@@ -276,7 +291,7 @@ class Corpus:
         k = int(np.searchsorted(self.starts, start, side="right")) - 1
         at = start - int(self.starts[k])
         if at + length <= self.shards[k].tokens:
-            return self.shards[k].data[at: at + length]
+            return self._ids(k, at, self.shards[k].data[at: at + length])
         return self.read(start, length).astype(self.shards[k].dtype)
 
     def held_out(self) -> np.ndarray:

@@ -4,7 +4,7 @@ processes or Slurm array tasks, resumable, with a manifest written last.
 The output directory (the format `hpcshard-tokens` version 1; the reader relies on it):
 
     manifest.json        written last, atomically: only a finished corpus has one
-    shard-NNNNN.bin      the tokens, little-endian uint16 (vocabulary <= 65536) or uint32;
+    shard-NNNNN.bin      the tokens, little-endian uint16 (every id below 65536) or uint32;
                          each document followed by the tokenizer's EOS (counted in it)
     shard-NNNNN.idx      little-endian int64: documents + 1 offsets into the shard
     .prepare/            the work's state: the request, the plan, one done file per shard
@@ -13,14 +13,17 @@ Shards are planned before anything is tokenized: documents in their order, cut w
 bytes read reach --shard-tokens (at the tokens per byte that a sample of the first
 documents gives). A shard's documents depend on the source, the tokenizer and the target
 only, so 1 worker, 8 workers or 16 array tasks write the same bytes. A shard is written
-under a temporary name, renamed when complete, then its done file (its manifest entry,
-with the checksum) is written: a rerun skips the shards that have one.
+under a temporary name of its writer's alone (`sidefiles.written`), renamed when complete,
+then its done file (its manifest entry, with the checksum) is written: a rerun skips the
+shards that have one.
+
+The manifest's `vocab_size` is the bound of the ids (the tokenizer's largest id + 1, not
+its count of entries: ids can have gaps), and the dtype follows it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -37,6 +40,9 @@ from typing import Any
 import numpy as np
 
 from hpcshard.errors import UserError
+from hpcshard.rundir.files import side_name
+from hpcshard.runtime import sidefiles
+from hpcshard.runtime.sidefiles import NO_FLOCK, written
 from hpcshard.runtime.sources import Source, SourceSpec, Tokenizer, open_source
 
 FORMAT, VERSION = "hpcshard-tokens", 1
@@ -87,7 +93,7 @@ class Prepared:
 
 
 def dtype_for(vocab_size: int) -> str:
-    """uint16 while every id fits (vocabulary <= 65536), else uint32."""
+    """uint16 while every id fits (`vocab_size`, the bound of the ids, <= 65536), else uint32."""
     return "uint16" if vocab_size <= 65536 else "uint32"
 
 
@@ -178,7 +184,7 @@ def check_writable(out: Path) -> None:
     if near == out and out.exists() and not _empty(out) and not (_state(out) / "request.json").is_file():
         raise UserError(f"--output {out} is not empty and holds no prepared corpus; give a new or "
                         "empty directory")
-    probe = near / f".hpcshard-probe-{socket.gethostname()}-{os.getpid()}"
+    probe = side_name(near / "hpcshard-probe")  # two runs' probes never one file
     try:
         probe.touch()
         probe.unlink()
@@ -218,9 +224,8 @@ def save_plan(out: Path, request: dict[str, Any], bounds: np.ndarray, source: So
     make_state(out)
     _write_json(state / "request.json", request)
     arrays = {"bounds": bounds, **{f"index_{k}": v for k, v in source.index().items()}}
-    tmp = state / f"plan.tmp-{_tag()}.npz"
-    np.savez(tmp, **arrays)  # type: ignore[arg-type]  # numpy's stub: file, *args
-    os.replace(tmp, state / "plan.npz")
+    with written(state / "plan.npz") as f:
+        np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub: file, *args
 
 
 def make_state(out: Path) -> bool:
@@ -241,11 +246,6 @@ def make_state(out: Path) -> bool:
                         "write") from None
 
 
-def _tag() -> str:
-    """This process's temporary-name tag: tmp-HOST-PID."""
-    return f"tmp-{socket.gethostname()}-{os.getpid()}"
-
-
 def load_plan(out: Path) -> tuple[dict[str, Any], np.ndarray, dict[str, np.ndarray]]:
     state = _state(out)
     request = json.loads((state / "request.json").read_text(encoding="utf-8"))
@@ -255,13 +255,9 @@ def load_plan(out: Path) -> tuple[dict[str, Any], np.ndarray, dict[str, np.ndarr
 
 
 def _write_json(path: Path, value: Any) -> None:
-    """Atomically and durably: a temporary name of this process's, on disk, then renamed."""
-    tmp = path.with_name(f"{path.name}.{_tag()}")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(json.dumps(value, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Atomically and durably: a temporary name of this writer's, on disk, then renamed."""
+    with written(path) as f:
+        f.write((json.dumps(value, indent=1) + "\n").encode())
 
 
 # -- shards ------------------------------------------------------------------------------------
@@ -291,9 +287,8 @@ def write_shard(out: Path, k: int, source: Source, tok: Tokenizer, bounds: np.nd
     start, stop = int(bounds[k]), int(bounds[k + 1])
     lengths: list[int] = []
     name = shard_name(k)
-    tmp_bin, tmp_idx = out / f"{name}.bin.{_tag()}", out / f"{name}.idx.{_tag()}"
     digest, tokens = hashlib.sha256(), 0
-    with tmp_bin.open("wb") as f:
+    with written(out / f"{name}.bin") as f:  # renamed after the .idx, when both are complete
         for lo in range(start, stop, BATCH_DOCS):
             hi = min(stop, lo + BATCH_DOCS)
             ids = tok.encode(source.read(lo, hi))
@@ -308,24 +303,21 @@ def write_shard(out: Path, k: int, source: Source, tok: Tokenizer, bounds: np.nd
             lengths.extend(counts)
             tokens += sum(counts)
             tick(hi - lo, sum(counts))
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the rename says it is complete
-    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype("<i8")
-    with tmp_idx.open("wb") as f:
-        f.write(offsets.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp_idx, out / f"{name}.idx")
-    os.replace(tmp_bin, out / f"{name}.bin")
+        offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype("<i8")
+        with written(out / f"{name}.idx") as g:
+            g.write(offsets.tobytes())
     entry = {"name": name, "tokens": tokens, "documents": stop - start, "sha256": digest.hexdigest()}
     _write_json(_state(out) / f"{name}.done", entry)
     return entry
 
 
 def _narrow(ids: np.ndarray, dtype: str, tok: Tokenizer) -> np.ndarray:
-    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(dtype).max):
-        raise UserError(f"tokenizer {tok.path} gave id {int(ids.max())}, beyond {dtype}: its vocabulary "
-                        f"size ({tok.vocab_size}) is wrong")
+    """The ids in the shard's dtype. An id outside the tokenizer's vocabulary (below 0, or at
+    or beyond the bound the manifest's vocab_size says and a model is sized from) is one line."""
+    if ids.size and (ids.min() < 0 or ids.max() >= tok.vocab_size):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise UserError(f"tokenizer {tok.path} gave id {bad}, outside its vocabulary's ids 0 to "
+                        f"{tok.vocab_size - 1}; give a tokenizer whose ids are all in its vocabulary")
     return ids.astype(np.dtype(dtype).newbyteorder("<"))
 
 
@@ -398,11 +390,10 @@ def check_again(out: Path, request: dict[str, Any], bounds: np.ndarray) -> np.nd
     return bounds
 
 
-STALE_SECONDS = 3600.0
-"""A temporary file of another host's untouched this long is an interrupted run's."""
-NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK)
-"""flock's errors on a file system that keeps no such locks (Lustre mounted without flock,
-some FUSE and NFS mounts): not "held", a lock file instead (`_lock_file`)."""
+OUT_FILES = r"shard-\d+\.(?:bin|idx)|manifest\.json"
+"""The names in the output directory that are written under side names (`sidefiles.written`)."""
+STATE_FILES = r"shard-\d+\.done|request\.json|plan\.npz"
+"""The same in its work folder."""
 
 
 def take_lock(out: Path) -> Any:
@@ -450,30 +441,15 @@ def _lock_file(out: Path, err: OSError) -> contextlib.ExitStack:
     return hold
 
 
-def remove_stale(out: Path) -> None:
-    """Interrupted runs' unfinished files (tmp-HOST-PID): this host's whose process is gone,
-    another host's untouched for STALE_SECONDS (an array task may still be writing one)."""
-    here, now = socket.gethostname(), time.time()
-    for stale in [*out.glob("shard-*.tmp-*"), *_state(out).glob("*.tmp-*")]:
-        host, _, pid = stale.name.rsplit(".tmp-", 1)[-1].removesuffix(".npz").rpartition("-")
-        try:
-            dead = host == here and pid.isdigit() and not _alive(int(pid))
-            if dead or (host != here and now - stale.stat().st_mtime > STALE_SECONDS):
-                stale.unlink(missing_ok=True)
-        except OSError:
-            continue
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def remove_stale(out: Path) -> list[Path]:
+    """Interrupted runs' unfinished files (`sidefiles.remove_stale`: one nobody holds is
+    removed at once where it is this host's, any other once untouched for an hour; an array
+    task may still be writing one), and those of hpcshard before side names
+    (NAME.tmp-HOST-PID: by their age only); the paths removed."""
+    found: list[tuple[Path, str | None]] = [*sidefiles.side_files(out, OUT_FILES),
+                                            *sidefiles.side_files(_state(out), STATE_FILES)]
+    found += [(old, None) for old in [*out.glob("shard-*.tmp-*"), *_state(out).glob("*.tmp-*")]]
+    return sidefiles.remove_stale(found)
 
 
 def run_shards(out: Path, source: Source, tok: Tokenizer, shards: list[int], workers: int,

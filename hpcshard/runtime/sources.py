@@ -386,8 +386,8 @@ def _visible(relative: Path, pattern: str) -> bool:
 
 
 class Tokenizer:
-    """A local tokenizer: `encode(texts)` (no special tokens added), its vocabulary size,
-    its end-of-document id, and a checksum of its files."""
+    """A local tokenizer: `encode(texts)` (no special tokens added), the bound of its ids
+    (`vocab_size`), its end-of-document id, and a checksum of its files."""
 
     def __init__(self, path: str, eos: str = "auto") -> None:
         self.path = str(Path(path).resolve())
@@ -420,12 +420,17 @@ class Tokenizer:
             said = str(err).splitlines()[0] if str(err) else ""
             raise UserError(f"tokenizer {path} does not load ({type(err).__name__}: {said[:200]}); give a "
                             "tokenizer.json or a directory saved by save_pretrained") from None
-        self.vocab_size = (self._fast.get_vocab_size(with_added_tokens=True) if self._fast is not None
-                           else len(self._slow))
-        if self.vocab_size < MIN_VOCAB:
-            raise UserError(f"tokenizer {path} has a vocabulary of {self.vocab_size} (under {MIN_VOCAB}): "
-                            "not a "
+        fast = self._fast
+        vocab = fast.get_vocab(with_added_tokens=True) if fast is not None else self._slow.get_vocab()
+        entries = max(len(vocab), fast.get_vocab_size(with_added_tokens=True) if fast is not None
+                      else len(self._slow))
+        if entries < MIN_VOCAB:
+            raise UserError(f"tokenizer {path} has a vocabulary of {entries} (under {MIN_VOCAB}): not a "
                             "usable tokenizer; give a tokenizer.json or a directory saved by save_pretrained")
+        self.vocab_size = max(entries, max(vocab.values(), default=-1) + 1)
+        """The bound of the ids: the largest + 1, not the count of entries. Ids can have gaps
+        (special tokens at the top of a range padded for the embedding: 303 entries, an id of
+        60,000), and a model sized from the count fails at the first batch with such a token."""
 
     def _eos(self, eos: str) -> int | None:
         if eos == "none":

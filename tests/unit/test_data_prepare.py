@@ -9,6 +9,9 @@ import hashlib
 import json
 import os
 import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +21,9 @@ from click.testing import CliRunner
 
 from examples.finetune.make_base import byte_bpe
 from hpcshard.cli import main
+from hpcshard.rundir.files import side_name
 from hpcshard.runtime import prepare as prep
+from hpcshard.runtime import sidefiles
 from hpcshard.runtime.sources import SourceSpec, Tokenizer
 
 TEXTS = [f"doc {i}: the quick brown fox jumps over the lazy dog, {'again ' * (i % 5)}héllo\nend {i}"
@@ -154,6 +159,48 @@ def test_dtype_follows_the_vocabulary(tmp_path: Path) -> None:
     assert docs[0].tolist() == [69999, 5, 65536, 42]
 
 
+def gapped(tok: Path, folder: Path, eos: int) -> Path:
+    """`tok` with its end-of-text token moved to id `eos`, far above its other 299 ids: a
+    vocabulary with gaps in its ids (special tokens at the top of a range padded for the
+    model's embedding)."""
+    saved = json.loads(tok.read_text())
+    saved["model"]["vocab"]["<|endoftext|>"] = eos
+    for added in saved["added_tokens"]:
+        if added["content"] == "<|endoftext|>":
+            added["id"] = eos
+    path = folder / f"gapped-{eos}.json"
+    path.write_text(json.dumps(saved))
+    return path
+
+
+@pytest.mark.parametrize(("eos", "dtype"), [(60000, "uint16"), (70000, "uint32")])
+def test_a_tokenizer_with_a_gap_in_its_ids(tmp_path: Path, tok: Path, eos: int, dtype: str) -> None:
+    """The manifest's vocab_size bounds every id written: the largest + 1, not the count of
+    the tokenizer's 300 entries (a model sized from that failed at the first batch holding
+    EOS, at every restart); and the dtype follows the bound (70,000 does not fit uint16:
+    refused before)."""
+    from hpcshard.runtime.corpus import Corpus
+
+    path = gapped(tok, tmp_path, eos)
+    assert Tokenizer(str(path)).eos_id == eos
+    out, _ = run(tmp_path, corpus(tmp_path, "jsonl"), path)
+    manifest, docs = read_back(out)
+    assert max(int(d.max()) for d in docs) == eos and manifest["vocab_size"] == eos + 1
+    assert manifest["dtype"] == dtype
+    read = Corpus([out])
+    assert int(read.read(0, read.tokens).max()) == eos < read.vocab_size
+
+
+def test_an_id_outside_the_tokenizers_vocabulary_is_one_line(tmp_path: Path, tok: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tokenizer that gives an id beyond its own vocabulary (custom code): refused when it is
+    written, not stored past the manifest's bound."""
+    monkeypatch.setattr(Tokenizer, "encode", lambda self, texts: [[5, 299 + len(t) % 2 * 4000]
+                                                                   for t in texts])
+    with pytest.raises(prep.UserError, match="gave id 4299, outside its vocabulary's ids 0 to 299"):
+        run(tmp_path, corpus(tmp_path, "jsonl"), tok)
+
+
 def test_no_eos(tmp_path: Path, tok: Path) -> None:
     out, _ = run(tmp_path, corpus(tmp_path, "jsonl"), tok, eos="none")
     manifest, docs = read_back(out)
@@ -210,9 +257,8 @@ def test_a_run_stopped_mid_way_finishes_on_a_rerun(tmp_path: Path, tok: Path,
 
     def stopped(out: Path, k: int, *args: Any) -> dict[str, Any]:
         calls.append(k)
-        if len(calls) == 3:
-            (out / f"{prep.shard_name(k)}.bin.tmp-host-1").write_bytes(b"half")
-            os.utime(out / f"{prep.shard_name(k)}.bin.tmp-host-1", (1, 1))
+        if len(calls) == 3:  # as a SIGKILL leaves it: this host's, nobody holds it
+            side_name(out / f"{prep.shard_name(k)}.bin").write_bytes(b"half")
             raise KeyboardInterrupt
         return real(out, k, *args)
 
@@ -224,7 +270,7 @@ def test_a_run_stopped_mid_way_finishes_on_a_rerun(tmp_path: Path, tok: Path,
     monkeypatch.setattr(prep, "write_shard", real)
     _, again = run(tmp_path, source, tok)
     assert again.skipped == 2 and again.written == again.shards - 2 and again.manifest
-    assert not list(out.glob("*.tmp-*"))
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
     assert {p.name: p.read_bytes() for p in out.iterdir() if p.is_file()} == {
         p.name: p.read_bytes() for p in whole.iterdir() if p.is_file()}
 
@@ -450,10 +496,11 @@ def test_array_tasks_read_the_planned_files_and_refuse_a_changed_source(tmp_path
 
 def test_a_second_run_on_one_output_is_refused_and_stale_files_are_only_the_dead_ones(
         tmp_path: Path, tok: Path) -> None:
+    """A temporary file is removed when nobody holds it and it is this host's, or when it is
+    an hour old by the file system's clock (another host's: a per-node flock cannot show its
+    writer; the versions before side names'): never one whose writer holds it."""
     import fcntl
     import socket
-    import subprocess
-    import sys
 
     source = corpus(tmp_path, "jsonl")
     out, first = run(tmp_path, source, tok)
@@ -466,17 +513,187 @@ def test_a_second_run_on_one_output_is_refused_and_stale_files_are_only_the_dead
         held.write("node7, pid 42\n")
         held.flush()
         one_line_error(args, "another `data prepare` (node7, pid 42) is writing", "wait for it")
-    host = socket.gethostname()
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+    host, hour = socket.gethostname(), time.time() - sidefiles.STALE_SECONDS - 60
+
+    def side(final: str, writer: str, age: float | None = None, folder: Path = out) -> Path:
+        path = folder / f".{final}.{writer}.7.{os.urandom(4).hex()}.tmp"
+        path.write_bytes(b"unfinished")
+        if age is not None:
+            os.utime(path, (age, age))
+        return path
+
+    alive = side("shard-00009.bin", host)
+    dead = [side("shard-00008.bin", host), side("request.json", host, folder=out / ".prepare"),
+            side("shard-00003.idx", "node7.cluster.org", hour), side("manifest.json", "node7", hour),
+            out / "shard-00006.bin.tmp-node7-3", out / ".prepare" / "plan.tmp-node7-3.npz"]
+    for old in dead[-2:]:
+        old.write_bytes(b"of the version before side names")
+        os.utime(old, (hour, hour))
+    kept = [side("shard-00007.bin", "node7"), side("manifest.json", "node7"),
+            out / "shard-00005.bin.tmp-node7-3", side("other.json", host), out / "unrelated.tmp"]
+    kept[2].write_bytes(b"the version before's, fresh")
+    kept[4].write_bytes(b"not ours")
+    with alive.open("r+b") as writing:
+        fcntl.flock(writing.fileno(), fcntl.LOCK_EX)  # its writer at work
+        again = CliRunner().invoke(main, ["data", "prepare", *args, "--no-progress"])
+        assert again.exit_code == 0 and "(1 written" in again.output, again.output
+    assert alive.exists() and all(p.exists() for p in kept)
+    assert not [p for p in dead if p.exists()]
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp") and p not in [alive, *kept]]
+
+
+def test_two_writers_with_one_pid_write_the_manifest_whole(tmp_path: Path, tok: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two array tasks that find every shard done write the manifest at once, in containers
+    whose pid namespaces give them one pid (here: one process, one pid): the second writes it
+    whole between the first's write and its rename. Each writes under a name of its own and
+    both renames succeed (with one temporary name of host and pid, the second truncated the
+    first's, readers saw a short manifest, and the first's rename failed: its task FAILED)."""
+    out, _ = run(tmp_path, corpus(tmp_path, "jsonl"), tok)
+    whole = (out / "manifest.json").read_text()
+    (out / "manifest.json").unlink()
+    rename, second = os.replace, [True]
+
+    def meanwhile(src: Any, dst: Any) -> None:
+        if second and Path(dst).name == "manifest.json":
+            second.pop()
+            assert prep.write_manifest(out)  # the other task, start to end
+            assert (out / "manifest.json").read_text() == whole
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "replace", meanwhile)
+    assert prep.write_manifest(out) and not second
+    assert (out / "manifest.json").read_text() == whole
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_side_file_taken_by_a_remover_before_its_hold_is_made_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A remover can find a side file in the instant between its creation and its writer's
+    hold (nobody holds it: an interrupted run's, removed): the writer makes another."""
+    import socket
+
+    real, removed, first = sidefiles._lock, [], [True]
+
+    def late(fd: int) -> bool | None:
+        if first:  # the writer's first hold: a remover comes first
+            first.pop()
+            made = [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+            removed.extend(sidefiles.remove_stale([(p, socket.gethostname()) for p in made]))
+        return real(fd)
+
+    monkeypatch.setattr(sidefiles, "_lock", late)
+    with sidefiles.written(tmp_path / "manifest.json") as f:
+        f.write(b"whole")
+    assert len(removed) == 1 and (tmp_path / "manifest.json").read_bytes() == b"whole"
+    assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
+
+
+@pytest.fixture(scope="module")
+def pid_namespaces() -> None:
+    """Processes in pid namespaces of their own (as a container's), or a skip: it takes
+    root and `unshare` (util-linux)."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("pid namespaces of their own take root and unshare")
+    if subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode:
+        pytest.skip("unshare --pid is refused here (a container without CAP_SYS_ADMIN?)")
+
+
+def in_pid_namespace(script: str, *args: object) -> subprocess.Popen[str]:
+    """Python running `script` in a pid namespace of its own on this host (same host name):
+    pid 1 there, whatever ours is."""
+    return subprocess.Popen(["unshare", "--pid", "--fork", sys.executable, "-c", script, *map(str, args)],
+                            text=True, stderr=subprocess.PIPE,
+                            env={**os.environ, "PYTHONPATH": str(Path(prep.__file__).parents[2])})
+
+
+def wait_for(what: str, done: Any, procs: list[subprocess.Popen[str]]) -> None:
+    """Until `done()`, while every process runs (60 s at most)."""
+    deadline = time.monotonic() + 60
+    while not done():
+        failed = [p.stderr.read() if p.stderr else "" for p in procs if p.poll() is not None]
+        assert not failed and time.monotonic() < deadline, f"waiting for {what}: {failed}"
+        time.sleep(0.01)
+
+
+MANIFESTS = """
+import sys, time
+from pathlib import Path
+from hpcshard.runtime import prepare as prep
+out, go, me, times = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+(go.parent / f"ready-{me}").touch()
+deadline = time.monotonic() + 60
+while not go.exists() and time.monotonic() < deadline:
+    time.sleep(0.001)
+for _ in range(times):
+    assert prep.write_manifest(out)
+"""
+
+
+def test_two_array_tasks_with_one_pid_in_their_own_pid_namespaces(tmp_path: Path, tok: Path,
+                                                                   pid_namespaces: None) -> None:
+    """The real case: two writers of the manifest on one host, each pid 1 of its own pid
+    namespace (array tasks in containers), writing it at once again and again: both finish
+    and it is whole (with temporary names of host and pid, one's rename failed)."""
+    out, _ = run(tmp_path, corpus(tmp_path, "jsonl"), tok)
+    whole = (out / "manifest.json").read_text()
+    go = tmp_path / "go"
+    tasks = [in_pid_namespace(MANIFESTS, out, go, me, 200) for me in (0, 1)]
+    wait_for("both tasks", lambda: all((tmp_path / f"ready-{me}").exists() for me in (0, 1)), tasks)
+    go.touch()
+    failed = [task.communicate(timeout=120)[1] for task in tasks if task.wait(120)]
+    assert not failed, failed[0]
+    assert (out / "manifest.json").read_text() == whole
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
+WRITER = """
+import os, sys, time
+from pathlib import Path
+out, go, pid = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:  # this pid namespace's next pid: `pid`
+    f.write(str(pid - 1))
+child = os.fork()
+if child:
+    sys.exit(os.waitstatus_to_exitcode(os.waitpid(child, 0)[1]))
+assert os.getpid() == pid
+from hpcshard.runtime import prepare as prep
+
+def tick(documents, tokens):  # the writer at work: it waits for `go` mid-shard
+    deadline = time.monotonic() + 60
+    while not go.exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+request, bounds, index = prep.load_plan(out)
+source, tok = prep._source(request, index), prep._tokenizer(request)
+prep.write_shard(out, 0, source, tok, bounds, request["dtype"], tick)
+"""
+
+
+def test_a_live_writer_in_another_pid_namespace_is_not_stale(tmp_path: Path, tok: Path,
+                                                              pid_namespaces: None) -> None:
+    """An array task in a container of its own pid namespace on this host, writing a shard:
+    its pid there is one that is gone in ours. A `data prepare` here keeps its temporary file
+    (judged by the pid, it was "this host's, its process gone": removed, and the task's
+    rename failed)."""
+    out, _ = run(tmp_path, corpus(tmp_path, "jsonl"), tok)
+    (out / "manifest.json").unlink()
+    (out / ".prepare" / "shard-00000.done").unlink()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
                           text=True, check=True).stdout.strip()
-    alive = out / f"shard-00009.bin.tmp-{host}-{os.getppid()}"
-    alive.write_bytes(b"being written")
-    (out / f"shard-00008.bin.tmp-{host}-{dead}").write_bytes(b"left over")
-    (out / "shard-00007.bin.tmp-node7-3").write_bytes(b"another host's, fresh")
-    again = CliRunner().invoke(main, ["data", "prepare", *args, "--no-progress"])
-    assert again.exit_code == 0 and "(1 written" in again.output, again.output
-    assert alive.exists() and (out / "shard-00007.bin.tmp-node7-3").exists()
-    assert not (out / f"shard-00008.bin.tmp-{host}-{dead}").exists()
+    go = tmp_path / "go"
+    writer = in_pid_namespace(WRITER, out, go, gone)
+
+    def writing() -> bool:
+        return any(p.name != "shard-00000.bin" and "shard-00000.bin" in p.name for p in out.iterdir())
+
+    wait_for("the writer's temporary file", writing, [writer])
+    removed = prep.remove_stale(out)
+    go.touch()
+    assert writer.wait(60) == 0, writer.communicate()[1]
+    assert not removed and prep.done_entry(out, 0) is not None
+    assert prep.write_manifest(out)
+    read_back(out)
 
 
 def _meanwhile(monkeypatch: pytest.MonkeyPatch, other: Any) -> None:

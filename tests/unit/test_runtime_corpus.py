@@ -521,6 +521,28 @@ def test_a_shard_mapped_again_after_the_lru_dropped_it_is_checked_again(
             corpus.read(0, 4)
 
 
+def test_an_id_beyond_the_vocabulary_is_one_line_naming_its_shard(tmp_path: Path) -> None:
+    """A shard holding an id at or beyond its manifest's vocab_size (damaged, or written when
+    prepare took a tokenizer's count of entries for the bound of its ids) is refused where it
+    is read, in one line naming the shard: not an index error in the model's embedding (on a
+    GPU a device-side assert), again at every restart. Training windows and the held-out
+    tail alike; the shards before it read as ever."""
+    folder = write_corpus(tmp_path / "web", documents(6, 100), per_shard=3, vocab=1000)
+    data = np.fromfile(folder / "shard-00001.bin", dtype="<u2")
+    data[5], data[-1] = 1000, 60000
+    data.tofile(folder / "shard-00001.bin")
+    corpus = Corpus([folder])
+    assert corpus.read(0, int(corpus.starts[1])).max() < 1000
+    windows = Windows(corpus, 8, "stream")
+    with pytest.raises(UserError) as err:
+        windows.rows(np.arange(windows.count))
+    said = str(err.value)
+    assert "shard-00001.bin: token 5 is id 1000, not below the manifest's vocab_size 1000" in said
+    assert "prepare it again" in said and "\n" not in said
+    with pytest.raises(UserError, match=f"shard-00001.bin: token {len(data) - 1} is id 60000"):
+        corpus.held_out()
+
+
 @pytest.mark.parametrize(("field", "value"), [("tokenizer", {"path": "", "sha256": "other"}),
                                               ("vocab_size", 999), ("eos_id", 7)])
 def test_sources_prepared_with_other_tokenizers_are_one_line(corpora: Path, field: str, value: Any) -> None:

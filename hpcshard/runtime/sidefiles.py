@@ -1,0 +1,172 @@
+"""`data prepare`'s files, written whole or not at all, and those of interrupted runs removed.
+
+A file is written under a name of its writer's alone beside its own name
+(`rundir.files.side_name`: host, pid and a random part), held with flock while it is
+written, then renamed over its name. Host and pid alone are shared: two array tasks in
+containers with their own pid namespaces on one node wrote one temporary manifest, one
+task's rename failed and readers saw a short manifest.
+
+A side file of an interrupted run is removed (`remove_stale`) when it is this host's and
+nobody holds it, or when it has been untouched for STALE_SECONDS. Held, not "its pid is
+alive": a pid read from a name means nothing outside its writer's pid namespace (a live
+array task in a container, its pid gone or another process's in ours, was taken for
+gone), while a lock is the kernel's, seen from every namespace of the host. Another host's
+side file is never judged by its lock alone (a file system whose flock is per node,
+Lustre's localflock or an NFS mount with local_lock, shows another node's writer as
+nobody), and its age is read against the file server's clock (a file made now), never
+against this host's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import re
+import socket
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from hpcshard.rundir.files import TMP_SUFFIX, side_name
+
+STALE_SECONDS = 3600.0
+"""A side file untouched this long (by the file server's clock) whose writer cannot be seen
+from here (another host's, or on a file system without flock) is an interrupted run's."""
+NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK)
+"""flock's errors on a file system that keeps no such locks (Lustre mounted without flock,
+some FUSE and NFS mounts): not "held", not known."""
+CREATE_TRIES = 3
+"""Side files made before one is held: a remover can take one in the instant between its
+creation and its hold (then it is removed, and another name is made)."""
+
+
+@contextlib.contextmanager
+def written(path: Path) -> Iterator[BinaryIO]:
+    """A file to write `path` through: a side file of this writer's, held while it is written,
+    then on disk and renamed over `path` when the block ends (removed if it raises)."""
+    f = _create_held(path)
+    side = Path(f.name)
+    try:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())  # on disk before the rename says it is complete
+        os.replace(side, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            side.unlink()
+        raise
+    finally:
+        f.close()  # the hold ends with it
+
+
+def _create_held(path: Path) -> BinaryIO:
+    """A new side file of `path`, open and held. One that a remover took between its creation
+    and the hold (held by the remover, or already removed) is given up for another name."""
+    for _ in range(CREATE_TRIES):
+        side = side_name(path)
+        f = side.open("xb")
+        try:
+            if _lock(f.fileno()) is not False and _same_file(side, f.fileno()):
+                return f
+        except BaseException:
+            f.close()
+            raise
+        f.close()
+        with contextlib.suppress(OSError):
+            side.unlink()
+    raise OSError(errno.EAGAIN, f"{path.parent}: {CREATE_TRIES} temporary files were removed as they were "
+                  "made (another `data prepare` clearing the directory?); run the command again")
+
+
+def _lock(fd: int) -> bool | None:
+    """flock(LOCK_EX) without waiting: True when taken, False when another holds it, None
+    where the file system keeps no flock."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # EAGAIN/EWOULDBLOCK: held
+        return False
+    except OSError as err:
+        if err.errno in NO_FLOCK:
+            return None
+        raise
+    return True
+
+
+def _same_file(path: Path, fd: int) -> bool:
+    """Does `path` still name the open file `fd` (not removed, nor made again)?"""
+    try:
+        named, opened = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
+
+
+def side_files(folder: Path, finals: str) -> list[tuple[Path, str]]:
+    """The side files in `folder` of the names that regex `finals` matches, with the host of
+    each (`side_name`'s .NAME.HOST.PID.RANDOM.tmp; a host name may hold dots)."""
+    pattern = re.compile(rf"\.(?:{finals})\.(?P<host>.+)\.\d+\.[0-9a-f]+{re.escape(TMP_SUFFIX)}")
+    found = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(folder):
+            match = pattern.fullmatch(entry.name)
+            if match:
+                found.append((Path(entry.path), match["host"]))
+    return found
+
+
+def remove_stale(candidates: Iterable[tuple[Path, str | None]]) -> list[Path]:
+    """Remove the side files of interrupted runs among `candidates` ((path, its writer's host,
+    or None when unknown: judged by its age only)); the paths removed. One that is held is
+    kept; one nobody holds is removed at once when it is this host's, else once untouched
+    for STALE_SECONDS by the file server's clock."""
+    here, removed = socket.gethostname(), []
+    clocks: dict[Path, float | None] = {}
+    for path, host in candidates:
+        try:
+            fd = os.open(path, os.O_RDWR)  # read-write: NFS takes a flock as a write lock
+        except OSError:
+            continue  # renamed whole meanwhile, or not this user's to open
+        try:
+            got = _lock(fd)
+            if got is False:
+                continue  # its writer is at work
+            stale = (got and host == here) or _old(fd, path.parent, clocks)
+            if stale and _same_file(path, fd):
+                path.unlink()
+                removed.append(path)
+        except OSError:
+            continue
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _old(fd: int, folder: Path, clocks: dict[Path, float | None]) -> bool:
+    """Has the open file `fd` been untouched for STALE_SECONDS by `folder`'s file server's
+    clock (read once per folder into `clocks`)?"""
+    if folder not in clocks:
+        clocks[folder] = server_now(folder)
+    now = clocks[folder]
+    return now is not None and now - os.fstat(fd).st_mtime > STALE_SECONDS
+
+
+def server_now(folder: Path) -> float | None:
+    """Now by the clock that stamps `folder`'s files (the file server's, on NFS): the time of
+    a byte written to a file made there. An age read against it does not depend on this
+    host's clock agreeing with the server's. None when no file can be made there."""
+    probe = side_name(folder / "clock")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT, 0o600)
+    except OSError:
+        return None
+    try:
+        os.write(fd, b"\0")  # a write: the server stamps the file's mtime with its own clock
+        return os.fstat(fd).st_mtime
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            probe.unlink()
