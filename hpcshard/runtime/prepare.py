@@ -24,6 +24,7 @@ its count of entries: ids can have gaps), and the dtype follows it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -42,7 +43,7 @@ import numpy as np
 from hpcshard.errors import UserError
 from hpcshard.rundir.files import side_name
 from hpcshard.runtime import sidefiles
-from hpcshard.runtime.sidefiles import NO_FLOCK, written
+from hpcshard.runtime.sidefiles import written
 from hpcshard.runtime.sources import Source, SourceSpec, Tokenizer, open_source
 
 FORMAT, VERSION = "hpcshard-tokens", 1
@@ -390,9 +391,13 @@ def check_again(out: Path, request: dict[str, Any], bounds: np.ndarray) -> np.nd
     return bounds
 
 
-OUT_FILES = r"shard-\d+\.(?:bin|idx)|manifest\.json"
-"""The names in the output directory that are written under side names (`sidefiles.written`)."""
-STATE_FILES = r"shard-\d+\.done|request\.json|plan\.npz"
+NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK)
+"""flock's errors on a file system that keeps no such locks (Lustre mounted without flock,
+some FUSE and NFS mounts): not "held", a lock file instead (`_lock_file`)."""
+OUT_FILES = r"shard-\d+\.(?:bin|idx)|manifest\.json|clock|hpcshard-probe"
+"""The names in the output directory that are written under side names (`sidefiles.written`,
+and the probes of `sidefiles.server_now` and `check_writable`)."""
+STATE_FILES = r"shard-\d+\.done|request\.json|plan\.npz|clock"
 """The same in its work folder."""
 
 
@@ -448,7 +453,8 @@ def remove_stale(out: Path) -> list[Path]:
     (NAME.tmp-HOST-PID: by their age only); the paths removed."""
     found: list[tuple[Path, str | None]] = [*sidefiles.side_files(out, OUT_FILES),
                                             *sidefiles.side_files(_state(out), STATE_FILES)]
-    found += [(old, None) for old in [*out.glob("shard-*.tmp-*"), *_state(out).glob("*.tmp-*")]]
+    before = [*out.glob("shard-*.tmp-*"), *out.glob("manifest.json.tmp-*"), *_state(out).glob("*.tmp-*")]
+    found += [(old, None) for old in before]
     return sidefiles.remove_stale(found)
 
 

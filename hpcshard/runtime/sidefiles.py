@@ -34,9 +34,6 @@ from hpcshard.rundir.files import TMP_SUFFIX, side_name
 STALE_SECONDS = 3600.0
 """A side file untouched this long (by the file server's clock) whose writer cannot be seen
 from here (another host's, or on a file system without flock) is an interrupted run's."""
-NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK)
-"""flock's errors on a file system that keeps no such locks (Lustre mounted without flock,
-some FUSE and NFS mounts): not "held", not known."""
 CREATE_TRIES = 3
 """Side files made before one is held: a remover can take one in the instant between its
 creation and its hold (then it is removed, and another name is made)."""
@@ -82,15 +79,14 @@ def _create_held(path: Path) -> BinaryIO:
 
 def _lock(fd: int) -> bool | None:
     """flock(LOCK_EX) without waiting: True when taken, False when another holds it, None
-    where the file system keeps no flock."""
+    where it cannot be known (a file system that keeps no flock, ENOSYS or ENOLCK, or any
+    other error: a writer writes without its hold, a remover judges by age alone)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:  # EAGAIN/EWOULDBLOCK: held
         return False
-    except OSError as err:
-        if err.errno in NO_FLOCK:
-            return None
-        raise
+    except OSError:
+        return None
     return True
 
 

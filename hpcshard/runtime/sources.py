@@ -420,17 +420,25 @@ class Tokenizer:
             said = str(err).splitlines()[0] if str(err) else ""
             raise UserError(f"tokenizer {path} does not load ({type(err).__name__}: {said[:200]}); give a "
                             "tokenizer.json or a directory saved by save_pretrained") from None
-        fast = self._fast
-        vocab = fast.get_vocab(with_added_tokens=True) if fast is not None else self._slow.get_vocab()
-        entries = max(len(vocab), fast.get_vocab_size(with_added_tokens=True) if fast is not None
-                      else len(self._slow))
+        entries, ids = self._vocabulary()
         if entries < MIN_VOCAB:
             raise UserError(f"tokenizer {path} has a vocabulary of {entries} (under {MIN_VOCAB}): not a "
                             "usable tokenizer; give a tokenizer.json or a directory saved by save_pretrained")
-        self.vocab_size = max(entries, max(vocab.values(), default=-1) + 1)
+        self.vocab_size = max(entries, max(ids, default=-1) + 1)
         """The bound of the ids: the largest + 1, not the count of entries. Ids can have gaps
         (special tokens at the top of a range padded for the embedding: 303 entries, an id of
         60,000), and a model sized from the count fails at the first batch with such a token."""
+
+    def _vocabulary(self) -> tuple[int, list[int]]:
+        """The count of the vocabulary's entries (added tokens too) and their ids."""
+        if self._fast is not None:
+            vocab = self._fast.get_vocab(with_added_tokens=True)
+            return max(len(vocab), self._fast.get_vocab_size(with_added_tokens=True)), list(vocab.values())
+        try:
+            ids = list(self._slow.get_vocab().values())
+        except NotImplementedError:  # a tokenizer class without get_vocab: its count is all there is
+            ids = []
+        return max(len(ids), len(self._slow)), ids
 
     def _eos(self, eos: str) -> int | None:
         if eos == "none":

@@ -1,6 +1,8 @@
 """`hpcshard data prepare`: every source format, a tokenizer from local files (a tiny BPE
 trained here: no downloads), the shards read back with numpy (counts, offsets, checksums,
-dtype), the same bytes for 1 or 2 workers and for array tasks, resume, and bad input (one
+dtype), the same bytes for 1 or 2 workers and for array tasks, resume, the bound of the
+ids (a tokenizer with gaps in them), temporary files (each writer's own name, and only the
+interrupted ones removed: real pid namespaces where root may make them), and bad input (one
 line, exit 2, nothing written)."""
 
 from __future__ import annotations
@@ -524,9 +526,11 @@ def test_a_second_run_on_one_output_is_refused_and_stale_files_are_only_the_dead
 
     alive = side("shard-00009.bin", host)
     dead = [side("shard-00008.bin", host), side("request.json", host, folder=out / ".prepare"),
+            side("clock", host), side("hpcshard-probe", host),
             side("shard-00003.idx", "node7.cluster.org", hour), side("manifest.json", "node7", hour),
-            out / "shard-00006.bin.tmp-node7-3", out / ".prepare" / "plan.tmp-node7-3.npz"]
-    for old in dead[-2:]:
+            out / "shard-00006.bin.tmp-node7-3", out / "manifest.json.tmp-node7-3",
+            out / ".prepare" / "plan.tmp-node7-3.npz"]
+    for old in dead[-3:]:
         old.write_bytes(b"of the version before side names")
         os.utime(old, (hour, hour))
     kept = [side("shard-00007.bin", "node7"), side("manifest.json", "node7"),
