@@ -188,7 +188,9 @@ def check_writable(out: Path) -> None:
     probe = side_name(near / "hpcshard-probe")  # two runs' probes never one file
     try:
         probe.touch()
-        probe.unlink()
+        # A run that holds the output sweeps this host's unheld side files (`remove_stale`):
+        # it may take this probe between touch and unlink, and the write was still made.
+        probe.unlink(missing_ok=True)
     except OSError as err:
         raise UserError(f"--output {out} cannot be written ({near}: {err.strerror or err}); give a directory "
                         "you can write") from None

@@ -546,6 +546,28 @@ def test_a_second_run_on_one_output_is_refused_and_stale_files_are_only_the_dead
     assert not [p for p in out.iterdir() if p.name.endswith(".tmp") and p not in [alive, *kept]]
 
 
+def test_a_write_probe_swept_by_the_run_that_holds_the_output_is_not_a_refusal(
+        tmp_path: Path, tok: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second `data prepare` on this host probes the output (a side file, not held) while the
+    run that holds it sweeps this host's unheld side files: the sweep may take the probe
+    between its touch and its unlink. The write was made: not "cannot be written (No such
+    file or directory)", a refusal that names the wrong cause (the lock then names the run)."""
+    import pathlib
+
+    out, _ = run(tmp_path, corpus(tmp_path, "jsonl"), tok)
+    real, swept = pathlib.Path.unlink, []
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if not swept and ".hpcshard-probe." in self.name:
+            swept.extend(prep.remove_stale(out))  # the holder's sweep, start to end
+        real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+    prep.check_writable(out)
+    assert [p.name.startswith(".hpcshard-probe.") for p in swept] == [True]
+    assert not [p for p in out.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_two_writers_with_one_pid_write_the_manifest_whole(tmp_path: Path, tok: Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Two array tasks that find every shard done write the manifest at once, in containers
