@@ -208,7 +208,8 @@ class Corpus:
     documents are numbered in order. Its last tokens (`held_tokens`: by the `held_out`
     rule) are held out; training reads the rest (`train_tokens`, `train_documents`)."""
 
-    def __init__(self, folders: list[Path], name: str = "", held_out: str = "source") -> None:
+    def __init__(self, folders: list[Path], name: str = "", held_out: str = "source",
+                 bound: int | None = None) -> None:
         self.name = name or str(folders[0])
         self.shards: list[Shard] = []
         self.folders = [Path(os.path.realpath(f)) for f in folders]
@@ -243,6 +244,11 @@ class Corpus:
         eos_id, dtype and shards (names, sizes, checksums), in order (`_content`)."""
         self.train_tokens = self.tokens - held_tokens(self.tokens, self.shards[-1].tokens, held_out)
         self.train_documents = self._documents_before(self.train_tokens)
+        self.bound, self.bound_is = ((bound, "the model's vocab_size") if bound is not None
+                                     else (self.vocab_size, "the manifest's vocab_size"))
+        """Ids at or above it are refused where they are read (`_ids`): the model's vocab_size
+        (its embedding's rows; `load_splits` refuses one below the manifest's), else the
+        manifest's."""
 
     def _documents_before(self, token: int) -> int:
         """How many documents start before `token`."""
@@ -265,17 +271,20 @@ class Corpus:
 
     def _ids(self, k: int, at: int, piece: np.ndarray) -> np.ndarray:
         """Tokens read from shard k at `at`, refused in one line naming the shard when one is
-        not below the manifest's vocab_size (a damaged shard, or a tokenizer's gap id that
-        an older `data prepare` wrote past the bound it gave): the model is sized from it,
-        and such an id would fail in its embedding (on a GPU: a device-side assert, at every
-        restart). Checked where tokens are read, not by reading a whole shard when it is
-        first mapped: a rank reads windows, and every rank reading every shard it touches
-        whole would read the corpus at each start."""
-        if len(piece) and int(piece.max()) >= self.vocab_size:
-            bad = int(np.argmax(piece >= self.vocab_size))
-            raise UserError(f"{self.shards[k].bin}: token {at + bad} is id {int(piece[bad])}, not below the "
-                            f"manifest's vocab_size {self.vocab_size}; the corpus is damaged or was "
-                            "prepared with a wrong bound: prepare it again with `hpcshard data prepare`")
+        not below `bound` (a damaged shard, or a tokenizer's gap id that an older `data
+        prepare` wrote past the bound it gave): such an id would fail in the model's
+        embedding (on a GPU: a device-side assert, at every restart). The model's vocab_size,
+        not the manifest's: a corpus an older `data prepare` wrote past its manifest's bound
+        trained with a model that holds its ids (an embedding padded above the tokenizer's
+        ids, or vocab_size set above them), and goes on training. Checked where tokens are
+        read, not by reading a whole shard when it is first mapped: a rank reads windows,
+        and every rank reading every shard it touches whole would read the corpus at each
+        start."""
+        if len(piece) and int(piece.max()) >= self.bound:
+            bad = int(np.argmax(piece >= self.bound))
+            raise UserError(f"{self.shards[k].bin}: token {at + bad} is id {int(piece[bad])}, not below "
+                            f"{self.bound_is} {self.bound}; the corpus is damaged or was prepared with a "
+                            "wrong bound: prepare it again with `hpcshard data prepare`")
         return piece
 
     def document(self, d: int) -> tuple[int, int]:
@@ -540,8 +549,9 @@ def _unique(sources: list[tuple[str, list[Path], Fraction]]) -> list[tuple[str, 
 
 
 def load_blend(value: str, root: str = "", doc_mode: str = "stream",
-               held_out: str = "source") -> Blend | None:
-    """The corpora `data` names, opened (manifests and sizes checked), or None (not corpora)."""
+               held_out: str = "source", bound: int | None = None) -> Blend | None:
+    """The corpora `data` names, opened (manifests and sizes checked), or None (not corpora).
+    `bound`: the model's vocab_size, the ids its corpora may hold (`Corpus.bound`)."""
     if doc_mode not in DOC_MODES:
         raise UserError(f"doc_mode={doc_mode!r} is not valid; choose one of: {', '.join(DOC_MODES)}")
     if held_out not in HELD_OUT_RULES:
@@ -550,7 +560,8 @@ def load_blend(value: str, root: str = "", doc_mode: str = "stream",
     if parsed is None:
         return None
     total = sum(w for _, _, w in parsed)
-    sources = tuple(Source(name, Corpus(folders, name, held_out), w / total) for name, folders, w in parsed)
+    sources = tuple(Source(name, Corpus(folders, name, held_out, bound), w / total)
+                    for name, folders, w in parsed)
     for s in sources[1:]:
         assert sources[0].corpus.tokenizer is not None and s.corpus.tokenizer is not None
         sources[0].corpus.tokenizer.same_as(s.corpus.tokenizer)

@@ -102,9 +102,9 @@ def load_splits(cfg: DataConfig, vocab_size: int | None = None) -> DataSplits:
     if cfg.data_changed not in DATA_CHANGED:
         raise UserError(f"data_changed={cfg.data_changed!r} is not valid; choose one of: "
                         f"{', '.join(DATA_CHANGED)}")
-    blend = load_blend(cfg.data, cfg.data_root, cfg.doc_mode, cfg.held_out) if cfg.data else None
+    vocab = vocab_size or cfg.vocab_size  # the ids the model embeds: those its corpora may hold
+    blend = load_blend(cfg.data, cfg.data_root, cfg.doc_mode, cfg.held_out, vocab) if cfg.data else None
     if blend is not None:
-        vocab = vocab_size or cfg.vocab_size
         if blend.vocab_size > vocab:
             fix = (f"set vocab_size={blend.vocab_size}" if vocab_size is None
                    else "prepare it with the model's tokenizer")

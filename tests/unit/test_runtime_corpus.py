@@ -543,6 +543,25 @@ def test_an_id_beyond_the_vocabulary_is_one_line_naming_its_shard(tmp_path: Path
         corpus.held_out()
 
 
+def test_a_corpus_past_its_manifests_bound_trains_on_with_a_model_that_holds_its_ids(tmp_path: Path) -> None:
+    """A corpus an older `data prepare` wrote with its tokenizer's count of entries for the bound
+    (manifest vocab_size 1000, an EOS of id 60000) trained with a model whose embedding holds
+    every id: a Hugging Face model's, padded above its tokenizer's ids, or vocab_size=60001
+    set by hand. It trains on, eval too (refused where read, it stopped the run, and preparing
+    it again changes its manifest: the resume was refused as other data). A model that does
+    not hold an id: one line naming the model's vocab_size."""
+    folder = write_corpus(tmp_path / "old", [[5, 6, 7, 60000]] * 400, per_shard=100, vocab=1000)
+    splits = load_splits(DataConfig(data=str(folder)), vocab_size=60001)
+    assert splits.source is not None and int(splits.eval.max()) == 60000
+    batches = GlobalBatches(splits.source, seq_len=8, batch_size=40, micro=40, rank=0, world=1, seed=0)
+    assert all(int(batches.next()[0][0].max()) == 60000 for _ in range(8))
+    with pytest.raises(UserError, match="more than the model's 999"):  # below the manifest's: refused first
+        load_splits(DataConfig(data=str(folder)), vocab_size=999)
+    with pytest.raises(UserError, match=r"shard-00003\.bin: token \d+ is id 60000, not below the model's "
+                                        "vocab_size 1000; the corpus is damaged"):
+        load_splits(DataConfig(data=str(folder)), vocab_size=1000)  # its held-out tail, read at the start
+
+
 @pytest.mark.parametrize(("field", "value"), [("tokenizer", {"path": "", "sha256": "other"}),
                                               ("vocab_size", 999), ("eos_id", 7)])
 def test_sources_prepared_with_other_tokenizers_are_one_line(corpora: Path, field: str, value: Any) -> None:
