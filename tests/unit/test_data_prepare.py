@@ -555,7 +555,8 @@ def test_a_write_probe_swept_by_the_run_that_holds_the_output_is_not_a_refusal(
     import pathlib
 
     out, _ = run(tmp_path, corpus(tmp_path, "jsonl"), tok)
-    real, swept = pathlib.Path.unlink, []
+    real = pathlib.Path.unlink
+    swept: list[Path] = []
 
     def unlink(self: Path, missing_ok: bool = False) -> None:
         if not swept and ".hpcshard-probe." in self.name:
