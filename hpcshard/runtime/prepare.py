@@ -284,9 +284,10 @@ def done_entry(out: Path, k: int, bounds: np.ndarray | None = None) -> dict[str,
 
 
 def write_shard(out: Path, k: int, source: Source, tok: Tokenizer, bounds: np.ndarray, dtype: str,
-                tick: Callable[[int, int], None]) -> dict[str, Any]:
+                tick: Callable[[int, int], None], planned: int | None = None) -> dict[str, Any]:
     """Tokenize shard k's documents, write its .bin (streamed, hashed as it goes) and .idx
-    (temporary names, renamed when complete), then its done file; its manifest entry."""
+    (temporary names, renamed when complete), then its done file; its manifest entry.
+    `planned`: the plan's bound of the ids, the manifest's vocab_size (`_narrow`)."""
     start, stop = int(bounds[k]), int(bounds[k + 1])
     lengths: list[int] = []
     name = shard_name(k)
@@ -300,7 +301,7 @@ def write_shard(out: Path, k: int, source: Source, tok: Tokenizer, bounds: np.nd
                     one.append(tok.eos_id)
             counts = [len(one) for one in ids]
             chunk = _narrow(np.concatenate([np.array(one, dtype=np.int64) for one in ids]), dtype,
-                            tok).tobytes()
+                            tok, planned).tobytes()
             digest.update(chunk)
             f.write(chunk)
             lengths.extend(counts)
@@ -314,9 +315,17 @@ def write_shard(out: Path, k: int, source: Source, tok: Tokenizer, bounds: np.nd
     return entry
 
 
-def _narrow(ids: np.ndarray, dtype: str, tok: Tokenizer) -> np.ndarray:
+def _narrow(ids: np.ndarray, dtype: str, tok: Tokenizer, planned: int | None = None) -> np.ndarray:
     """The ids in the shard's dtype. An id outside the tokenizer's vocabulary (below 0, or at
-    or beyond the bound the manifest's vocab_size says and a model is sized from) is one line."""
+    or beyond the bound the manifest's vocab_size says and a model is sized from) is one line.
+    The bound is the plan's (`planned`) where it is lower: array tasks queued across the
+    upgrade run a plan of an older hpcshard, which took the count of entries for it (300,
+    where an id is 60,000), and the manifest will give the plan's."""
+    if ids.size and planned is not None and planned < tok.vocab_size and ids.max() >= planned:
+        raise UserError(f"tokenizer {tok.path} gave id {int(ids.max())}, beyond {planned - 1}, the largest "
+                        "the plan of this corpus allows (an older hpcshard's: the tokenizer's count of "
+                        f"entries, not its largest id + 1, {tok.vocab_size}); prepare it again into a new "
+                        "directory")
     if ids.size and (ids.min() < 0 or ids.max() >= tok.vocab_size):
         bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
         raise UserError(f"tokenizer {tok.path} gave id {bad}, outside its vocabulary's ids 0 to "
@@ -482,7 +491,7 @@ def run_shards(out: Path, source: Source, tok: Tokenizer, shards: list[int], wor
     try:
         if workers <= 1 or len(todo) <= 1:
             for k in todo:
-                write_shard(out, k, source, tok, bounds, request["dtype"], tick)
+                write_shard(out, k, source, tok, bounds, request["dtype"], tick, request["vocab_size"])
         else:
             _pool(out, todo, workers, tick)
     finally:
@@ -612,7 +621,7 @@ def _worker_shard(k: int) -> dict[str, Any]:
     w = _WORKER
     _, bounds, _ = load_plan(w["out"])
     return write_shard(w["out"], k, w["source"], w["tok"], bounds, w["request"]["dtype"],
-                       lambda n, t: w["ticks"].put((n, t)))
+                       lambda n, t: w["ticks"].put((n, t)), w["request"]["vocab_size"])
 
 
 def run_task(output: str, task: int, tasks: int, workers: int = 1) -> Prepared:

@@ -496,6 +496,27 @@ def test_array_tasks_read_the_planned_files_and_refuse_a_changed_source(tmp_path
         prep.run_task(cfg.output, 0, 2)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_array_tasks_of_a_plan_with_a_lower_bound_of_the_ids_refuse_an_id_past_it(
+        tmp_path: Path, tok: Path, workers: int) -> None:
+    """Array tasks queued across the upgrade run a plan an older hpcshard saved, whose bound of
+    the ids is the tokenizer's count of entries (300) where its EOS is 60,000: the first id
+    past it is one line (they wrote it into shards whose manifest then said vocab_size 300).
+    A plan whose bound holds every id the tokenizer gives is written as planned."""
+    cfg = prep.PrepareConfig(source=SourceSpec(path=str(corpus(tmp_path, "jsonl"))),
+                             tokenizer=str(gapped(tok, tmp_path, 60000)), output=str(tmp_path / "arr"),
+                             shard_tokens=700, progress=False)
+    src, _t, request, bounds = prep.start(cfg)
+    assert request["vocab_size"] == 60001
+    prep.save_plan(tmp_path / "arr", {**request, "vocab_size": 300}, bounds, src)  # the older version's
+    with pytest.raises(prep.UserError, match=r"gave id 60000, beyond 299, the largest the plan of this "
+                                             r"corpus allows .* largest id \+ 1, 60001\); prepare it again"):
+        prep.run_task(cfg.output, 0, 1, workers)
+    assert not list((tmp_path / "arr").glob("shard-*"))
+    prep.save_plan(tmp_path / "arr", {**request, "vocab_size": 60001}, bounds, src)
+    assert prep.run_task(cfg.output, 0, 1, workers).manifest
+
+
 def test_a_second_run_on_one_output_is_refused_and_stale_files_are_only_the_dead_ones(
         tmp_path: Path, tok: Path) -> None:
     """A temporary file is removed when nobody holds it and it is this host's, or when it is
