@@ -14,7 +14,9 @@ gone), while a lock is the kernel's, seen from every namespace of the host. Anot
 side file is never judged by its lock alone (a file system whose flock is per node,
 Lustre's localflock or an NFS mount with local_lock, shows another node's writer as
 nobody), and its age is read against the file server's clock (a file made now), never
-against this host's.
+against this host's. A writer whose flock fails (NFS's lockd out of locks: ENOLCK) writes
+on without its hold, under a name that says so (UNHELD): nobody holding it says nothing
+about it then, and it is judged by its age alone.
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ from hpcshard.rundir.files import TMP_SUFFIX, side_name
 STALE_SECONDS = 3600.0
 """A side file untouched this long (by the file server's clock) whose writer cannot be seen
 from here (another host's, or on a file system without flock) is an interrupted run's."""
+UNHELD = ".unheld"
+"""Before TMP_SUFFIX in the name of a side file whose writer's flock failed: that nobody
+holds it does not say that its writer is gone (`side_files` gives it no host)."""
 CREATE_TRIES = 3
 """Side files made before one is held: a remover can take one in the instant between its
 creation and its hold (then it is removed, and another name is made)."""
@@ -43,8 +48,7 @@ creation and its hold (then it is removed, and another name is made)."""
 def written(path: Path) -> Iterator[BinaryIO]:
     """A file to write `path` through: a side file of this writer's, held while it is written,
     then on disk and renamed over `path` when the block ends (removed if it raises)."""
-    f = _create_held(path)
-    side = Path(f.name)
+    f, side = _create_held(path)
     try:
         yield f
         f.flush()
@@ -58,17 +62,27 @@ def written(path: Path) -> Iterator[BinaryIO]:
         f.close()  # the hold ends with it
 
 
-def _create_held(path: Path) -> BinaryIO:
-    """A new side file of `path`, open and held. One that a remover took between its creation
-    and the hold (held by the remover, or already removed) is given up for another name."""
+def _create_held(path: Path) -> tuple[BinaryIO, Path]:
+    """A new side file of `path`, open and held, and its name. One whose flock fails is
+    renamed UNHELD (a remover on this host whose flock works would find it nobody's and
+    remove it under its writer). One that a remover took between its creation and the hold
+    or the rename (held by the remover, or already removed) is given up for another name."""
     for _ in range(CREATE_TRIES):
         side = side_name(path)
         f = side.open("xb")
         try:
-            if _lock(f.fileno()) is not False and _same_file(side, f.fileno()):
-                return f
+            got = _lock(f.fileno())
+            if got is None:
+                unheld = side.with_name(side.name.removesuffix(TMP_SUFFIX) + UNHELD + TMP_SUFFIX)
+                with contextlib.suppress(FileNotFoundError):  # a remover's meanwhile
+                    side.rename(unheld)
+                side = unheld
+            if got is not False and _same_file(side, f.fileno()):
+                return f, side
         except BaseException:
             f.close()
+            with contextlib.suppress(OSError):
+                side.unlink()
             raise
         f.close()
         with contextlib.suppress(OSError):
@@ -99,16 +113,18 @@ def _same_file(path: Path, fd: int) -> bool:
     return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
-def side_files(folder: Path, finals: str) -> list[tuple[Path, str]]:
+def side_files(folder: Path, finals: str) -> list[tuple[Path, str | None]]:
     """The side files in `folder` of the names that regex `finals` matches, with the host of
-    each (`side_name`'s .NAME.HOST.PID.RANDOM.tmp; a host name may hold dots)."""
-    pattern = re.compile(rf"\.(?:{finals})\.(?P<host>.+)\.\d+\.[0-9a-f]+{re.escape(TMP_SUFFIX)}")
-    found = []
+    each (`side_name`'s .NAME.HOST.PID.RANDOM.tmp; a host name may hold dots), None for one
+    marked UNHELD (its writer's flock failed: judged by its age alone)."""
+    pattern = re.compile(rf"\.(?:{finals})\.(?P<host>.+)\.\d+\.[0-9a-f]+(?P<unheld>{re.escape(UNHELD)})?"
+                         rf"{re.escape(TMP_SUFFIX)}")
+    found: list[tuple[Path, str | None]] = []
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(folder):
             match = pattern.fullmatch(entry.name)
             if match:
-                found.append((Path(entry.path), match["host"]))
+                found.append((Path(entry.path), None if match["unheld"] else match["host"]))
     return found
 
 

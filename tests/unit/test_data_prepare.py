@@ -637,6 +637,37 @@ def test_a_side_file_taken_by_a_remover_before_its_hold_is_made_again(
     assert [p.name for p in tmp_path.iterdir()] == ["manifest.json"]
 
 
+def test_a_writer_whose_flock_failed_is_judged_by_age_only(tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A writer whose flock fails (NFS lockd out of locks: ENOLCK) writes on without its hold;
+    a run on this host whose flock works found its side file "this host's, nobody holds it"
+    and removed it at once: the writer's rename failed. Marked unheld, it is judged by its
+    age alone: kept while fresh, removed once an hour old."""
+    import errno
+    import fcntl
+
+    real = fcntl.flock
+
+    def enolck(fd: int, op: int) -> None:
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    out = tmp_path / "out"
+    (out / ".prepare").mkdir(parents=True)
+    monkeypatch.setattr(fcntl, "flock", enolck)
+    with sidefiles.written(out / "shard-00000.bin") as f:
+        f.write(b"tokens")
+        monkeypatch.setattr(fcntl, "flock", real)  # the other run's flock works
+        writing = [p for p in out.iterdir() if p.name.endswith(".tmp")]
+        assert not prep.remove_stale(out)
+        assert [p.exists() for p in writing] == [True]
+    assert (out / "shard-00000.bin").read_bytes() == b"tokens"
+    left = out / writing[0].name.replace("shard-00000.bin", "shard-00001.bin")
+    left.write_bytes(b"an interrupted run's")
+    hour = time.time() - sidefiles.STALE_SECONDS - 60
+    os.utime(left, (hour, hour))
+    assert prep.remove_stale(out) == [left]
+
+
 @pytest.fixture(scope="module")
 def pid_namespaces() -> None:
     """Processes in pid namespaces of their own (as a container's), or a skip: it takes
