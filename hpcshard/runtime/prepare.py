@@ -13,7 +13,7 @@ Shards are planned before anything is tokenized: documents in their order, cut w
 bytes read reach --shard-tokens (at the tokens per byte that a sample of the first
 documents gives). A shard's documents depend on the source, the tokenizer and the target
 only, so 1 worker, 8 workers or 16 array tasks write the same bytes. A shard is written
-under a temporary name of its writer's alone (`sidefiles.written`), renamed when complete,
+under a temporary name of its writer's alone (`rundir.files.written`), renamed when complete,
 then its done file (its manifest entry, with the checksum) is written: a rerun skips the
 shards that have one.
 
@@ -24,7 +24,6 @@ its count of entries: ids can have gaps), and the dtype follows it.
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -41,9 +40,8 @@ from typing import Any
 import numpy as np
 
 from hpcshard.errors import UserError
-from hpcshard.rundir.files import side_name
+from hpcshard.rundir.files import locked, side_name, try_flock, written
 from hpcshard.runtime import sidefiles
-from hpcshard.runtime.sidefiles import written
 from hpcshard.runtime.sources import Source, SourceSpec, Tokenizer, open_source
 
 FORMAT, VERSION = "hpcshard-tokens", 1
@@ -227,7 +225,7 @@ def save_plan(out: Path, request: dict[str, Any], bounds: np.ndarray, source: So
     make_state(out)
     _write_json(state / "request.json", request)
     arrays = {"bounds": bounds, **{f"index_{k}": v for k, v in source.index().items()}}
-    with written(state / "plan.npz") as f:
+    with written(state / "plan.npz", held=True) as f:
         np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub: file, *args
 
 
@@ -259,7 +257,7 @@ def load_plan(out: Path) -> tuple[dict[str, Any], np.ndarray, dict[str, np.ndarr
 
 def _write_json(path: Path, value: Any) -> None:
     """Atomically and durably: a temporary name of this writer's, on disk, then renamed."""
-    with written(path) as f:
+    with written(path, held=True) as f:
         f.write((json.dumps(value, indent=1) + "\n").encode())
 
 
@@ -292,7 +290,7 @@ def write_shard(out: Path, k: int, source: Source, tok: Tokenizer, bounds: np.nd
     lengths: list[int] = []
     name = shard_name(k)
     digest, tokens = hashlib.sha256(), 0
-    with written(out / f"{name}.bin") as f:  # renamed after the .idx, when both are complete
+    with written(out / f"{name}.bin", held=True) as f:  # renamed after the .idx, when both are complete
         for lo in range(start, stop, BATCH_DOCS):
             hi = min(stop, lo + BATCH_DOCS)
             ids = tok.encode(source.read(lo, hi))
@@ -308,7 +306,7 @@ def write_shard(out: Path, k: int, source: Source, tok: Tokenizer, bounds: np.nd
             tokens += sum(counts)
             tick(hi - lo, sum(counts))
         offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype("<i8")
-        with written(out / f"{name}.idx") as g:
+        with written(out / f"{name}.idx", held=True) as g:
             g.write(offsets.tobytes())
     entry = {"name": name, "tokens": tokens, "documents": stop - start, "sha256": digest.hexdigest()}
     _write_json(_state(out) / f"{name}.done", entry)
@@ -402,11 +400,8 @@ def check_again(out: Path, request: dict[str, Any], bounds: np.ndarray) -> np.nd
     return bounds
 
 
-NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK)
-"""flock's errors on a file system that keeps no such locks (Lustre mounted without flock,
-some FUSE and NFS mounts): not "held", a lock file instead (`_lock_file`)."""
 OUT_FILES = r"shard-\d+\.(?:bin|idx)|manifest\.json|clock|hpcshard-probe"
-"""The names in the output directory that are written under side names (`sidefiles.written`,
+"""The names in the output directory that are written under side names (`rundir.files.written`,
 and the probes of `sidefiles.server_now` and `check_writable`)."""
 STATE_FILES = r"shard-\d+\.done|request\.json|plan\.npz|clock"
 """The same in its work folder."""
@@ -414,24 +409,18 @@ STATE_FILES = r"shard-\d+\.done|request\.json|plan\.npz|clock"
 
 def take_lock(out: Path) -> Any:
     """This run's exclusive hold on `out` (flock on .prepare/lock, released when the file
-    closes or the process ends; where the file system has no flock, a lock file: see
-    `_lock_file`); one line when another run holds it. Closing the result releases it."""
-    import fcntl
-
+    closes or the process ends; where flock fails, a lock file: see `_lock_file`); one line
+    when another run holds it. Closing the result releases it."""
     f = (_state(out) / "lock").open("a+", encoding="utf-8")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # EAGAIN/EWOULDBLOCK: held by another run, and only that
+    got = try_flock(f.fileno())
+    if got is False:  # held by another run, and only that
         f.seek(0)
         holder = (f.read().strip().splitlines() or ["unknown"])[-1]
         f.close()
-        raise UserError(f"another `data prepare` ({holder}) is writing {out}; wait for it") from None
-    except OSError as err:
+        raise UserError(f"another `data prepare` ({holder}) is writing {out}; wait for it")
+    if got is not True:
         f.close()
-        if err.errno in NO_FLOCK:
-            return _lock_file(out, err)
-        raise UserError(f"--output {out}: its lock cannot be taken ({err.strerror or err}); give a "
-                        "directory on a file system that can") from None
+        return _lock_file(out, got)
     f.seek(0)
     f.truncate()
     f.write(f"{socket.gethostname()}, pid {os.getpid()}\n")
@@ -440,14 +429,12 @@ def take_lock(out: Path) -> Any:
 
 
 def _lock_file(out: Path, err: OSError) -> contextlib.ExitStack:
-    """The hold where flock is not kept: .prepare/run.lock made by link() with the holder's
+    """The hold where flock fails (`try_flock`): .prepare/run.lock made by link() with the holder's
     host and pid (`rundir.files.locked`, which holds on NFS), removed when released. A
     holder of this host that is gone is broken at once; one of another host is not (a
     crashed host's lock stays until it is removed by hand: the line says which file)."""
-    from hpcshard.rundir.files import locked
-
-    print(f"warning: {out} is on a file system without flock ({err.strerror or err}); a lock file "
-          "keeps a second `data prepare` out instead", file=sys.stderr)
+    print(f"warning: {out} is on a file system without flock, or its flock fails ({err.strerror or err}); "
+          "a lock file keeps a second `data prepare` out instead", file=sys.stderr)
     hold = contextlib.ExitStack()
     try:
         hold.enter_context(locked(_state(out) / "run", timeout=0))

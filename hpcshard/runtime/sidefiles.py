@@ -1,10 +1,10 @@
-"""`data prepare`'s files, written whole or not at all, and those of interrupted runs removed.
+"""`data prepare`'s side files of interrupted runs: which are removed, which kept.
 
-A file is written under a name of its writer's alone beside its own name
+`data prepare` writes each file under a name of its writer's alone beside its own name
 (`rundir.files.side_name`: host, pid and a random part), held with flock while it is
-written, then renamed over its name. Host and pid alone are shared: two array tasks in
-containers with their own pid namespaces on one node wrote one temporary manifest, one
-task's rename failed and readers saw a short manifest.
+written, then renamed over its name (`rundir.files.written`, `held`). Host and pid alone
+are shared: two array tasks in containers with their own pid namespaces on one node wrote
+one temporary manifest, one task's rename failed and readers saw a short manifest.
 
 A side file of an interrupted run is removed (`remove_stale`) when it is this host's and
 nobody holds it, or when it has been untouched for STALE_SECONDS. Held, not "its pid is
@@ -15,102 +15,24 @@ side file is never judged by its lock alone (a file system whose flock is per no
 Lustre's localflock or an NFS mount with local_lock, shows another node's writer as
 nobody), and its age is read against the file server's clock (a file made now), never
 against this host's. A writer whose flock fails (NFS's lockd out of locks: ENOLCK) writes
-on without its hold, under a name that says so (UNHELD): nobody holding it says nothing
-about it then, and it is judged by its age alone.
+on without its hold, under a name that says so (`rundir.files.UNHELD`): nobody holding it
+says nothing about it then, and it is judged by its age alone.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import os
 import re
 import socket
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from pathlib import Path
-from typing import BinaryIO
 
-from hpcshard.rundir.files import TMP_SUFFIX, side_name
+from hpcshard.rundir.files import TMP_SUFFIX, UNHELD, same_file, side_name, try_flock
 
 STALE_SECONDS = 3600.0
 """A side file untouched this long (by the file server's clock) whose writer cannot be seen
 from here (another host's, or on a file system without flock) is an interrupted run's."""
-UNHELD = ".unheld"
-"""Before TMP_SUFFIX in the name of a side file whose writer's flock failed: that nobody
-holds it does not say that its writer is gone (`side_files` gives it no host)."""
-CREATE_TRIES = 3
-"""Side files made before one is held: a remover can take one in the instant between its
-creation and its hold (then it is removed, and another name is made)."""
-
-
-@contextlib.contextmanager
-def written(path: Path) -> Iterator[BinaryIO]:
-    """A file to write `path` through: a side file of this writer's, held while it is written,
-    then on disk and renamed over `path` when the block ends (removed if it raises)."""
-    f, side = _create_held(path)
-    try:
-        yield f
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the rename says it is complete
-        os.replace(side, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            side.unlink()
-        raise
-    finally:
-        f.close()  # the hold ends with it
-
-
-def _create_held(path: Path) -> tuple[BinaryIO, Path]:
-    """A new side file of `path`, open and held, and its name. One whose flock fails is
-    renamed UNHELD (a remover on this host whose flock works would find it nobody's and
-    remove it under its writer). One that a remover took between its creation and the hold
-    or the rename (held by the remover, or already removed) is given up for another name."""
-    for _ in range(CREATE_TRIES):
-        side = side_name(path)
-        f = side.open("xb")
-        try:
-            got = _lock(f.fileno())
-            if got is None:
-                unheld = side.with_name(side.name.removesuffix(TMP_SUFFIX) + UNHELD + TMP_SUFFIX)
-                with contextlib.suppress(FileNotFoundError):  # a remover's meanwhile
-                    side.rename(unheld)
-                side = unheld
-            if got is not False and _same_file(side, f.fileno()):
-                return f, side
-        except BaseException:
-            f.close()
-            with contextlib.suppress(OSError):
-                side.unlink()
-            raise
-        f.close()
-        with contextlib.suppress(OSError):
-            side.unlink()
-    raise OSError(errno.EAGAIN, f"{path.parent}: {CREATE_TRIES} temporary files were removed as they were "
-                  "made (another `data prepare` clearing the directory?); run the command again")
-
-
-def _lock(fd: int) -> bool | None:
-    """flock(LOCK_EX) without waiting: True when taken, False when another holds it, None
-    where it cannot be known (a file system that keeps no flock, ENOSYS or ENOLCK, or any
-    other error: a writer writes without its hold, a remover judges by age alone)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # EAGAIN/EWOULDBLOCK: held
-        return False
-    except OSError:
-        return None
-    return True
-
-
-def _same_file(path: Path, fd: int) -> bool:
-    """Does `path` still name the open file `fd` (not removed, nor made again)?"""
-    try:
-        named, opened = os.stat(path), os.fstat(fd)
-    except FileNotFoundError:
-        return False
-    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def side_files(folder: Path, finals: str) -> list[tuple[Path, str | None]]:
@@ -141,11 +63,11 @@ def remove_stale(candidates: Iterable[tuple[Path, str | None]]) -> list[Path]:
         except OSError:
             continue  # renamed whole meanwhile, or not this user's to open
         try:
-            got = _lock(fd)
+            got = try_flock(fd)
             if got is False:
                 continue  # its writer is at work
-            stale = (got and host == here) or _old(fd, path.parent, clocks)
-            if stale and _same_file(path, fd):
+            stale = (got is True and host == here) or _old(fd, path.parent, clocks)
+            if stale and same_file(path, fd):
                 path.unlink()
                 removed.append(path)
         except OSError:
