@@ -303,8 +303,52 @@ class Corpus:
             return self._ids(k, at, self.shards[k].data[at: at + length])
         return self.read(start, length).astype(self.shards[k].dtype)
 
-    def held_out(self) -> np.ndarray:
-        return self.read_raw(self.train_tokens, self.tokens - self.train_tokens)
+    def held_out(self) -> HeldOut:
+        """Its held-out tail, read where evaluation takes a window (`HeldOut`)."""
+        held = self.tokens - self.train_tokens
+        return HeldOut([self], np.zeros(1, np.int64), np.array([self.train_tokens]), np.array([held]),
+                       self.shards[-1].dtype)
+
+
+class HeldOut:
+    """Held-out tokens: pieces of corpora (piece i: tokens [first[i], first[i] + lengths[i])
+    of `corpora[which[i]]`; a source's tail, or a mixture's tails interleaved), read where
+    evaluation takes a window, through `Corpus.read_raw`: their ids are checked there as
+    training's are (`Corpus._ids`), and nothing is read at the start. A tail read and checked
+    whole at every start read a 2^24 token tail (64 MB of uint32) per node and per source
+    from shared storage, every source's whole tail in a mixture that keeps 2^24 tokens in
+    all. Evaluation takes slices of it (`order.Flat`), each in `dtype` (a view of a shard's
+    map where the slice is in one)."""
+
+    def __init__(self, corpora: list[Corpus], which: np.ndarray, first: np.ndarray, lengths: np.ndarray,
+                 dtype: np.dtype) -> None:
+        self.corpora, self.which, self.first, self.dtype = corpora, which, first, np.dtype(dtype)
+        self.starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        """Where each piece starts in the held-out stream; the last: its length."""
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        """Tokens [start, stop) of the held-out stream (a slice of step 1)."""
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise IndexError("held-out tokens are read in slices of step 1")
+        parts, at = [], start
+        k = int(np.searchsorted(self.starts, at, side="right")) - 1
+        while at < stop:
+            offset = at - int(self.starts[k])
+            take = min(int(self.starts[k + 1]) - at, stop - at)
+            parts.append(self.corpora[self.which[k]].read_raw(int(self.first[k]) + offset, take))
+            at, k = at + take, k + 1
+        if len(parts) == 1:
+            return parts[0].astype(self.dtype, copy=False)
+        return np.concatenate(parts, dtype=self.dtype) if parts else np.empty(0, dtype=self.dtype)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """All of it, read now (np.asarray)."""
+        whole = self[:]
+        return whole if dtype is None else whole.astype(dtype)
 
 
 def held_tokens(tokens: int, last_shard: int, rule: str) -> int:
@@ -404,24 +448,26 @@ class Blend:
     def vocab_size(self) -> int:
         return max(s.corpus.vocab_size for s in self.sources)
 
-    def held_out(self) -> np.ndarray:
+    def held_out(self) -> HeldOut:
         """The held-out tails of the sources interleaved EVAL_CHUNK tokens at a time while
         each lasts (a short tail runs out, the others go on: one small source once cut every
         tail to its own length, and evaluation off), at most HELD_OUT tokens in all: however
         little evaluation reads, every source is in it alike. One source: its tail as it is;
-        none left: empty."""
+        none left: empty. Read where evaluation reads it (`HeldOut`)."""
         if len(self.sources) == 1:
             return self.sources[0].corpus.held_out()
-        tails = [t for t in (s.corpus.held_out() for s in self.sources) if len(t)]
-        chunks, total = [], 0
-        for k in range(0, max((len(t) for t in tails), default=0), EVAL_CHUNK):
-            for t in tails:
-                if k < len(t) and total < HELD_OUT:
-                    chunks.append(t[k: k + EVAL_CHUNK])
-                    total += len(chunks[-1])
-        if not chunks:
-            return np.empty(0, dtype=self.sources[0].corpus.shards[-1].dtype)
-        return np.concatenate(chunks)
+        corpora = [s.corpus for s in self.sources if s.corpus.tokens > s.corpus.train_tokens]
+        if not corpora:
+            dtype = self.sources[0].corpus.shards[-1].dtype
+            return HeldOut([], np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64), dtype)
+        train = np.array([c.train_tokens for c in corpora])
+        held = np.array([c.tokens for c in corpora]) - train
+        at = np.arange(0, held.max(), EVAL_CHUNK)[:, None]  # each round's place in every tail
+        lengths = np.clip(held - at, 0, EVAL_CHUNK).ravel()  # round by round, source by source
+        keep = (lengths > 0) & (np.cumsum(lengths) - lengths < HELD_OUT)  # while under HELD_OUT
+        which = np.tile(np.arange(len(corpora)), len(at))[keep]
+        return HeldOut(corpora, which, (train + at).ravel()[keep], lengths[keep],
+                       np.result_type(*(c.shards[-1].dtype for c in corpora)))
 
     def fingerprint(self) -> dict:
         """What decides the samples (with seq_len and the order), by content: each source's
