@@ -402,7 +402,7 @@ def check_again(out: Path, request: dict[str, Any], bounds: np.ndarray) -> np.nd
 
 OUT_FILES = r"shard-\d+\.(?:bin|idx)|manifest\.json|clock|hpcshard-probe"
 """The names in the output directory that are written under side names (`rundir.files.written`,
-and the probes of `sidefiles.server_now` and `check_writable`)."""
+and the probes of `sidefiles.stamp_now` and `check_writable`)."""
 STATE_FILES = r"shard-\d+\.done|request\.json|plan\.npz|clock"
 """The same in its work folder."""
 

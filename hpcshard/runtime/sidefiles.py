@@ -13,8 +13,12 @@ array task in a container, its pid gone or another process's in ours, was taken 
 gone), while a lock is the kernel's, seen from every namespace of the host. Another host's
 side file is never judged by its lock alone (a file system whose flock is per node,
 Lustre's localflock or an NFS mount with local_lock, shows another node's writer as
-nobody), and its age is read against the file server's clock (a file made now), never
-against this host's. A writer whose flock fails (NFS's lockd out of locks: ENOLCK) writes
+nobody), and its age is read against the clock that stamps the folder's files (the time
+of a file made there now, `stamp_now`). On NFS that is the file server's: no two hosts'
+clocks are compared. On Lustre, GPFS and CephFS each client stamps its writes with its own
+clock, so the writer's clock is compared with this host's there: the hour's margin makes
+any skew that NTP leaves (seconds; minutes on a host whose NTP is off) harmless, a live
+writer touching its file at every write. A writer whose flock fails (NFS's lockd out of locks: ENOLCK) writes
 on without its hold, under a name that says so (`rundir.files.UNHELD`): nobody holding it
 says nothing about it then, and it is judged by its age alone.
 """
@@ -31,8 +35,10 @@ from pathlib import Path
 from hpcshard.rundir.files import TMP_SUFFIX, UNHELD, same_file, side_name, try_flock
 
 STALE_SECONDS = 3600.0
-"""A side file untouched this long (by the file server's clock) whose writer cannot be seen
-from here (another host's, or on a file system without flock) is an interrupted run's."""
+"""A side file untouched this long (by the clock that stamps its folder's files: `stamp_now`)
+whose writer cannot be seen from here (another host's, one whose writer's flock failed, or
+on a file system without flock) is an interrupted run's. An hour: far above the clock skew
+between hosts where each stamps its own writes (Lustre, GPFS, CephFS)."""
 
 
 def side_files(folder: Path, finals: str) -> list[tuple[Path, str | None]]:
@@ -54,7 +60,7 @@ def remove_stale(candidates: Iterable[tuple[Path, str | None]]) -> list[Path]:
     """Remove the side files of interrupted runs among `candidates` ((path, its writer's host,
     or None when unknown: judged by its age only)); the paths removed. One that is held is
     kept; one nobody holds is removed at once when it is this host's, else once untouched
-    for STALE_SECONDS by the file server's clock."""
+    for STALE_SECONDS (`_old`)."""
     here, removed = socket.gethostname(), []
     clocks: dict[Path, float | None] = {}
     for path, host in candidates:
@@ -78,25 +84,26 @@ def remove_stale(candidates: Iterable[tuple[Path, str | None]]) -> list[Path]:
 
 
 def _old(fd: int, folder: Path, clocks: dict[Path, float | None]) -> bool:
-    """Has the open file `fd` been untouched for STALE_SECONDS by `folder`'s file server's
-    clock (read once per folder into `clocks`)?"""
+    """Has the open file `fd` been untouched for STALE_SECONDS by the clock that stamps
+    `folder`'s files (read once per folder into `clocks`)?"""
     if folder not in clocks:
-        clocks[folder] = server_now(folder)
+        clocks[folder] = stamp_now(folder)
     now = clocks[folder]
     return now is not None and now - os.fstat(fd).st_mtime > STALE_SECONDS
 
 
-def server_now(folder: Path) -> float | None:
-    """Now by the clock that stamps `folder`'s files (the file server's, on NFS): the time of
-    a byte written to a file made there. An age read against it does not depend on this
-    host's clock agreeing with the server's. None when no file can be made there."""
+def stamp_now(folder: Path) -> float | None:
+    """Now by the clock that stamps `folder`'s files: the mtime of a byte written to a file
+    made there. On NFS the file server's clock (an age read against it does not depend on
+    this host's clock agreeing with the server's); on Lustre, GPFS and CephFS this host's
+    own, as each client stamps its writes. None when no file can be made there."""
     probe = side_name(folder / "clock")
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT, 0o600)
     except OSError:
         return None
     try:
-        os.write(fd, b"\0")  # a write: the server stamps the file's mtime with its own clock
+        os.write(fd, b"\0")  # a write: its mtime is stamped as every other file's there
         return os.fstat(fd).st_mtime
     except OSError:
         return None
