@@ -213,9 +213,22 @@ def check_output(out: Path, request: dict[str, Any]) -> None:
                         "empty directory")
     old = json.loads(saved.read_text(encoding="utf-8"))
     differ = sorted(k for k in {*old, *request} if old.get(k) != request.get(k))
+    if _older_bound(old, request, differ):
+        raise UserError(f"--output {out} was started by an older hpcshard, which took the tokenizer's count "
+                        f"of entries ({old['vocab_size']}) for the bound of its ids, not its largest id + 1 "
+                        f"({request['vocab_size']}); prepare into a new directory")
     if differ:
         raise UserError(f"--output {out} was prepared with other arguments (they differ in: "
                         f"{', '.join(differ)}); give the same ones to resume, or a new directory")
+
+
+def _older_bound(old: dict[str, Any], request: dict[str, Any], differ: list[str]) -> bool:
+    """Do the saved request and this one differ only in the bound of the ids (and the dtype
+    it gives), the saved one lower? With the same tokenizer, that bound is an older
+    hpcshard's (the count of entries, where ids have gaps): not the user's arguments."""
+    then, now = old.get("vocab_size"), request.get("vocab_size")
+    return ("vocab_size" in differ and set(differ) <= {"vocab_size", "dtype"}
+            and isinstance(then, int) and isinstance(now, int) and then < now)
 
 
 def save_plan(out: Path, request: dict[str, Any], bounds: np.ndarray, source: Source) -> None:

@@ -324,6 +324,26 @@ def test_another_request_into_a_used_directory_is_refused(tmp_path: Path, tok: P
     one_line_error([str(jsonl), "--tokenizer", str(tok), "-o", str(tmp_path / "full")], "not empty")
 
 
+@pytest.mark.parametrize("eos", [60000, 70000])
+def test_a_resume_of_an_older_versions_bound_says_so(tmp_path: Path, tok: Path, eos: int) -> None:
+    """A corpus an older hpcshard started with a tokenizer whose ids have gaps: its request
+    says vocab_size 300 (the count of entries; the dtype it gave), this version's 60,001 or
+    70,001. The same command was told "they differ in: vocab_size; give the same ones to
+    resume": the user gave the same ones. It says an older hpcshard set the bound, and to
+    prepare into a new directory; other arguments are refused as they were."""
+    source, gap = corpus(tmp_path, "jsonl"), gapped(tok, tmp_path, eos)
+    out, _ = run(tmp_path, source, gap)
+    saved = out / ".prepare" / "request.json"
+    saved.write_text(json.dumps({**json.loads(saved.read_text()), "vocab_size": 300, "dtype": "uint16"}))
+    before = sorted(p.name for p in out.rglob("*"))
+    args = [str(source), "--tokenizer", str(gap), "-o", str(out), "--shard-tokens", "700"]
+    one_line_error(args, f"{out} was started by an older hpcshard", "count of entries (300)",
+                   f"largest id + 1 ({eos + 1})", "prepare into a new directory")
+    args[-1] = "900"
+    one_line_error(args, "other arguments", "shard_tokens")
+    assert sorted(p.name for p in out.rglob("*")) == before
+
+
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_a_bad_record_later_on_leaves_nothing(tmp_path: Path, tok: Path, workers: str) -> None:
     """Found while tokenizing (here or in a worker process): one line, and the output
