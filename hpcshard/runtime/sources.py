@@ -385,6 +385,25 @@ def _visible(relative: Path, pattern: str) -> bool:
     return not dotted or any(part.startswith(".") for part in Path(pattern).parts)
 
 
+def vocabulary(tok: Any) -> tuple[int, int]:
+    """A tokenizer's count of entries (added tokens too) and the bound of its ids: the largest
+    + 1, not the count. Ids can have gaps (special tokens at the top of a range padded for
+    the embedding: 303 entries, an id of 60,000), and a model sized from the count fails at
+    the first batch with such a token. `tok`: a `tokenizers.Tokenizer`, or a transformers
+    tokenizer (read through its fast backend where it has one)."""
+    fast = tok if hasattr(tok, "get_vocab_size") else getattr(tok, "backend_tokenizer", None)
+    if fast is not None:
+        vocab = fast.get_vocab(with_added_tokens=True)
+        entries, ids = max(len(vocab), fast.get_vocab_size(with_added_tokens=True)), list(vocab.values())
+    else:
+        try:
+            ids = list(tok.get_vocab().values())
+        except NotImplementedError:  # a tokenizer class without get_vocab: its count is all there is
+            ids = []
+        entries = max(len(ids), len(tok))
+    return entries, max(entries, max(ids, default=-1) + 1)
+
+
 class Tokenizer:
     """A local tokenizer: `encode(texts)` (no special tokens added), the bound of its ids
     (`vocab_size`), its end-of-document id, and a checksum of its files."""
@@ -420,25 +439,11 @@ class Tokenizer:
             said = str(err).splitlines()[0] if str(err) else ""
             raise UserError(f"tokenizer {path} does not load ({type(err).__name__}: {said[:200]}); give a "
                             "tokenizer.json or a directory saved by save_pretrained") from None
-        entries, ids = self._vocabulary()
+        entries, self.vocab_size = vocabulary(self._fast if self._fast is not None else self._slow)
+        """The bound of the ids (`vocabulary`), not the count of entries."""
         if entries < MIN_VOCAB:
             raise UserError(f"tokenizer {path} has a vocabulary of {entries} (under {MIN_VOCAB}): not a "
                             "usable tokenizer; give a tokenizer.json or a directory saved by save_pretrained")
-        self.vocab_size = max(entries, max(ids, default=-1) + 1)
-        """The bound of the ids: the largest + 1, not the count of entries. Ids can have gaps
-        (special tokens at the top of a range padded for the embedding: 303 entries, an id of
-        60,000), and a model sized from the count fails at the first batch with such a token."""
-
-    def _vocabulary(self) -> tuple[int, list[int]]:
-        """The count of the vocabulary's entries (added tokens too) and their ids."""
-        if self._fast is not None:
-            vocab = self._fast.get_vocab(with_added_tokens=True)
-            return max(len(vocab), self._fast.get_vocab_size(with_added_tokens=True)), list(vocab.values())
-        try:
-            ids = list(self._slow.get_vocab().values())
-        except NotImplementedError:  # a tokenizer class without get_vocab: its count is all there is
-            ids = []
-        return max(len(ids), len(self._slow)), ids
 
     def _eos(self, eos: str) -> int | None:
         if eos == "none":
