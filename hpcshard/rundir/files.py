@@ -1,11 +1,13 @@
-"""Small files written so that a reader never sees half of one, and a lock that holds on
-NFS, `locked` (stdlib): its docstring says the lock's protocol, step by step, and why in
-that order."""
+"""Files written so that a reader never sees half of one (held while written where a
+cleanup must tell a live writer's side file from an interrupted one's), and a lock that
+holds on NFS, `locked` (stdlib): its docstring says the lock's protocol, step by step, and
+why in that order."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -14,7 +16,7 @@ import socket
 import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from hpcshard.rundir import proc
 
@@ -24,6 +26,13 @@ STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 """The errors that mean the run's storage takes no writes (full, over quota, read-only): the
 run's trouble, never a node's, and no retry helps (the launchers' health check and the
 ranks' failed saves judge by these)."""
+UNHELD = ".unheld"
+"""Before TMP_SUFFIX in the name of a side file written `held` whose flock failed: that
+nobody holds it does not say that its writer is gone (`runtime.sidefiles` judges it by its
+age alone)."""
+CREATE_TRIES = 3
+"""Side files made before one is held: a remover can take one in the instant between its
+creation and its hold (then it is removed, and another name is made)."""
 
 
 def fsync_dir(path: Path) -> None:
@@ -46,23 +55,94 @@ def side_name(path: Path) -> Path:
 
 def write_atomic(path: Path, text: str, mode: int = 0o640) -> None:
     """Write a small file so that readers see the old or the new content, never a mix.
-    Each writer writes its own side file and renames it over `path`: of two writers at
-    once, one rename wins whole (with one fixed side name, measured: two writers of
-    spec.json crashed 251 times in 600 updates and gave torn reads). The mode is set
+    Each writer writes its own side file and renames it over `path` (`written`): of two
+    writers at once, one rename wins whole (with one fixed side name, measured: two writers
+    of spec.json crashed 251 times in 600 updates and gave torn reads). The mode is set
     explicitly: a group-writable umask must not make it refusable."""
-    tmp = side_name(path)
+    with written(path, mode=mode) as f:
+        f.write(bytes(text, "utf-8"))
+
+
+@contextlib.contextmanager
+def written(path: Path, *, held: bool = False, mode: int | None = None) -> Iterator[BinaryIO]:
+    """A file to write `path` through, whole or not at all: a side file of this writer's
+    (`side_name`), on disk and renamed over `path` when the block ends, the rename on disk
+    too (the side file removed if the block raises). `mode`: set explicitly (else the
+    umask's). `held`: flock'd while it is written, for a cleanup that removes the side files
+    of interrupted writers and must keep a live one's (`runtime.sidefiles`); one whose
+    flock fails is named UNHELD. A plain write takes no lock: a small file that nothing
+    sweeps pays no call for it."""
+    f, side = _create(path, held)
     try:
-        with tmp.open("w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
+        yield f
+        f.flush()
+        if mode is not None:
+            os.fchmod(f.fileno(), mode)
+        os.fsync(f.fileno())  # on disk before the rename says it is complete
+        os.replace(side, path)
     except BaseException:
         with contextlib.suppress(OSError):
-            tmp.unlink()
+            side.unlink()
         raise
+    finally:
+        f.close()  # a hold ends with it
     fsync_dir(path.parent)
+
+
+def _create(path: Path, held: bool) -> tuple[BinaryIO, Path]:
+    """A new side file of `path`, open (and held when `held`), and its name. One whose flock
+    fails is renamed UNHELD (a remover on this host whose flock works would find it nobody's
+    and remove it under its writer). One that a remover took between its creation and the
+    hold or the rename (held by the remover, or already removed) is given up for another
+    name."""
+    for _ in range(CREATE_TRIES):
+        side = side_name(path)
+        f = side.open("xb")
+        try:
+            if not held:
+                return f, side
+            got = try_flock(f.fileno())
+            if isinstance(got, OSError):
+                unheld = side.with_name(side.name.removesuffix(TMP_SUFFIX) + UNHELD + TMP_SUFFIX)
+                with contextlib.suppress(FileNotFoundError):  # a remover's meanwhile
+                    side.rename(unheld)
+                side = unheld
+            if got is not False and same_file(side, f.fileno()):
+                return f, side
+        except BaseException:
+            f.close()
+            with contextlib.suppress(OSError):
+                side.unlink()
+            raise
+        f.close()
+        with contextlib.suppress(OSError):
+            side.unlink()
+    raise OSError(errno.EAGAIN, f"{path.parent}: {CREATE_TRIES} temporary files were removed as they were "
+                  "made (another `data prepare` clearing the directory?); run the command again")
+
+
+def try_flock(fd: int) -> bool | OSError:
+    """flock(LOCK_EX) without waiting: True when taken, False when another holds it, else the
+    error that says no flock can be had here, never taken for "held": a file system that
+    keeps none (Lustre mounted without flock, some FUSE mounts: ENOSYS, EOPNOTSUPP), NFS's
+    lock daemon out of locks (ENOLCK), or any other. Whoever asked does without: a side file
+    is named UNHELD, a cleanup judges by age, `data prepare` takes a lock file."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # EAGAIN/EWOULDBLOCK: held
+        return False
+    except OSError as err:
+        return err
+    return True
+
+
+def same_file(path: Path, fd: int) -> bool:
+    """Does `path` still name the open file `fd` (not removed, nor made again)?"""
+    try:
+        named, opened = os.stat(path), os.fstat(fd)
+    except FileNotFoundError:
+        return False
+    return (named.st_dev, named.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def create_exclusive(path: Path, text: str) -> bool:

@@ -208,7 +208,8 @@ class Corpus:
     documents are numbered in order. Its last tokens (`held_tokens`: by the `held_out`
     rule) are held out; training reads the rest (`train_tokens`, `train_documents`)."""
 
-    def __init__(self, folders: list[Path], name: str = "", held_out: str = "source") -> None:
+    def __init__(self, folders: list[Path], name: str = "", held_out: str = "source",
+                 bound: int | None = None) -> None:
         self.name = name or str(folders[0])
         self.shards: list[Shard] = []
         self.folders = [Path(os.path.realpath(f)) for f in folders]
@@ -243,6 +244,11 @@ class Corpus:
         eos_id, dtype and shards (names, sizes, checksums), in order (`_content`)."""
         self.train_tokens = self.tokens - held_tokens(self.tokens, self.shards[-1].tokens, held_out)
         self.train_documents = self._documents_before(self.train_tokens)
+        self.bound, self.bound_is = ((bound, "the model's vocab_size") if bound is not None
+                                     else (self.vocab_size, "the manifest's vocab_size"))
+        """Ids at or above it are refused where they are read (`_ids`): the model's vocab_size
+        (its embedding's rows; `load_splits` refuses one below the manifest's), else the
+        manifest's."""
 
     def _documents_before(self, token: int) -> int:
         """How many documents start before `token`."""
@@ -258,10 +264,28 @@ class Corpus:
         k, done = int(np.searchsorted(self.starts, start, side="right")) - 1, 0
         while done < length:
             at = start + done - int(self.starts[k])
-            piece = self.shards[k].data[at: at + length - done]
+            piece = self._ids(k, at, self.shards[k].data[at: at + length - done])
             out[done: done + len(piece)] = piece
             done, k = done + len(piece), k + 1
         return out
+
+    def _ids(self, k: int, at: int, piece: np.ndarray) -> np.ndarray:
+        """Tokens read from shard k at `at`, refused in one line naming the shard when one is
+        not below `bound` (a damaged shard, or a tokenizer's gap id that an older `data
+        prepare` wrote past the bound it gave): such an id would fail in the model's
+        embedding (on a GPU: a device-side assert, at every restart). The model's vocab_size,
+        not the manifest's: a corpus an older `data prepare` wrote past its manifest's bound
+        trained with a model that holds its ids (an embedding padded above the tokenizer's
+        ids, or vocab_size set above them), and goes on training. Checked where tokens are
+        read, not by reading a whole shard when it is first mapped: a rank reads windows,
+        and every rank reading every shard it touches whole would read the corpus at each
+        start."""
+        if len(piece) and int(piece.max()) >= self.bound:
+            bad = int(np.argmax(piece >= self.bound))
+            raise UserError(f"{self.shards[k].bin}: token {at + bad} is id {int(piece[bad])}, not below "
+                            f"{self.bound_is} {self.bound}; the corpus is damaged or was prepared with a "
+                            "wrong bound: prepare it again with `hpcshard data prepare`")
+        return piece
 
     def document(self, d: int) -> tuple[int, int]:
         """Document d's first token in the stream and its length."""
@@ -276,11 +300,55 @@ class Corpus:
         k = int(np.searchsorted(self.starts, start, side="right")) - 1
         at = start - int(self.starts[k])
         if at + length <= self.shards[k].tokens:
-            return self.shards[k].data[at: at + length]
+            return self._ids(k, at, self.shards[k].data[at: at + length])
         return self.read(start, length).astype(self.shards[k].dtype)
 
-    def held_out(self) -> np.ndarray:
-        return self.read_raw(self.train_tokens, self.tokens - self.train_tokens)
+    def held_out(self) -> HeldOut:
+        """Its held-out tail, read where evaluation takes a window (`HeldOut`)."""
+        held = self.tokens - self.train_tokens
+        return HeldOut([self], np.zeros(1, np.int64), np.array([self.train_tokens]), np.array([held]),
+                       self.shards[-1].dtype)
+
+
+class HeldOut:
+    """Held-out tokens: pieces of corpora (piece i: tokens [first[i], first[i] + lengths[i])
+    of `corpora[which[i]]`; a source's tail, or a mixture's tails interleaved), read where
+    evaluation takes a window, through `Corpus.read_raw`: their ids are checked there as
+    training's are (`Corpus._ids`), and nothing is read at the start. A tail read and checked
+    whole at every start read a 2^24 token tail (64 MB of uint32) per node and per source
+    from shared storage, every source's whole tail in a mixture that keeps 2^24 tokens in
+    all. Evaluation takes slices of it (`order.Flat`), each in `dtype` (a view of a shard's
+    map where the slice is in one)."""
+
+    def __init__(self, corpora: list[Corpus], which: np.ndarray, first: np.ndarray, lengths: np.ndarray,
+                 dtype: np.dtype) -> None:
+        self.corpora, self.which, self.first, self.dtype = corpora, which, first, np.dtype(dtype)
+        self.starts = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+        """Where each piece starts in the held-out stream; the last: its length."""
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        """Tokens [start, stop) of the held-out stream (a slice of step 1)."""
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise IndexError("held-out tokens are read in slices of step 1")
+        parts, at = [], start
+        k = int(np.searchsorted(self.starts, at, side="right")) - 1
+        while at < stop:
+            offset = at - int(self.starts[k])
+            take = min(int(self.starts[k + 1]) - at, stop - at)
+            parts.append(self.corpora[self.which[k]].read_raw(int(self.first[k]) + offset, take))
+            at, k = at + take, k + 1
+        if len(parts) == 1:
+            return parts[0].astype(self.dtype, copy=False)
+        return np.concatenate(parts, dtype=self.dtype) if parts else np.empty(0, dtype=self.dtype)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """All of it, read now (np.asarray)."""
+        whole = self[:]
+        return whole if dtype is None else whole.astype(dtype)
 
 
 def held_tokens(tokens: int, last_shard: int, rule: str) -> int:
@@ -380,24 +448,26 @@ class Blend:
     def vocab_size(self) -> int:
         return max(s.corpus.vocab_size for s in self.sources)
 
-    def held_out(self) -> np.ndarray:
+    def held_out(self) -> HeldOut:
         """The held-out tails of the sources interleaved EVAL_CHUNK tokens at a time while
         each lasts (a short tail runs out, the others go on: one small source once cut every
         tail to its own length, and evaluation off), at most HELD_OUT tokens in all: however
         little evaluation reads, every source is in it alike. One source: its tail as it is;
-        none left: empty."""
+        none left: empty. Read where evaluation reads it (`HeldOut`)."""
         if len(self.sources) == 1:
             return self.sources[0].corpus.held_out()
-        tails = [t for t in (s.corpus.held_out() for s in self.sources) if len(t)]
-        chunks, total = [], 0
-        for k in range(0, max((len(t) for t in tails), default=0), EVAL_CHUNK):
-            for t in tails:
-                if k < len(t) and total < HELD_OUT:
-                    chunks.append(t[k: k + EVAL_CHUNK])
-                    total += len(chunks[-1])
-        if not chunks:
-            return np.empty(0, dtype=self.sources[0].corpus.shards[-1].dtype)
-        return np.concatenate(chunks)
+        corpora = [s.corpus for s in self.sources if s.corpus.tokens > s.corpus.train_tokens]
+        if not corpora:
+            dtype = self.sources[0].corpus.shards[-1].dtype
+            return HeldOut([], np.empty(0, np.int64), np.empty(0, np.int64), np.empty(0, np.int64), dtype)
+        train = np.array([c.train_tokens for c in corpora])
+        held = np.array([c.tokens for c in corpora]) - train
+        at = np.arange(0, held.max(), EVAL_CHUNK)[:, None]  # each round's place in every tail
+        lengths = np.clip(held - at, 0, EVAL_CHUNK).ravel()  # round by round, source by source
+        keep = (lengths > 0) & (np.cumsum(lengths) - lengths < HELD_OUT)  # while under HELD_OUT
+        which = np.tile(np.arange(len(corpora)), len(at))[keep]
+        return HeldOut(corpora, which, (train + at).ravel()[keep], lengths[keep],
+                       np.result_type(*(c.shards[-1].dtype for c in corpora)))
 
     def fingerprint(self) -> dict:
         """What decides the samples (with seq_len and the order), by content: each source's
@@ -525,8 +595,9 @@ def _unique(sources: list[tuple[str, list[Path], Fraction]]) -> list[tuple[str, 
 
 
 def load_blend(value: str, root: str = "", doc_mode: str = "stream",
-               held_out: str = "source") -> Blend | None:
-    """The corpora `data` names, opened (manifests and sizes checked), or None (not corpora)."""
+               held_out: str = "source", bound: int | None = None) -> Blend | None:
+    """The corpora `data` names, opened (manifests and sizes checked), or None (not corpora).
+    `bound`: the model's vocab_size, the ids its corpora may hold (`Corpus.bound`)."""
     if doc_mode not in DOC_MODES:
         raise UserError(f"doc_mode={doc_mode!r} is not valid; choose one of: {', '.join(DOC_MODES)}")
     if held_out not in HELD_OUT_RULES:
@@ -535,7 +606,8 @@ def load_blend(value: str, root: str = "", doc_mode: str = "stream",
     if parsed is None:
         return None
     total = sum(w for _, _, w in parsed)
-    sources = tuple(Source(name, Corpus(folders, name, held_out), w / total) for name, folders, w in parsed)
+    sources = tuple(Source(name, Corpus(folders, name, held_out, bound), w / total)
+                    for name, folders, w in parsed)
     for s in sources[1:]:
         assert sources[0].corpus.tokenizer is not None and s.corpus.tokenizer is not None
         sources[0].corpus.tokenizer.same_as(s.corpus.tokenizer)

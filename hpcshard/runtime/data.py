@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hpcshard.errors import UserError
-from hpcshard.runtime.corpus import DOC_MODES, Blend, load_blend
+from hpcshard.runtime.corpus import DOC_MODES, Blend, HeldOut, load_blend
 from hpcshard.runtime.loader import Ahead
 from hpcshard.runtime.order import Flat, sampler
 
@@ -102,9 +102,9 @@ def load_splits(cfg: DataConfig, vocab_size: int | None = None) -> DataSplits:
     if cfg.data_changed not in DATA_CHANGED:
         raise UserError(f"data_changed={cfg.data_changed!r} is not valid; choose one of: "
                         f"{', '.join(DATA_CHANGED)}")
-    blend = load_blend(cfg.data, cfg.data_root, cfg.doc_mode, cfg.held_out) if cfg.data else None
+    vocab = vocab_size or cfg.vocab_size  # the ids the model embeds: those its corpora may hold
+    blend = load_blend(cfg.data, cfg.data_root, cfg.doc_mode, cfg.held_out, vocab) if cfg.data else None
     if blend is not None:
-        vocab = vocab_size or cfg.vocab_size
         if blend.vocab_size > vocab:
             fix = (f"set vocab_size={blend.vocab_size}" if vocab_size is None
                    else "prepare it with the model's tokenizer")
@@ -127,7 +127,8 @@ class DataSplits:
 
     train: np.ndarray
     """The training stream; with `source`, its first shard only (for the unigram baseline)."""
-    eval: np.ndarray
+    eval: np.ndarray | HeldOut
+    """The held-out stream; prepared corpora's is read where evaluation reads it (`HeldOut`)."""
     vocab_size: int
     train_targets: np.ndarray | None = None
     """Fine-tuning data: what each token predicts, position for position (IGNORE where the
@@ -275,7 +276,7 @@ Micro = tuple[torch.Tensor, ...]
 """One micro-batch: (inputs, targets), and for packed records (inputs, targets, positions)."""
 
 
-def _windows(tokens: np.ndarray, seq_len: int, index: Iterable[int],
+def _windows(tokens: np.ndarray | HeldOut, seq_len: int, index: Iterable[int],
              targets: np.ndarray | None = None, starts: np.ndarray | None = None) -> Micro:
     """Windows of seq_len + 1 tokens: inputs, and the next tokens (or `targets`' values
     there, where fine-tuning masks the loss); with `starts`, the inputs' position ids too
@@ -383,7 +384,7 @@ class GlobalBatches:
         self.epoch, self.offset = int(state["epoch"]), int(state["offset"])
 
 
-def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, micro: int, rank: int,
+def eval_batches(tokens: np.ndarray | HeldOut, *, seq_len: int, batch_size: int, micro: int, rank: int,
                  world: int, count: int, targets: np.ndarray | None = None,
                  starts: np.ndarray | None = None) -> Iterator[Micro]:
     """The first `count` global batches of the held-out stream, in order, this rank's slice."""
@@ -396,5 +397,5 @@ def eval_batches(tokens: np.ndarray, *, seq_len: int, batch_size: int, micro: in
             yield _windows(tokens, seq_len, range(i, min(i + micro, start + per_rank)), targets, starts)
 
 
-def eval_batch_count(tokens: np.ndarray, seq_len: int, batch_size: int, count: int) -> int:
+def eval_batch_count(tokens: np.ndarray | HeldOut, seq_len: int, batch_size: int, count: int) -> int:
     return min(count, ((len(tokens) - 1) // seq_len) // batch_size)

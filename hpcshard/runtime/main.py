@@ -30,6 +30,7 @@ from hpcshard.config import build_config, kept_sets
 from hpcshard.errors import UserError
 from hpcshard.rundir import events, flight, launchers, ledger, store
 from hpcshard.rundir.events import EndReason
+from hpcshard.rundir.files import side_name
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.progress import Board
 from hpcshard.rundir.rankenv import STACKS_SIGNAL, STORAGE_EXIT, STRAGGLER_EXIT, RankEnv
@@ -74,7 +75,7 @@ def check_writable(run_dir: Path) -> None:
     server's blip (ESTALE, EIO) is a fault the launchers restart the ranks for, and a full
     or read-only file system is the run's storage trouble, which the launchers find and
     stop the run for (their own writes fail too), never a user error that ends the run."""
-    probe = run_dir / f".write-probe-{os.getpid()}"
+    probe = side_name(run_dir / "write-probe")  # every rank probes: two may have one pid (containers)
     try:
         probe.write_text("")
         probe.unlink()

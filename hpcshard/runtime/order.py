@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from hpcshard.errors import UserError
-from hpcshard.runtime.corpus import Blend, Windows
+from hpcshard.runtime.corpus import Blend, HeldOut, Windows
 
 M64 = (1 << 64) - 1
 ROUNDS = 4
@@ -94,7 +94,7 @@ class Flat:
     """A flat token array (and fine-tuning's targets, and its packed records' starts) in
     windows of seq_len + 1."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, targets: np.ndarray | None = None,
+    def __init__(self, tokens: np.ndarray | HeldOut, seq_len: int, targets: np.ndarray | None = None,
                  starts: np.ndarray | None = None) -> None:
         self.tokens, self.seq_len, self.targets, self.starts = tokens, seq_len, targets, starts
         self.count = (len(tokens) - 1) // seq_len

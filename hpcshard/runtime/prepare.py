@@ -4,7 +4,7 @@ processes or Slurm array tasks, resumable, with a manifest written last.
 The output directory (the format `hpcshard-tokens` version 1; the reader relies on it):
 
     manifest.json        written last, atomically: only a finished corpus has one
-    shard-NNNNN.bin      the tokens, little-endian uint16 (vocabulary <= 65536) or uint32;
+    shard-NNNNN.bin      the tokens, little-endian uint16 (every id below 65536) or uint32;
                          each document followed by the tokenizer's EOS (counted in it)
     shard-NNNNN.idx      little-endian int64: documents + 1 offsets into the shard
     .prepare/            the work's state: the request, the plan, one done file per shard
@@ -13,14 +13,17 @@ Shards are planned before anything is tokenized: documents in their order, cut w
 bytes read reach --shard-tokens (at the tokens per byte that a sample of the first
 documents gives). A shard's documents depend on the source, the tokenizer and the target
 only, so 1 worker, 8 workers or 16 array tasks write the same bytes. A shard is written
-under a temporary name, renamed when complete, then its done file (its manifest entry,
-with the checksum) is written: a rerun skips the shards that have one.
+under a temporary name of its writer's alone (`rundir.files.written`), renamed when complete,
+then its done file (its manifest entry, with the checksum) is written: a rerun skips the
+shards that have one.
+
+The manifest's `vocab_size` is the bound of the ids (the tokenizer's largest id + 1, not
+its count of entries: ids can have gaps), and the dtype follows it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import errno
 import hashlib
 import json
 import os
@@ -37,6 +40,8 @@ from typing import Any
 import numpy as np
 
 from hpcshard.errors import UserError
+from hpcshard.rundir.files import locked, side_name, try_flock, written
+from hpcshard.runtime import sidefiles
 from hpcshard.runtime.sources import Source, SourceSpec, Tokenizer, open_source
 
 FORMAT, VERSION = "hpcshard-tokens", 1
@@ -87,7 +92,7 @@ class Prepared:
 
 
 def dtype_for(vocab_size: int) -> str:
-    """uint16 while every id fits (vocabulary <= 65536), else uint32."""
+    """uint16 while every id fits (`vocab_size`, the bound of the ids, <= 65536), else uint32."""
     return "uint16" if vocab_size <= 65536 else "uint32"
 
 
@@ -178,10 +183,12 @@ def check_writable(out: Path) -> None:
     if near == out and out.exists() and not _empty(out) and not (_state(out) / "request.json").is_file():
         raise UserError(f"--output {out} is not empty and holds no prepared corpus; give a new or "
                         "empty directory")
-    probe = near / f".hpcshard-probe-{socket.gethostname()}-{os.getpid()}"
+    probe = side_name(near / "hpcshard-probe")  # two runs' probes never one file
     try:
         probe.touch()
-        probe.unlink()
+        # A run that holds the output sweeps this host's unheld side files (`remove_stale`):
+        # it may take this probe between touch and unlink, and the write was still made.
+        probe.unlink(missing_ok=True)
     except OSError as err:
         raise UserError(f"--output {out} cannot be written ({near}: {err.strerror or err}); give a directory "
                         "you can write") from None
@@ -206,9 +213,22 @@ def check_output(out: Path, request: dict[str, Any]) -> None:
                         "empty directory")
     old = json.loads(saved.read_text(encoding="utf-8"))
     differ = sorted(k for k in {*old, *request} if old.get(k) != request.get(k))
+    if _older_bound(old, request, differ):
+        raise UserError(f"--output {out} was started by an older hpcshard, which took the tokenizer's count "
+                        f"of entries ({old['vocab_size']}) for the bound of its ids, not its largest id + 1 "
+                        f"({request['vocab_size']}); prepare into a new directory")
     if differ:
         raise UserError(f"--output {out} was prepared with other arguments (they differ in: "
                         f"{', '.join(differ)}); give the same ones to resume, or a new directory")
+
+
+def _older_bound(old: dict[str, Any], request: dict[str, Any], differ: list[str]) -> bool:
+    """Do the saved request and this one differ only in the bound of the ids (and the dtype
+    it gives), the saved one lower? With the same tokenizer, that bound is an older
+    hpcshard's (the count of entries, where ids have gaps): not the user's arguments."""
+    then, now = old.get("vocab_size"), request.get("vocab_size")
+    return ("vocab_size" in differ and set(differ) <= {"vocab_size", "dtype"}
+            and isinstance(then, int) and isinstance(now, int) and then < now)
 
 
 def save_plan(out: Path, request: dict[str, Any], bounds: np.ndarray, source: Source) -> None:
@@ -218,9 +238,8 @@ def save_plan(out: Path, request: dict[str, Any], bounds: np.ndarray, source: So
     make_state(out)
     _write_json(state / "request.json", request)
     arrays = {"bounds": bounds, **{f"index_{k}": v for k, v in source.index().items()}}
-    tmp = state / f"plan.tmp-{_tag()}.npz"
-    np.savez(tmp, **arrays)  # type: ignore[arg-type]  # numpy's stub: file, *args
-    os.replace(tmp, state / "plan.npz")
+    with written(state / "plan.npz", held=True) as f:
+        np.savez(f, **arrays)  # type: ignore[arg-type]  # numpy's stub: file, *args
 
 
 def make_state(out: Path) -> bool:
@@ -241,11 +260,6 @@ def make_state(out: Path) -> bool:
                         "write") from None
 
 
-def _tag() -> str:
-    """This process's temporary-name tag: tmp-HOST-PID."""
-    return f"tmp-{socket.gethostname()}-{os.getpid()}"
-
-
 def load_plan(out: Path) -> tuple[dict[str, Any], np.ndarray, dict[str, np.ndarray]]:
     state = _state(out)
     request = json.loads((state / "request.json").read_text(encoding="utf-8"))
@@ -255,13 +269,9 @@ def load_plan(out: Path) -> tuple[dict[str, Any], np.ndarray, dict[str, np.ndarr
 
 
 def _write_json(path: Path, value: Any) -> None:
-    """Atomically and durably: a temporary name of this process's, on disk, then renamed."""
-    tmp = path.with_name(f"{path.name}.{_tag()}")
-    with tmp.open("w", encoding="utf-8") as f:
-        f.write(json.dumps(value, indent=1) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Atomically and durably: a temporary name of this writer's, on disk, then renamed."""
+    with written(path, held=True) as f:
+        f.write((json.dumps(value, indent=1) + "\n").encode())
 
 
 # -- shards ------------------------------------------------------------------------------------
@@ -285,15 +295,15 @@ def done_entry(out: Path, k: int, bounds: np.ndarray | None = None) -> dict[str,
 
 
 def write_shard(out: Path, k: int, source: Source, tok: Tokenizer, bounds: np.ndarray, dtype: str,
-                tick: Callable[[int, int], None]) -> dict[str, Any]:
+                tick: Callable[[int, int], None], planned: int | None = None) -> dict[str, Any]:
     """Tokenize shard k's documents, write its .bin (streamed, hashed as it goes) and .idx
-    (temporary names, renamed when complete), then its done file; its manifest entry."""
+    (temporary names, renamed when complete), then its done file; its manifest entry.
+    `planned`: the plan's bound of the ids, the manifest's vocab_size (`_narrow`)."""
     start, stop = int(bounds[k]), int(bounds[k + 1])
     lengths: list[int] = []
     name = shard_name(k)
-    tmp_bin, tmp_idx = out / f"{name}.bin.{_tag()}", out / f"{name}.idx.{_tag()}"
     digest, tokens = hashlib.sha256(), 0
-    with tmp_bin.open("wb") as f:
+    with written(out / f"{name}.bin", held=True) as f:  # renamed after the .idx, when both are complete
         for lo in range(start, stop, BATCH_DOCS):
             hi = min(stop, lo + BATCH_DOCS)
             ids = tok.encode(source.read(lo, hi))
@@ -302,30 +312,35 @@ def write_shard(out: Path, k: int, source: Source, tok: Tokenizer, bounds: np.nd
                     one.append(tok.eos_id)
             counts = [len(one) for one in ids]
             chunk = _narrow(np.concatenate([np.array(one, dtype=np.int64) for one in ids]), dtype,
-                            tok).tobytes()
+                            tok, planned).tobytes()
             digest.update(chunk)
             f.write(chunk)
             lengths.extend(counts)
             tokens += sum(counts)
             tick(hi - lo, sum(counts))
-        f.flush()
-        os.fsync(f.fileno())  # on disk before the rename says it is complete
-    offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype("<i8")
-    with tmp_idx.open("wb") as f:
-        f.write(offsets.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp_idx, out / f"{name}.idx")
-    os.replace(tmp_bin, out / f"{name}.bin")
+        offsets = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]).astype("<i8")
+        with written(out / f"{name}.idx", held=True) as g:
+            g.write(offsets.tobytes())
     entry = {"name": name, "tokens": tokens, "documents": stop - start, "sha256": digest.hexdigest()}
     _write_json(_state(out) / f"{name}.done", entry)
     return entry
 
 
-def _narrow(ids: np.ndarray, dtype: str, tok: Tokenizer) -> np.ndarray:
-    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(dtype).max):
-        raise UserError(f"tokenizer {tok.path} gave id {int(ids.max())}, beyond {dtype}: its vocabulary "
-                        f"size ({tok.vocab_size}) is wrong")
+def _narrow(ids: np.ndarray, dtype: str, tok: Tokenizer, planned: int | None = None) -> np.ndarray:
+    """The ids in the shard's dtype. An id outside the tokenizer's vocabulary (below 0, or at
+    or beyond the bound the manifest's vocab_size says and a model is sized from) is one line.
+    The bound is the plan's (`planned`) where it is lower: array tasks queued across the
+    upgrade run a plan of an older hpcshard, which took the count of entries for it (300,
+    where an id is 60,000), and the manifest will give the plan's."""
+    if ids.size and planned is not None and planned < tok.vocab_size and ids.max() >= planned:
+        raise UserError(f"tokenizer {tok.path} gave id {int(ids.max())}, beyond {planned - 1}, the largest "
+                        "the plan of this corpus allows (an older hpcshard's: the tokenizer's count of "
+                        f"entries, not its largest id + 1, {tok.vocab_size}); prepare it again into a new "
+                        "directory")
+    if ids.size and (ids.min() < 0 or ids.max() >= tok.vocab_size):
+        bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+        raise UserError(f"tokenizer {tok.path} gave id {bad}, outside its vocabulary's ids 0 to "
+                        f"{tok.vocab_size - 1}; give a tokenizer whose ids are all in its vocabulary")
     return ids.astype(np.dtype(dtype).newbyteorder("<"))
 
 
@@ -398,33 +413,27 @@ def check_again(out: Path, request: dict[str, Any], bounds: np.ndarray) -> np.nd
     return bounds
 
 
-STALE_SECONDS = 3600.0
-"""A temporary file of another host's untouched this long is an interrupted run's."""
-NO_FLOCK = (errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOLCK)
-"""flock's errors on a file system that keeps no such locks (Lustre mounted without flock,
-some FUSE and NFS mounts): not "held", a lock file instead (`_lock_file`)."""
+OUT_FILES = r"shard-\d+\.(?:bin|idx)|manifest\.json|clock|hpcshard-probe"
+"""The names in the output directory that are written under side names (`rundir.files.written`,
+and the probes of `sidefiles.stamp_now` and `check_writable`)."""
+STATE_FILES = r"shard-\d+\.done|request\.json|plan\.npz|clock"
+"""The same in its work folder."""
 
 
 def take_lock(out: Path) -> Any:
     """This run's exclusive hold on `out` (flock on .prepare/lock, released when the file
-    closes or the process ends; where the file system has no flock, a lock file: see
-    `_lock_file`); one line when another run holds it. Closing the result releases it."""
-    import fcntl
-
+    closes or the process ends; where flock fails, a lock file: see `_lock_file`); one line
+    when another run holds it. Closing the result releases it."""
     f = (_state(out) / "lock").open("a+", encoding="utf-8")
-    try:
-        fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:  # EAGAIN/EWOULDBLOCK: held by another run, and only that
+    got = try_flock(f.fileno())
+    if got is False:  # held by another run, and only that
         f.seek(0)
         holder = (f.read().strip().splitlines() or ["unknown"])[-1]
         f.close()
-        raise UserError(f"another `data prepare` ({holder}) is writing {out}; wait for it") from None
-    except OSError as err:
+        raise UserError(f"another `data prepare` ({holder}) is writing {out}; wait for it")
+    if got is not True:
         f.close()
-        if err.errno in NO_FLOCK:
-            return _lock_file(out, err)
-        raise UserError(f"--output {out}: its lock cannot be taken ({err.strerror or err}); give a "
-                        "directory on a file system that can") from None
+        return _lock_file(out, got)
     f.seek(0)
     f.truncate()
     f.write(f"{socket.gethostname()}, pid {os.getpid()}\n")
@@ -433,14 +442,12 @@ def take_lock(out: Path) -> Any:
 
 
 def _lock_file(out: Path, err: OSError) -> contextlib.ExitStack:
-    """The hold where flock is not kept: .prepare/run.lock made by link() with the holder's
+    """The hold where flock fails (`try_flock`): .prepare/run.lock made by link() with the holder's
     host and pid (`rundir.files.locked`, which holds on NFS), removed when released. A
     holder of this host that is gone is broken at once; one of another host is not (a
     crashed host's lock stays until it is removed by hand: the line says which file)."""
-    from hpcshard.rundir.files import locked
-
-    print(f"warning: {out} is on a file system without flock ({err.strerror or err}); a lock file "
-          "keeps a second `data prepare` out instead", file=sys.stderr)
+    print(f"warning: {out} is on a file system without flock, or its flock fails ({err.strerror or err}); "
+          "a lock file keeps a second `data prepare` out instead", file=sys.stderr)
     hold = contextlib.ExitStack()
     try:
         hold.enter_context(locked(_state(out) / "run", timeout=0))
@@ -450,30 +457,16 @@ def _lock_file(out: Path, err: OSError) -> contextlib.ExitStack:
     return hold
 
 
-def remove_stale(out: Path) -> None:
-    """Interrupted runs' unfinished files (tmp-HOST-PID): this host's whose process is gone,
-    another host's untouched for STALE_SECONDS (an array task may still be writing one)."""
-    here, now = socket.gethostname(), time.time()
-    for stale in [*out.glob("shard-*.tmp-*"), *_state(out).glob("*.tmp-*")]:
-        host, _, pid = stale.name.rsplit(".tmp-", 1)[-1].removesuffix(".npz").rpartition("-")
-        try:
-            dead = host == here and pid.isdigit() and not _alive(int(pid))
-            if dead or (host != here and now - stale.stat().st_mtime > STALE_SECONDS):
-                stale.unlink(missing_ok=True)
-        except OSError:
-            continue
-
-
-def _alive(pid: int) -> bool:
-    if pid == os.getpid():
-        return True
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+def remove_stale(out: Path) -> list[Path]:
+    """Interrupted runs' unfinished files (`sidefiles.remove_stale`: one nobody holds is
+    removed at once where it is this host's, any other once untouched for an hour; an array
+    task may still be writing one), and those of hpcshard before side names
+    (NAME.tmp-HOST-PID: by their age only); the paths removed."""
+    found: list[tuple[Path, str | None]] = [*sidefiles.side_files(out, OUT_FILES),
+                                            *sidefiles.side_files(_state(out), STATE_FILES)]
+    before = [*out.glob("shard-*.tmp-*"), *out.glob("manifest.json.tmp-*"), *_state(out).glob("*.tmp-*")]
+    found += [(old, None) for old in before]
+    return sidefiles.remove_stale(found)
 
 
 def run_shards(out: Path, source: Source, tok: Tokenizer, shards: list[int], workers: int,
@@ -498,7 +491,7 @@ def run_shards(out: Path, source: Source, tok: Tokenizer, shards: list[int], wor
     try:
         if workers <= 1 or len(todo) <= 1:
             for k in todo:
-                write_shard(out, k, source, tok, bounds, request["dtype"], tick)
+                write_shard(out, k, source, tok, bounds, request["dtype"], tick, request["vocab_size"])
         else:
             _pool(out, todo, workers, tick)
     finally:
@@ -628,7 +621,7 @@ def _worker_shard(k: int) -> dict[str, Any]:
     w = _WORKER
     _, bounds, _ = load_plan(w["out"])
     return write_shard(w["out"], k, w["source"], w["tok"], bounds, w["request"]["dtype"],
-                       lambda n, t: w["ticks"].put((n, t)))
+                       lambda n, t: w["ticks"].put((n, t)), w["request"]["vocab_size"])
 
 
 def run_task(output: str, task: int, tasks: int, workers: int = 1) -> Prepared:

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from hpcshard.errors import UserError
+from hpcshard.runtime.sources import vocabulary
 
 IGNORE = -100
 """The target of a masked position (what F.cross_entropy ignores by default)."""
@@ -184,8 +185,9 @@ def load_sft(cfg: Any, vocab_size: int) -> SftData:
             raise UserError(f"{key}={value!r} is not a file; give a JSONL file of prompt/completion "
                             "or messages records")
     tok = load_tokenizer(tokenizer_dir(cfg))
-    if len(tok) > vocab_size:
-        raise UserError(f"the tokenizer has {len(tok)} tokens, more than the model's vocab_size="
+    _, bound = vocabulary(tok)  # the largest id + 1, not the count of entries: ids can have gaps
+    if bound > vocab_size:
+        raise UserError(f"the tokenizer's ids run to {bound - 1}, beyond the model's vocab_size="
                         f"{vocab_size}; use the model's own tokenizer")
     train = read(Path(cfg.sft), tok)
     if not train.items:

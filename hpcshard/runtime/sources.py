@@ -385,9 +385,28 @@ def _visible(relative: Path, pattern: str) -> bool:
     return not dotted or any(part.startswith(".") for part in Path(pattern).parts)
 
 
+def vocabulary(tok: Any) -> tuple[int, int]:
+    """A tokenizer's count of entries (added tokens too) and the bound of its ids: the largest
+    + 1, not the count. Ids can have gaps (special tokens at the top of a range padded for
+    the embedding: 303 entries, an id of 60,000), and a model sized from the count fails at
+    the first batch with such a token. `tok`: a `tokenizers.Tokenizer`, or a transformers
+    tokenizer (read through its fast backend where it has one)."""
+    fast = tok if hasattr(tok, "get_vocab_size") else getattr(tok, "backend_tokenizer", None)
+    if fast is not None:
+        vocab = fast.get_vocab(with_added_tokens=True)
+        entries, ids = max(len(vocab), fast.get_vocab_size(with_added_tokens=True)), list(vocab.values())
+    else:
+        try:
+            ids = list(tok.get_vocab().values())
+        except NotImplementedError:  # a tokenizer class without get_vocab: its count is all there is
+            ids = []
+        entries = max(len(ids), len(tok))
+    return entries, max(entries, max(ids, default=-1) + 1)
+
+
 class Tokenizer:
-    """A local tokenizer: `encode(texts)` (no special tokens added), its vocabulary size,
-    its end-of-document id, and a checksum of its files."""
+    """A local tokenizer: `encode(texts)` (no special tokens added), the bound of its ids
+    (`vocab_size`), its end-of-document id, and a checksum of its files."""
 
     def __init__(self, path: str, eos: str = "auto") -> None:
         self.path = str(Path(path).resolve())
@@ -420,11 +439,10 @@ class Tokenizer:
             said = str(err).splitlines()[0] if str(err) else ""
             raise UserError(f"tokenizer {path} does not load ({type(err).__name__}: {said[:200]}); give a "
                             "tokenizer.json or a directory saved by save_pretrained") from None
-        self.vocab_size = (self._fast.get_vocab_size(with_added_tokens=True) if self._fast is not None
-                           else len(self._slow))
-        if self.vocab_size < MIN_VOCAB:
-            raise UserError(f"tokenizer {path} has a vocabulary of {self.vocab_size} (under {MIN_VOCAB}): "
-                            "not a "
+        entries, self.vocab_size = vocabulary(self._fast if self._fast is not None else self._slow)
+        """The bound of the ids (`vocabulary`), not the count of entries."""
+        if entries < MIN_VOCAB:
+            raise UserError(f"tokenizer {path} has a vocabulary of {entries} (under {MIN_VOCAB}): not a "
                             "usable tokenizer; give a tokenizer.json or a directory saved by save_pretrained")
 
     def _eos(self, eos: str) -> int | None:

@@ -64,6 +64,30 @@ def test_write_atomic_leaves_no_side_file_when_the_write_fails(tmp_path: Path) -
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_plain_write_takes_no_lock_a_held_one_does_and_both_renames_are_on_disk(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One writer serves both: write_atomic (small files nothing sweeps: no flock call on
+    each write) and data prepare's held writes (flock'd while written, for its cleanup of
+    interrupted runs' side files); each rename made durable (its directory fsync'd)."""
+    import fcntl
+
+    real, flocks = fcntl.flock, []
+    synced: list[Path] = []
+
+    def flock(fd: int, op: int) -> None:
+        flocks.append(op)
+        real(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock)
+    monkeypatch.setattr(files, "fsync_dir", synced.append)
+    files.write_atomic(tmp_path / "a.json", "{}")
+    assert not flocks and synced == [tmp_path]
+    with files.written(tmp_path / "b.bin", held=True) as f:
+        f.write(b"b")
+    assert len(flocks) == 1 and synced == [tmp_path, tmp_path]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.json", "b.bin"]
+
+
 def test_a_lock_left_by_a_crashed_holder_is_broken_once_it_stood_still(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     target = tmp_path / "spec.json"

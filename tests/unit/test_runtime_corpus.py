@@ -417,12 +417,37 @@ def test_a_checkpoint_of_the_first_fingerprint_format_resumes_as_it_was_checked(
     assert "source 'web*' dirs" in changed
 
 
+def test_the_held_out_tails_are_read_where_evaluation_reads_them(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each source's held-out tail was read whole and its ids checked at every start: a 2^24
+    token tail is 64 MB of uint32 per node and per source from shared storage, and a mixture
+    read every source's whole tail, though it keeps 2^24 tokens in all and evaluation reads a
+    few batches. Nothing of it is read at the start; evaluation reads its windows, their ids
+    checked there as training's are."""
+    for name, base in (("web", 100), ("code", 300)):
+        write_corpus(tmp_path / name, [[base + i % 50] * 199 + [0] for i in range(2000)], per_shard=2000)
+    read: list[int] = []
+    checked = Corpus._ids
+
+    def ids(self: Corpus, k: int, at: int, piece: np.ndarray) -> np.ndarray:
+        read.append(len(piece))
+        return checked(self, k, at, piece)
+
+    monkeypatch.setattr(Corpus, "_ids", ids)
+    for data in ("web", "web:1,code:1"):
+        splits = load_splits(DataConfig(data=data, data_root=str(tmp_path), vocab_size=1000))
+        assert len(splits.eval) >= 20_000 and not read, data
+        batches = list(eval_batches(splits.eval, seq_len=64, batch_size=4, micro=4, rank=0, world=1, count=2))
+        assert len(batches) == 2 and sum(read) == 2 * 4 * 65, data
+        read.clear()
+
+
 def test_one_source_evaluates_its_own_tail(corpora: Path) -> None:
     blend = load_blend("web", str(corpora))
     assert blend is not None
     corpus = blend.sources[0].corpus
     tail = corpus.read(corpus.train_tokens, corpus.tokens - corpus.train_tokens)
-    assert blend.held_out().tolist() == tail.tolist()
+    assert blend.held_out()[:].tolist() == tail.tolist()
 
 
 @pytest.mark.parametrize(("damage", "message"), [
@@ -519,6 +544,49 @@ def test_a_shard_mapped_again_after_the_lru_dropped_it_is_checked_again(
         os.truncate(folder / "shard-00000.bin", other)
         with pytest.raises(UserError, match="shard-00000.bin holds .* bytes, its manifest says"):
             corpus.read(0, 4)
+
+
+def test_an_id_beyond_the_vocabulary_is_one_line_naming_its_shard(tmp_path: Path) -> None:
+    """A shard holding an id at or beyond its manifest's vocab_size (damaged, or written when
+    prepare took a tokenizer's count of entries for the bound of its ids) is refused where it
+    is read, in one line naming the shard: not an index error in the model's embedding (on a
+    GPU a device-side assert), again at every restart. Training windows and the held-out
+    tail alike; the shards before it read as ever."""
+    folder = write_corpus(tmp_path / "web", documents(6, 100), per_shard=3, vocab=1000)
+    data = np.fromfile(folder / "shard-00001.bin", dtype="<u2")
+    data[5], data[-1] = 1000, 60000
+    data.tofile(folder / "shard-00001.bin")
+    corpus = Corpus([folder])
+    assert corpus.read(0, int(corpus.starts[1])).max() < 1000
+    windows = Windows(corpus, 8, "stream")
+    with pytest.raises(UserError) as err:
+        windows.rows(np.arange(windows.count))
+    said = str(err.value)
+    assert "shard-00001.bin: token 5 is id 1000, not below the manifest's vocab_size 1000" in said
+    assert "prepare it again" in said and "\n" not in said
+    held = corpus.held_out()  # read where evaluation reads it
+    with pytest.raises(UserError, match=f"shard-00001.bin: token {len(data) - 1} is id 60000"):
+        held[len(held) - 8:]
+
+
+def test_a_corpus_past_its_manifests_bound_trains_on_with_a_model_that_holds_its_ids(tmp_path: Path) -> None:
+    """A corpus an older `data prepare` wrote with its tokenizer's count of entries for the bound
+    (manifest vocab_size 1000, an EOS of id 60000) trained with a model whose embedding holds
+    every id: a Hugging Face model's, padded above its tokenizer's ids, or vocab_size=60001
+    set by hand. It trains on, eval too (refused where read, it stopped the run, and preparing
+    it again changes its manifest: the resume was refused as other data). A model that does
+    not hold an id: one line naming the model's vocab_size, where it is read."""
+    folder = write_corpus(tmp_path / "old", [[5, 6, 7, 60000]] * 400, per_shard=100, vocab=1000)
+    splits = load_splits(DataConfig(data=str(folder)), vocab_size=60001)
+    assert splits.source is not None and int(splits.eval[:].max()) == 60000
+    batches = GlobalBatches(splits.source, seq_len=8, batch_size=40, micro=40, rank=0, world=1, seed=0)
+    assert all(int(batches.next()[0][0].max()) == 60000 for _ in range(8))
+    with pytest.raises(UserError, match="more than the model's 999"):  # below the manifest's: refused first
+        load_splits(DataConfig(data=str(folder)), vocab_size=999)
+    small = load_splits(DataConfig(data=str(folder)), vocab_size=1000)
+    with pytest.raises(UserError, match=r"shard-00003\.bin: token \d+ is id 60000, not below the model's "
+                                        "vocab_size 1000; the corpus is damaged"):
+        next(eval_batches(small.eval, seq_len=8, batch_size=1, micro=1, rank=0, world=1, count=1))
 
 
 @pytest.mark.parametrize(("field", "value"), [("tokenizer", {"path": "", "sha256": "other"}),

@@ -35,6 +35,25 @@ def test_a_transient_error_of_the_write_probe_is_not_a_user_error(
     assert not isinstance(got.value, UserError)
 
 
+def test_two_ranks_with_one_pid_probe_the_run_directory_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks of two nodes whose containers give them one pid (pid namespaces of their own,
+    started alike) probe the shared run directory at one moment: each its own probe file
+    (one named by the pid: the second's unlink found none, FileNotFoundError, and its rank
+    failed at its start)."""
+    real, other = pathlib.Path.unlink, [True]
+
+    def unlink(self: Path, missing_ok: bool = False) -> None:
+        if other:
+            other.pop()
+            rmain.check_writable(tmp_path)  # the other node's rank, start to end
+        real(self, missing_ok=missing_ok)
+
+    monkeypatch.setattr(pathlib.Path, "unlink", unlink)
+    rmain.check_writable(tmp_path)
+    assert not other and not list(tmp_path.iterdir())
+
+
 def test_an_unreadable_lease_at_a_commit_is_agreed_not_raised_by_rank_0_alone(
         world_of_one: None, tmp_path: Path) -> None:
     """_settle 'must never raise on rank 0 alone' (the others wait in the broadcast). A

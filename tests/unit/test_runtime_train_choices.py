@@ -59,8 +59,9 @@ def masked_data(cfg: Any) -> DataSplits:
     def starts(tokens: np.ndarray) -> np.ndarray:
         return np.arange(len(tokens)) % 37 == 0
 
-    return dataclasses.replace(plain, train_targets=targets(plain.train), eval_targets=targets(plain.eval),
-                               train_starts=starts(plain.train), eval_starts=starts(plain.eval))
+    held = np.asarray(plain.eval)  # bytes: an array already
+    return dataclasses.replace(plain, train_targets=targets(plain.train), eval_targets=targets(held),
+                               train_starts=starts(plain.train), eval_starts=starts(held))
 
 
 def test_a_masked_step_is_the_mean_over_its_learnt_tokens(world_of_one: None) -> None:

@@ -94,6 +94,30 @@ def test_a_file_with_no_good_record_is_one_line(tmp_path: Path, tok_dir: Path, r
         load(tmp_path, tok_dir, records)
 
 
+def test_a_tokenizer_whose_ids_pass_the_models_vocab_size_is_one_line(tmp_path: Path, tok_dir: Path) -> None:
+    """The bound of a tokenizer's ids is its largest id + 1, not its count of entries: ids can
+    have gaps (its end token at 60,000 among 300 entries). A model of vocab_size 300 took
+    it (300 tokens, not more), and the first batch with that token failed in its embedding
+    (on a GPU: a device-side assert, at every restart). One line, as for too many tokens;
+    a model whose vocab_size holds the id trains on it."""
+    import shutil
+
+    gap = tmp_path / "gap"
+    shutil.copytree(tok_dir, gap)
+    saved = json.loads((gap / "tokenizer.json").read_text())
+    saved["model"]["vocab"]["<|eos|>"] = 60000
+    for added in saved["added_tokens"]:
+        if added["content"] == "<|eos|>":
+            added["id"] = 60000
+    (gap / "tokenizer.json").write_text(json.dumps(saved))
+    data = write(tmp_path / "data.jsonl", [{"prompt": "x = ", "completion": "1"}])
+    with pytest.raises(ValueError, match="the tokenizer's ids run to 60000, beyond the model's "
+                                         "vocab_size=300; use the model's own tokenizer") as err:
+        load_sft(Cfg(sft=str(data), tokenizer=str(gap)), 300)
+    assert "\n" not in str(err.value)
+    assert int(load_sft(Cfg(sft=str(data), tokenizer=str(gap)), 60001).train.max()) == 60000
+
+
 def test_no_tokenizer_or_file_is_one_line(tmp_path: Path) -> None:
     data = write(tmp_path / "d.jsonl", [{"prompt": "a", "completion": "b"}])
     with pytest.raises(ValueError, match="sft data needs a tokenizer: no tokenizer or init_from is set"):
