@@ -1,8 +1,10 @@
 """Before an attempt trains: can this node do its part, and can the run's storage take the
 run's writes? The two answers are kept apart: a node that fails its own check is bad (it
-is replaced, excluded, maybe drained), while storage that is full, over quota or
-read-only is the run's trouble, never a node's (measured before this split: a full run
-directory made every node fail its check, one drained per requeue until the run gave up).
+is replaced, excluded, maybe drained), while the run directory that takes no write is the
+run's trouble, never a node's, whatever the error (measured before this split: a full run
+directory made every node fail its check, one drained per requeue until the run gave up;
+and while only ENOSPC, EDQUOT and EROFS were the storage's, an EIO drained both nodes of a
+2-node job, and an EACCES left both launchers idle until the time limit).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,39 +38,68 @@ STORAGE_WORDS = {errno.ENOSPC: "is full", errno.EDQUOT: "is over its quota", err
 
 
 def storage_error(err: OSError, run_dir: Path) -> str:
-    """One line for a write the run directory refused: what is wrong with the storage."""
-    what = STORAGE_WORDS.get(err.errno or 0, f"takes no write ({err.strerror or err})")
+    """One line for a write the run directory refused: what is wrong with the storage, the
+    error named (EACCES, EIO...: what an admin searches for)."""
+    what = STORAGE_WORDS.get(err.errno or 0)
+    if what is None:
+        name = errno.errorcode.get(err.errno or 0, "")
+        what = f"takes no write ({name + ': ' if name else ''}{err.strerror or err})"
     return f"the run directory {run_dir} {what}"
 
 
 def is_storage_error(err: BaseException) -> bool:
+    """Full, over quota, read-only: no retry helps (any other error is tried again first)."""
     return isinstance(err, OSError) and err.errno in STORAGE_ERRNOS
 
 
 PROBE_TRIES = 3
-"""Tries of the run directory's write probe: a file server's blip (ESTALE, EIO) passes."""
+"""Tries of the run directory's write probe, a second apart: a file server's blip (ESTALE
+after a failover, an EIO while a client reconnects) passes; what persists is the storage's."""
+PROBE_WAIT_S = 60.0
+"""The longest the probe may take before the storage is called hung (a hard NFS mount whose
+server is gone blocks a write until it is back): the launcher beats meanwhile (a silent one
+would be taken for lost, its node blamed for the storage), and the decider, which waits
+`supervise.DOWN_TIMEOUT_S` for every node's word, hears it in time."""
 
 
-def storage_problem(run_dir: Path, need: int = 0, tries: int = PROBE_TRIES) -> tuple[str, str]:
+def storage_problem(run_dir: Path, need: int = 0, tries: int = PROBE_TRIES,
+                    waiting: Callable[[], None] = lambda: None, within: float = PROBE_WAIT_S) -> str:
     """Does the run directory take a write (a real one: permission bits say nothing on a
-    read-only mount or for root) and have `need` bytes free? (storage, node): what is wrong
-    with the run's storage (full, over quota, read-only: the run's trouble), and what is
-    wrong with this node's view of it (an error that persists through `tries`, such as a
-    stale mount: the node's); "" where nothing is."""
+    read-only mount or for root) and have `need` bytes free? What is wrong with the run's
+    storage; "" where nothing is. Any error that persists through `tries` is the storage's,
+    whatever its errno: the run directory is every node's, and nothing one node sees of it
+    makes that node bad (a stale mount on one node alone is rare; the decider names the
+    nodes that saw it, `Supervisor.decide`). `waiting`: called while the probe runs (the
+    launcher beats); a probe that takes over `within` is the storage hung."""
+    found: list[str] = []
+    probing = threading.Thread(target=lambda: found.append(_storage_problem(run_dir, need, tries)),
+                               name="hpcshard-probe", daemon=True)
+    probing.start()
+    deadline = time.monotonic() + within
+    while probing.is_alive():
+        waiting()
+        probing.join(0.2)
+        if probing.is_alive() and time.monotonic() > deadline:
+            return f"the run directory {run_dir} did not answer a write within {within:.0f} s (hung)"
+    return found[0] if found else f"the run directory {run_dir} could not be probed"
+
+
+def _storage_problem(run_dir: Path, need: int, tries: int) -> str:
     for attempt in range(tries):
         err = _probe(run_dir)
         if err is None:
             break
-        if is_storage_error(err):
-            return storage_error(err, run_dir), ""
-        if attempt + 1 == tries:
-            return "", f"{storage_error(err, run_dir)} from this node ({tries} tries)"
+        if is_storage_error(err) or attempt + 1 == tries:
+            return storage_error(err, run_dir) + ("" if is_storage_error(err) else f" ({tries} tries)")
         time.sleep(1.0)
-    free = shutil.disk_usage(run_dir).free
+    try:
+        free = shutil.disk_usage(run_dir).free
+    except OSError as err:
+        return storage_error(err, run_dir)
     if free < need:
         return (f"the run directory {run_dir} has {free / 1e9:.2f} GB free, less than the next "
-                f"checkpoint needs (about {need / 1e9:.2f} GB)"), ""
-    return "", ""
+                f"checkpoint needs (about {need / 1e9:.2f} GB)")
+    return ""
 
 
 def _probe(run_dir: Path) -> OSError | None:
@@ -88,8 +120,12 @@ def _probe(run_dir: Path) -> OSError | None:
 
 
 def next_checkpoint_bytes(run_dir: Path) -> int:
-    """Room for another checkpoint as big as the newest committed one (0: none yet)."""
-    newest = store.committed(run_dir / store.CHECKPOINTS)
+    """Room for another checkpoint as big as the newest committed one (0: none yet, or the
+    run directory cannot be listed: the probe says why)."""
+    try:
+        newest = store.committed(run_dir / store.CHECKPOINTS)
+    except OSError:
+        return 0
     return int(max((c.bytes for c in newest), default=0) * ROOM_FACTOR)
 
 
@@ -118,13 +154,14 @@ class Health:
 
 def check(run_dir: Path, *, leader: bool, ranks: int, command: str,
           waiting: Callable[[], None]) -> Health:
-    """The node's checks: the run directory takes a write (every node mounts it) and, on
-    the leader, has room for another checkpoint (the file system is shared: one look is
-    enough); memory is free, the GPUs answer (where nvidia-smi is), and the profile's
-    `health_check` command exits 0. `waiting`: called while a command runs (the launcher
-    beats: a check may take a minute, and a silent launcher is a lost one)."""
-    storage, mount = storage_problem(run_dir, next_checkpoint_bytes(run_dir) if leader else 0)
-    node = mount or memory_short() or gpus_short(ranks, waiting)
+    """The node's checks: the run directory takes a write (every node mounts it: what it
+    refuses is the storage's) and, on the leader, has room for another checkpoint (the file
+    system is shared: one look is enough); memory is free, the GPUs answer (where
+    nvidia-smi is), and the profile's `health_check` command exits 0. `waiting`: called
+    while a probe or command runs (the launcher beats: a check may take a minute, and a
+    silent launcher is a lost one)."""
+    storage = storage_problem(run_dir, next_checkpoint_bytes(run_dir) if leader else 0, waiting=waiting)
+    node = memory_short() or gpus_short(ranks, waiting)
     if not node and command:
         node = run_check(["bash", "-c", command], "the profile's health_check", run_dir, waiting)
     return Health(node=node, storage=storage)

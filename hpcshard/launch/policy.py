@@ -7,8 +7,9 @@ The rules, first match wins:
 
 1. Nodes that never reported their ranks down and are not lost: nothing is known of them;
    stop (nothing restarts with ranks that may still run).
-2. The run's storage is full, over quota or read-only: stop, blame no node (restarting or
-   requeueing would fail the same way; a drained node would not come back).
+2. The run's storage takes no write (full, over quota, read-only, or any error that
+   persisted through the probe's tries: EACCES, EIO, ESTALE...): stop, blame no node
+   (restarting or requeueing would fail the same way; a drained node would not come back).
 3. A stop notice came as well, or a node's launcher already ended on one: back through the
    queue, not restarted here. A node whose launcher ended because its ranks finished
    leaves nothing to restart with: stop. One whose launcher failed (its ranks with it)
@@ -70,7 +71,9 @@ class Facts:
     """Launchers that ended (their last heartbeat says so, with their exit code) instead of
     taking part: their ranks finished or stopped on a notice while another node failed."""
     bad: dict[int, str] = field(default_factory=dict)
-    """Every node declared bad in this attempt, and why (lost ones among them)."""
+    """Every node declared bad in this attempt, and why (lost ones among them): the ledger's
+    records and what the launchers said with their down records (a record the storage
+    refused is known all the same)."""
     noticed: bool = False
     """A stop notice (preemption, time limit) came before or during the fault."""
     bug: str = ""
@@ -81,7 +84,8 @@ class Facts:
     committed: int = 0
     """The newest committed step: where a restart resumes."""
     storage: str = ""
-    """Why the run's storage cannot take the run's writes (full, quota, read-only); "" if it can."""
+    """Why the run's storage cannot take the run's writes (full, quota, read-only, or an
+    error that persisted, named with its path); "" if it can."""
     max_restarts: int = 3
     no_progress_restarts: int = 2
 
@@ -143,7 +147,7 @@ def decide(f: Facts) -> Decision:
                        "their ranks down, nor went silent: nothing restarts while their ranks may still run")
     if f.storage:
         return replace(stop, code=STORAGE_EXIT, end=EndReason.STORAGE, reason=f"{f.storage}; no node is "
-                       "blamed: free space (or fix the mount), then hpcshard resume")
+                       "blamed: fix the storage (room, quota, permissions, the mount), then hpcshard resume")
     requeue = replace(stop, action=Action.REQUEUE, code=REQUEUE_EXIT)
     ended = {n: code for n, code in f.ended.items() if n in f.active}
     if REQUEUE_EXIT in ended.values():

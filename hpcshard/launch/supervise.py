@@ -34,7 +34,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hpcshard.launch import coord, exclusion, health, policy
 from hpcshard.launch.liveness import BEAT_S, LOST_S, UNHEARD_S, Peers
@@ -50,6 +50,8 @@ from hpcshard.rundir.spec import RunSpec
 
 __all__ = ["BEAT_S", "LOST_S", "UNHEARD_S", "Agent", "Fenced", "Roster", "Supervisor", "Watch",
            "children", "descendants", "send"]
+
+T = TypeVar("T")
 
 POLL_S = 0.2
 """How often a launcher looks at its board and for a declared fault (a fault or decision
@@ -104,6 +106,15 @@ def _fault(attempt: int, cycle: int, declared: dict[str, Any], culprit: dict[str
         # how long the culprit had been silent when a hang was declared; a crash is seen
         # within one look
         detect_s=declared.get("silent_s", POLL_S), collectives=collectives)
+
+
+def _readable(default: T, read: Callable[..., T], *args: Any) -> T:
+    """What `read` found in the run directory, or `default` where it could not be read (an
+    EIO, an expired ticket): the fault path reaches its decision all the same."""
+    try:
+        return read(*args)
+    except OSError:
+        return default
 
 
 def free_port() -> int:
@@ -211,6 +222,12 @@ class Supervisor:
         self.renewed = time.monotonic()
         self.storage = ""
         """Why the run directory refused this launcher's last write ("" once one lands)."""
+        self.unhealthy = ""
+        """Why this node failed its health check ("" if it did not): it trains in no cycle
+        of this attempt."""
+        self.declared: dict[int, str] = {}
+        """The nodes this launcher declared bad, and why: sent with its down record, so that
+        the decider knows them when the run directory refused their records (`decide`)."""
         self.newest = 0
         """The newest committed step the last decision named (`RankEnv.newest`)."""
         self.fault_seen: float | None = None
@@ -531,24 +548,21 @@ class Supervisor:
     def _run(self) -> int:
         self._open()
         self.beat()
-        cycle, unhealthy = 0, False
+        cycle = 0
         node = replace(self.node, nnodes=len(self.roster.active))
         found = health.check(self.run_dir, leader=self.me == self.roster.leader,
                              ranks=int(self.node.per_node), command=self.spec.health_check, waiting=self.beat)
         if found.storage:  # the run's trouble: nobody trains, no node is blamed
             print(f"hpcshard: node {self.me}: {found.storage}", file=sys.stderr, flush=True)
-            cause = {"cause": found.storage, "storage": found.storage, **self.where}
+            cause = {"cause": "the health check's write probe", "storage": found.storage, **self.where}
             self._try("its fault declaration", self.chan.declare_fault, self.ranks.attempt, 0,
                       cause)
             self.storage = found.storage
             return self.recover(0, Watch(code=STORAGE_EXIT, fault=self.chan.fault(
                 self.ranks.attempt, 0) or cause)).code
         if found.node:  # this node must not train: the decider replaces it or stops
-            unhealthy = True
+            self.unhealthy = found.node
             self._bad(0, self.me, self.where, f"health check: {found.node}")
-            if self.me in self.roster.active:  # (a spare that fails is simply never used)
-                self._try("its fault declaration", self.chan.declare_fault, self.ranks.attempt,
-                          0, {"cause": f"node {self.me} failed its health check: {found.node}", **self.where})
             name = self.where.get("slurm_node", self.where["host"])
             print(f"hpcshard: node {self.me} ({name}) failed its health check: {found.node}",
                   file=sys.stderr, flush=True)
@@ -556,7 +570,7 @@ class Supervisor:
             self.at_cycle = cycle
             if self.ending is not None:  # a cancel before the ranks started: none start
                 return 128 + self.ending
-            if self.me in self.roster.active and not unhealthy:
+            if self.me in self.roster.active and not self.unhealthy:
                 watch = self.cycle(replace(node, node_rank=self.order.index(self.me)), cycle)
             else:
                 watch = self.idle(cycle)
@@ -579,17 +593,34 @@ class Supervisor:
     def idle(self, cycle: int) -> Watch:
         """A launcher without ranks this cycle (a spare, or a node declared bad): alive and
         watching until a fault needs it (it takes part in the recovery, and may be given a
-        lost node's place) or every launcher with ranks has ended (it ends as they did)."""
+        lost node's place) or every launcher with ranks has ended (it ends as they did).
+        Bounded by the others' liveness: it waits only while a launcher with ranks beats.
+        One given ranks it cannot run (it failed its health check; the decider did not
+        know, its record refused by the storage) says so at once: its peers would wait for
+        its ranks, and with every node of the cycle unhealthy or a spare nobody declared
+        anything (both launchers idled until the time limit)."""
+        attempt = self.ranks.attempt
+        if self.unhealthy and self.me in self.roster.active:
+            self._try("its fault declaration", self.chan.declare_fault, attempt, cycle,
+                      {"cause": f"node {self.me} failed its health check: {self.unhealthy}", **self.where})
         while True:
             self.beat()
-            fault = self.chan.fault(self.ranks.attempt, cycle)
+            fault = self.chan.fault(attempt, cycle)
             if fault is not None:
                 self.fault_seen = time.monotonic()
                 return Watch(code=1, fault=fault)
-            beats = self.chan.beats(self.ranks.attempt, self.node.nnodes, self.roster.active)
+            beats = self.chan.beats(attempt, self.node.nnodes, self.roster.active)
             ended = [n for n in self.roster.active if "done" in beats.get(n, {})]
-            if ended and set(ended) | set(self.lost(self.roster.active)) >= set(self.roster.active):
+            lost = self.lost([n for n in self.roster.active if n not in ended])
+            if ended and set(ended) | set(lost) >= set(self.roster.active):
                 return Watch(code=int(beats[ended[0]]["done"]))
+            if lost and set(lost) >= set(self.roster.active):  # (nobody else is left to say so)
+                self._try("its fault declaration", self.chan.declare_fault, attempt, cycle,
+                          {**self.where, "noticed": self.noticed is not None, "lost": lost,
+                           "cause": f"node(s) {lost} lost: silent for {LOST_S:.0f} s"})
+                if (fault := self.chan.fault(attempt, cycle)) is not None:
+                    self.fault_seen = time.monotonic()
+                    return Watch(code=1, fault=fault)
             if self.ending is not None:
                 return Watch(code=0)
             self.chan.wait(POLL_S)
@@ -797,7 +828,7 @@ class Supervisor:
         """The runtime ended this cycle on purpose: a bad value (exit 2, one line), a
         non-finite loss (which stops the run) or storage that took no checkpoint. Not
         faults: a restart changes nothing."""
-        end = ledger.end_of(self.run_dir, self.ranks.attempt) or {}
+        end = _readable(None, ledger.end_of, self.run_dir, self.ranks.attempt) or {}
         return end.get("cycle", 0) == cycle and bool(
             end.get("user_error") or end.get("reason") in (EndReason.NONFINITE, EndReason.STORAGE))
 
@@ -808,14 +839,17 @@ class Supervisor:
         launcher's down record decides by itself: the run stops for it, whoever decides."""
         attempt = self.ranks.attempt
         if not self.storage:
-            # The down record goes to node 0's store, which a full run directory does not
-            # refuse: a write of its own says whether the storage was why the ranks failed
-            # (they stop with STORAGE_EXIT, which their agent reports as 1).
-            with contextlib.suppress(OSError):
-                self.storage = health.storage_problem(self.run_dir, tries=1)[0]
+            # The down record goes to node 0's store, which a run directory that refuses
+            # writes does not refuse: a write of its own says whether the storage was why
+            # the ranks failed (they stop with STORAGE_EXIT, which their agent reports as 1;
+            # or fail on an EACCES, an EIO), whatever the error, once it persists.
+            self.storage = health.storage_problem(self.run_dir, waiting=self.beat)
+        # The nodes it declared bad go with it: their records may be what the storage
+        # refused, and the decider must not give them ranks again (`decide`).
         down = {"host": self.where["host"], "dead": watch.dead, "reached": watch.reached,
                 "ranks": watch.ranks, "flight": watch.flight, "committed": self._seen_committed(),
-                **({"storage": self.storage} if self.storage else {})}
+                **({"storage": self.storage} if self.storage else {}),
+                **({"bad": {str(n): why for n, why in self.declared.items()}} if self.declared else {})}
         said = False
         for _ in range(DOWN_TRIES):  # (a file server's blip, ESTALE or EIO, is tried again)
             said = self._try("its down record", self.chan.mark_down, attempt, cycle, self.me,
@@ -825,7 +859,8 @@ class Supervisor:
             time.sleep(1.0)
         if not said and self.storage:
             return self._conclude(cycle, watch, policy.decide(Facts(
-                cycle=cycle, active=self.roster.active, storage=self.storage, committed=self._committed())))
+                cycle=cycle, active=self.roster.active, storage=self.storage,
+                committed=self._seen_committed())))
         deadline = time.monotonic() + DOWN_TIMEOUT_S + 30
         while True:
             self.beat()  # (first: one frozen here past the deadline is fenced, not failed)
@@ -880,8 +915,7 @@ class Supervisor:
                 break
             self.chan.wait(POLL_S, on_store=DOWN_LOOK_S)
         downs = self.chan.downs(attempt, cycle, self.node.nnodes)
-        storage = self.storage or next((d["storage"] for d in downs if d.get("storage")), "") or (
-            (watch.fault or {}).get("storage", ""))
+        storage = self._storage_seen(downs, watch)
         bad: dict[int, str] = {}
         noticed = self.noticed is not None or bool((watch.fault or {}).get("noticed"))
         judged: list[tuple[int, dict[str, Any], str]] = []
@@ -890,11 +924,12 @@ class Supervisor:
             judged = [(n, beats.get(n, {}), f"lost: its launcher was silent for {LOST_S:.0f} s")
                       for n in lost]
             # (after a notice the job goes back through the queue: stragglers are not judged)
-            judged += [] if noticed else exclusion.slow_nodes(self.run_dir, attempt, cycle, downs)
-            bad = {**exclusion.bad(self.run_dir, attempt), **{n: why for n, _, why in judged}}
+            judged += [] if noticed else _readable([], exclusion.slow_nodes, self.run_dir, attempt, cycle,
+                                                   downs)
+            bad = {**self._known_bad(downs), **{n: why for n, _, why in judged}}
         # The newest commit any node sees: the one whose rank 0 made it does at once, another
         # host's listing may not for NFS's directory cache (30-60 s).
-        committed = max([self._committed(), *(int(d.get("committed") or 0) for d in downs)])
+        committed = max([self._seen_committed(), *(int(d.get("committed") or 0) for d in downs)])
         facts = Facts(cycle=cycle, active=self.roster.active, spares=self.roster.spares,
                       min_nodes=self.spec.min_nodes, local=self.local,
                       lost=tuple(lost), unreported=tuple(n for n in missing if n not in lost),
@@ -918,6 +953,31 @@ class Supervisor:
         if serving is not None and (decided.coord_port != serving.port or decided.host != self._host()):
             serving.close()  # (another decider's decision stands, with its own store)
         return decided
+
+    def _storage_seen(self, downs: list[dict[str, Any]], watch: Watch) -> str:
+        """What the run's storage refused, as any node saw it (its own probe, a down
+        record, the fault's declaration): the run directory is every node's, so the run
+        stops whoever saw it, and no node is blamed. Seen by some of the nodes that
+        reported and not by the others (a stale mount on one node alone), the line says
+        which: for a person to look at, not for the run to judge (a probe that passed a
+        moment later proves nothing of the mount)."""
+        seen = {int(d["node"]): str(d["storage"]) for d in downs if d.get("storage")}
+        if self.storage:
+            seen[self.me] = self.storage
+        why = next(iter(seen.values()), "") or str((watch.fault or {}).get("storage", ""))
+        wrote = {int(d["node"]) for d in downs} - set(seen)
+        if seen and wrote:
+            why += f" (seen from node(s) {sorted(seen)}, not from {sorted(wrote)})"
+        return why
+
+    def _known_bad(self, downs: list[dict[str, Any]]) -> dict[int, str]:
+        """The nodes declared bad in this attempt, as the launchers know them: the ledger's
+        records, and what each launcher declared, sent with its down record and kept by
+        this one. A record the storage refused is known all the same (the decider used to
+        read the ledger only: with an unwritable run directory it gave both nodes of a job,
+        each failing its health check, ranks again, and both idled)."""
+        told = {int(n): str(why) for d in downs for n, why in (d.get("bad") or {}).items()}
+        return {**_readable({}, exclusion.bad, self.run_dir, self.ranks.attempt), **told, **self.declared}
 
     def _serve_anew(self) -> coord.Server | None:
         """A restart decided through the files (node 0's store was lost): this decider
@@ -1006,6 +1066,7 @@ class Supervisor:
         """A node this run must not use again (the ledger, and Slurm where asked to)."""
         self.beat()  # (a launcher stopped since its last beat must not judge before it knows)
         self.seen_bad.add(node)
+        self.declared[node] = reason
         self._try("a bad node's record", exclusion.declare_bad, self.run_dir, self.ranks.attempt, cycle,
                   node, where, reason, self.spec.bad_nodes == "drain")
 
@@ -1061,7 +1122,7 @@ class Supervisor:
                 saved_step=decided.committed))
 
     def _failures(self, cycle: int) -> list[dict[str, Any]]:
-        return [r for r in ledger.read(self.run_dir) if r.get("event") == "rank_failed"
+        return [r for r in _readable([], ledger.read, self.run_dir) if r.get("event") == "rank_failed"
                 and r.get("attempt") == self.ranks.attempt and r.get("cycle", 0) == cycle]
 
     def _failed_first(self, cycle: int) -> dict[str, Any] | None:
@@ -1081,7 +1142,7 @@ class Supervisor:
         """Restarts in a row so far after which the committed step did not move."""
         stalled = 0
         for c in range(cycle - 1, -1, -1):
-            before = self.chan.decision(self.ranks.attempt, c) or {}
+            before = _readable(None, self.chan.decision, self.ranks.attempt, c) or {}
             if before.get("committed") != committed:
                 break
             stalled += 1

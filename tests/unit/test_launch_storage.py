@@ -1,0 +1,201 @@
+"""Shared storage is never one node's fault (issue 42, defect 1), without processes: the run
+directory's write probe, errno by errno; the decider's facts when the run directory refused
+the launchers' records; and the waits of a launcher without ranks, each with its end.
+
+Before: any error of the probe other than ENOSPC, EDQUOT and EROFS that persisted was "from
+this node", and each launcher declared itself bad (drained) before anything was compared:
+an EIO drained both nodes of a 2-node job. With an EACCES the bad-node records could not
+be written, the decider (which read them from the ledger only) restarted both nodes, and
+both idled without ranks until the time limit."""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hpcshard.launch import health
+from hpcshard.launch.liveness import LOST_S, UNHEARD_S
+from hpcshard.launch.policy import Action
+from hpcshard.launch.supervise import Watch
+from hpcshard.rundir import launchers, ledger
+from hpcshard.rundir.rankenv import STORAGE_EXIT
+from tests.unit.test_launch_races import make_supervisor
+
+pytestmark = pytest.mark.unit
+
+E = errno
+# (name, what the probe's fsync raises in turn, what the storage is said to be (a pattern;
+# "": nothing wrong), how many writes the probe made)
+PROBES = [
+    ("a write that lands", [], "", 1),
+    ("one ESTALE passes: a file server's blip", [E.ESTALE], "", 2),
+    ("two EIOs, then a write: passes", [E.EIO, E.EIO], "", 3),
+    ("an EIO that persists is the storage's (a soft NFS mount, an evicted Lustre client)",
+     [E.EIO] * 3, r"^the run directory \S+ takes no write \(EIO: Input/output error\) \(3 tries\)$", 3),
+    ("an EACCES that persists is the storage's (a ticket expired, root squash)",
+     [E.EACCES] * 3, r"takes no write \(EACCES: Permission denied\) \(3 tries\)$", 3),
+    ("an ESTALE that persists is the storage's (a re-export)", [E.ESTALE] * 3,
+     r"takes no write \(ESTALE: Stale file handle\)", 3),
+    ("a FUSE or network client gone (ENOTCONN) is the storage's", [E.ENOTCONN] * 3,
+     r"takes no write \(ENOTCONN: ", 3),
+    ("full: at once, no retry helps", [E.ENOSPC], r"^the run directory \S+ is full$", 1),
+    ("over quota: at once", [E.EDQUOT], r"is over its quota$", 1),
+    ("read-only: at once", [E.EROFS], r"is read-only$", 1),
+]
+
+
+@pytest.mark.parametrize("name,raised,said,writes", PROBES, ids=[p[0] for p in PROBES])
+def test_every_error_of_the_probe_is_the_storages_and_never_the_nodes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, raised: list[int], said: str,
+        writes: int) -> None:
+    real, calls = os.fsync, []
+
+    def failing(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) <= len(raised):
+            code = raised[len(calls) - 1]
+            raise OSError(code, os.strerror(code))
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", failing)
+    monkeypatch.setattr(health.time, "sleep", lambda s: None)
+    found = health.check(tmp_path, leader=True, ranks=1, command="", waiting=lambda: None)
+    assert found.node == ""  # never the node's: no node is bad for the run directory
+    assert re.search(said, found.storage) if said else found.storage == "", found.storage
+    assert len(calls) == writes
+    assert not [p for p in (tmp_path / launchers.LAUNCH).iterdir() if "probe" in p.name]  # none left
+
+
+def test_a_probe_that_hangs_is_the_storage_hung_and_the_launcher_beats_meanwhile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A hard NFS mount whose server is gone blocks a write until it is back: a launcher
+    silent meanwhile is taken for lost, and its node blamed for the storage."""
+    release, beats = threading.Event(), []
+    monkeypatch.setattr(health, "_probe", lambda run_dir: release.wait(30) and None)
+    try:
+        said = health.storage_problem(tmp_path, waiting=lambda: beats.append(1), within=1.0)
+    finally:
+        release.set()
+    assert said == f"the run directory {tmp_path} did not answer a write within 1 s (hung)"
+    assert len(beats) >= 3
+
+
+def two_nodes_and_a_spare(tmp_path: Path) -> tuple[Any, Path]:
+    """Node 0 (the decider) of a job of two nodes and a spare (node 2), its run directory
+    coordinated through the files."""
+    run = tmp_path / "run"
+    sup = make_supervisor(run, owner="", node_rank=0, nnodes=3)
+    sup.roster = type(sup.roster)((0, 1), (2,))
+    (run / launchers.LAUNCH).mkdir()
+    return sup, run
+
+
+def unreadable(*_: Any) -> Any:
+    raise OSError(errno.EIO, "Input/output error")
+
+
+def test_a_bad_node_whose_record_the_storage_refused_gets_no_ranks_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 1 failed its health check; its bad-node record never reached the ledger, and
+    the ledger cannot even be read. Its down record says it: the spare takes its place
+    (before: `Facts.bad` came from the ledger alone, and the decider restarted node 1)."""
+    sup, run = two_nodes_and_a_spare(tmp_path)
+    launchers.mark_down(run, 0, 0, 0, {"dead": [], "reached": 0})
+    launchers.mark_down(run, 0, 0, 1, {"dead": [], "reached": 0,
+                                       "bad": {"1": "health check: nvidia-smi lists 0 GPU(s)"}})
+    launchers.mark_down(run, 0, 0, 2, {"dead": [], "reached": 0})
+    monkeypatch.setattr(ledger, "read", unreadable)
+    decided = sup.decide(0, Watch(code=1, fault={"cause": "node 1 failed its health check"}))
+    assert decided.action is Action.RESTART and decided.active == (0, 2) and decided.bad == (1,)
+    assert "health check: nvidia-smi lists 0 GPU(s)" in decided.reason
+
+
+def test_the_deciders_own_declarations_count_without_the_ledger(tmp_path: Path) -> None:
+    """The decider declared node 1 bad itself (a lost spare, its own failed check): what it
+    knows in memory is a fact, whatever the ledger holds."""
+    sup, run = two_nodes_and_a_spare(tmp_path)
+    sup.declared = {1: "health check: 1.0 GiB of 64 GiB memory available"}
+    for n in (0, 1, 2):
+        launchers.mark_down(run, 0, 0, n, {"dead": [], "reached": 0})
+    decided = sup.decide(0, Watch(code=1, fault={"cause": "x"}))
+    assert decided.active == (0, 2) and decided.bad == (1,)
+
+
+def test_storage_seen_from_one_node_stops_the_run_names_it_and_blames_nobody(tmp_path: Path) -> None:
+    """A stale mount on one node alone is rare, and a probe that passed a moment later on
+    another proves nothing: the run stops for its storage, and the line says who saw it."""
+    sup, run = two_nodes_and_a_spare(tmp_path)
+    eio = f"the run directory {run} takes no write (EIO: Input/output error) (3 tries)"
+    launchers.mark_down(run, 0, 0, 0, {"dead": [], "reached": 5})
+    launchers.mark_down(run, 0, 0, 1, {"dead": [], "reached": 5, "storage": eio})
+    launchers.mark_down(run, 0, 0, 2, {"dead": [], "reached": 0})
+    decided = sup.decide(0, Watch(code=1, fault={"cause": "rank 1 died"}))
+    assert (decided.action, decided.code, decided.end) == (Action.STOP, STORAGE_EXIT, "storage")
+    assert decided.reason.startswith(f"{eio} (seen from node(s) [1], not from [0, 2]); no node is blamed")
+    assert decided.bad == () and not ledger.bad_nodes(run)
+
+
+def idle_bounded(sup: Any, monkeypatch: pytest.MonkeyPatch, looks: int = 50) -> None:
+    """`idle` waits through `chan.wait`: past `looks` of them it would wait for good."""
+    waited = []
+
+    def wait(seconds: float, on_store: float | None = None) -> None:
+        waited.append(seconds)
+        if len(waited) > looks:
+            raise AssertionError(f"idle() still waiting after {looks} looks: no end in sight")
+
+    monkeypatch.setattr(sup.chan, "wait", wait)
+
+
+def test_a_node_given_ranks_it_cannot_run_declares_a_fault_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Node 1 failed its health check, and the decider (not knowing) gave it ranks in cycle
+    1: it declares a fault for that cycle instead of idling while its peers wait for its
+    ranks (with every node of the cycle like it, nobody declared anything, ever)."""
+    run = tmp_path / "run"
+    sup = make_supervisor(run, owner="", node_rank=1, nnodes=2)
+    (run / launchers.LAUNCH).mkdir()
+    sup.unhealthy = "nvidia-smi lists 0 GPU(s); this node runs 1 ranks"
+    launchers.beat(run, 0, 0, {"node": 0, "pid": 1, "seq": 1})
+    idle_bounded(sup, monkeypatch)
+    watch = sup.idle(1)
+    assert watch.fault is not None and watch.fault["cause"] == (
+        "node 1 failed its health check: nvidia-smi lists 0 GPU(s); this node runs 1 ranks")
+    assert launchers.fault(run, 0, 1) == watch.fault
+
+
+def test_a_spare_whose_active_nodes_are_all_lost_declares_them(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every launcher with ranks went silent (their nodes died at once): nobody but the
+    spare is left to declare it, and it waited for them for good."""
+    run = tmp_path / "run"
+    sup = make_supervisor(run, owner="", node_rank=2, nnodes=3)
+    sup.roster = type(sup.roster)((0, 1), (2,))
+    (run / launchers.LAUNCH).mkdir()
+    sup.peers.began -= UNHEARD_S + LOST_S + 1  # never heard of since: lost
+    sup.peers.heard_since -= UNHEARD_S + LOST_S + 1
+    idle_bounded(sup, monkeypatch)
+    watch = sup.idle(0)
+    assert watch.fault is not None and watch.fault["lost"] == [0, 1]
+    assert watch.fault["cause"] == f"node(s) [0, 1] lost: silent for {LOST_S:.0f} s"
+
+
+def test_a_spare_waits_while_a_node_with_ranks_beats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """...and not while one of them is alive (it trains: an idle spare may wait for days)."""
+    run = tmp_path / "run"
+    sup = make_supervisor(run, owner="", node_rank=2, nnodes=3)
+    sup.roster = type(sup.roster)((0, 1), (2,))
+    (run / launchers.LAUNCH).mkdir()
+    sup.peers.began -= UNHEARD_S + LOST_S + 1
+    sup.peers.heard_since -= UNHEARD_S + LOST_S + 1
+    launchers.beat(run, 0, 0, {"node": 0, "pid": 1, "seq": 1})
+    idle_bounded(sup, monkeypatch, looks=20)
+    with pytest.raises(AssertionError, match="still waiting"):
+        sup.idle(0)
+    assert launchers.fault(run, 0, 0) is None
