@@ -65,6 +65,11 @@ DOWN_TIMEOUT_S = 120.0
 """How long the decider waits for every node to report its ranks dead before it gives up."""
 DOWN_TRIES = 3
 """Tries of a launcher's down record that its storage refused for no lack of room."""
+WRITE_WAIT_S = 120.0
+"""The longest a launcher waits, beating, for one of its writes (`_try`): a ledger lock left
+by a holder on another host is broken after files.LOCK_STALE_S, and Slurm's drain gives up
+after slurm.client.TIMEOUT_S; a write still hanging after this is a hung mount, and the
+fault path goes on without it."""
 LINGER_S = 2 * LOST_S
 """How long node 0's store outlives its launcher's end for the others to end too."""
 COMMS_ERRORS = ("DistBackendError", "DistNetworkError", "DistError", "DistStoreError")
@@ -223,8 +228,9 @@ class Supervisor:
         self.storage = ""
         """Why the run directory refused this launcher's last write ("" once one lands)."""
         self.unhealthy = ""
-        """Why this node failed its health check ("" if it did not): it trains in no cycle
-        of this attempt."""
+        """Why this node must not train, as a phrase ("failed its health check: ..."; "" if
+        it may): it failed its health check, or the run declared it bad before. It trains
+        in no cycle of this attempt."""
         self.declared: dict[int, str] = {}
         """The nodes this launcher declared bad, and why: sent with its down record, so that
         the decider knows them when the run directory refused their records (`decide`)."""
@@ -286,9 +292,13 @@ class Supervisor:
         if beating:
             writing = threading.Thread(target=call, name="hpcshard-write", daemon=True)
             writing.start()
+            deadline = time.monotonic() + WRITE_WAIT_S
             while writing.is_alive():
                 self.beat()
                 writing.join(POLL_S)
+                if writing.is_alive() and time.monotonic() > deadline:  # (a hung mount: go on)
+                    failed.append(TimeoutError(f"no answer within {WRITE_WAIT_S:.0f} s (hung?)"))
+                    break
         else:
             call()
         if not failed:
@@ -296,7 +306,8 @@ class Supervisor:
             return True
         if not isinstance(failed[0], OSError):
             raise failed[0]
-        why = health.storage_error(failed[0], self.run_dir)
+        why = (f"the run directory {self.run_dir}: {failed[0]}" if isinstance(failed[0], TimeoutError)
+               else health.storage_error(failed[0], self.run_dir))
         if why != self.storage:
             print(f"hpcshard: node {self.me}: {what} could not be written: {why}", file=sys.stderr,
                   flush=True)
@@ -560,12 +571,7 @@ class Supervisor:
             self.storage = found.storage
             return self.recover(0, Watch(code=STORAGE_EXIT, fault=self.chan.fault(
                 self.ranks.attempt, 0) or cause)).code
-        if found.node:  # this node must not train: the decider replaces it or stops
-            self.unhealthy = found.node
-            self._bad(0, self.me, self.where, f"health check: {found.node}")
-            name = self.where.get("slurm_node", self.where["host"])
-            print(f"hpcshard: node {self.me} ({name}) failed its health check: {found.node}",
-                  file=sys.stderr, flush=True)
+        self._unfit(found.node)
         while True:
             self.at_cycle = cycle
             if self.ending is not None:  # a cancel before the ranks started: none start
@@ -590,6 +596,20 @@ class Supervisor:
             node = replace(self.node, nnodes=len(self.roster.active), rdzv_host=decided.host,
                            rdzv_port=decided.port, run_id=f"{self.node.run_id}-c{cycle}")
 
+    def _unfit(self, failed: str) -> None:
+        """Must this node sit the attempt out? It failed its health check (`failed`), or the
+        run declared its Slurm node bad before and the job was placed on it again
+        (`exclusion.declared_before`). Then it is bad (the ledger, a drain where asked),
+        and it never trains in this attempt: the decider gives its place to a spare, or
+        goes on without it; given ranks all the same, it declares a fault (`idle`)."""
+        again = "" if failed else exclusion.declared_before(self.run_dir, self.where.get("slurm_node", ""))
+        if not (failed or again):
+            return
+        self.unhealthy = f"failed its health check: {failed}" if failed else f"must not train: {again}"
+        self._bad(0, self.me, self.where, f"health check: {failed}" if failed else again)
+        name = self.where.get("slurm_node", self.where["host"])
+        print(f"hpcshard: node {self.me} ({name}) {self.unhealthy}", file=sys.stderr, flush=True)
+
     def idle(self, cycle: int) -> Watch:
         """A launcher without ranks this cycle (a spare, or a node declared bad): alive and
         watching until a fault needs it (it takes part in the recovery, and may be given a
@@ -602,7 +622,7 @@ class Supervisor:
         attempt = self.ranks.attempt
         if self.unhealthy and self.me in self.roster.active:
             self._try("its fault declaration", self.chan.declare_fault, attempt, cycle,
-                      {"cause": f"node {self.me} failed its health check: {self.unhealthy}", **self.where})
+                      {"cause": f"node {self.me} {self.unhealthy}", **self.where})
         while True:
             self.beat()
             fault = self.chan.fault(attempt, cycle)

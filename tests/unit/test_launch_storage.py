@@ -161,7 +161,7 @@ def test_a_node_given_ranks_it_cannot_run_declares_a_fault_at_once(
     run = tmp_path / "run"
     sup = make_supervisor(run, owner="", node_rank=1, nnodes=2)
     (run / launchers.LAUNCH).mkdir()
-    sup.unhealthy = "nvidia-smi lists 0 GPU(s); this node runs 1 ranks"
+    sup.unhealthy = "failed its health check: nvidia-smi lists 0 GPU(s); this node runs 1 ranks"
     launchers.beat(run, 0, 0, {"node": 0, "pid": 1, "seq": 1})
     idle_bounded(sup, monkeypatch)
     watch = sup.idle(1)
@@ -199,3 +199,22 @@ def test_a_spare_waits_while_a_node_with_ranks_beats(tmp_path: Path, monkeypatch
     with pytest.raises(AssertionError, match="still waiting"):
         sup.idle(0)
     assert launchers.fault(run, 0, 0) is None
+
+
+def test_a_write_that_hangs_is_given_up_and_the_launcher_beats_meanwhile(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A record written on a hung mount (a hard NFS mount whose server is gone) held the
+    fault path for as long as the mount hung: every wait has a bound."""
+    from hpcshard.launch import supervise
+
+    run = tmp_path / "run"
+    sup = make_supervisor(run, owner="", node_rank=0, nnodes=1)
+    monkeypatch.setattr(supervise, "WRITE_WAIT_S", 0.5, raising=False)
+    beats: list[int] = []
+    monkeypatch.setattr(sup, "beat", lambda *_, **__: beats.append(1))
+    hung, said = threading.Event(), []
+    writing = threading.Thread(target=lambda: said.append(sup._try("the fault's record", hung.wait, 30)))
+    writing.start()
+    writing.join(10)
+    hung.set()
+    assert said == [False] and len(beats) >= 2
