@@ -242,12 +242,15 @@ def main(argv: list[str] | None = None) -> int:
     if not holds(cluster.show_job(job_id, timeout=30), down.split(",") if down else []):
         return 0
     if down:
+        why = cluster.shared(down.split(","), job_id)  # (a DOWN ends every job on the node)
         try:
-            cluster.drain(down, reason, "DOWN")
-            return 0
+            if not why:
+                cluster.drain(down, reason, "DOWN")
+                return 0
         except cluster.SlurmError as err:
-            print(f"hpcshard: {down} not set DOWN ({err}); cancelling step {job_id}.{step}",
-                  file=sys.stderr, flush=True)
+            why = str(err)
+        print(f"hpcshard: {down} not set DOWN ({why}); cancelling step {job_id}.{step}",
+              file=sys.stderr, flush=True)
     try:
         cluster.end_step(job_id, step)
     except cluster.SlurmError as err:

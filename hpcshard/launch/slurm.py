@@ -298,7 +298,7 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
         if orphan:
             _end_orphan(run, slurm, attempt, orphan)
         if client:
-            _down_lost(run, spec, attempt)
+            _down_lost(run, spec, attempt, slurm.job_id)
         else:
             _leave_to_host(run, spec, attempt, left)
     elif code != REQUEUE_EXIT and not client and launchers.claim(run, f"host-{attempt}"):
@@ -399,7 +399,7 @@ def _end_orphan(run: Path, slurm: SlurmEnv, attempt: int, batch: str) -> None:
         cluster.scancel(slurm.ref)
 
 
-def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:
+def _down_lost(run: Path, spec: RunSpec, attempt: int, job_id: str) -> None:
     """After the job is sent on: the nodes this attempt lost are frozen or dead, and a job
     with a task on one stays COMPLETING (its requeue held, its continuation waiting) until
     Slurm marks the node DOWN after SlurmdTimeout (300 s by default; measured here: 380 to
@@ -407,11 +407,18 @@ def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:
     later (measured). Not while the run trains: DOWN kills the whole job step, the healthy
     nodes' tasks included (srun exits 137). A job that is not requeued (the run done on a
     spare, continued in another job, given up) is released by `launch.release`, once its
-    launchers have exited."""
+    launchers have exited. Never a node another job runs on too: a DOWN ends every job on
+    it, other users' where the job shares its nodes (`cluster.shared`)."""
     if spec.bad_nodes != "drain":
         return
     lost = sorted({r["slurm_node"] for r in ledger.bad_nodes(run, attempt, lost=True) if r.get("slurm_node")})
     if not lost:
+        return
+    shared = cluster.shared(lost, job_id)
+    if shared:
+        why = f"not set DOWN: {shared}; Slurm marks them DOWN itself after SlurmdTimeout"
+        ledger.append(run, events.NodeDown(attempt=attempt, slurm_node=",".join(lost), error=why))
+        print(f"hpcshard: lost node(s) {','.join(lost)} {why}", file=sys.stderr, flush=True)
         return
     # Recorded first and in one call: marking a node of this job DOWN kills this very
     # launcher (the whole step), so nothing after it runs (one call per node downed one).

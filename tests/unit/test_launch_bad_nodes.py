@@ -48,3 +48,33 @@ def test_a_node_declared_bad_before_never_trains_when_the_job_lands_on_it_again(
         "on it again")
     (fault,) = [r for r in ledger.read(tmp_path) if r["event"] == "fault"]
     assert "requeued without them" in fault["reason"]
+
+
+@pytest.mark.parametrize("squeue, down", [
+    ("echo 12\n", True),  # the job alone on its lost node: DOWN ends the wait at once
+    ("echo 12; echo 345\n", False),  # another job there too (no --exclusive): a DOWN would end it
+    ("exit 1\n", False),  # Slurm does not say: not known, so no
+], ids=["alone", "shared", "no-answer"])
+def test_a_lost_node_is_set_down_after_a_requeue_only_where_no_other_job_runs(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, squeue: str, down: bool) -> None:
+    """`bad_nodes = drain`: after the requeue the launcher set the attempt's lost nodes DOWN
+    (the job's requeue waits for them otherwise), and Slurm fails every job on a DOWN node:
+    on an allocation without --exclusive, other users' jobs on that node too."""
+    from hpcshard.launch import exclusion
+    from hpcshard.launch import slurm as launch_slurm
+    from tests.unit.test_launch_release import fake_slurm
+
+    env, called = fake_slurm(tmp_path, squeue=squeue)
+    monkeypatch.setenv("PATH", env["PATH"])
+    run = tmp_path / "run"
+    run.mkdir()
+    exclusion.declare_bad(run, 0, 0, 1, {"host": "h2", "slurm_node": "n2"}, "lost: silent", drain=False)
+    spec = type("Spec", (), {"bad_nodes": "drain"})()
+    launch_slurm._down_lost(run, spec, 0, "12")  # type: ignore[arg-type]
+    asked = called.read_text().splitlines()
+    assert asked[0] == "squeue -h -t R,S,CG -w n2 -o %A"
+    assert ("scontrol update NodeName=n2 State=DOWN Reason=hpcshard run: lost: silent" in asked) is down
+    (record,) = [r for r in ledger.read(run) if r["event"] == "node_down"]
+    assert ("error" not in record) is down
+    if not down:
+        assert record["error"].startswith("not set DOWN: ") and "SlurmdTimeout" in record["error"]

@@ -161,13 +161,14 @@ def test_one_launcher_leaves_the_release_to_a_helper_once_the_others_ended(
     assert len(did) == 2
 
 
-def fake_slurm(tmp_path: Path, scontrol: str = "") -> tuple[dict[str, str], Path]:
-    """scancel and scontrol first on PATH, each writing its arguments to CALLED."""
+def fake_slurm(tmp_path: Path, scontrol: str = "", squeue: str = "echo 77\n") -> tuple[dict[str, str], Path]:
+    """scancel, scontrol and squeue first on PATH, each writing its arguments to CALLED
+    (squeue: this job alone runs on the nodes asked of it)."""
     import os
 
     bin_dir, called = tmp_path / "bin", tmp_path / "called"
     bin_dir.mkdir()
-    for name, body in (("scancel", ""), ("scontrol", scontrol)):
+    for name, body in (("scancel", ""), ("scontrol", scontrol), ("squeue", squeue)):
         (bin_dir / name).write_text(f'#!/bin/sh\necho "{name} $*" >> {called}\n{body}')
         (bin_dir / name).chmod(0o755)
     return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}, called
@@ -193,19 +194,28 @@ def test_the_helper_acts_only_after_the_launcher_has_exited(tmp_path: Path) -> N
         time.sleep(0.1)
     time.sleep(0.5)
     acted = [c for c in called.read_text().splitlines() if not c.startswith("scontrol show job")]
-    assert acted == ["scontrol update NodeName=n2 State=DOWN Reason=why"]  # (asked first: `holds`)
+    assert acted == [ALONE, "scontrol update NodeName=n2 State=DOWN Reason=why"]  # (asked first: `holds`)
 
 
-@pytest.mark.parametrize("nodes,scontrol,calls", [
-    ("", "", ["scancel 77.0"]),
-    ("n2", 'echo "Access/permission denied" >&2; exit 1\n', [
-        "scontrol update NodeName=n2 State=DOWN Reason=why", "scancel 77.0"]),  # not an operator
-])
+ALONE = "squeue -h -t R,S,CG -w n2 -o %A"
+"""Asked before a DOWN: which jobs run on the node (a DOWN ends every one of them)."""
+
+
+@pytest.mark.parametrize("nodes,scontrol,squeue,calls", [
+    ("", "", "", ["scancel 77.0"]),
+    ("n2", 'echo "Access/permission denied" >&2; exit 1\n', "echo 77\n", [
+        ALONE, "scontrol update NodeName=n2 State=DOWN Reason=why", "scancel 77.0"]),  # not an operator
+    # Another job runs on the node too (no --exclusive): a DOWN would end it. Or Slurm does
+    # not say: the same (the node is left to Slurm's SlurmdTimeout).
+    ("n2", "", "echo 77; echo 88\n", [ALONE, "scancel 77.0"]),
+    ("n2", "", "exit 1\n", [ALONE, "scancel 77.0"]),
+], ids=["no-node", "refused", "shared", "no-answer"])
 def test_a_step_is_cancelled_when_no_node_may_be_set_down(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nodes: str, scontrol: str, calls: list[str]) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nodes: str, scontrol: str, squeue: str,
+        calls: list[str]) -> None:
     import io
 
-    env, called = fake_slurm(tmp_path, scontrol)
+    env, called = fake_slurm(tmp_path, scontrol, squeue)
     monkeypatch.setenv("PATH", env["PATH"])
     monkeypatch.setattr(release, "AFTER_EXIT_S", 0)
     monkeypatch.setattr("sys.stdin", io.TextIOWrapper(io.BytesIO(b"")))
