@@ -1142,7 +1142,8 @@ class Supervisor:
                 saved_step=decided.committed))
 
     def _failures(self, cycle: int) -> list[dict[str, Any]]:
-        return [r for r in _readable([], ledger.read, self.run_dir) if r.get("event") == "rank_failed"
+        records: list[dict[str, Any]] = _readable([], ledger.read, self.run_dir)
+        return [r for r in records if r.get("event") == "rank_failed"
                 and r.get("attempt") == self.ranks.attempt and r.get("cycle", 0) == cycle]
 
     def _failed_first(self, cycle: int) -> dict[str, Any] | None:
