@@ -2,7 +2,8 @@
 records; later jobs of the run exclude them in Slurm), and, where the profile says
 `bad_nodes = drain` and the user may, Slurm is told too (an admin reads why in `sinfo -R`).
 Only a node's own trouble makes it bad: lost (silent), a failed health check, a straggler
-or a node with every link slow. Never storage (see `launch.health`)."""
+or a node with every link slow (and a node declared bad before that the job lands on
+again). Never storage, whatever the error (see `launch.health`)."""
 
 from __future__ import annotations
 

@@ -18,8 +18,9 @@ the reader's clock), `launch.health` (node and storage checks), `launch.exclusio
 nodes), `launch.procs` (the node's processes), `launch.policy` (the decision).
 
 Writes to the run directory on the fault path are tried, never trusted: on a full disk
-(or one that went read-only) the launcher still kills its ranks first, says what it can,
-and the run stops for its storage, with no node blamed.
+(or one that went read-only, or refuses writes with any error: EACCES, EIO) the launcher
+still kills its ranks first, says what it can, and the run stops for its storage, with no
+node blamed; the decision is reached through node 0's store, whatever the disk does.
 """
 
 from __future__ import annotations
