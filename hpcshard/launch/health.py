@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO
 
@@ -62,15 +63,18 @@ would be taken for lost, its node blamed for the storage), and the decider, whic
 `supervise.DOWN_TIMEOUT_S` for every node's word, hears it in time."""
 
 
-def storage_problem(run_dir: Path, need: int = 0, tries: int = PROBE_TRIES,
-                    waiting: Callable[[], None] = lambda: None, within: float = PROBE_WAIT_S) -> str:
+def storage_problem(run_dir: Path, need: int | Callable[[], int] = 0, tries: int = PROBE_TRIES,
+                    waiting: Callable[[], None] = lambda: None, within: float | None = None) -> str:
     """Does the run directory take a write (a real one: permission bits say nothing on a
     read-only mount or for root) and have `need` bytes free? What is wrong with the run's
     storage; "" where nothing is. Any error that persists through `tries` is the storage's,
     whatever its errno: the run directory is every node's, and nothing one node sees of it
     makes that node bad (a stale mount on one node alone is rare; the decider names the
-    nodes that saw it, `Supervisor.decide`). `waiting`: called while the probe runs (the
-    launcher beats); a probe that takes over `within` is the storage hung."""
+    nodes that saw it, `Supervisor.decide`). `need`: bytes, or what sizes them once the
+    write landed (a listing of the checkpoints, which a hung mount hangs too: it runs
+    inside the probe's bound). `waiting`: called while the probe runs (the launcher
+    beats); a probe that takes over `within` (PROBE_WAIT_S) is the storage hung."""
+    within = PROBE_WAIT_S if within is None else within
     found: list[str] = []
     probing = threading.Thread(target=lambda: found.append(_storage_problem(run_dir, need, tries)),
                                name="hpcshard-probe", daemon=True)
@@ -84,7 +88,7 @@ def storage_problem(run_dir: Path, need: int = 0, tries: int = PROBE_TRIES,
     return found[0] if found else f"the run directory {run_dir} could not be probed"
 
 
-def _storage_problem(run_dir: Path, need: int, tries: int) -> str:
+def _storage_problem(run_dir: Path, need: int | Callable[[], int], tries: int) -> str:
     for attempt in range(tries):
         err = _probe(run_dir)
         if err is None:
@@ -92,13 +96,14 @@ def _storage_problem(run_dir: Path, need: int, tries: int) -> str:
         if is_storage_error(err) or attempt + 1 == tries:
             return storage_error(err, run_dir) + ("" if is_storage_error(err) else f" ({tries} tries)")
         time.sleep(1.0)
+    room = need() if callable(need) else need
     try:
         free = shutil.disk_usage(run_dir).free
     except OSError as err:
         return storage_error(err, run_dir)
-    if free < need:
+    if free < room:
         return (f"the run directory {run_dir} has {free / 1e9:.2f} GB free, less than the next "
-                f"checkpoint needs (about {need / 1e9:.2f} GB)")
+                f"checkpoint needs (about {room / 1e9:.2f} GB)")
     return ""
 
 
@@ -160,7 +165,8 @@ def check(run_dir: Path, *, leader: bool, ranks: int, command: str,
     nvidia-smi is), and the profile's `health_check` command exits 0. `waiting`: called
     while a probe or command runs (the launcher beats: a check may take a minute, and a
     silent launcher is a lost one)."""
-    storage = storage_problem(run_dir, next_checkpoint_bytes(run_dir) if leader else 0, waiting=waiting)
+    storage = storage_problem(run_dir, partial(next_checkpoint_bytes, run_dir) if leader else 0,
+                              waiting=waiting)
     node = memory_short() or gpus_short(ranks, waiting)
     if not node and command:
         node = run_check(["bash", "-c", command], "the profile's health_check", run_dir, waiting)

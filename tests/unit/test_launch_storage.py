@@ -23,7 +23,7 @@ from hpcshard.launch import health
 from hpcshard.launch.liveness import LOST_S, UNHEARD_S
 from hpcshard.launch.policy import Action
 from hpcshard.launch.supervise import Watch
-from hpcshard.rundir import launchers, ledger
+from hpcshard.rundir import launchers, ledger, store
 from hpcshard.rundir.rankenv import STORAGE_EXIT
 from tests.unit.test_launch_races import make_supervisor
 
@@ -83,6 +83,27 @@ def test_a_probe_that_hangs_is_the_storage_hung_and_the_launcher_beats_meanwhile
     finally:
         release.set()
     assert said == f"the run directory {tmp_path} did not answer a write within 1 s (hung)"
+    assert len(beats) >= 3
+
+
+def test_the_leaders_listing_of_the_checkpoints_is_inside_the_probes_bound(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The leader sizes the next checkpoint from a listing of the committed ones, which a
+    hung mount hangs too (a stat of a file on a Lustre OST that is gone, a hard NFS mount):
+    that listing was made before the bounded probe started, and the leader was silent for
+    as long as it hung (its peers, whose probes passed, would take node 0 for lost)."""
+    listing = threading.Event()
+    monkeypatch.setattr(store, "committed", lambda path: listing.wait(30) and [])
+    monkeypatch.setattr(health, "PROBE_WAIT_S", 1.0)
+    beats: list[int] = []
+    found: list[health.Health] = []
+    checking = threading.Thread(target=lambda: found.append(health.check(
+        tmp_path, leader=True, ranks=1, command="", waiting=lambda: beats.append(1))), daemon=True)
+    checking.start()
+    checking.join(10)
+    listing.set()
+    assert found, "the leader's health check hung with the listing"
+    assert found[0].storage == f"the run directory {tmp_path} did not answer a write within 1 s (hung)"
     assert len(beats) >= 3
 
 
