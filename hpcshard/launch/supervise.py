@@ -71,6 +71,15 @@ WRITE_WAIT_S = 120.0
 by a holder on another host is broken after files.LOCK_STALE_S, and Slurm's drain gives up
 after slurm.client.TIMEOUT_S; a write still hanging after this is a hung mount, and the
 fault path goes on without it."""
+ALL_LOST_S = 30.0
+"""How long every launcher with ranks must have been silent before a spare declares them
+lost (nobody else is left to say so: `idle`). Longer than the LOST_S they watch each other
+by: a silence of all of them at once is more often one starvation of them all (a save, a
+swap storm; each comes back and goes on, `_stood_still`) than all their nodes dead, and a
+spare on node 0's store hears the others through it (node 0 lost, their beats stop there
+LOST_S before the spare finds the store silent and moves to the standby, where they show
+up). Declared at LOST_S, the spare's fault named healthy nodes lost, and the spare, the
+decider then, declared them bad (drained)."""
 LINGER_S = 2 * LOST_S
 """How long node 0's store outlives its launcher's end for the others to end too."""
 COMMS_ERRORS = ("DistBackendError", "DistNetworkError", "DistError", "DistStoreError")
@@ -635,10 +644,11 @@ class Supervisor:
             lost = self.lost([n for n in self.roster.active if n not in ended])
             if ended and set(ended) | set(lost) >= set(self.roster.active):
                 return Watch(code=int(beats[ended[0]]["done"]))
-            if lost and set(lost) >= set(self.roster.active):  # (nobody else is left to say so)
+            if (lost and set(lost) >= set(self.roster.active)  # (nobody else is left to say so)
+                    and set(self.peers.lost(lost, beats, after=ALL_LOST_S)) >= set(lost)):
                 self._try("its fault declaration", self.chan.declare_fault, attempt, cycle,
                           {**self.where, "noticed": self.noticed is not None, "lost": lost,
-                           "cause": f"node(s) {lost} lost: silent for {LOST_S:.0f} s"})
+                           "cause": f"node(s) {lost} lost: silent for {ALL_LOST_S:.0f} s"})
                 if (fault := self.chan.fault(attempt, cycle)) is not None:
                     self.fault_seen = time.monotonic()
                     return Watch(code=1, fault=fault)

@@ -14,6 +14,7 @@ import errno
 import os
 import re
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import pytest
 from hpcshard.launch import health
 from hpcshard.launch.liveness import LOST_S, UNHEARD_S
 from hpcshard.launch.policy import Action
-from hpcshard.launch.supervise import Watch
+from hpcshard.launch.supervise import ALL_LOST_S, Watch
 from hpcshard.rundir import launchers, ledger, store
 from hpcshard.rundir.rankenv import STORAGE_EXIT
 from tests.unit.test_launch_races import make_supervisor
@@ -199,12 +200,32 @@ def test_a_spare_whose_active_nodes_are_all_lost_declares_them(
     sup = make_supervisor(run, owner="", node_rank=2, nnodes=3)
     sup.roster = type(sup.roster)((0, 1), (2,))
     (run / launchers.LAUNCH).mkdir()
-    sup.peers.began -= UNHEARD_S + LOST_S + 1  # never heard of since: lost
-    sup.peers.heard_since -= UNHEARD_S + LOST_S + 1
+    sup.peers.began -= UNHEARD_S + ALL_LOST_S + 1  # never heard of since: lost
+    sup.peers.heard_since -= UNHEARD_S + ALL_LOST_S + 1
     idle_bounded(sup, monkeypatch)
     watch = sup.idle(0)
     assert watch.fault is not None and watch.fault["lost"] == [0, 1]
-    assert watch.fault["cause"] == f"node(s) [0, 1] lost: silent for {LOST_S:.0f} s"
+    assert watch.fault["cause"] == f"node(s) [0, 1] lost: silent for {ALL_LOST_S:.0f} s"
+
+
+def test_a_spare_does_not_take_launchers_silent_together_for_lost_seconds_for_lost(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both launchers with ranks beat last LOST_S + 1 s ago: starved together (a save, a
+    swap storm; each comes back, `_stood_still`), or heard through node 0's store that
+    was just lost (the spare moves to the standby a beat later, and hears node 1 there).
+    The spare declared both lost at LOST_S and, the decider then, drained both."""
+    run = tmp_path / "run"
+    sup = make_supervisor(run, owner="", node_rank=2, nnodes=3)
+    sup.roster = type(sup.roster)((0, 1), (2,))
+    (run / launchers.LAUNCH).mkdir()
+    for n in (0, 1):
+        launchers.beat(run, 0, n, {"node": n, "pid": 100 + n, "seq": 7})
+    sup.peers.heard_since -= LOST_S + 2
+    sup.peers.observe(launchers.beats(run, 0, 3), now=time.monotonic() - LOST_S - 1)
+    idle_bounded(sup, monkeypatch, looks=20)
+    with pytest.raises(AssertionError, match="still waiting"):
+        sup.idle(0)
+    assert launchers.fault(run, 0, 0) is None
 
 
 def test_a_spare_waits_while_a_node_with_ranks_beats(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
