@@ -320,7 +320,7 @@ def test_a_watching_batch_script_gets_the_release_client_or_not(
                                                                   "hpcshard run: lost: silent")
     assert helpers == []
     (cancel,) = [r for r in ledger.read(run) if r["event"] == "cancel"]
-    assert "by the batch script" in cancel["reason"]
+    assert "the batch script is asked" in cancel["reason"]
 
 
 @pytest.mark.parametrize("client, helper", [(True, ["77 0 n2 hpcshard run: lost: silent"]), (False, [])])
@@ -352,7 +352,7 @@ def test_a_release_the_script_cannot_be_given_falls_back_to_the_helper(
     release.release(run, env, 0, down=True)
     assert helpers == ["77 0 n2 hpcshard run: lost: silent"]
     (cancel,) = [r for r in ledger.read(run) if r["event"] == "cancel"]
-    assert "by a helper" in cancel["reason"]
+    assert "a helper left by this launcher is asked" in cancel["reason"]
 
 
 def test_the_release_carries_the_jobs_exit_code_from_the_records_that_closed_the_attempt(
