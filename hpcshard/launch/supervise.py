@@ -639,9 +639,8 @@ class Supervisor:
             if fault is not None:
                 self.fault_seen = time.monotonic()
                 return Watch(code=1, fault=fault)
-            beats = self.chan.beats(attempt, self.node.nnodes, self.roster.active)
+            lost, beats = self._look(self.roster.active)  # (one read of the heartbeats; none that ended)
             ended = [n for n in self.roster.active if "done" in beats.get(n, {})]
-            lost = self.lost([n for n in self.roster.active if n not in ended])
             if ended and set(ended) | set(lost) >= set(self.roster.active):
                 return Watch(code=int(beats[ended[0]]["done"]))
             if (lost and set(lost) >= set(self.roster.active)  # (nobody else is left to say so)
