@@ -684,7 +684,7 @@ def _report(run_dir: Path, code: int, end: dict[str, Any], backend: backends.Bac
         return
     if code == STORAGE_EXIT:  # what is full and what to do (the end record may not have landed)
         click.echo(end.get("how") or f"stopped: the run directory {run_dir} refused its writes "
-                   "(full, over quota or read-only); free space, then hpcshard resume")
+                   "(the launchers' line above says how); fix the storage, then hpcshard resume")
     metrics = run_dir / METRICS  # a script writes none
     outcome = "finished" if code == 0 else f"{'stopped' if code == STORAGE_EXIT else 'failed'} (exit {code})"
     click.echo(f"{outcome}: " + (f"metrics in {metrics}, " if metrics.exists() else "")

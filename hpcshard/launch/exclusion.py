@@ -2,7 +2,8 @@
 records; later jobs of the run exclude them in Slurm), and, where the profile says
 `bad_nodes = drain` and the user may, Slurm is told too (an admin reads why in `sinfo -R`).
 Only a node's own trouble makes it bad: lost (silent), a failed health check, a straggler
-or a node with every link slow. Never storage (see `launch.health`)."""
+or a node with every link slow (and a node declared bad before that the job lands on
+again). Never storage, whatever the error (see `launch.health`)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,24 @@ def declare_bad(run_dir: Path, attempt: int, cycle: int, node: int, where: dict[
         attempt=attempt, cycle=cycle, node=node, host=where.get("host", events.UNSET),
         slurm_node=where.get("slurm_node", events.UNSET), reason=reason, drained=drained,
         drain_error=drain_error))
+
+
+def declared_before(run_dir: Path, slurm_node: str) -> str:
+    """Why the run declared this Slurm node bad before ("" if it never did, or the ledger
+    cannot be read). A job may be placed on such a node again: Slurm refused the requeue's
+    `ExcNodeList` update (`cluster.requeue` then releases the job with the nodes it had),
+    or a drain was refused and the job was requeued by hand. The node sits this attempt
+    out like one that fails its health check (a spare, fewer nodes, or the queue again)."""
+    if not slurm_node:
+        return ""
+    try:
+        found = [r for r in ledger.bad_nodes(run_dir) if r.get("slurm_node") == slurm_node]
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    return (f"{slurm_node} was declared bad in attempt {found[-1]['attempt']} ({found[-1]['reason']}) "
+            "and the job was placed on it again")
 
 
 def bad(run_dir: Path, attempt: int) -> dict[int, str]:

@@ -42,14 +42,16 @@ class Peers:
                 self.seen[node] = (mark, now)
 
     def lost(self, nodes: list[int] | tuple[int, ...], beats: dict[int, dict[str, Any]],
-             now: float | None = None) -> list[int]:
+             now: float | None = None, after: float = LOST_S) -> list[int]:
         """Which of `nodes` are lost: a heartbeat that has not moved for LOST_S (never seen:
-        UNHEARD_S after this launcher began). One that said it ended ("done") is not."""
+        UNHEARD_S after this launcher began), or for `after` where a longer silence is asked
+        for (graces and the never seen lengthened as much). One that said it ended ("done")
+        is not."""
         now = time.monotonic() if now is None else now
         self.observe(beats, now)
         unheard = self.began + UNHEARD_S - LOST_S
         return [n for n in nodes if "done" not in beats.get(n, {})
-                and now - max(self.seen.get(n, (None, unheard))[1], self.heard_since) > LOST_S]
+                and now - max(self.seen.get(n, (None, unheard))[1], self.heard_since) > after]
 
     def cannot_beat(self) -> None:
         """This launcher's own heartbeat could not be written."""

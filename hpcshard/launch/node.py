@@ -6,6 +6,7 @@ inside a Slurm allocation; only `NodeEnv.from_environ` differs between them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -156,7 +157,7 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, forward)
     signal.signal(stop_signal, to_ranks)
-    pids = write_pid_file(run_dir, node.node_rank)
+    pids = _pid_file(run_dir, node.node_rank)
     try:
         if sup is not None:
             code = sup.run()
@@ -164,7 +165,9 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
             proc.append(start(node, {}))
             code = proc[0].wait()
     finally:
-        pids.unlink(missing_ok=True)
+        if pids is not None:
+            with contextlib.suppress(OSError):
+                pids.unlink(missing_ok=True)
         if zygotes:
             zygotes[-1].close()
         # No ranks left to tell. A Python handler would be reset to "terminate" while the
@@ -175,12 +178,27 @@ def run_node(node: NodeEnv, run_dir: Path, stop_signal: int = RankEnv().notice_s
     if own and sup is not None:
         return _script_outcome(run_dir, sup.me == sup.roster.leader, ranks.attempt, code,
                                noticed=sup.noticed is not None, killed=sup.killed, grace=grace)
-    end = ledger.end_of(run_dir, ranks.attempt)
+    try:
+        end = ledger.end_of(run_dir, ranks.attempt)
+    except OSError:  # (the run directory cannot be read: the supervisor's code says it all)
+        end = None
     if end is not None and end.get("reason") == EndReason.STOP:
         return REQUEUE_EXIT
     if end is not None and end.get("reason") == EndReason.STORAGE:  # (the agent says 1 for any rank's exit)
         return STORAGE_EXIT
     return code
+
+
+def _pid_file(run_dir: Path, node_rank: int) -> Path | None:
+    """This launcher's pid file; None (said in one line) where the run directory refuses it:
+    the supervisor's probe then stops the run for its storage, in a line of its own, and
+    no traceback comes before it."""
+    try:
+        return write_pid_file(run_dir, node_rank)
+    except OSError as err:
+        print(f"hpcshard: node {node_rank}: its pid file could not be written ({err})", file=sys.stderr,
+              flush=True)
+        return None
 
 
 def _script_outcome(run_dir: Path, first: bool, attempt: int, code: int, *, noticed: bool,

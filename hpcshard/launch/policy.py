@@ -7,16 +7,21 @@ The rules, first match wins:
 
 1. Nodes that never reported their ranks down and are not lost: nothing is known of them;
    stop (nothing restarts with ranks that may still run).
-2. The run's storage is full, over quota or read-only: stop, blame no node (restarting or
-   requeueing would fail the same way; a drained node would not come back).
+2. The run's storage takes no write from any node that reported: full, over quota or
+   read-only (a person must act), or any other error (EACCES, EIO, ESTALE, a mount that
+   hangs) that the decider waited for in vain (`storage_verdict`): stop, blame no node
+   (restarting or requeueing would fail the same way; a drained node would not come back).
+   Refused to some nodes while others wrote (a stale mount on one node), it is no reason to
+   stop: those nodes sit this attempt out (rule 4), and nothing calls them bad.
 3. A stop notice came as well, or a node's launcher already ended on one: back through the
    queue, not restarted here. A node whose launcher ended because its ranks finished
    leaves nothing to restart with: stop. One whose launcher failed (its ranks with it)
    is out of this attempt like a lost node, without being called bad. (Ended launchers
    used to be waited for, 150 s, and the run stopped.)
-4. Bad nodes (lost, failed a health check, straggling): spares take their places; without
-   enough, the run goes on with fewer nodes down to `min_nodes`, else back through the
-   queue without them (the local backend has no other node: stop).
+4. Bad nodes (lost, failed a health check, straggling), and those that sit the attempt out
+   (`Facts.unfit`): spares take their places; without enough, the run goes on with fewer
+   nodes down to `min_nodes`, else back through the queue without the bad ones (the local
+   backend has no other node: stop).
 5. The job's own code raised the same exception at the same step twice: a bug; stop.
 6. `no_progress_restarts` restarts in a row without a newer checkpoint: stop.
 7. This allocation's restart budget is spent: back through the queue.
@@ -30,6 +35,7 @@ record).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Literal
@@ -70,7 +76,13 @@ class Facts:
     """Launchers that ended (their last heartbeat says so, with their exit code) instead of
     taking part: their ranks finished or stopped on a notice while another node failed."""
     bad: dict[int, str] = field(default_factory=dict)
-    """Every node declared bad in this attempt, and why (lost ones among them)."""
+    """Every node declared bad in this attempt, and why (lost ones among them): the ledger's
+    records and what the launchers said with their down records (a record the storage
+    refused is known all the same)."""
+    unfit: dict[int, str] = field(default_factory=dict)
+    """Nodes that sit this attempt out without being bad (no record, no drain, no exclusion
+    in later jobs), and why: the run directory refused their probe while other nodes' writes
+    landed (`storage_verdict`)."""
     noticed: bool = False
     """A stop notice (preemption, time limit) came before or during the fault."""
     bug: str = ""
@@ -81,7 +93,8 @@ class Facts:
     committed: int = 0
     """The newest committed step: where a restart resumes."""
     storage: str = ""
-    """Why the run's storage cannot take the run's writes (full, quota, read-only); "" if it can."""
+    """Why the run's storage cannot take the run's writes (full, quota, read-only, or an
+    error that was waited for in vain, named with its path); "" if it can."""
     max_restarts: int = 3
     no_progress_restarts: int = 2
 
@@ -143,7 +156,7 @@ def decide(f: Facts) -> Decision:
                        "their ranks down, nor went silent: nothing restarts while their ranks may still run")
     if f.storage:
         return replace(stop, code=STORAGE_EXIT, end=EndReason.STORAGE, reason=f"{f.storage}; no node is "
-                       "blamed: free space (or fix the mount), then hpcshard resume")
+                       "blamed: fix the storage (room, quota, permissions, the mount), then hpcshard resume")
     requeue = replace(stop, action=Action.REQUEUE, code=REQUEUE_EXIT)
     ended = {n: code for n, code in f.ended.items() if n in f.active}
     if REQUEUE_EXIT in ended.values():
@@ -168,7 +181,7 @@ def decide(f: Facts) -> Decision:
         return replace(stop, code=BUG_EXIT, end=EndReason.BUG,
                        reason=f"the job's own code raised {f.bug} again at the same step: a bug, "
                        "not a fault; not restarted")
-    if f.stalled >= f.no_progress_restarts and not nodes.bad:  # (new nodes: a new chance)
+    if f.stalled >= f.no_progress_restarts and not (nodes.bad or nodes.unfit):  # (new nodes: a new chance)
         return replace(stop, end=EndReason.GAVE_UP,
                        reason=f"{f.stalled} restarts in a row without a newer checkpoint")
     if f.cycle + 1 > f.max_restarts:
@@ -183,8 +196,8 @@ def decide(f: Facts) -> Decision:
 
 @dataclass(frozen=True)
 class Nodes:
-    """Rule 4's answer: who trains next once the bad nodes are out, or the decision when
-    too few are left (`refused`)."""
+    """Rule 4's answer: who trains next once the bad and unfit nodes are out, or the decision
+    when too few are left (`refused`)."""
 
     active: tuple[int, ...]
     spares: tuple[int, ...]
@@ -192,30 +205,74 @@ class Nodes:
     bad: tuple[int, ...] = ()
     replaced: dict[str, int] = field(default_factory=dict)
     refused: Decision | None = None
+    unfit: tuple[int, ...] = ()
 
 
 def _without_bad(f: Facts) -> Nodes:
-    """Spares take the bad nodes' places; without enough, fewer nodes down to min_nodes."""
-    active = tuple(n for n in f.active if n not in f.bad)
-    spares = tuple(n for n in f.spares if n not in f.bad)
-    gone = tuple(n for n in f.active if n in f.bad)
+    """Spares take the places of the bad nodes and of those that sit the attempt out;
+    without enough, fewer nodes down to min_nodes."""
+    out = {**f.unfit, **f.bad}
+    active = tuple(n for n in f.active if n not in out)
+    spares = tuple(n for n in f.spares if n not in out)
+    gone = tuple(n for n in f.active if n in out)
     if not gone:
         return Nodes(active, spares)
-    why = f"node(s) {list(gone)} bad ({'; '.join(sorted({f.bad[n] for n in gone}))})"
+    bad = tuple(n for n in gone if n in f.bad)
+    unfit = tuple(n for n in gone if n not in f.bad)
+    why = " and ".join(filter(None, (_out(bad, f.bad, "bad"), _out(unfit, f.unfit, "sit this attempt out"))))
     taken, spares = spares[:len(gone)], spares[len(gone):]
     active = tuple(sorted((*active, *taken)))
     fewest = f.min_nodes or len(f.active)
     if len(active) < fewest:
         if f.local and not f.lost:
-            refused = Decision(action=Action.STOP, code=1, end=EndReason.GAVE_UP, bad=gone,
+            refused = Decision(action=Action.STOP, code=1, end=EndReason.GAVE_UP, bad=bad,
                                reason=f"{why}; the local backend has no other node to use")
         else:
+            without = " without the bad ones" if unfit and bad else "" if unfit else " without them"
             refused = Decision(action=Action.REQUEUE, code=REQUEUE_EXIT, end=EndReason.FAULT,
-                               bad=tuple(sorted(f.bad)), reason=f"{why}: requeued without them")
+                               bad=tuple(sorted(f.bad)), reason=f"{why}: requeued{without}")
         return Nodes((), (), refused=refused)
     if len(active) == len(f.active):
         why += f": spare node(s) {list(taken)} take their place"
     else:
         why += (f": {len(taken)} spare(s) left, going on with {len(active)} nodes "
                 f"(min_nodes {fewest}; the mesh is planned again)")
-    return Nodes(active, spares, why, gone, dict(zip(map(str, gone), taken, strict=False)))
+    return Nodes(active, spares, why, bad, dict(zip(map(str, gone), taken, strict=False)), unfit=unfit)
+
+
+def _out(nodes: tuple[int, ...], why: dict[int, str], what: str) -> str:
+    """"node(s) [1, 2] bad (why; why)": the nodes `nodes` out, and why ("" for none)."""
+    return f"node(s) {list(nodes)} {what} ({'; '.join(sorted({why[n] for n in nodes}))})" if nodes else ""
+
+
+@dataclass(frozen=True)
+class StorageVerdict:
+    """The nodes' probes of the run directory, compared (`storage_verdict`)."""
+
+    stop: str = ""
+    """The run stops for its storage now (`Facts.storage`): every node that reported saw an
+    error, and one of them is for a person to fix (full, over quota, read-only)."""
+    wait: str = ""
+    """Every node that reported saw an error that may pass (EIO, ESTALE, EACCES, a mount
+    that hangs): the decider waits for the storage (`health.wait_for_storage`), then
+    decides; the run stops for it only if it never answers."""
+    unfit: dict[int, str] = field(default_factory=dict)
+    """Some nodes saw an error, and others' writes landed: the ones that saw it sit this
+    attempt out (`Facts.unfit`), and nothing calls them bad."""
+
+
+def storage_verdict(seen: dict[int, str], lasting: Collection[int], wrote: Collection[int]) -> StorageVerdict:
+    """Compare the probes of the nodes that reported: `seen`, what each that saw an error on
+    the run directory saw (a line); `lasting`, those of them whose error a person must fix;
+    `wrote`, those whose write landed. One node's view alone (a stale mount) is that node's
+    trouble for this attempt, not the run's (the run stopped for it: issue 42); but no node
+    is ever bad for it (a mount that comes back makes it fit again, in the next job)."""
+    if not seen:
+        return StorageVerdict()
+    if wrote:
+        where = f"seen from node(s) {sorted(seen)}, not from {sorted(wrote)}"
+        return StorageVerdict(unfit={n: f"{why}, {where}" for n, why in seen.items()})
+    lasting = sorted(n for n in lasting if n in seen)
+    if lasting:
+        return StorageVerdict(stop=seen[lasting[0]])
+    return StorageVerdict(wait=seen[min(seen)])

@@ -162,17 +162,18 @@ def release(run: Path, slurm: SlurmEnv, attempt: int, down: bool) -> None:
                                                   reason))
         if not watched and not hostside.has_client("release"):
             return
-    by = "the batch script" if watched else "a helper, once this launcher has exited"
+    # What was asked, not what came of it: the watch (or helper) acts after this launcher
+    # has exited, and may find another job on a lost node, or Slurm may refuse the DOWN;
+    # then it cancels the step instead, and says so in the batch log (or the helper's). A
+    # `node_down` written here said "set DOWN" of nodes that never were.
+    by = "the batch script" if watched else "a helper left by this launcher"
+    asked = (f"{by} is asked to set {lost} DOWN (or, where another job runs there or Slurm refuses, to "
+             f"cancel step {step})" if down else f"{by} is asked to cancel step {step}")
     with contextlib.suppress(OSError):
-        if down:
-            for node in decided.lost:
-                ledger.append(run, events.NodeDown(attempt=attempt, slurm_node=node))
         ledger.append(run, events.Cancel(attempt=attempt, job=step, reason=(
-            f"the run's attempt ended ({decided.outcome}) with lost node(s) {lost}: "
-            + ("set DOWN" if down else "its step cancelled")
-            + f" by {by} once its launchers had exited, not when Slurm marks them DOWN")))
-    print(f"hpcshard: attempt {attempt} ended ({decided.outcome}) with lost node(s) {lost}: "
-          + (f"{lost} set DOWN" if down else f"step {step} cancelled") + f" by {by}",
+            f"the run's attempt ended ({decided.outcome}) with lost node(s) {lost}: {asked} once the "
+            "launchers have exited, not when Slurm marks them DOWN")))
+    print(f"hpcshard: attempt {attempt} ended ({decided.outcome}) with lost node(s) {lost}: {asked}",
           file=sys.stderr, flush=True)
     if not watched:
         after_exit(slurm.job_id, slurm.step_id, lost if down else "", reason)
@@ -242,12 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     if not holds(cluster.show_job(job_id, timeout=30), down.split(",") if down else []):
         return 0
     if down:
+        why = cluster.shared(down.split(","), job_id)  # (a DOWN ends every job on the node)
         try:
-            cluster.drain(down, reason, "DOWN")
-            return 0
+            if not why:
+                cluster.drain(down, reason, "DOWN")
+                return 0
         except cluster.SlurmError as err:
-            print(f"hpcshard: {down} not set DOWN ({err}); cancelling step {job_id}.{step}",
-                  file=sys.stderr, flush=True)
+            why = str(err)
+        print(f"hpcshard: {down} not set DOWN ({why}); cancelling step {job_id}.{step}",
+              file=sys.stderr, flush=True)
     try:
         cluster.end_step(job_id, step)
     except cluster.SlurmError as err:

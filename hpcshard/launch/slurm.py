@@ -282,9 +282,10 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
         print(hostside.missing("requeue") + ("" if hostside.has_client("chain") else
                                              "; no guard or continuation job") + "; no deadline from Slurm",
               file=sys.stderr, flush=True)
-    if spec.guarded and launchers.claim(run, f"guard-{slurm.job_id}"):
-        try:
-            guard(run, slurm.job_id)
+    if spec.guarded:
+        try:  # (a run directory that refuses the claim: the supervisor's probe says why)
+            if launchers.claim(run, f"guard-{slurm.job_id}"):
+                guard(run, slurm.job_id)
         except (OSError, ValueError) as err:  # the run goes on, unguarded
             print(f"hpcshard: no guard job ({err}); a failure of the batch node will end the run",
                   file=sys.stderr, flush=True)
@@ -317,24 +318,40 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
         if orphan:
             _end_orphan(run, slurm, attempt, orphan)
         if client:
-            _down_lost(run, spec, attempt)
+            _down_lost(run, spec, attempt, slurm.job_id)
         else:
             _leave_to_host(run, spec, attempt, left)
-    elif code != REQUEUE_EXIT and not client and launchers.claim(run, f"host-{attempt}"):
+    elif code != REQUEUE_EXIT and not client and _claimed(run, f"host-{attempt}"):
         _leave_to_host(run, spec, attempt, None)  # (drains the run deferred, if any)
     exit_code = _task_exit(run, code, sent_on)
-    if exit_code and launchers.claim(run, f"unguard-{slurm.job_id}"):
+    if exit_code and _claimed(run, f"unguard-{slurm.job_id}"):
         _drop_guards(run, slurm.job_id)  # (the run is over: a guard would start to do nothing)
     # A job whose attempt lost a node does not end by itself (`launch.release`): not requeued,
     # one launcher gives the lost nodes up and ends the step once the others have ended, by
     # way of the batch script (a helper of its own where the script does not watch).
-    release(run, slurm, attempt, down=spec.bad_nodes == "drain")
+    try:
+        release(run, slurm, attempt, down=spec.bad_nodes == "drain")
+    except OSError as err:  # (the run directory unreadable: Slurm ends the step in its time)
+        print(f"hpcshard: the step's release could not be planned ({err}); the job ends when Slurm "
+              "marks its lost nodes DOWN", file=sys.stderr, flush=True)
     if exit_code:
         # Out through submitit (which exits 0 whatever this returns; an exception it would
         # record as the job's result first): the task's, srun's and the batch script's exit
         # code, so the job ends FAILED.
         raise SystemExit(exit_code)
     return code
+
+
+def _claimed(run: Path, name: str) -> bool:
+    """`launchers.claim` on the way out; False, in one line, where the run directory refuses
+    it (the run stopped for its storage, whose own line came first): what the claim guards
+    is left undone (a guard job left finds the attempt closed, or stops on the same storage)."""
+    try:
+        return launchers.claim(run, name)
+    except OSError as err:
+        print(f"hpcshard: {name}: the run directory refused its claim ({err}); left undone",
+              file=sys.stderr, flush=True)
+        return False
 
 
 def task_exit(job: int | None, code: int, sent_on: bool) -> int:
@@ -418,7 +435,7 @@ def _end_orphan(run: Path, slurm: SlurmEnv, attempt: int, batch: str) -> None:
         cluster.scancel(slurm.ref)
 
 
-def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:
+def _down_lost(run: Path, spec: RunSpec, attempt: int, job_id: str) -> None:
     """After the job is sent on: the nodes this attempt lost are frozen or dead, and a job
     with a task on one stays COMPLETING (its requeue held, its continuation waiting) until
     Slurm marks the node DOWN after SlurmdTimeout (300 s by default; measured here: 380 to
@@ -426,11 +443,18 @@ def _down_lost(run: Path, spec: RunSpec, attempt: int) -> None:
     later (measured). Not while the run trains: DOWN kills the whole job step, the healthy
     nodes' tasks included (srun exits 137). A job that is not requeued (the run done on a
     spare, continued in another job, given up) is released by `launch.release`, once its
-    launchers have exited."""
+    launchers have exited. Never a node another job runs on too: a DOWN ends every job on
+    it, other users' where the job shares its nodes (`cluster.shared`)."""
     if spec.bad_nodes != "drain":
         return
     lost = sorted({r["slurm_node"] for r in ledger.bad_nodes(run, attempt, lost=True) if r.get("slurm_node")})
     if not lost:
+        return
+    shared = cluster.shared(lost, job_id)
+    if shared:
+        why = f"not set DOWN: {shared}; Slurm marks them DOWN itself after SlurmdTimeout"
+        ledger.append(run, events.NodeDown(attempt=attempt, slurm_node=",".join(lost), error=why))
+        print(f"hpcshard: lost node(s) {','.join(lost)} {why}", file=sys.stderr, flush=True)
         return
     # Recorded first and in one call: marking a node of this job DOWN kills this very
     # launcher (the whole step), so nothing after it runs (one call per node downed one).

@@ -17,9 +17,13 @@ The pieces it uses each live in a module of their own: `launch.liveness` (heartb
 the reader's clock), `launch.health` (node and storage checks), `launch.exclusion` (bad
 nodes), `launch.procs` (the node's processes), `launch.policy` (the decision).
 
-Writes to the run directory on the fault path are tried, never trusted: on a full disk
-(or one that went read-only) the launcher still kills its ranks first, says what it can,
-and the run stops for its storage, with no node blamed.
+Writes and reads of the run directory on the fault path are tried, never trusted, and
+bounded (`launch.bounded`): on a full disk (or one that went read-only, or refuses writes
+with any error: EACCES, EIO, or hangs) the launcher still kills its ranks first and says
+what it can; the decider compares the nodes' probes of the storage (`policy.storage_verdict`)
+and the run stops for it (at once when a person must act, after a wait when the error may
+pass), or the nodes that alone saw it sit the attempt out; no node is ever blamed for it.
+The decision is reached through node 0's store, whatever the disk does.
 """
 
 from __future__ import annotations
@@ -29,14 +33,15 @@ import os
 import signal
 import socket
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hpcshard.launch import coord, exclusion, health, policy
+from hpcshard.launch.bounded import Hung, bounded
 from hpcshard.launch.liveness import BEAT_S, LOST_S, UNHEARD_S, Peers
 from hpcshard.launch.policy import Decision, Facts
 from hpcshard.launch.ports import listen_ports
@@ -51,6 +56,8 @@ from hpcshard.rundir.spec import RunSpec
 __all__ = ["BEAT_S", "LOST_S", "UNHEARD_S", "Agent", "Fenced", "Roster", "Supervisor", "Watch",
            "children", "descendants", "send"]
 
+T = TypeVar("T")
+
 POLL_S = 0.2
 """How often a launcher looks at its board and for a declared fault (a fault or decision
 the store pushes wakes it at once: `Channel.wait`)."""
@@ -61,8 +68,32 @@ DECIDER_LOOK = 2
 """How many launchers below it a launcher watches at a time to find the decider (`decider`)."""
 DOWN_TIMEOUT_S = 120.0
 """How long the decider waits for every node to report its ranks dead before it gives up."""
+DECIDE_S = 30.0
+"""How long a launcher gives the decider, on top of DOWN_TIMEOUT_S, to decide once every
+node is down (its reads, each bounded by READ_WAIT_S, and the decision's write)."""
 DOWN_TRIES = 3
 """Tries of a launcher's down record that its storage refused for no lack of room."""
+WRITE_WAIT_S = 120.0
+"""The longest a launcher waits, beating, for one of its writes (`_try`): a ledger lock left
+by a holder on another host is broken after files.LOCK_STALE_S, and Slurm's drain gives up
+after slurm.client.TIMEOUT_S; a write still hanging after this is a hung mount, and the
+fault path goes on without it."""
+READ_WAIT_S = 20.0
+"""The longest a launcher waits, beating, for one read of the run directory on the fault
+path (`_readable`: the checkpoints' listing, the ledger, flight records). A listing takes
+seconds on a loaded file system, not tens of them; a read still hanging is a hung mount (a
+Lustre OST that is gone hangs a stat of the files on it, while the probe's file, on
+another OST, lands), and the decision comes without it: the other launchers wait for it
+DOWN_TIMEOUT_S + DECIDE_S after their down records."""
+ALL_LOST_S = 30.0
+"""How long every launcher with ranks must have been silent before a spare declares them
+lost (nobody else is left to say so: `idle`). Longer than the LOST_S they watch each other
+by: a silence of all of them at once is more often one starvation of them all (a save, a
+swap storm; each comes back and goes on, `_stood_still`) than all their nodes dead, and a
+spare on node 0's store hears the others through it (node 0 lost, their beats stop there
+LOST_S before the spare finds the store silent and moves to the standby, where they show
+up). Declared at LOST_S, the spare's fault named healthy nodes lost, and the spare, the
+decider then, declared them bad (drained)."""
 LINGER_S = 2 * LOST_S
 """How long node 0's store outlives its launcher's end for the others to end too."""
 KILLED_EXIT_S = 10.0
@@ -217,8 +248,23 @@ class Supervisor:
         self.leaving = False
         """It is saying its last word (its exit code): nothing to judge any more."""
         self.renewed = time.monotonic()
-        self.storage = ""
-        """Why the run directory refused this launcher's last write ("" once one lands)."""
+        self.storage = health.Storage()
+        """What this launcher's probe of the run directory found wrong in this cycle (false:
+        nothing, or no probe yet). Not a write's refusal: a heartbeat that lands says
+        nothing of it (one that cleared it lost a probe's EIO before its down record)."""
+        self.refusal = ""
+        """The last refusal `_try` said (said once)."""
+        self.hung = False
+        """This launcher found the run directory hung in this cycle (a probe, a write or a
+        read gave no answer within its bound): its reads on the fault path give their
+        defaults at once, not after a bound each (`_readable`)."""
+        self.unhealthy = ""
+        """Why this node must not train, as a phrase ("failed its health check: ..."; "" if
+        it may): it failed its health check, or the run declared it bad before. It trains
+        in no cycle of this attempt."""
+        self.declared: dict[int, str] = {}
+        """The nodes this launcher declared bad, and why: sent with its down record, so that
+        the decider knows them when the run directory refused their records (`decide`)."""
         self.newest = 0
         """The newest committed step the last decision named (`RankEnv.newest`)."""
         self.fault_seen: float | None = None
@@ -265,34 +311,43 @@ class Supervisor:
         refused: the fault path must go on (kill the ranks, decide) whatever the disk does.
         `beating`: this launcher beats while the write runs (a lock left by a holder on
         another host is broken only after files.LOCK_STALE_S; Slurm's drain may take its
-        whole timeout), or its peers would take it for lost."""
-        failed: list[BaseException] = []
-
-        def call() -> None:
-            try:
+        whole timeout), or its peers would take it for lost; a write still hanging after
+        WRITE_WAIT_S is a hung mount, and the fault path goes on without it."""
+        try:
+            if beating:
+                bounded(partial(write, *args), WRITE_WAIT_S, self.beat, POLL_S)
+            else:
                 write(*args)
-            except BaseException as err:
-                failed.append(err)
+        except OSError as err:  # (Hung among them)
+            return self._refused(what, err)
+        return True
 
-        if beating:
-            writing = threading.Thread(target=call, name="hpcshard-write", daemon=True)
-            writing.start()
-            while writing.is_alive():
-                self.beat()
-                writing.join(POLL_S)
-        else:
-            call()
-        if not failed:
-            self.storage = ""
-            return True
-        if not isinstance(failed[0], OSError):
-            raise failed[0]
-        why = health.storage_error(failed[0], self.run_dir)
-        if why != self.storage:
+    def _refused(self, what: str, err: OSError) -> bool:
+        """A write `_try` could not make: said once, not at each heartbeat (a storage waited
+        for minutes refuses every heartbeat written to its files). False."""
+        hung = isinstance(err, Hung)
+        why = f"the run directory {self.run_dir}: {err}" if hung else health.storage_error(err, self.run_dir)
+        if why != self.refusal:
             print(f"hpcshard: node {self.me}: {what} could not be written: {why}", file=sys.stderr,
                   flush=True)
-        self.storage = why if health.is_storage_error(failed[0]) else self.storage
+        self.refusal, self.hung = why, self.hung or hung
         return False
+
+    def _readable(self, default: T, read: Callable[..., T], *args: Any) -> T:
+        """What `read` found in the run directory, read while this launcher beats; `default`
+        where it could not be read (an EIO, an expired ticket, a corrupt file) or gave no
+        answer within READ_WAIT_S, and at once once this launcher found the storage hung
+        (each read would hang a bound more, and leave a thread more blocked in the kernel):
+        the fault path reaches its decision all the same."""
+        if self.hung:
+            return default
+        try:
+            return bounded(partial(read, *args), READ_WAIT_S, self.beat, POLL_S)
+        except Hung:
+            self.hung = True
+            return default
+        except (OSError, ValueError):
+            return default
 
     def _stood_still(self, seconds: float) -> None:
         """This launcher did not run for `seconds` (its node was frozen, stopped, starved):
@@ -542,41 +597,31 @@ class Supervisor:
     def _run(self) -> int:
         self._open()
         self.beat()
-        cycle, unhealthy = 0, False
+        cycle = 0
         node = replace(self.node, nnodes=len(self.roster.active))
         found = health.check(self.run_dir, leader=self.me == self.roster.leader,
                              ranks=int(self.node.per_node), command=self.spec.health_check, waiting=self.beat)
-        if found.storage:  # the run's trouble: nobody trains, no node is blamed
-            print(f"hpcshard: node {self.me}: {found.storage}", file=sys.stderr, flush=True)
-            cause = {"cause": found.storage, "storage": found.storage, **self.where}
-            self._try("its fault declaration", self.chan.declare_fault, self.ranks.attempt, 0,
-                      cause)
-            self.storage = found.storage
-            return self.recover(0, Watch(code=STORAGE_EXIT, fault=self.chan.fault(
-                self.ranks.attempt, 0) or cause)).code
-        if found.node:  # this node must not train: the decider replaces it or stops
-            unhealthy = True
-            self._bad(0, self.me, self.where, f"health check: {found.node}")
-            if self.me in self.roster.active:  # (a spare that fails is simply never used)
-                self._try("its fault declaration", self.chan.declare_fault, self.ranks.attempt,
-                          0, {"cause": f"node {self.me} failed its health check: {found.node}", **self.where})
-            name = self.where.get("slurm_node", self.where["host"])
-            print(f"hpcshard: node {self.me} ({name}) failed its health check: {found.node}",
-                  file=sys.stderr, flush=True)
+        self.hung = found.storage.hung
+        self._unfit(found.node)
+        watch = self._storage_fault(found.storage) if found.storage else None
         while True:
             self.at_cycle = cycle
-            if self.ending is not None:  # a cancel before the ranks started: none start
-                return 128 + self.ending
-            if self.me in self.roster.active and not unhealthy:
-                watch = self.cycle(replace(node, node_rank=self.order.index(self.me)), cycle)
-            else:
-                watch = self.idle(cycle)
+            if watch is None:
+                if self.ending is not None:  # a cancel before the ranks started: none start
+                    return 128 + self.ending
+                if self.me in self.roster.active and not self.unhealthy:
+                    watch = self.cycle(replace(node, node_rank=self.order.index(self.me)), cycle)
+                else:
+                    watch = self.idle(cycle)
             if watch.fault is None:
                 return watch.code
-            decided = self.recover(cycle, watch)
+            decided, watch = self.recover(cycle, watch), None
             if not decided.restart or self.ending is not None:
                 return decided.code
             cycle += 1
+            # (the decider found the storage answering, or this node sits out: its next
+            # recovery probes the storage again)
+            self.hung, self.storage = False, health.Storage()
             self.newest = decided.committed  # (rank 0 looks it up by name if it must)
             # (node_rank 0 hosts the static rendezvous: the decider, on whose host it is)
             first = [decided.rdzv_node] if decided.rdzv_node in decided.active else []
@@ -587,20 +632,63 @@ class Supervisor:
             node = replace(self.node, nnodes=len(self.roster.active), rdzv_host=decided.host,
                            rdzv_port=decided.port, run_id=f"{self.node.run_id}-c{cycle}")
 
+    def _storage_fault(self, seen: health.Storage) -> Watch:
+        """The health check's probe found the run directory refusing writes: nobody trains
+        before the nodes' probes are compared (`decide`: stop, wait for the storage, or go
+        on without the nodes that saw it alone), and no node is blamed. A fault of cycle 0."""
+        print(f"hpcshard: node {self.me}: {seen.why}", file=sys.stderr, flush=True)
+        cause = {"cause": "the health check's write probe", "storage": seen.why, **self.where}
+        self._try("its fault declaration", self.chan.declare_fault, self.ranks.attempt, 0, cause)
+        self.storage = seen
+        return Watch(code=STORAGE_EXIT, fault=self._readable(None, self.chan.fault, self.ranks.attempt, 0)
+                     or cause)
+
+    def _unfit(self, failed: str) -> None:
+        """Must this node sit the attempt out? It failed its health check (`failed`), or the
+        run declared its Slurm node bad before and the job was placed on it again
+        (`exclusion.declared_before`). Then it is bad (the ledger, a drain where asked),
+        and it never trains in this attempt: the decider gives its place to a spare, or
+        goes on without it; given ranks all the same, it declares a fault (`idle`)."""
+        again = "" if failed else self._readable("", exclusion.declared_before, self.run_dir,
+                                                 self.where.get("slurm_node", ""))
+        if not (failed or again):
+            return
+        self.unhealthy = f"failed its health check: {failed}" if failed else f"must not train: {again}"
+        self._bad(0, self.me, self.where, f"health check: {failed}" if failed else again)
+        name = self.where.get("slurm_node", self.where["host"])
+        print(f"hpcshard: node {self.me} ({name}) {self.unhealthy}", file=sys.stderr, flush=True)
+
     def idle(self, cycle: int) -> Watch:
         """A launcher without ranks this cycle (a spare, or a node declared bad): alive and
         watching until a fault needs it (it takes part in the recovery, and may be given a
-        lost node's place) or every launcher with ranks has ended (it ends as they did)."""
+        lost node's place) or every launcher with ranks has ended (it ends as they did).
+        Bounded by the others' liveness: it waits only while a launcher with ranks beats.
+        One given ranks it cannot run (it failed its health check; the decider did not
+        know, its record refused by the storage) says so at once: its peers would wait for
+        its ranks, and with every node of the cycle unhealthy or a spare nobody declared
+        anything (both launchers idled until the time limit)."""
+        attempt = self.ranks.attempt
+        if self.unhealthy and self.me in self.roster.active:
+            self._try("its fault declaration", self.chan.declare_fault, attempt, cycle,
+                      {"cause": f"node {self.me} {self.unhealthy}", **self.where})
         while True:
             self.beat()
-            fault = self.chan.fault(self.ranks.attempt, cycle)
+            fault = self.chan.fault(attempt, cycle)
             if fault is not None:
                 self.fault_seen = time.monotonic()
                 return Watch(code=1, fault=fault)
-            beats = self.chan.beats(self.ranks.attempt, self.node.nnodes, self.roster.active)
+            lost, beats = self._look(self.roster.active)  # (one read of the heartbeats; none that ended)
             ended = [n for n in self.roster.active if "done" in beats.get(n, {})]
-            if ended and set(ended) | set(self.lost(self.roster.active)) >= set(self.roster.active):
+            if ended and set(ended) | set(lost) >= set(self.roster.active):
                 return Watch(code=int(beats[ended[0]]["done"]))
+            if (lost and set(lost) >= set(self.roster.active)  # (nobody else is left to say so)
+                    and set(self.peers.lost(lost, beats, after=ALL_LOST_S)) >= set(lost)):
+                self._try("its fault declaration", self.chan.declare_fault, attempt, cycle,
+                          {**self.where, "noticed": self.noticed is not None, "lost": lost,
+                           "cause": f"node(s) {lost} lost: silent for {ALL_LOST_S:.0f} s"})
+                if (fault := self.chan.fault(attempt, cycle)) is not None:
+                    self.fault_seen = time.monotonic()
+                    return Watch(code=1, fault=fault)
             if self.ending is not None:
                 return Watch(code=0)
             self.chan.wait(POLL_S)
@@ -764,8 +852,8 @@ class Supervisor:
             killed = kill_tree(proc, also=live)
         declared = self.chan.fault(attempt, cycle) or fault or info
         return Watch(code=proc.returncode or 1, fault=declared, dead=dead + stopped, reached=reached,
-                     ranks=where, flight=flight.read_ranks(self.run_dir, attempt, cycle,
-                                                           [s.rank for s in now]), killed=killed)
+                     ranks=where, flight=self._readable({}, flight.read_ranks, self.run_dir, attempt, cycle,
+                                                        [s.rank for s in now]), killed=killed)
 
     def _cause(self, code: int | None, dead: list[dict[str, Any]], hang: dict[str, Any] | None,
                cycle: int) -> dict[str, Any]:
@@ -777,7 +865,8 @@ class Supervisor:
         elif dead:
             info.update(cause=f"rank {dead[0]['rank']} died (its process is gone)", rank=dead[0]["rank"],
                         step=dead[0]["step"])
-        elif code is not None and (slow := exclusion.stragglers(self.run_dir, self.ranks.attempt, cycle)):
+        elif code is not None and (slow := self._readable(list[dict[str, Any]](), exclusion.stragglers,
+                                                          self.run_dir, self.ranks.attempt, cycle)):
             info.update(cause="a node with every link slow (health_link_gbps): stopped before training"
                         if slow[0].get("kind") == "link" else
                         "a straggler (straggler_policy=bad_node): the ranks saved and stopped")
@@ -823,36 +912,81 @@ class Supervisor:
         """The runtime ended this cycle on purpose: a bad value (exit 2, one line), a
         non-finite loss (which stops the run) or storage that took no checkpoint. Not
         faults: a restart changes nothing."""
-        end = ledger.end_of(self.run_dir, self.ranks.attempt) or {}
+        end = self._readable(None, ledger.end_of, self.run_dir, self.ranks.attempt) or {}
         return end.get("cycle", 0) == cycle and bool(
             end.get("user_error") or end.get("reason") in (EndReason.NONFINITE, EndReason.STORAGE))
 
     # -- between cycles --------------------------------------------------------------
     def recover(self, cycle: int, watch: Watch) -> Decision:
         """Say this node is down, then wait for the decision: the decider's, or, once the
-        launchers below this one are all lost, this one's own. Storage that refuses this
-        launcher's down record decides by itself: the run stops for it, whoever decides."""
-        attempt = self.ranks.attempt
+        launchers below this one are all lost, this one's own. The down record says what
+        this node's probe found of the run directory: the decider compares the nodes' probes
+        (`decide`). One that nobody hears (the launchers speak through the files, which the
+        storage refuses) decides alone: it waits for the storage itself where its error may
+        pass, and the run stops for it where it never answers."""
         if not self.storage:
-            # The down record goes to node 0's store, which a full run directory does not
-            # refuse: a write of its own says whether the storage was why the ranks failed
-            # (they stop with STORAGE_EXIT, which their agent reports as 1).
-            with contextlib.suppress(OSError):
-                self.storage = health.storage_problem(self.run_dir, tries=1)[0]
+            # The down record goes to node 0's store, which a run directory that refuses
+            # writes does not refuse: a write of its own says whether the storage was why
+            # the ranks failed (they stop with STORAGE_EXIT, which their agent reports as 1;
+            # or fail on an EACCES, an EIO), whatever the error.
+            self.storage = health.storage_problem(self.run_dir, waiting=self.beat)
+            self.hung = self.hung or self.storage.hung
+        seen = self.storage
+        said = self._say_down(cycle, watch)
+        if not said and seen and not seen.lasting:
+            self.storage = self._wait_for_storage(seen)
+            said = self._say_down(cycle, watch)
+        if not said and seen:
+            return self._conclude(cycle, watch, policy.decide(Facts(
+                cycle=cycle, active=self.roster.active, storage=self.storage.why,
+                noticed=self.noticed is not None, committed=self._seen_committed())))
+        return self._decision(cycle, watch, wait=health.STORAGE_WAIT_S if seen else 0.0)
+
+    def _say_down(self, cycle: int, watch: Watch) -> bool:
+        """This node's down record, with what its probe found of the run directory and the
+        nodes it declared bad (their records may be what the storage refused, and the
+        decider must not give them ranks again: `decide`). Tried again for a file server's
+        blip (ESTALE, EIO), unless the probe said what is wrong."""
         down = {"host": self.where["host"], "dead": watch.dead, "reached": watch.reached,
                 "ranks": watch.ranks, "flight": watch.flight, "committed": self._seen_committed(),
-                **({"storage": self.storage} if self.storage else {})}
-        said = False
-        for _ in range(DOWN_TRIES):  # (a file server's blip, ESTALE or EIO, is tried again)
-            said = self._try("its down record", self.chan.mark_down, attempt, cycle, self.me,
-                             down)
-            if said or self.storage:
-                break
+                **({"storage": self.storage.why, "lasting": self.storage.lasting} if self.storage else {}),
+                **({"bad": {str(n): why for n, why in self.declared.items()}} if self.declared else {})}
+        for _ in range(DOWN_TRIES):
+            if self._try("its down record", self.chan.mark_down, self.ranks.attempt, cycle, self.me, down):
+                return True
+            if self.storage:
+                return False
             time.sleep(1.0)
-        if not said and self.storage:
-            return self._conclude(cycle, watch, policy.decide(Facts(
-                cycle=cycle, active=self.roster.active, storage=self.storage, committed=self._committed())))
-        deadline = time.monotonic() + DOWN_TIMEOUT_S + 30
+        return False
+
+    def _wait_for_storage(self, seen: health.Storage) -> health.Storage:
+        """Storage whose error may pass (EIO, ESTALE, EACCES, a mount that hangs), probed
+        again while this launcher beats, for up to health.STORAGE_WAIT_S; what it answered
+        (false: a write landed). A notice ends the wait, the storage not shown to last: the
+        job goes back through the queue (its time limit would end it, never requeued), and
+        the next attempt's probe tries the storage again. So does a cancel."""
+        print(f"hpcshard: node {self.me}: {seen.why}; trying it again for up to "
+              f"{health.STORAGE_WAIT_S:.0f} s", file=sys.stderr, flush=True)
+        began = time.monotonic()
+        found = health.wait_for_storage(self.run_dir, seen, self.beat, stop=self._told_to_end)
+        self.hung = found.hung
+        if found and not found.lasting and self._told_to_end():
+            found = health.Storage()
+        elif not found:
+            print(f"hpcshard: node {self.me}: the run directory {self.run_dir} takes writes again after "
+                  f"{time.monotonic() - began:.0f} s", file=sys.stderr, flush=True)
+        return found
+
+    def _told_to_end(self) -> bool:
+        """A stop notice or a cancel came: nothing waits for the storage any more."""
+        return self.noticed is not None or self.ending is not None
+
+    def _decision(self, cycle: int, watch: Watch, wait: float) -> Decision:
+        """The decision of cycle `cycle`, once this node's down record is said: shared by the
+        decider, or this one's own. `wait`: how long a decider may wait for the storage on
+        top of gathering the downs (this node saw it refuse a write)."""
+        attempt = self.ranks.attempt
+        deadline = time.monotonic() + DOWN_TIMEOUT_S + DECIDE_S + wait
         while True:
             self.beat()  # (first: one frozen here past the deadline is fenced, not failed)
             found = self.chan.decision(attempt, cycle)
@@ -892,22 +1026,9 @@ class Supervisor:
         decision and share it (first decider wins)."""
         attempt = self.ranks.attempt
         members = [n for n in self.roster.members if n not in self.seen_bad]
-        deadline = time.monotonic() + DOWN_TIMEOUT_S
-        while True:
-            self.beat()
-            down = self.chan.nodes_down(attempt, cycle, self.node.nnodes)
-            candidates = sorted(set(members) - set(down))
-            lost, beats = self._look(candidates)
-            # A launcher that ended (its ranks finished, or stopped on a notice) says so in
-            # its last heartbeat: it will not say it is down, and is not waited for.
-            ended = {n: int(beats[n]["done"]) for n in candidates if "done" in beats.get(n, {})}
-            missing = [n for n in candidates if n not in ended]
-            if set(lost) == set(missing) or time.monotonic() > deadline:
-                break
-            self.chan.wait(POLL_S, on_store=DOWN_LOOK_S)
+        lost, missing, ended = self._gather(cycle, members)
         downs = self.chan.downs(attempt, cycle, self.node.nnodes)
-        storage = self.storage or next((d["storage"] for d in downs if d.get("storage")), "") or (
-            (watch.fault or {}).get("storage", ""))
+        storage, unfit = self._storage_verdict(members, downs)
         bad: dict[int, str] = {}
         noticed = self.noticed is not None or bool((watch.fault or {}).get("noticed"))
         judged: list[tuple[int, dict[str, Any], str]] = []
@@ -916,15 +1037,16 @@ class Supervisor:
             judged = [(n, beats.get(n, {}), f"lost: its launcher was silent for {LOST_S:.0f} s")
                       for n in lost]
             # (after a notice the job goes back through the queue: stragglers are not judged)
-            judged += [] if noticed else exclusion.slow_nodes(self.run_dir, attempt, cycle, downs)
-            bad = {**exclusion.bad(self.run_dir, attempt), **{n: why for n, _, why in judged}}
+            judged += [] if noticed else self._readable([], exclusion.slow_nodes, self.run_dir, attempt,
+                                                        cycle, downs)
+            bad = {**self._known_bad(downs), **{n: why for n, _, why in judged}}
         # The newest commit any node sees: the one whose rank 0 made it does at once, another
         # host's listing may not for NFS's directory cache (30-60 s).
-        committed = max([self._committed(), *(int(d.get("committed") or 0) for d in downs)])
+        committed = max([self._seen_committed(), *(int(d.get("committed") or 0) for d in downs)])
         facts = Facts(cycle=cycle, active=self.roster.active, spares=self.roster.spares,
                       min_nodes=self.spec.min_nodes, local=self.local,
                       lost=tuple(lost), unreported=tuple(n for n in missing if n not in lost),
-                      ended=ended, bad=bad, noticed=noticed,
+                      ended=ended, bad=bad, unfit=unfit, noticed=noticed,
                       bug=self._same_bug(cycle), stalled=self._stalled(cycle, committed),
                       committed=committed, storage=storage, max_restarts=self.spec.max_restarts,
                       no_progress_restarts=self.spec.no_progress_restarts)
@@ -944,6 +1066,52 @@ class Supervisor:
         if serving is not None and (decided.coord_port != serving.port or decided.host != self._host()):
             serving.close()  # (another decider's decision stands, with its own store)
         return decided
+
+    def _gather(self, cycle: int, members: list[int]) -> tuple[list[int], list[int], dict[int, int]]:
+        """Wait (up to DOWN_TIMEOUT_S) until every member has said it is down, is lost, or
+        ended; (lost, missing: neither down nor ended, ended: with their exit codes)."""
+        attempt, deadline = self.ranks.attempt, time.monotonic() + DOWN_TIMEOUT_S
+        while True:
+            self.beat()
+            down = self.chan.nodes_down(attempt, cycle, self.node.nnodes)
+            candidates = sorted(set(members) - set(down))
+            lost, beats = self._look(candidates)
+            # A launcher that ended (its ranks finished, or stopped on a notice) says so in
+            # its last heartbeat: it will not say it is down, and is not waited for.
+            ended = {n: int(beats[n]["done"]) for n in candidates if "done" in beats.get(n, {})}
+            missing = [n for n in candidates if n not in ended]
+            if set(lost) == set(missing) or time.monotonic() > deadline:
+                return lost, missing, ended
+            self.chan.wait(POLL_S, on_store=DOWN_LOOK_S)
+
+    def _storage_verdict(self, members: list[int], downs: list[dict[str, Any]]) -> tuple[str, dict[int, str]]:
+        """The nodes' probes of the run directory, compared (`policy.storage_verdict`): why
+        the run stops for its storage ("" if it does not), and the nodes that sit this
+        attempt out for what they alone saw (a stale mount: the run stopped for one node's
+        view of it). Where every node that reported saw an error that may pass, this decider
+        waits for the storage first (`_wait_for_storage`: a 2.5 s EIO while a file server
+        failed over stopped the run for good); the others wait for its decision meanwhile
+        (`_decision`: they saw the error too)."""
+        told = {int(d["node"]): d for d in downs if int(d["node"]) in members}
+        seen = {n: str(d["storage"]) for n, d in told.items() if d.get("storage")}
+        lasting = {n for n in seen if told[n].get("lasting")}
+        if self.storage and self.me in members:  # (its own, its down record refused or not)
+            seen[self.me] = self.storage.why
+            lasting |= {self.me} if self.storage.lasting else set()
+        verdict = policy.storage_verdict(seen, lasting, set(told) - set(seen))
+        if not verdict.wait:
+            return verdict.stop, verdict.unfit
+        return self._wait_for_storage(health.Storage(verdict.wait, hung=self.hung)).why, {}
+
+    def _known_bad(self, downs: list[dict[str, Any]]) -> dict[int, str]:
+        """The nodes declared bad in this attempt, as the launchers know them: the ledger's
+        records, and what each launcher declared, sent with its down record and kept by
+        this one. A record the storage refused is known all the same (the decider used to
+        read the ledger only: with an unwritable run directory it gave both nodes of a job,
+        each failing its health check, ranks again, and both idled)."""
+        told = {int(n): str(why) for d in downs for n, why in (d.get("bad") or {}).items()}
+        ledger_says = self._readable(dict[int, str](), exclusion.bad, self.run_dir, self.ranks.attempt)
+        return {**ledger_says, **told, **self.declared}
 
     def _serve_anew(self) -> coord.Server | None:
         """A restart decided through the files (node 0's store was lost): this decider
@@ -1033,16 +1201,14 @@ class Supervisor:
         """A node this run must not use again (the ledger, and Slurm where asked to)."""
         self.beat()  # (a launcher stopped since its last beat must not judge before it knows)
         self.seen_bad.add(node)
+        self.declared[node] = reason
         self._try("a bad node's record", exclusion.declare_bad, self.run_dir, self.ranks.attempt, cycle,
                   node, where, reason, self.spec.bad_nodes == "drain")
 
     def _seen_committed(self) -> int:
-        """`_committed`, or 0 when the run directory cannot be read (a down record is sent
-        whatever the disk does)."""
-        try:
-            return self._committed()
-        except (OSError, ValueError):
-            return 0
+        """`_committed`, or 0 when the run directory cannot be read, or not in time (a down
+        record is sent whatever the disk does)."""
+        return self._readable(0, self._committed)
 
     def _committed(self) -> int:
         """The newest step a restart resumes from: hpcshard's committed checkpoints, or a
@@ -1058,8 +1224,9 @@ class Supervisor:
         fault = watch.fault or {}
         # (each node's records came with its down record: another host's new files may
         # stay hidden here for NFS's lookup cache)
-        records = {**flight.read(self.run_dir, self.ranks.attempt, cycle),
-                   **{int(r): f for down in downs for r, f in down.get("flight", {}).items()}}
+        mine = self._readable(dict[int, dict[str, Any]](), flight.read, self.run_dir, self.ranks.attempt,
+                              cycle)
+        records = {**mine, **{int(r): f for down in downs for r, f in down.get("flight", {}).items()}}
         collectives = flight.missing(records)
         # The culprit, surest first: a rank whose own code raised (it is dead too, as are
         # ranks torchrun tore down after it); one killed or stopped; a node lost; the rank where the
@@ -1088,7 +1255,8 @@ class Supervisor:
                 saved_step=decided.committed))
 
     def _failures(self, cycle: int) -> list[dict[str, Any]]:
-        return [r for r in ledger.read(self.run_dir) if r.get("event") == "rank_failed"
+        records: list[dict[str, Any]] = self._readable([], ledger.read, self.run_dir)
+        return [r for r in records if r.get("event") == "rank_failed"
                 and r.get("attempt") == self.ranks.attempt and r.get("cycle", 0) == cycle]
 
     def _failed_first(self, cycle: int) -> dict[str, Any] | None:
@@ -1108,7 +1276,7 @@ class Supervisor:
         """Restarts in a row so far after which the committed step did not move."""
         stalled = 0
         for c in range(cycle - 1, -1, -1):
-            before = self.chan.decision(self.ranks.attempt, c) or {}
+            before = self._readable(None, self.chan.decision, self.ranks.attempt, c) or {}
             if before.get("committed") != committed:
                 break
             stalled += 1

@@ -547,6 +547,20 @@ def drain(node: str, reason: str, state: str = "DRAIN") -> None:
         raise SlurmError(reply.said)
 
 
+def shared(nodes: list[str] | tuple[str, ...], job_id: str) -> str:
+    """Why `nodes` must not be set DOWN for job `job_id`: other jobs run there too (running,
+    suspended or completing), or Slurm did not say; "" when none does. Slurm fails every
+    job on a node set DOWN (NODE_FAIL: requeued or ended), and a job without --exclusive
+    (hpcshard asks for none) may share its nodes with other users' jobs (a GPU partition
+    packs jobs onto a node's free GPUs): their work must not end with this job's node."""
+    reply = client.run(["squeue", "-h", "-t", "R,S,CG", "-w", ",".join(nodes), "-o", "%A"], tries=3,
+                       retry=_blip)
+    if not reply.ok:
+        return f"squeue did not say what else runs there ({reply.said})"
+    others = sorted({job for job in reply.out.split() if job != job_id})
+    return f"job(s) {','.join(others)} run there too: a DOWN would end them" if others else ""
+
+
 def end_step(job_id: str, step: str) -> None:
     """Cancel one step of a job (`scancel JOB.STEP`): its tasks get TERM, and its srun gives
     up waiting for a task that never answers after KillWait + 2 s (measured: 7 s here), then

@@ -177,11 +177,11 @@ def test_a_frozen_node_is_replaced_by_the_spare_and_the_job_ends_with_the_run(
         assert released["time"] >= ended_at  # the end (after the last commit) came first
         # From the batch script (outside the step: proctrack/cgroup kills no part of it), not
         # from a helper the launcher left behind.
-        assert "by the batch script" in released["reason"], released
+        assert "the batch script is asked" in released["reason"], released
         batch_log = (run / "logs" / f"slurm-{job}.err").read_text()
         assert f"hpcshard (batch host): {victim} set DOWN: step {job}.0 ends now" in batch_log, batch_log
         launcher_logs = "".join(p.read_text() for p in (run / "submitit").glob(f"{job}_*_log.err"))
-        assert "by a helper" not in launcher_logs
+        assert "a helper left by this launcher" not in launcher_logs
         reference, mine = committed(uninterrupted), committed(run)
         assert STEPS in mine
         for step, path in mine.items():

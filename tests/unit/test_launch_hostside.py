@@ -219,15 +219,21 @@ case "$*" in *"$CANCEL"*) kill -TERM "$PPID" ;; esac  # (scancel, while the host
 SLEEP = """#!/bin/bash
 echo "sleep $*" >> "$SCONTROL_LOG"
 """
+SQUEUE = """#!/bin/bash
+echo "squeue $*" >> "$SCONTROL_LOG"
+printf '%s\\n' $SQUEUE_JOBS
+"""
 
 
 def host_block(tmp_path: Path, decision: str, fail_once: str = "never", pending: str = "never",
                array: str = "", deny: str = "never", blip: str = "never", cancel: str = "never",
-               setup: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess[str], list[str]]:
-    """The whole rendered script, run by bash with a stand-in srun and scontrol."""
+               setup: tuple[str, ...] = (), squeue: str = "12",
+               ) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """The whole rendered script, run by bash with a stand-in srun, scontrol and squeue
+    (`squeue`: the jobs it lists on any node; by default this one alone)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
-    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("sleep", SLEEP)):
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("sleep", SLEEP), ("squeue", SQUEUE)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     req = SbatchRequest(job_name="x", nodes=2, gpus_per_node=0, run_dir=tmp_path / "run dir", array=array,
@@ -238,7 +244,7 @@ def host_block(tmp_path: Path, decision: str, fail_once: str = "never", pending:
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "12",
            "SLURM_ARRAY_TASK_ID": "4", "SLURM_JOB_NUM_NODES": "2", "DECISION": decision,
            "SCONTROL_LOG": str(log), "FAIL_ONCE": fail_once, "PENDING": pending, "DENY": deny,
-           "BLIP": blip, "CANCEL": cancel}
+           "BLIP": blip, "CANCEL": cancel, "SQUEUE_JOBS": squeue}
     proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=60)
     return proc, log.read_text().splitlines() if log.exists() else []
 
@@ -247,10 +253,21 @@ def test_host_block_drains_then_requeues_what_the_launcher_wrote(tmp_path: Path)
     proc, calls = host_block(tmp_path, ACTIONS.text().replace("12_3", "12"))
     assert proc.returncode == 3, proc.stderr  # srun's: the job's exit code is the launchers'
     assert calls == ["update NodeName=n4 State=DRAIN Reason=hpcshard run: straggler",
-                     "update NodeName=n2,n5 State=DOWN Reason=lost", "requeuehold 12",
-                     "update JobId=12 ExcNodeList=n2,gpu-07.rack1 NumNodes=2", "release 12"]
+                     "squeue -h -t R,S,CG -w n2,n5 -o %A", "update NodeName=n2,n5 State=DOWN Reason=lost",
+                     "requeuehold 12", "update JobId=12 ExcNodeList=n2,gpu-07.rack1 NumNodes=2", "release 12"]
     assert (tmp_path / "run dir" / "launch" / "host-12.0").exists()
     assert "hpcshard (batch host): requeue 12" in proc.stderr
+
+
+def test_host_block_sets_no_node_down_that_another_job_runs_on(tmp_path: Path) -> None:
+    """The job did not have its nodes to itself (no --exclusive): a DOWN of its lost nodes
+    would end the other jobs there too (Slurm fails every job on a DOWN node). They stay
+    drained; Slurm marks them DOWN itself after SlurmdTimeout, if they are gone."""
+    proc, calls = host_block(tmp_path, ACTIONS.text().replace("12_3", "12"), squeue="12 345")
+    assert calls == ["update NodeName=n4 State=DRAIN Reason=hpcshard run: straggler",
+                     "squeue -h -t R,S,CG -w n2,n5 -o %A", "requeuehold 12",
+                     "update JobId=12 ExcNodeList=n2,gpu-07.rack1 NumNodes=2", "release 12"], proc.stderr
+    assert "n2,n5 not set DOWN: job 345 runs there too" in proc.stderr
 
 
 @pytest.mark.parametrize("decision, expected", [
@@ -313,7 +330,7 @@ def test_host_block_takes_slurms_refusal_at_once(tmp_path: Path) -> None:
     sleeps a drain would push the requeue towards the time limit."""
     drains = [Drain(["n4"], "DRAIN", "slow"), Drain(["n2"], "DOWN", "lost")]
     proc, calls = host_block(tmp_path, HostActions("12", drains=drains).text(), deny="NodeName")
-    assert calls == ["update NodeName=n4 State=DRAIN Reason=slow",
+    assert calls == ["update NodeName=n4 State=DRAIN Reason=slow", "squeue -h -t R,S,CG -w n2 -o %A",
                      "update NodeName=n2 State=DOWN Reason=lost", "requeue 12"], proc.stderr
     assert "Access/permission denied" in proc.stderr
 

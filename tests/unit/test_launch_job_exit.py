@@ -5,6 +5,7 @@ launcher's surroundings stood in for (no Slurm, no ranks)."""
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 
@@ -39,12 +40,13 @@ def test_a_task_fails_only_when_the_run_ended_there(job: int | None, code: int, 
 
 
 def launcher_exit(run: Path, monkeypatch: pytest.MonkeyPatch, records: list[events.Event], code: int,
-                  claimed: tuple[str, ...] = ()) -> tuple[int | str, list[str]]:
+                  claimed: tuple[str, ...] = (), refused: bool = False) -> tuple[int | str, list[str]]:
     """Node 1's launcher of job 7 (2 nodes, --no-kill: guarded by job 8) once its ranks
     ended with `code`, the ledger holding `records` and `claimed` claimed by node 0's
     launcher already: its task's exit ("exit N" where it left through SystemExit, else
     node_main's return) and the jobs it cancelled. The continuation it sends on where it
-    wins the claim: a requeue, recorded."""
+    wins the claim: a requeue, recorded. `refused`: the run directory refuses every new
+    file from the launcher's start on (EACCES: a root-squash change, an expired ticket)."""
     RunSpec(job="jobs/charlm.py", sets={}, nodes=2, gpus=1, backend="slurm", name="x", spares=1,
             jobs=["7"]).write(run)
     (run / LAUNCH).mkdir()
@@ -68,10 +70,16 @@ def launcher_exit(run: Path, monkeypatch: pytest.MonkeyPatch, records: list[even
     monkeypatch.setattr(slurm, "release", lambda *a, **k: None)
     cancelled: list[str] = []
     monkeypatch.setattr(slurm.cluster, "scancel", lambda *jobs: cancelled.extend(jobs))
+    if refused:
+        monkeypatch.setattr(launchers, "create_exclusive", refuse)
     try:
         return slurm.node_main(str(run), 1, 0, 3), cancelled
     except SystemExit as left:
         return f"exit {left.code}", cancelled
+
+
+def refuse(path: Path, text: str) -> bool:
+    raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
 
 
 START = events.Start(attempt=0, cycle=0, world=2, nodes=2, host="n1")
@@ -109,3 +117,17 @@ def test_a_run_that_ended_in_error_fails_its_job_and_drops_its_guard(tmp_path: P
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     failed = [START, events.End(attempt=0, reason=EndReason.BUG, cycle=1, error="ValueError: x")]
     assert launcher_exit(tmp_path, monkeypatch, failed, BUG_EXIT) == ("exit 1", ["8"])
+
+
+def test_a_run_stopped_for_a_run_directory_that_refuses_writes_fails_its_job_without_a_traceback(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """EACCES on the run directory (a requeued attempt: the guard's claim is asked again)
+    stopped the run for its storage (74). The claims of the way in and out (guard,
+    unguard) raised PermissionError out of the task instead of its exit 1: the task's
+    error came as a traceback after the storage's one line."""
+    stopped = [START, events.End(attempt=0, reason=EndReason.STORAGE, cycle=0,
+                                 how="the run directory x takes no write (EACCES: Permission denied)")]
+    assert launcher_exit(tmp_path, monkeypatch, stopped, STORAGE_EXIT, refused=True) == ("exit 1", [])
+    said = capsys.readouterr().err
+    assert "unguard-7: the run directory refused its claim ([Errno 13] Permission denied" in said
+    assert "no guard job ([Errno 13] Permission denied" in said

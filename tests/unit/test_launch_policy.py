@@ -7,13 +7,15 @@ from dataclasses import replace
 
 import pytest
 
-from hpcshard.launch.policy import Action, Decision, Facts, decide
+from hpcshard.launch.policy import Action, Decision, Facts, StorageVerdict, decide, storage_verdict
 from hpcshard.rundir.rankenv import BUG_EXIT, REQUEUE_EXIT, STORAGE_EXIT
 
 pytestmark = pytest.mark.unit
 
 BASE = Facts(cycle=0, active=(0, 1), committed=40)
 LOST = "lost: its launcher was silent for 8 s"
+ALONE = ("the run directory /r takes no write (EIO: Input/output error) (3 tries), seen from node(s) [1], "
+         "not from [0]")
 
 # (name, facts, action, code, end, active, spares, bad, words in the reason)
 CASES = [
@@ -60,6 +62,22 @@ CASES = [
      (), (), "restart budget (3) is spent"),
     ("a bad node is never active again", replace(BASE, active=(0, 2), spares=(3,), bad={1: LOST}),
      Action.RESTART, 0, "", (0, 2), (3,), (), "restart 1 of 3"),
+    # A node that alone saw the run directory refuse a write sits the attempt out: not bad.
+    ("an unfit node: a spare takes its place, nothing calls it bad",
+     replace(BASE, spares=(2,), unfit={1: ALONE}),
+     Action.RESTART, 0, "", (0, 2), (), (), f"node(s) [1] sit this attempt out ({ALONE}): spare node(s) [2]"),
+    ("an unfit node, min_nodes 1: fewer nodes", replace(BASE, min_nodes=1, unfit={1: ALONE}),
+     Action.RESTART, 0, "", (0,), (), (), "going on with 1 nodes"),
+    ("an unfit node, no spare: back through the queue, nothing excluded", replace(BASE, unfit={1: ALONE}),
+     Action.REQUEUE, REQUEUE_EXIT, "fault", (), (), (), "sit this attempt out"),
+    ("a bad node and an unfit one: requeued, the bad one excluded",
+     replace(BASE, active=(0, 1, 2), lost=(2,), bad={2: LOST}, unfit={1: ALONE}), Action.REQUEUE,
+     REQUEUE_EXIT, "fault", (), (), (2,), f"node(s) [2] bad ({LOST}) and node(s) [1] sit this attempt out"),
+    ("an unfit spare is not used", replace(BASE, spares=(2, 3), lost=(1,), bad={1: LOST}, unfit={2: ALONE}),
+     Action.RESTART, 0, "", (0, 3), (), (1,), "spare node(s) [3] take their place"),
+    ("no progress, but a node sat out and a spare came: one more try",
+     replace(BASE, cycle=2, stalled=2, spares=(2,), unfit={1: ALONE}), Action.RESTART, 0, "", (0, 2), (), (),
+     "restart 3 of 3"),
 ]
 
 
@@ -87,3 +105,28 @@ def test_a_decision_survives_its_file() -> None:
 
     back = Decision.from_dict(json.loads(json.dumps(got.to_dict())))
     assert back == got and back.restart and back.to_dict()["restart"] is True
+
+
+EIO = "the run directory /r takes no write (EIO: Input/output error) (3 tries)"
+FULL = "the run directory /r is full"
+HUNG = "the run directory /r did not answer a write within 60 s (hung)"
+
+
+@pytest.mark.parametrize("seen,lasting,wrote,verdict", [
+    ({}, (), (0, 1), StorageVerdict()),  # every write landed
+    ({0: EIO, 1: EIO}, (), (), StorageVerdict(wait=EIO)),  # every node: it may pass, waited for
+    ({0: HUNG, 1: EIO}, (), (), StorageVerdict(wait=HUNG)),
+    ({0: EIO, 1: FULL}, (1,), (), StorageVerdict(stop=FULL)),  # one a person must fix: at once
+    ({1: EIO}, (), (), StorageVerdict(wait=EIO)),  # (node 0 lost: the ones that reported)
+    ({1: EIO}, (), (0, 2), StorageVerdict(unfit={1: f"{EIO}, seen from node(s) [1], not from [0, 2]"})),
+    ({1: FULL}, (1,), (0,), StorageVerdict(unfit={1: f"{FULL}, seen from node(s) [1], not from [0]"})),
+    ({0: EIO, 2: HUNG}, (), (1,), StorageVerdict(unfit={
+        n: f"{why}, seen from node(s) [0, 2], not from [1]" for n, why in ((0, EIO), (2, HUNG))})),
+], ids=["nothing", "every-node-eio", "every-node-hung-or-eio", "every-node-one-full", "the-only-one",
+        "one-alone", "full-alone", "two-alone"])
+def test_the_nodes_probes_compared(seen: dict[int, str], lasting: tuple[int, ...], wrote: tuple[int, ...],
+                                   verdict: StorageVerdict) -> None:
+    """The run stops for its storage only when every node that reported saw an error; at
+    once where a person must act (full, quota, read-only), else once the decider waited
+    for it in vain. Seen by some while others wrote (a stale mount), it is those nodes'."""
+    assert storage_verdict(seen, lasting, wrote) == verdict

@@ -2,11 +2,10 @@
 each reproduced before it was mended: two launchers of one job taking one lease, a command
 whose lease nobody renewed, a lock left by a dead holder, a slow holder and two breakers, a
 local run whose command was killed, a leader that found its run taken over, a TERM while a
-restart's agent starts, a transient error of the health probe, a script's bug stop."""
+restart's agent starts, a script's bug stop (the health probe's errors: test_launch_storage)."""
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import subprocess
@@ -19,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from hpcshard.launch import health, policy
 from hpcshard.launch import node as lnode
+from hpcshard.launch import policy
 from hpcshard.launch import slurm as lslurm
 from hpcshard.launch.liveness import LOST_S
 from hpcshard.launch.supervise import Supervisor, TakenOver
@@ -227,29 +226,6 @@ def test_a_cancel_while_a_restarts_agent_starts_reaches_the_new_agent(tmp_path: 
     finally:
         signal.signal(signal.SIGTERM, term)
     assert agents and agents[0].returncode == -signal.SIGTERM
-
-
-def test_a_transient_error_of_the_health_probe_is_not_the_runs_storage(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Any error of the probe stopped the run for its storage (a person's job to fix);
-    one ESTALE passes, and one that persists is this node's mount, not the run's storage."""
-    real, calls = os.fsync, []
-
-    def flaky(fd: int) -> None:
-        calls.append(fd)
-        if len(calls) == 1:
-            raise OSError(errno.ESTALE, os.strerror(errno.ESTALE))
-        real(fd)
-
-    monkeypatch.setattr(os, "fsync", flaky)
-    monkeypatch.setattr(health.time, "sleep", lambda s: None)
-    assert health.check(tmp_path, leader=False, ranks=1, command="", waiting=lambda: None) == health.Health()
-    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.EIO, "I/O error")))
-    found = health.check(tmp_path, leader=False, ranks=1, command="", waiting=lambda: None)
-    assert not found.storage and "from this node (3 tries)" in found.node
-    monkeypatch.setattr(os, "fsync", lambda fd: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
-    found = health.check(tmp_path, leader=False, ranks=1, command="", waiting=lambda: None)
-    assert found.storage == f"the run directory {tmp_path} is full" and not found.node
 
 
 def test_a_scripts_bug_stop_still_names_the_rank_that_failed_first(tmp_path: Path,

@@ -59,6 +59,11 @@ SCANCEL = """#!/bin/bash
 echo "scancel $*" >> "$SCONTROL_LOG"
 touch "$SCONTROL_LOG.ended"
 """
+SQUEUE = """#!/bin/bash
+echo "squeue $*" >> "$SCONTROL_LOG"
+[ "$SQUEUE_JOBS" != fail ] || exit 1
+printf '%s\\n' $SQUEUE_JOBS
+"""
 
 
 def batch(tmp_path: Path, decision: str, srun_exit: int = 137, hold: int = 600, deny: str = "never",
@@ -78,7 +83,7 @@ def staged(tmp_path: Path, decision: str, srun_exit: int = 137, hold: int = 600,
     """The rendered script and the stand-ins on disk; the environment to run it with."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("scancel", SCANCEL)):
+    for name, text in (("srun", SRUN), ("scontrol", SCONTROL), ("scancel", SCANCEL), ("squeue", SQUEUE)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     site = tmp_path / "templates"
@@ -91,7 +96,8 @@ def staged(tmp_path: Path, decision: str, srun_exit: int = 137, hold: int = 600,
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "12",
            "SLURM_JOB_NUM_NODES": "3", "DECISION": decision, "SCONTROL_LOG": str(tmp_path / "called.log"),
            "DENY": deny, "SRUN_EXIT": str(srun_exit), "HOLD_POLLS": str(hold), "JOB_NODES": job_nodes,
-           "HOSTNAMES": hostnames, "TERM_BATCH": "", "TERM_ALL": "", "HPCSHARD_RELEASE_POLLS": "2"}
+           "HOSTNAMES": hostnames, "TERM_BATCH": "", "TERM_ALL": "", "HPCSHARD_RELEASE_POLLS": "2",
+           "SQUEUE_JOBS": "12"}
     env.pop(hostside.WATCH_ENV, None)
     return script, env
 
@@ -113,6 +119,10 @@ SRUN_LINE = ('srun --output {{ task_stdout | q }} --error {{ task_stderr | q }} 
 
 REASON = "hpcshard run: lost: silent"
 DOWN = f"update NodeName=n2 State=DOWN Reason={REASON}"
+ALONE = "squeue -h -t R,S,CG -w n2 -o %A"
+"""Asked before a DOWN: which jobs run on the node (a DOWN ends every one of them)."""
+HELD = ["show job 12", "show hostnames n[1-3]", ALONE]
+"""What the watch asks before a DOWN: does the job still hold the node, and is it alone there."""
 
 
 def released(code: int = 0, down: tuple[str, ...] = ("n2",), drains: tuple[Drain, ...] = ()) -> str:
@@ -120,10 +130,10 @@ def released(code: int = 0, down: tuple[str, ...] = ("n2",), drains: tuple[Drain
 
 
 @pytest.mark.parametrize("decision, deny, calls, code", [
-    (released(), "never", ["show job 12", "show hostnames n[1-3]", DOWN], 0),  # done on the spare: DOWN
+    (released(), "never", [*HELD, DOWN], 0),  # done on the spare: DOWN
     (released(down=()), "never", ["scancel 12.0"], 0),  # bad_nodes = "none": the step cancelled
-    (released(), "NodeName", ["show job 12", "show hostnames n[1-3]", DOWN, "scancel 12.0"], 0),  # no rights
-    (released(code=1), "never", ["show job 12", "show hostnames n[1-3]", DOWN], 1),  # an error, then over
+    (released(), "NodeName", [*HELD, DOWN, "scancel 12.0"], 0),  # no rights
+    (released(code=1), "never", [*HELD, DOWN], 1),  # an error, then over
 ], ids=["down", "cancel", "down-refused", "error"])
 def test_a_release_written_while_srun_runs_is_acted_on_before_srun_returns(
         tmp_path: Path, decision: str, deny: str, calls: list[str], code: int) -> None:
@@ -134,6 +144,22 @@ def test_a_release_written_while_srun_runs_is_acted_on_before_srun_returns(
     assert called == ["srun: watched=1", *calls, "srun returns"], proc.stderr
     assert proc.returncode == code, proc.stderr
     assert "hpcshard (batch host): the run is over: release of step 12.0" in proc.stderr
+
+
+@pytest.mark.parametrize("jobs, said", [
+    ("12 345", "n2 not set DOWN: job 345 runs there too (a DOWN would end it)"),
+    ("fail", "n2 not set DOWN: squeue did not say what else runs there"),
+], ids=["shared", "no-answer"])
+def test_a_lost_node_another_job_runs_on_is_not_set_down(tmp_path: Path, jobs: str, said: str) -> None:
+    """The job did not have its nodes to itself (no --exclusive: a GPU partition packs other
+    users' jobs onto a node's free GPUs): a DOWN of its lost node would end theirs too
+    (Slurm fails every job on a DOWN node). The step is cancelled instead; Slurm marks the
+    node DOWN itself after SlurmdTimeout, if it is gone."""
+    script, env = staged(tmp_path, released())
+    env["SQUEUE_JOBS"] = jobs
+    proc = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert called(tmp_path) == ["srun: watched=1", *HELD, "scancel 12.0", "srun returns"], proc.stderr
+    assert said in proc.stderr and proc.returncode == 0
 
 
 def test_a_lost_node_that_left_the_job_is_not_set_down(tmp_path: Path) -> None:
@@ -168,7 +194,7 @@ def test_the_host_block_leaves_the_lost_nodes_down_to_the_release(tmp_path: Path
     for after srun: once the release has set it DOWN, only the drain remains."""
     drains = (Drain(["n4"], "DRAIN", "slow"), Drain(["n2"], "DOWN", REASON))
     proc, called = batch(tmp_path, released(drains=drains))
-    assert called == ["srun: watched=1", "show job 12", "show hostnames n[1-3]", DOWN, "srun returns",
+    assert called == ["srun: watched=1", *HELD, DOWN, "srun returns",
                       "update NodeName=n4 State=DRAIN Reason=slow"], proc.stderr
     assert proc.returncode == 0
 
@@ -203,7 +229,7 @@ def test_a_job_slurm_ends_while_a_release_waits_is_not_released(tmp_path: Path) 
 
 @pytest.mark.parametrize("decision, calls", [
     ("", []),  # nothing to release: the watch must not keep `wait` waiting
-    (released(), ["show job 12", "show hostnames n[1-3]", DOWN]),
+    (released(), [*HELD, DOWN]),
 ], ids=["nothing", "release"])
 def test_a_site_launch_block_that_waits_for_every_child_still_ends(
         tmp_path: Path, decision: str, calls: list[str]) -> None:
@@ -294,7 +320,7 @@ def test_a_watching_batch_script_gets_the_release_client_or_not(
                                                                   "hpcshard run: lost: silent")
     assert helpers == []
     (cancel,) = [r for r in ledger.read(run) if r["event"] == "cancel"]
-    assert "by the batch script" in cancel["reason"]
+    assert "the batch script is asked" in cancel["reason"]
 
 
 @pytest.mark.parametrize("client, helper", [(True, ["77 0 n2 hpcshard run: lost: silent"]), (False, [])])
@@ -326,7 +352,7 @@ def test_a_release_the_script_cannot_be_given_falls_back_to_the_helper(
     release.release(run, env, 0, down=True)
     assert helpers == ["77 0 n2 hpcshard run: lost: silent"]
     (cancel,) = [r for r in ledger.read(run) if r["event"] == "cancel"]
-    assert "by a helper" in cancel["reason"]
+    assert "a helper left by this launcher is asked" in cancel["reason"]
 
 
 def test_the_release_carries_the_jobs_exit_code_from_the_records_that_closed_the_attempt(
