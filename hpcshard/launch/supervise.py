@@ -742,10 +742,17 @@ class Supervisor:
         moment it is killed, and a waiter on another host cannot look a pid of this host
         up: it would wait files.LOCK_STALE_S (the decider's records with it). Done before
         this node says it is down, so the decider's records, which come after every down,
-        find the lock free."""
-        with contextlib.suppress(OSError):  # (storage that refuses it: the fault path goes on)
-            files.clear_left(self.run_dir / ledger.LEDGER, killed, wait=KILLED_EXIT_S,
-                             waiting=self.beat if beating else lambda: None)
+        find the lock free. Bounded as every other look at the run directory on the fault
+        path (`_readable`), and nothing at all once the storage was found hung."""
+        if self.hung:
+            return
+        clear = partial(files.clear_left, self.run_dir / ledger.LEDGER, killed, wait=KILLED_EXIT_S,
+                        waiting=lambda: None)  # (this thread beats: `bounded`)
+        with contextlib.suppress(OSError):  # (storage that refuses it, or hangs: the fault path goes on)
+            if beating:
+                bounded(clear, KILLED_EXIT_S + READ_WAIT_S, self.beat, POLL_S)
+            else:
+                clear()
 
     def _no_agent(self, cycle: int, err: BaseException) -> Watch:
         """The cycle's agent could not be started: a fault of this node's like any other
