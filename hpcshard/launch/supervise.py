@@ -743,16 +743,20 @@ class Supervisor:
         up: it would wait files.LOCK_STALE_S (the decider's records with it). Done before
         this node says it is down, so the decider's records, which come after every down,
         find the lock free. Bounded as every other look at the run directory on the fault
-        path (`_readable`), and nothing at all once the storage was found hung."""
+        path (`_readable`), and nothing at all once the storage was found hung; one that
+        hangs here finds it hung (the reads after it give their defaults at once). A
+        launcher on its way out (`beating` false: after its last word) is bounded too: it
+        would hang there for as long as the mount does, its task and the job's step with it."""
         if self.hung:
             return
         clear = partial(files.clear_left, self.run_dir / ledger.LEDGER, killed, wait=KILLED_EXIT_S,
                         waiting=lambda: None)  # (this thread beats: `bounded`)
-        with contextlib.suppress(OSError):  # (storage that refuses it, or hangs: the fault path goes on)
-            if beating:
-                bounded(clear, KILLED_EXIT_S + READ_WAIT_S, self.beat, POLL_S)
-            else:
-                clear()
+        try:
+            bounded(clear, KILLED_EXIT_S + READ_WAIT_S, self.beat if beating else lambda: None, POLL_S)
+        except Hung:
+            self.hung = True
+        except OSError:  # (storage that refuses it: the fault path goes on)
+            pass
 
     def _no_agent(self, cycle: int, err: BaseException) -> Watch:
         """The cycle's agent could not be started: a fault of this node's like any other

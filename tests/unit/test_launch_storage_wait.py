@@ -22,7 +22,7 @@ import pytest
 from hpcshard.launch import health, supervise
 from hpcshard.launch.policy import Action, Decision
 from hpcshard.launch.supervise import Watch
-from hpcshard.rundir import launchers, ledger, store
+from hpcshard.rundir import files, launchers, ledger, store
 from hpcshard.rundir.rankenv import STORAGE_EXIT
 from tests.unit.test_launch_races import make_supervisor
 
@@ -234,3 +234,29 @@ def test_recovery_on_a_hung_mount_is_bounded_and_beats(tmp_path: Path,
     assert (done[0].code, done[0].end) == (STORAGE_EXIT, "storage") and "(hung)" in done[0].reason
     gaps = [b - a for a, b in zip([began, *beats], beats, strict=False)]
     assert max(gaps) < 1.0, gaps
+
+
+@pytest.mark.parametrize("beating", [True, False], ids=["on the fault path", "on the way out"])
+def test_clearing_the_killed_ranks_lock_on_a_hung_mount_is_bounded_and_finds_it_hung(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, beating: bool) -> None:
+    """The lock's fix (a launcher clears what its killed ranks left of the ledger's lock)
+    met the storage's (every look at the run directory on the fault path is bounded): on a
+    hard mount whose server is gone, the clearing gave up after its bound but left the
+    storage not known hung, so each read after it hung a bound more; and a launcher on its
+    way out (fenced off, or on a bug: after its last heartbeat) cleared with no bound at
+    all, and hung there as long as the mount, its task and the job's step with it."""
+    sup, _ = one_node(tmp_path, monkeypatch)
+    monkeypatch.setattr(supervise, "KILLED_EXIT_S", 0.2)
+    monkeypatch.setattr(supervise, "READ_WAIT_S", 0.3)
+    comes_back, done = threading.Event(), threading.Event()
+    monkeypatch.setattr(files, "clear_left", lambda *_, **__: comes_back.wait(30))
+
+    def clear() -> None:
+        sup._clear_left([], beating=beating)
+        done.set()
+
+    threading.Thread(target=clear, daemon=True).start()
+    cleared = done.wait(10)
+    comes_back.set()
+    assert cleared, "the clearing hung with the mount"
+    assert sup.hung  # (the reads after it give their defaults at once)
