@@ -311,14 +311,18 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
     # One launcher sends the job on: node 0's, unless it was lost.
     if code == REQUEUE_EXIT:
         _await_end(run, attempt, END_WAIT_S + spec.grace_s)
-    sent_on = code == REQUEUE_EXIT and launchers.claim(run, f"continue-{attempt}")
+    sent_on = code == REQUEUE_EXIT and _sends_on(run, attempt, slurm.node_id)
     if sent_on:
         orphan = _orphaned(run, slurm, attempt) if policy == "chain" else ""
         left = _continue(run, slurm, attempt, first_attempt, max_requeues, policy, owner, after=not orphan)
         if orphan:
             _end_orphan(run, slurm, attempt, orphan)
         if client:
-            _down_lost(run, spec, attempt, slurm.job_id)
+            try:
+                _down_lost(run, spec, attempt, slurm.job_id)
+            except OSError as err:  # (the ledger unreadable: Slurm marks them DOWN in its time)
+                print(f"hpcshard: the lost nodes could not be looked up ({err}); Slurm marks them DOWN "
+                      "itself after SlurmdTimeout", file=sys.stderr, flush=True)
         else:
             _leave_to_host(run, spec, attempt, left)
     elif code != REQUEUE_EXIT and not client and _claimed(run, f"host-{attempt}"):
@@ -340,6 +344,31 @@ def node_main(run_dir: str, per_node: int, first_attempt: int, max_requeues: int
         # code, so the job ends FAILED.
         raise SystemExit(exit_code)
     return code
+
+
+def _sends_on(run: Path, attempt: int, node_id: int) -> bool:
+    """Does this launcher send the job on? The first to claim it does. Where the run
+    directory refuses the claim, node 0's launcher does, alone: a notice ended the run's
+    wait for its storage and the decision was a requeue (`Supervisor._wait_for_storage`),
+    while the storage still takes no file. The claim raised out of every launcher, nobody
+    sent the job on, and a time limit's job ended TIMEOUT, which is never requeued. (Node 0
+    lost as well: nobody does.)"""
+    try:
+        return launchers.claim(run, f"continue-{attempt}")
+    except OSError as err:
+        print(f"hpcshard: continue-{attempt}: the run directory refused its claim ({err}); "
+              f"{'this launcher, node 0,' if node_id == 0 else 'node 0'} sends the job on",
+              file=sys.stderr, flush=True)
+        return node_id == 0
+
+
+def _note(run: Path, event: events.Event) -> None:
+    """`ledger.append` on the way out: one line where the storage refuses it (the job is
+    sent on, or not, all the same; the attempt's record is what is lost)."""
+    try:
+        ledger.append(run, event)
+    except OSError as err:
+        print(f"hpcshard: the ledger refused its {event.KIND} record ({err})", file=sys.stderr, flush=True)
 
 
 def _claimed(run: Path, name: str) -> bool:
@@ -517,6 +546,16 @@ def _await_end(run: Path, attempt: int, within: float) -> None:
         time.sleep(END_POLL_S)
 
 
+def _bad_nodes(run: Path) -> list[str]:
+    """`ledger.bad_slurm_nodes`, or none where the ledger cannot be read: the job is sent on
+    with the ExcNodeList it has, and a node the run declared bad that it lands on again sits
+    the attempt out (`exclusion.declared_before`)."""
+    try:
+        return ledger.bad_slurm_nodes(run)
+    except (OSError, ValueError):
+        return []
+
+
 def not_continued(policy: str, done: int, max_requeues: int, way: hostside.Way) -> str:
     """Why a stopped job is not sent on (its policy, the cap of continuations, no way to
     reach Slurm from here), or "" when it is."""
@@ -535,19 +574,24 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
               policy: str, owner: lease.Owner, after: bool = True) -> events.Requeue | None:
     """Send the job on as `policy` says. Returns the requeue it left to the batch script
     (no Slurm client here, `hostside`), else None."""
-    done = _continuations(ledger.read(run), first_attempt)
+    try:
+        done = _continuations(ledger.read(run), first_attempt)
+    except (OSError, ValueError) as err:  # (the storage a notice ended the run's wait for)
+        done = attempt - first_attempt  # (each continuation since this submission took one attempt)
+        print(f"hpcshard: the ledger could not be read ({err}): {done} continuation(s) counted from the "
+              "attempt's number", file=sys.stderr, flush=True)
     action = "chain" if policy == "chain" else "requeue"
     way = hostside.way(action, hostside.has_client(action), hostside.host_file())
     why = not_continued(policy, done, max_requeues, way)
     if why:
-        ledger.append(run, events.GaveUp(attempt=attempt, reason=why))
+        _note(run, events.GaveUp(attempt=attempt, reason=why))
         print(f"hpcshard: not continued: {why}; continue with `hpcshard resume {run}`",
               file=sys.stderr, flush=True)
         return None
     if way is hostside.Way.HOST:  # (Slurm's state cannot be asked: the job had its nodes)
-        bad = ledger.bad_slurm_nodes(run)
+        bad = _bad_nodes(run)
         left = events.Requeue(attempt=attempt, job=slurm.ref, host=True, excluded=bad or events.UNSET)
-        ledger.append(run, left)
+        _note(run, left)
         print(f"hpcshard: requeue of job {slurm.ref} left to the batch script (no Slurm client here)",
               file=sys.stderr, flush=True)
         return left
@@ -555,10 +599,10 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
         try:
             new = chain(run, slurm.job_id, attempt + 1, owner, after=after)
         except (OSError, ValueError) as err:
-            ledger.append(run, events.GaveUp(attempt=attempt, reason=f"chain failed: {err}"))
+            _note(run, events.GaveUp(attempt=attempt, reason=f"chain failed: {err}"))
             return None
-        ledger.append(run, events.Chain(attempt=attempt, job=slurm.job_id, next=new,
-                                        at_once=events.UNSET if after else True))
+        _note(run, events.Chain(attempt=attempt, job=slurm.job_id, next=new,
+                                at_once=events.UNSET if after else True))
         _drop_guards(run, slurm.job_id)
         print(f"hpcshard: continuation job {new} submitted "
               + (f"(afterany:{slurm.job_id})" if after else "(at once: this job is cancelled)"),
@@ -566,11 +610,11 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
         return None
     by = cluster.requeued_by_other(slurm.ref, slurm.restart_count)
     if by:  # e.g. Lightning's own SIGUSR1 handler runs `scontrol requeue`: never twice
-        ledger.append(run, events.Requeue(attempt=attempt, job=slurm.ref, by="the job itself", state=by))
+        _note(run, events.Requeue(attempt=attempt, job=slurm.ref, by="the job itself", state=by))
         print(f"hpcshard: job {slurm.ref} was already requeued ({by}); not requeued again",
               file=sys.stderr, flush=True)
         return None
-    bad = ledger.bad_slurm_nodes(run)
+    bad = _bad_nodes(run)
     fewer = _fewer_nodes(run, slurm, attempt, bad) if bad else None
     if fewer == 0:
         return None
@@ -578,11 +622,11 @@ def _continue(run: Path, slurm: SlurmEnv, attempt: int, first_attempt: int, max_
         note = cluster.requeue(slurm.ref, exclude=bad, nodes=fewer)  # retried through a controller's blip
     except cluster.SlurmError as err:
         why = f"requeue failed: {err}; continue with `hpcshard resume {run}`"
-        ledger.append(run, events.GaveUp(attempt=attempt, reason=why))
+        _note(run, events.GaveUp(attempt=attempt, reason=why))
         print(f"hpcshard: not continued: {why}", file=sys.stderr, flush=True)
         return None
-    ledger.append(run, events.Requeue(attempt=attempt, job=slurm.ref, error=note or None,
-                                      excluded=bad or events.UNSET, nodes=fewer or events.UNSET))
+    _note(run, events.Requeue(attempt=attempt, job=slurm.ref, error=note or None,
+                              excluded=bad or events.UNSET, nodes=fewer or events.UNSET))
     print(f"hpcshard: requeued job {slurm.ref}" + (f" ({note})" if note else ""),
           file=sys.stderr, flush=True)
     return None

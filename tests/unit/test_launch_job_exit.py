@@ -40,10 +40,11 @@ def test_a_task_fails_only_when_the_run_ended_there(job: int | None, code: int, 
 
 
 def launcher_exit(run: Path, monkeypatch: pytest.MonkeyPatch, records: list[events.Event], code: int,
-                  claimed: tuple[str, ...] = (), refused: bool = False) -> tuple[int | str, list[str]]:
-    """Node 1's launcher of job 7 (2 nodes, --no-kill: guarded by job 8) once its ranks
-    ended with `code`, the ledger holding `records` and `claimed` claimed by node 0's
-    launcher already: its task's exit ("exit N" where it left through SystemExit, else
+                  claimed: tuple[str, ...] = (), refused: bool = False,
+                  node: int = 1) -> tuple[int | str, list[str]]:
+    """Node 1's launcher (or `node`'s) of job 7 (2 nodes, --no-kill: guarded by job 8) once
+    its ranks ended with `code`, the ledger holding `records` and `claimed` claimed by node
+    0's launcher already: its task's exit ("exit N" where it left through SystemExit, else
     node_main's return) and the jobs it cancelled. The continuation it sends on where it
     wins the claim: a requeue, recorded. `refused`: the run directory refuses every new
     file from the launcher's start on (EACCES: a root-squash change, an expired ticket)."""
@@ -55,7 +56,7 @@ def launcher_exit(run: Path, monkeypatch: pytest.MonkeyPatch, records: list[even
     launchers.guard_file(run, "8").write_text("7\n")
     for name in ("guard-7", *claimed):
         assert launchers.claim(run, name)
-    env = slurm.SlurmEnv(job_id="7", ref="7", nodes=["n1", "n2"], node_id=1, restart_count=0,
+    env = slurm.SlurmEnv(job_id="7", ref="7", nodes=["n1", "n2"], node_id=node, restart_count=0,
                          gpus_on_node=1, step_id="0")
     monkeypatch.setattr(os, "environ", dict(os.environ))  # (node_main exports the ranks' variables)
     monkeypatch.setattr(slurm.SlurmEnv, "from_environ", classmethod(lambda cls: env))
@@ -131,3 +132,19 @@ def test_a_run_stopped_for_a_run_directory_that_refuses_writes_fails_its_job_wit
     said = capsys.readouterr().err
     assert "unguard-7: the run directory refused its claim ([Errno 13] Permission denied" in said
     assert "no guard job ([Errno 13] Permission denied" in said
+
+
+@pytest.mark.parametrize("node,sent_on", [(0, True), (1, False)])
+def test_a_requeue_after_a_notice_ended_the_wait_for_the_storage_is_sent_on_by_node_0(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], node: int,
+        sent_on: bool) -> None:
+    """A notice ended the run's wait for a run directory that refuses writes (EACCES), and
+    the decision was a requeue. The claim of who sends the job on was refused as well: it
+    raised out of every launcher (a traceback), nobody requeued the job, and a time
+    limit's job ended TIMEOUT, never requeued. Node 0's launcher sends it on alone."""
+    stopped = [START, events.End(attempt=0, reason=EndReason.STOP, cycle=0, step=5, saved_step=5)]
+    assert launcher_exit(tmp_path, monkeypatch, stopped, REQUEUE_EXIT, refused=True, node=node) == (
+        REQUEUE_EXIT, [])
+    assert ("requeue" in [r["event"] for r in ledger.read(tmp_path)]) is sent_on
+    said = capsys.readouterr().err
+    assert "continue-0: the run directory refused its claim ([Errno 13] Permission denied" in said
