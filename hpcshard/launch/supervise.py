@@ -33,6 +33,7 @@ import os
 import signal
 import socket
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -96,6 +97,10 @@ up). Declared at LOST_S, the spare's fault named healthy nodes lost, and the spa
 decider then, declared them bad (drained)."""
 LINGER_S = 2 * LOST_S
 """How long node 0's store outlives its launcher's end for the others to end too."""
+RENEW_WAIT_S = 2.0
+"""The longest the leader's heartbeat waits for its renewal of the run's lease (one small
+read, milliseconds): on a hard mount whose server is gone the read hangs, and a leader
+silent past LOST_S is taken for lost, its node for bad (`_renew`)."""
 KILLED_EXIT_S = 10.0
 """How long the ranks a launcher killed are given to be gone before it clears what they
 left of the ledger's lock (`_clear_left`): a process frees its memory before it is gone,
@@ -248,6 +253,9 @@ class Supervisor:
         self.leaving = False
         """It is saying its last word (its exit code): nothing to judge any more."""
         self.renewed = time.monotonic()
+        self.renewal = threading.Event()
+        """Set once the last renewal of the lease has answered (`_renew`)."""
+        self.renewal.set()
         self.storage = health.Storage()
         """What this launcher's probe of the run directory found wrong in this cycle (false:
         nothing, or no probe yet). Not a write's refusal: a heartbeat that lands says
@@ -432,9 +440,19 @@ class Supervisor:
         if time.monotonic() - self.renewed < lease.RENEW_S:
             return
         self.renewed = time.monotonic()
-        try:
-            kept = lease.renew(self.run_dir, self.ranks.owner)
-        except OSError:  # a full or hung disk: the ranks' own check before a commit stands
+        if not self.renewal.is_set():  # (the last one still hangs: not one thread blocked a beat)
+            return
+        answered = self.renewal = threading.Event()
+
+        def renew() -> bool:
+            try:
+                return lease.renew(self.run_dir, self.ranks.owner)
+            finally:
+                answered.set()
+
+        try:  # (bounded: called from every wait's beat, and a silent leader is a lost one)
+            kept = bounded(renew, RENEW_WAIT_S, lambda: None, POLL_S)
+        except OSError:  # a full or hung disk (Hung): the ranks' own check before a commit stands
             return
         if not kept:
             try:

@@ -22,7 +22,7 @@ import pytest
 from hpcshard.launch import health, supervise
 from hpcshard.launch.policy import Action, Decision
 from hpcshard.launch.supervise import Watch
-from hpcshard.rundir import files, launchers, ledger, store
+from hpcshard.rundir import files, launchers, lease, ledger, store
 from hpcshard.rundir.rankenv import STORAGE_EXIT
 from tests.unit.test_launch_races import make_supervisor
 
@@ -260,3 +260,39 @@ def test_clearing_the_killed_ranks_lock_on_a_hung_mount_is_bounded_and_finds_it_
     comes_back.set()
     assert cleared, "the clearing hung with the mount"
     assert sup.hung  # (the reads after it give their defaults at once)
+
+
+def test_the_leaders_renewal_of_the_lease_on_a_hung_mount_does_not_silence_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cycle's leader reads the run's lease every lease.RENEW_S from its heartbeat, in
+    training and on the fault path alike (every bounded wait beats), with no bound: on a
+    hard mount whose server is gone it stood still in the read, its peers took it for lost
+    after LOST_S, and once the storage answered, the decider marked its node bad (drained):
+    a storage fault taken for a node's. Its beat goes on; a renewal still hanging is not
+    asked again (one thread blocked, not one every RENEW_S)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    mine = lease.take(run, lease.Owner.of_job("5"), lambda j: False)
+    sup = make_supervisor(run, owner=mine.token, nnodes=2)
+    comes_back, reads = threading.Event(), list[Path]()
+
+    def read(run_dir: Path) -> Any:
+        reads.append(run_dir)
+        comes_back.wait(30)
+        return None
+
+    monkeypatch.setattr(lease, "read", read)
+    monkeypatch.setattr(supervise, "RENEW_WAIT_S", 0.2)
+    done = threading.Event()
+
+    def renew_twice() -> None:
+        for _ in range(2):
+            sup.renewed = -1e9  # (each one due)
+            sup._renew()
+        done.set()
+
+    threading.Thread(target=renew_twice, daemon=True).start()
+    renewed = done.wait(10)
+    comes_back.set()
+    assert renewed, "the leader's renewal hung with the mount"
+    assert len(reads) == 1
