@@ -1201,9 +1201,13 @@ class Supervisor:
         (`launch.slurm`). Through the files the decision's file is both (its decider blames
         after it, or one whose decision lost would blame too). Each step beats while it
         runs: the exclusive create waits on the storage; on failure the others learn it
-        from their own trouble."""
+        from their own trouble. A decider that found the storage hung asks the files
+        nothing: its write would take WRITE_WAIT_S, after the others stopped waiting for it
+        (DECIDE_S past the storage's wait), and no other decider's would land there either."""
         attempt, said = self.ranks.attempt, list[dict[str, Any] | None]()
-        self._try("the decision", lambda: said.append(self.chan.arbitrate(attempt, cycle, ours.to_dict())))
+        if not self.hung:
+            self._try("the decision", lambda: said.append(self.chan.arbitrate(attempt, cycle,
+                                                                             ours.to_dict())))
         first = Decision.from_dict(said[0]) if said and said[0] is not None else None
         if first == ours:
             self._blame(cycle, blame)

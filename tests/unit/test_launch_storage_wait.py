@@ -296,3 +296,52 @@ def test_the_leaders_renewal_of_the_lease_on_a_hung_mount_does_not_silence_it(
     comes_back.set()
     assert renewed, "the leader's renewal hung with the mount"
     assert len(reads) == 1
+
+
+def test_a_decider_on_the_store_that_found_the_storage_hung_decides_within_the_others_wait(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every node's probe hung (a hard mount whose server is gone) and never answered. The
+    others give the decider DOWN_TIMEOUT_S + DECIDE_S + STORAGE_WAIT_S after their down
+    records, then stop on their own ("no launcher decided"). The decider waited
+    STORAGE_WAIT_S, and then, on the store, first created the decision's file in the run
+    directory (the arbiter of two deciders that cannot reach each other): on the hung mount
+    that write took WRITE_WAIT_S (120 s, against DECIDE_S's 30), and its decision reached
+    the store after the others had given up on it. Found hung, the files decide nothing."""
+    from tests.unit.test_launch_coord import serving_supervisor
+
+    run = tmp_path / "run"
+    sup, served = serving_supervisor(run, nnodes=1)
+    (run / launchers.LAUNCH).mkdir(exist_ok=True)
+    for name, value in (("DOWN_TIMEOUT_S", 1.0), ("DECIDE_S", 1.0), ("READ_WAIT_S", 0.2),
+                        ("WRITE_WAIT_S", 10.0)):
+        monkeypatch.setattr(supervise, name, value)
+    monkeypatch.setattr(health, "PAUSE_S", 0.05)
+    monkeypatch.setattr(health, "PROBE_WAIT_S", 0.2)
+    monkeypatch.setattr(health, "STORAGE_WAIT_S", 1.0)
+    comes_back = threading.Event()
+    monkeypatch.setattr(health, "_probe", lambda run_dir: comes_back.wait(30) and None)
+    monkeypatch.setattr(launchers, "decide", lambda *_: comes_back.wait(30) and None)
+    seen: dict[str, float] = {}
+    watching = threading.Event()
+
+    def look() -> None:
+        for key in list(served.data):
+            seen.setdefault(key.split("/")[0], time.monotonic())
+
+    def watch() -> None:  # when the down record and the decision reach the store
+        while not watching.is_set():
+            look()
+            watching.wait(0.02)
+
+    threading.Thread(target=watch, daemon=True).start()
+    try:
+        decided = sup.recover(0, Watch(code=1, fault={"cause": "rank 0 died"}))
+        look()  # (the decision came at the latest by now)
+    finally:
+        watching.set()
+        comes_back.set()
+        sup.chan.close()
+        served.close()
+    assert (decided.code, decided.end) == (STORAGE_EXIT, "storage"), decided.reason
+    others_wait = supervise.DOWN_TIMEOUT_S + supervise.DECIDE_S + health.STORAGE_WAIT_S
+    assert seen["next"] - seen["down"] < others_wait, seen
