@@ -40,14 +40,15 @@ time_limit, as an admin does it and what follows: `scontrol update TimeLimit` le
 running job 90-150 s, under the notice's lead (120 s) plus the controller's 30 s between
 its looks, so the notice comes within 30 s. The launchers asked Slurm for the time left as
 the attempt began (3 hours): a notice that far from the deadline they know is taken for a
-preemption's, and the ranks save and stop at the next step; the job is requeued. While it
-is back in the queue the limit becomes LIMIT_MIN minutes: the next attempt's launchers ask
-it as they start, the notice comes within the lead of the end they know, and the ranks train
-on and stop in time, planned from durations (Slurm's time left counted on the boot clock,
-bounded by the notice's arrival plus its lead; the skewed node's scontrol says 45 s more
-than there is). Requeued again, the job gets its 3 hours back. Each stop is checked:
-requeued (a job that reaches its limit ends TIMEOUT, never requeued) and no step trained
-before it trained again (`limit_stops`).
+preemption's, and the ranks save and stop at the next step; the run is sent on (the
+soak's requeue policy is hpcshard's default, chain: a continuation job, submitted before
+the old one ends). While the next job waits, its limit becomes LIMIT_MIN minutes: its
+launchers ask it as they start, the notice comes within the lead of the end they know, and
+the ranks train on and stop in time, planned from durations (Slurm's time left counted on
+the boot clock, bounded by the notice's arrival plus its lead; the skewed node's scontrol
+says 45 s more than there is). Sent on again, the next job gets its 3 hours. Each stop is
+checked: saved and sent on (a job that reaches its limit ends TIMEOUT, never sent on) and
+no step trained before it trained again (`limit_stops`).
 
 The skewed node and the accounting: the fault times are this host's clock, the goodput
 pieces are cut at rank 0's records (metrics) and the ledger's, on the clock of the node that
@@ -350,53 +351,66 @@ class Soak:
             self.flag.unlink()
         return {"quota_s": time.time() - began, "saves_failed": saves_failed(self.run_dir)[failed:]}
 
-    def job(self) -> tuple[str, dict[str, str]]:
-        """The run's newest job and scontrol's fields of it."""
-        job = str(json.loads((self.run_dir / "spec.json").read_text())["jobs"][-1])
+    def job(self, job: str = "") -> tuple[str, dict[str, str]]:
+        """`job` (the run's newest job by default) and scontrol's fields of it."""
+        job = job or str(json.loads((self.run_dir / "spec.json").read_text())["jobs"][-1])
         out = self.slurm("scontrol", "show", "job", "-o", job).stdout
         return job, dict(f.split("=", 1) for f in out.split() if "=" in f)
 
     def shorten_limit(self, attempt: int) -> dict[str, Any]:
         """An admin shortens the running job's limit to leave it 90-150 s (the notice
-        within the controller's next look, 30 s); once the job is requeued the next attempt
-        gets LIMIT_MIN minutes (a time-limit stop its launchers know of from its start);
-        requeued again, the job gets LIMIT back. Raises where a stop's job was not requeued
-        (TIMEOUT: the run is over)."""
+        within the controller's next look, 30 s); once the run is sent on (a continuation
+        job, the soak's policy, or the job requeued) the next job gets LIMIT_MIN minutes
+        while it waits (a time-limit stop its launchers know of from its start); sent on
+        again, the next gets LIMIT back. Raises where a stop's job ended otherwise (TIMEOUT:
+        never sent on; the run is over)."""
         job, info = self.job()
         lead = json.loads((self.run_dir / "spec.json").read_text())["slurm"]["signal_lead_s"]
         ran = duration(info["RunTime"])
         minutes = int((ran + lead + 30) // 60)
-        restarts = int(info["Restarts"])
         self.slurm("scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}")
         done: dict[str, Any] = {"job": job, "ran_s": ran, "limit_min": minutes,
                                 "left_s": 60 * minutes - ran, "attempts": [attempt, attempt + 1]}
         log = self.run_dir / "logs" / "rank-0.log"
         planned = log.read_text().count("time-limit notice") if log.exists() else 0
-        self.requeued(job, restarts + 1, 120 + lead)
-        self.slurm("scontrol", "update", f"JobId={job}", f"TimeLimit={LIMIT_MIN}")
-        wait(lambda: self.job()[1].get("JobState") == "RUNNING", 300, f"job {job} to run again", every=0.5)
-        # The notice comes 90-120 s after the start; should Slurm send none to a requeued job,
-        # the limit is given back before it is reached (the run is not the soak's to lose).
+        short = self.sent_on(job, int(info["Restarts"]), 120 + lead)
+        self.slurm("scontrol", "update", f"JobId={short}", f"TimeLimit={LIMIT_MIN}")
+        wait(lambda: self.job(short)[1].get("JobState") == "RUNNING", 300, f"job {short} to run", every=0.5)
+        # The notice comes 90-120 s after the start; should Slurm send none, the limit is
+        # given back before it is reached (the run is not the soak's to lose).
         try:
             wait(lambda: log.read_text().count("time-limit notice") > planned, 60 * LIMIT_MIN - 40,
                  "the ranks' plan after the notice", every=0.5)
         except RuntimeError:
-            self.slurm("scontrol", "update", f"JobId={job}", f"TimeLimit={LIMIT}")
-            return {**done, "trained_on": False}
-        self.requeued(job, restarts + 2, 60 * LIMIT_MIN)
-        self.slurm("scontrol", "update", f"JobId={job}", f"TimeLimit={LIMIT}")
-        return {**done, "trained_on": True}
+            self.slurm("scontrol", "update", f"JobId={short}", f"TimeLimit={LIMIT}")
+            return {**done, "jobs": [job, short], "trained_on": False}
+        _, info = self.job(short)
+        after = self.sent_on(short, int(info["Restarts"]), 60 * LIMIT_MIN)
+        self.slurm("scontrol", "update", f"JobId={after}", f"TimeLimit={LIMIT}")
+        return {**done, "jobs": [job, short, after], "trained_on": True}
 
-    def requeued(self, job: str, restarts: int, within: float) -> None:
-        """Wait until `job` is back in the queue for its `restarts`th run (PENDING), or
-        raise if it ended instead (a stop past the limit: TIMEOUT, never requeued)."""
-        def back() -> bool:
-            _, info = self.job()
+    def sent_on(self, job: str, restarts: int, within: float) -> str:
+        """Wait until the run that runs in `job` is sent on past a stop: the job requeued
+        (PENDING again, Restarts past `restarts`), or a continuation job submitted (the
+        run's newest, waiting for `job` to end: its limit can still be set), then for `job`
+        to end COMPLETED; the job that runs next. Raises where `job` ended otherwise (a stop
+        past the limit: TIMEOUT, never sent on)."""
+        def on() -> str:
+            newest, _ = self.job()
+            _, info = self.job(job)
             state = info.get("JobState", "")
-            if state in ("TIMEOUT", "FAILED", "COMPLETED", "CANCELLED", "NODE_FAIL", "BOOT_FAIL"):
-                raise RuntimeError(f"time_limit: job {job} ended {state}, not requeued (run {restarts})")
-            return state == "PENDING" and int(info.get("Restarts", 0)) >= restarts
-        wait(back, within, f"job {job}'s requeue (run {restarts})", every=0.5)
+            if newest != job or (state == "PENDING" and int(info.get("Restarts", 0)) > restarts):
+                return newest
+            if state not in ("RUNNING", "COMPLETING", "PENDING", "REQUEUED", ""):
+                raise RuntimeError(f"time_limit: job {job} ended {state}, not sent on")
+            return ""
+        nxt = str(wait(on, within, f"job {job}'s run sent on", every=0.2))
+        if nxt != job:
+            state = wait(lambda: self.job(job)[1].get("JobState", "") not in ("RUNNING", "COMPLETING")
+                         and self.job(job)[1].get("JobState"), 120, f"job {job}'s end", every=0.5)
+            if state != "COMPLETED":
+                raise RuntimeError(f"time_limit: job {job} ended {state}, not COMPLETED")
+        return nxt
 
     def fill_disk(self) -> dict[str, Any]:
         """Fill the run directory's filesystem right after a commit (the next save then
@@ -566,7 +580,7 @@ def limit_stops(faults: list[dict[str, Any]], led: list[dict[str, Any]]) -> list
         for attempt in fault["attempts"]:
             end = next((r for r in reversed(led) if r["event"] == "end" and r["attempt"] == attempt), None)
             nxt = next((r for r in led if r["event"] == "start" and r["attempt"] == attempt + 1), None)
-            requeued = any(r["event"] == "requeue" and r["attempt"] == attempt for r in led)
+            requeued = any(r["event"] in ("requeue", "chain") and r["attempt"] == attempt for r in led)
             stop = {"attempt": attempt, "reason": end and end["reason"], "step": end and end.get("step"),
                     "saved_step": end and end.get("saved_step"), "requeued": requeued,
                     "resumed_step": nxt and nxt.get("resumed_step")}
@@ -690,7 +704,7 @@ def report(d: dict[str, Any], run_dir: Path) -> list[Metric]:
         kept = [s for s in stops if s["requeued"] and s["reason"] == "stop"]
         lost = sum(s["lost"] or 0 for s in stops)
         metrics += [
-            Metric(NAME, "time-limit faults' stops saved and requeued (not TIMEOUT)", len(kept), "",
+            Metric(NAME, "time-limit faults' stops saved and sent on (not TIMEOUT)", len(kept), "",
                    f"{len(stops)}", len(kept) == len(stops),
                    note=f"{sum(f.get('trained_on', False) for f in d['faults'])} trained on after a "
                    "notice they planned from durations"),
