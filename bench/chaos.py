@@ -119,6 +119,9 @@ LIMIT_MIN = 4
 """The time limit (minutes) of the attempt after an admin's shortening: the notice comes 90-
 120 s after its start, room for a start-up and a measured save before it."""
 LIMIT = "3:00:00"
+ENDED = ("COMPLETED", "TIMEOUT", "FAILED", "CANCELLED", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY", "DEADLINE",
+         "PREEMPTED")
+"""A job's states once it has ended (scontrol's JobState)."""
 """The soak's time limit, given back once a time_limit fault is over."""
 HOOK = '''"""The chaos soak's storage faults (bench/chaos.py), in every Python process of its run.
 While FLAG exists its text says what the storage does: EACCES or EIO, every write under
@@ -401,13 +404,13 @@ class Soak:
             state = info.get("JobState", "")
             if newest != job or (state == "PENDING" and int(info.get("Restarts", 0)) > restarts):
                 return newest
-            if state not in ("RUNNING", "COMPLETING", "PENDING", "REQUEUED", ""):
+            if state in ENDED:
                 raise RuntimeError(f"time_limit: job {job} ended {state}, not sent on")
-            return ""
+            return ""  # (RUNNING, SIGNALING while the notice goes out, COMPLETING...)
         nxt = str(wait(on, within, f"job {job}'s run sent on", every=0.2))
         if nxt != job:
-            state = wait(lambda: self.job(job)[1].get("JobState", "") not in ("RUNNING", "COMPLETING")
-                         and self.job(job)[1].get("JobState"), 120, f"job {job}'s end", every=0.5)
+            state = wait(lambda: (lambda st: st if st in ENDED else "")(self.job(job)[1].get("JobState", "")),
+                         120, f"job {job}'s end", every=0.5)
             if state != "COMPLETED":
                 raise RuntimeError(f"time_limit: job {job} ended {state}, not COMPLETED")
         return nxt
