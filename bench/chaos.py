@@ -11,6 +11,53 @@ Faults, each as it happens on a real cluster:
     drain        `scontrol update State=DRAIN` of a node in use (the job may finish there)
     preempt      a job in partition `high` on one of the run's nodes (Slurm's preemption)
     disk_full    the run directory's filesystem filled just before a save, freed once it failed
+    eacces       every write under the run directory refused with EACCES for 20-40 s (an
+                 expired Kerberos ticket, a root-squash change), then taken again
+    eio          the same with EIO (a soft NFS mount whose server fails over, an evicted
+                 Lustre client)
+    quota        the checkpoint directory over a quota until a save failed for it, then
+                 lifted: DCP's writer fails without an errno ("unexpected pos", as torch.save
+                 says it), the write probe beside the checkpoints gets EDQUOT
+    time_limit   an admin shortens the job's time limit, on a node whose wall clock is 45 s
+                 behind (chosen only while that node trains; the first fault once it does)
+
+The storage faults other than disk_full are the errno alone: the jobs run as root, which no
+mode bits refuse, and a tmpfs quota (kernel 6.6 and later) does not bind root either
+(CAP_SYS_RESOURCE passes its hard limits). So every Python process of the run (launchers
+and ranks on every node: PYTHONPATH comes with the submitting environment, which sbatch
+exports to the job by default and hpcshard's script does not narrow) imports a
+sitecustomize (`HOOK`) that refuses, while a flag file beside it exists, what the mount
+would refuse: for eacces and eio every open for writing, create, mkdir, rename, link and
+removal under the run directory, and an fsync there (eio); for quota the opens for writing
+under its checkpoints. Writes to files opened before the outage (Slurm's own logs of the
+launchers, the ranks' log streams) are not refused: the whole mount refusing is the case
+meant, short of what a process holds open. Each refusal is counted beside the flag. The
+soak saves often (every 16 steps: a few seconds) with on_storage_full=train, so an outage
+fails several saves in a row: at SAVE_FAILURES_STOP (3) the ranks take the storage for one
+that takes no checkpoint and, as told, train on without one until a save commits again.
+
+time_limit, as an admin does it and what follows: `scontrol update TimeLimit` leaves the
+running job 90-150 s, under the notice's lead (120 s) plus the controller's 30 s between
+its looks, so the notice comes within 30 s. The launchers asked Slurm for the time left as
+the attempt began (3 hours): a notice that far from the deadline they know is taken for a
+preemption's, and the ranks save and stop at the next step; the run is sent on (the
+soak's requeue policy is hpcshard's default, chain: a continuation job, submitted before
+the old one ends). While the next job waits, its limit becomes LIMIT_MIN minutes: its
+launchers ask it as they start, the notice comes within the lead of the end they know, and
+the ranks train on and stop in time, planned from durations (Slurm's time left counted on
+the boot clock, bounded by the notice's arrival plus its lead; the skewed node's scontrol
+says 45 s more than there is). Sent on again, the next job gets its 3 hours. Each stop is
+checked: saved and sent on (a job that reaches its limit ends TIMEOUT, never sent on) and
+no step trained before it trained again (`limit_stops`).
+
+The skewed node and the accounting: the fault times are this host's clock, the goodput
+pieces are cut at rank 0's records (metrics) and the ledger's, on the clock of the node that
+wrote them. n2 is node 1 of the run's first allocation (n1-n3), so rank 0 is on it only
+once n1 is out of the run. A fault that lands while rank 0 is on the skewed node is cut at
+its time on that node's clock (`clock_s`), and the run's end is taken back to this host's
+clock the same way: the effective training time and each fault's cost are not moved by the
+skew. Records of a window written on two nodes' clocks (a fault's pieces across a requeue
+that moved rank 0) can still be off by the skew within that window, not across it.
 
 Measured, not computed: the effective training time of the whole soak from the ledger and
 the metrics (`hpcshard status --goodput`), each fault's cost (the wall time from it to the
@@ -32,7 +79,8 @@ tmpfs); the results are saved as `chaos-nfs`, beside the plain soak's, and say w
 node that no fault touched was ever declared bad.
 
 Environment: HPCSHARD_CHAOS_SEED, HPCSHARD_CHAOS_INTERVAL (s), HPCSHARD_CHAOS_FAULTS,
-HPCSHARD_CHAOS_KINDS (comma-separated subset), HPCSHARD_CHAOS_NFS."""
+HPCSHARD_CHAOS_KINDS (comma-separated subset of KINDS, e.g. eacces,eio,quota,time_limit),
+HPCSHARD_CHAOS_NFS."""
 
 from __future__ import annotations
 
@@ -58,9 +106,124 @@ NAME = "chaos-nfs" if NFS else "chaos"
 SCRIPT = ROOT / "scripts" / "local-slurm"
 SLURM_DIR = Path(os.environ.get("HPCSHARD_SLURM_DIR", "/tmp/hpcshard-slurm"))
 CONF = SLURM_DIR / "etc" / "slurm.conf"
-KINDS = ("rank_kill", "rank_hang", "node_kill", "node_freeze", "node_down", "drain", "preempt", "disk_full")
+KINDS = ("rank_kill", "rank_hang", "node_kill", "node_freeze", "node_down", "drain", "preempt", "disk_full",
+         "eacces", "eio", "quota", "time_limit")
 NODE_KINDS = ("node_kill", "node_freeze", "node_down", "drain")
 """Faults that take a node out of the partition for good (the run never uses it again)."""
+SKEW = {"n2": -45.0}
+"""The skewed node of a soak with time_limit faults (HPCSHARD_SLURM_SKEW): its jobs' wall
+clock 45 s behind this host's. Node 1 of the first allocation, so it trains from the start."""
+OUTAGE_S = (20.0, 40.0)
+"""How long the run directory refuses writes (eacces, eio): drawn from the soak's rng."""
+LIMIT_MIN = 4
+"""The time limit (minutes) of the attempt after an admin's shortening: the notice comes 90-
+120 s after its start, room for a start-up and a measured save before it."""
+LIMIT = "3:00:00"
+ENDED = ("COMPLETED", "TIMEOUT", "FAILED", "CANCELLED", "NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY", "DEADLINE",
+         "PREEMPTED")
+"""A job's states once it has ended (scontrol's JobState)."""
+"""The soak's time limit, given back once a time_limit fault is over."""
+HOOK = '''"""The chaos soak's storage faults (bench/chaos.py), in every Python process of its run.
+While FLAG exists its text says what the storage does: EACCES or EIO, every write under
+the run directory is refused with it; QUOTA, its checkpoint directory is over a quota.
+Each refusal is counted in FLAG.refused."""
+import builtins, errno, io, os, sys
+
+RUNS = {runs!r}
+FLAG = {flag!r}
+WRITING = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+_open, _os = io.open, {{name: getattr(os, name) for name in
+                      ("open", "mkdir", "rmdir", "unlink", "remove", "rename", "replace", "link",
+                       "symlink", "truncate", "fsync")}}
+
+
+def _under(path, sub):
+    if isinstance(path, int):
+        return False
+    try:
+        path = os.path.abspath(os.fsdecode(path))
+    except TypeError:
+        return False
+    roots = [os.path.join(r, sub).rstrip("/") for r in RUNS]
+    return any(path == root or path.startswith(root + "/") for root in roots)
+
+
+def _refuse(op, path):
+    """Raise what the storage says of `op` on `path` now, if anything."""
+    if not _under(path, ""):
+        return
+    try:
+        with _open(FLAG) as f:
+            how = f.read().strip()
+    except OSError:
+        return
+    if how == "QUOTA":
+        # (a quota refuses blocks: mkdir, rename and removals go through; the data files'
+        # writes fail in torch.save, which says it without an errno)
+        if op != "open" or not _under(path, "checkpoints"):
+            return
+        if os.fsdecode(path).endswith(".distcp"):
+            _count(op, "no-errno", path)
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 4096 vs 2048")
+        code = errno.EDQUOT
+    elif how == "EACCES" and op == "fsync":
+        return  # (permission is judged at the open)
+    else:
+        code = getattr(errno, how)
+    _count(op, how, path)
+    raise OSError(code, os.strerror(code), os.fsdecode(path))
+
+
+def _count(op, how, path):
+    program = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "?"
+    line = f"{{os.getpid()}} {{program}} {{op}} {{how}} {{os.fsdecode(path)}}\\n"
+    fd = _os["open"](FLAG + ".refused", os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def _open_hook(file, mode="r", *args, **kwargs):
+    if any(c in mode for c in "wax+"):
+        _refuse("open", file)
+    return _open(file, mode, *args, **kwargs)
+
+
+def _os_open(path, flags, *args, **kwargs):
+    if flags & WRITING and "dir_fd" not in kwargs:
+        _refuse("open", path)
+    return _os["open"](path, flags, *args, **kwargs)
+
+
+def _paths(name, last):
+    def hook(*args, **kwargs):
+        if not any(k.endswith("dir_fd") for k in kwargs):  # (relative to a directory's fd: let be)
+            for path in args[last:2]:
+                _refuse(name, path)
+        return _os[name](*args, **kwargs)
+    return hook
+
+
+def _fsync(fd):
+    fd = fd if isinstance(fd, int) else fd.fileno()
+    try:
+        path = os.readlink(f"/proc/self/fd/{{fd}}")
+    except OSError:
+        path = ""
+    if path:
+        _refuse("fsync", path)
+    return _os["fsync"](fd)
+
+
+builtins.open = io.open = _open_hook
+os.open, os.fsync = _os_open, _fsync
+for _name in ("mkdir", "rmdir", "unlink", "remove", "truncate", "rename", "replace", "link"):
+    setattr(os, _name, _paths(_name, 0))  # (the paths among the first two arguments)
+os.symlink = _paths("symlink", 1)
+'''
+"""The sitecustomize of a soak's run (see the module's text): `runs` the run directory as
+its processes name it and as this host does, `flag` the flag file."""
 CLUSTER = 9
 """Nodes in partitions low/high: the run's 3 and room for every node fault of a soak."""
 SEED = int(os.environ.get("HPCSHARD_CHAOS_SEED", "15"))
@@ -75,8 +238,9 @@ PER_15 = 900.0
 class Soak:
     """One run under faults: where it is, and the faults done to it."""
 
-    def __init__(self, run_dir: Path, e: dict[str, str], rng: random.Random) -> None:
-        self.run_dir, self.e, self.rng = run_dir, e, rng
+    def __init__(self, run_dir: Path, e: dict[str, str], rng: random.Random, flag: Path,
+                 skew: dict[str, float]) -> None:
+        self.run_dir, self.e, self.rng, self.flag, self.skew = run_dir, e, rng, flag, skew
         self.faults: list[dict[str, Any]] = []
         self.frozen: list[str] = []
         self.out: set[str] = set()
@@ -112,9 +276,13 @@ class Soak:
     def inject(self, kind: str, at: dict[str, Any]) -> dict[str, Any]:
         """Do one fault of `kind` to the run at `at` (see `where`); what was done."""
         fresh = [n for n in at["active"] if at["slurm"][n] not in self.out]
-        node = self.rng.choice(fresh if kind in NODE_KINDS and fresh else at["active"])
+        skewed = [n for n in at["active"] if at["slurm"][n] in self.skew]
+        node = skewed[0] if kind == "time_limit" else self.rng.choice(
+            fresh if kind in NODE_KINDS and fresh else at["active"])
         host = at["slurm"][node]
-        done: dict[str, Any] = {"kind": kind, "node": node, "slurm_node": host}
+        # (rank 0's node: the clock of the records the fault's cost is cut at)
+        done: dict[str, Any] = {"kind": kind, "node": node, "slurm_node": host,
+                                "clock_s": self.skew.get(at["slurm"][min(at["active"])], 0.0)}
         if kind in ("rank_kill", "rank_hang"):
             from hpcshard.launch.procs import ranks_below
 
@@ -141,7 +309,111 @@ class Soak:
             done["job"] = got.stdout.strip() or got.stderr.strip()
         elif kind == "disk_full":
             done.update(self.fill_disk())
+        elif kind in ("eacces", "eio"):
+            done.update(self.refuse_writes(kind.upper()))
+        elif kind == "quota":
+            done.update(self.over_quota())
+        elif kind == "time_limit":
+            done.update(self.shorten_limit(at["attempt"]))
         return done
+
+    def refusals(self) -> list[str]:
+        """The hook's refusals so far (pid, program, operation, errno, path), one a line."""
+        refused = self.flag.with_name(self.flag.name + ".refused")
+        return refused.read_text().splitlines() if refused.exists() else []
+
+    def refuse_writes(self, errno_name: str) -> dict[str, Any]:
+        """The run directory refuses every write with `errno_name` for OUTAGE_S, then takes
+        them again; what the outage refused (by operation and program) and what the ranks
+        made of it (their failed saves, from the ledger)."""
+        seconds = self.rng.uniform(*OUTAGE_S)
+        before, failed = len(self.refusals()), len(saves_failed(self.run_dir))
+        self.flag.write_text(errno_name)
+        began = time.time()
+        time.sleep(seconds)
+        self.flag.unlink()
+        refused = [line.split(maxsplit=4) for line in self.refusals()[before:]]
+        by: dict[str, int] = {}
+        for _, program, op, _, _ in refused:
+            by[f"{program} {op}"] = by.get(f"{program} {op}", 0) + 1
+        return {"outage_s": time.time() - began, "refused": by, "processes": len({r[0] for r in refused}),
+                "saves_failed": saves_failed(self.run_dir)[failed:]}
+
+    def over_quota(self) -> dict[str, Any]:
+        """The checkpoint directory over a quota until a save failed for it (the ledger's
+        save_failed record, or 60 s), then lifted: one failed save, under
+        SAVE_FAILURES_STOP's three in a row."""
+        failed = len(saves_failed(self.run_dir))
+        self.flag.write_text("QUOTA")
+        began = time.time()
+        try:
+            wait(lambda: len(saves_failed(self.run_dir)) > failed, 60, "a save to fail", every=0.2)
+        except RuntimeError:
+            pass
+        finally:
+            self.flag.unlink()
+        return {"quota_s": time.time() - began, "saves_failed": saves_failed(self.run_dir)[failed:]}
+
+    def job(self, job: str = "") -> tuple[str, dict[str, str]]:
+        """`job` (the run's newest job by default) and scontrol's fields of it."""
+        job = job or str(json.loads((self.run_dir / "spec.json").read_text())["jobs"][-1])
+        out = self.slurm("scontrol", "show", "job", "-o", job).stdout
+        return job, dict(f.split("=", 1) for f in out.split() if "=" in f)
+
+    def shorten_limit(self, attempt: int) -> dict[str, Any]:
+        """An admin shortens the running job's limit to leave it 90-150 s (the notice
+        within the controller's next look, 30 s); once the run is sent on (a continuation
+        job, the soak's policy, or the job requeued) the next job gets LIMIT_MIN minutes
+        while it waits (a time-limit stop its launchers know of from its start); sent on
+        again, the next gets LIMIT back. Raises where a stop's job ended otherwise (TIMEOUT:
+        never sent on; the run is over)."""
+        job, info = self.job()
+        lead = json.loads((self.run_dir / "spec.json").read_text())["slurm"]["signal_lead_s"]
+        ran = duration(info["RunTime"])
+        minutes = int((ran + lead + 30) // 60)
+        self.slurm("scontrol", "update", f"JobId={job}", f"TimeLimit={minutes}")
+        done: dict[str, Any] = {"job": job, "ran_s": ran, "limit_min": minutes,
+                                "left_s": 60 * minutes - ran, "attempts": [attempt, attempt + 1]}
+        log = self.run_dir / "logs" / "rank-0.log"
+        planned = log.read_text().count("time-limit notice") if log.exists() else 0
+        short = self.sent_on(job, int(info["Restarts"]), 120 + lead)
+        self.slurm("scontrol", "update", f"JobId={short}", f"TimeLimit={LIMIT_MIN}")
+        wait(lambda: self.job(short)[1].get("JobState") == "RUNNING", 300, f"job {short} to run", every=0.5)
+        # The notice comes 90-120 s after the start; should Slurm send none, the limit is
+        # given back before it is reached (the run is not the soak's to lose).
+        try:
+            wait(lambda: log.read_text().count("time-limit notice") > planned, 60 * LIMIT_MIN - 40,
+                 "the ranks' plan after the notice", every=0.5)
+        except RuntimeError:
+            self.slurm("scontrol", "update", f"JobId={short}", f"TimeLimit={LIMIT}")
+            return {**done, "jobs": [job, short], "trained_on": False}
+        _, info = self.job(short)
+        after = self.sent_on(short, int(info["Restarts"]), 60 * LIMIT_MIN)
+        self.slurm("scontrol", "update", f"JobId={after}", f"TimeLimit={LIMIT}")
+        return {**done, "jobs": [job, short, after], "trained_on": True}
+
+    def sent_on(self, job: str, restarts: int, within: float) -> str:
+        """Wait until the run that runs in `job` is sent on past a stop: the job requeued
+        (PENDING again, Restarts past `restarts`), or a continuation job submitted (the
+        run's newest, waiting for `job` to end: its limit can still be set), then for `job`
+        to end COMPLETED; the job that runs next. Raises where `job` ended otherwise (a stop
+        past the limit: TIMEOUT, never sent on)."""
+        def on() -> str:
+            newest, _ = self.job()
+            _, info = self.job(job)
+            state = info.get("JobState", "")
+            if newest != job or (state == "PENDING" and int(info.get("Restarts", 0)) > restarts):
+                return newest
+            if state in ENDED:
+                raise RuntimeError(f"time_limit: job {job} ended {state}, not sent on")
+            return ""  # (RUNNING, SIGNALING while the notice goes out, COMPLETING...)
+        nxt = str(wait(on, within, f"job {job}'s run sent on", every=0.2))
+        if nxt != job:
+            state = wait(lambda: (lambda st: st if st in ENDED else "")(self.job(job)[1].get("JobState", "")),
+                         120, f"job {job}'s end", every=0.5)
+            if state != "COMPLETED":
+                raise RuntimeError(f"time_limit: job {job} ended {state}, not COMPLETED")
+        return nxt
 
     def fill_disk(self) -> dict[str, Any]:
         """Fill the run directory's filesystem right after a commit (the next save then
@@ -184,21 +456,30 @@ def main() -> list[Metric]:
     # (NFS-like: the small disk is the backing directory of every node's view)
     shared = SLURM_DIR / "shared"
     testbed = env(HPCSHARD_SLURM_SHARED=str(shared), HPCSHARD_SLURM_SHARED_BACK=str(disk),
-                  HPCSHARD_SLURM_NFS=NFS) if NFS else None
+                  HPCSHARD_SLURM_NFS=NFS) if NFS else env()
+    if "time_limit" in kinds:  # (only then: the other soaks' clocks stay as they were)
+        testbed["HPCSHARD_SLURM_SKEW"] = ",".join(f"{n}={s:+g}" for n, s in SKEW.items())
     run([str(SCRIPT), "up", str(CLUSTER)], timeout=600, env=testbed)
-    e = env(SLURM_CONF=str(CONF))
     steps = int((FAULTS + 4) * INTERVAL / STEP_S)
     run_dir = (shared if NFS else disk) / "run"
+    # The storage faults' hook, in every Python process of the run (see the module's text);
+    # out of the workspace, which the run copies
+    hook = Path(tempfile.mkdtemp(prefix="hpcshard-chaos-hook-"))
+    flag = hook / "storage"
+    (hook / "sitecustomize.py").write_text(HOOK.format(runs=sorted({str(run_dir), str(disk / "run")}),
+                                                       flag=str(flag)))
+    e = env(SLURM_CONF=str(CONF), PYTHONPATH=os.pathsep.join(
+        [str(hook), *filter(None, os.environ.get("PYTHONPATH", str(ROOT)).split(os.pathsep))]))
     # What the bench itself looks at (where the run trains, when it committed, the ledger
     # for the accounting) it reads from the disk, not through this host's NFS-like view:
     # the run's own processes and commands see the views, the observer the truth. Through
     # the view, the metrics this host read were a minute behind the ranks (the first soak
     # on NFS-like storage gave up waiting for a commit the run had made).
     truth = disk / "run"
-    soak = Soak(truth, e, rng)
+    soak = Soak(truth, e, rng, flag, SKEW if "time_limit" in kinds else {})
     try:
         hpcshard("submit", "--backend", "slurm", "--nodes", "2", "--gpus", "2", "--spares", "1",
-                 "jobs/charlm.py", "--run-dir", str(run_dir), "--time", "3:00:00",
+                 "jobs/charlm.py", "--run-dir", str(run_dir), "--time", LIMIT,
                  "--max-requeues", "100", "--max-restarts", "100",
                  "--set", f"steps={steps}", "--set", "log_every=1", "--set", "eval_every=0",
                  "--set", "ckpt_every=16", "--set", "async_save=true", "--set", "keep_last=2",
@@ -219,7 +500,11 @@ def main() -> list[Metric]:
                 continue
             usable = CLUSTER - len(soak.out) - 3
             fresh = any(host not in soak.out for host in at["slurm"].values())
-            kind = rng.choice([k for k in kinds if k not in NODE_KINDS or (usable > 0 and fresh)])
+            skewed = any(host in soak.skew for host in at["slurm"].values())
+            kind = rng.choice([k for k in kinds if (k not in NODE_KINDS or (usable > 0 and fresh))
+                               and (k != "time_limit" or skewed)])
+            if skewed and "time_limit" in kinds and not any(f["kind"] == "time_limit" for f in soak.faults):
+                kind = "time_limit"  # (at least one: a skewed node may not train again)
             step, _ = soak.step()
             fault = {"time": time.time(), "step": step, **soak.inject(kind, at)}
             soak.faults.append(fault)
@@ -228,9 +513,10 @@ def main() -> list[Metric]:
             next_at = time.time() + gap(rng)
         end = wait(lambda: next((r for r in ledger.read(truth) if r["event"] == "end"
                                  and r["reason"] == "done"), None), 3600, "the run's end", every=2)
-        finished = end["time"]
-        good = account(truth, created, finished)
         led = ledger.read(truth)
+        # (on this host's clock: the end record is on the clock of rank 0's node)
+        finished = end["time"] - soak.skew.get(rank0_node(truth, led, end["attempt"]), 0.0)
+        good = account(truth, created, finished)
         costs(soak.faults, truth, created, finished)
         details = {"seed": SEED, "interval_s": INTERVAL, "steps": steps, "ckpt_every": 16,
                    "created": created, "end": finished,
@@ -238,9 +524,12 @@ def main() -> list[Metric]:
                    "faults": soak.faults, "goodput": good.seconds, "wall": good.wall,
                    "ledger_events": [r["event"] for r in led], "replays": replays(truth),
                    "reused": reused(truth, led), "frozen": soak.frozen, "nfs": NFS,
-                   "healthy_declared_bad": healthy_declared_bad(soak.faults, led)}
+                   "healthy_declared_bad": healthy_declared_bad(soak.faults, led),
+                   "skew": soak.skew,
+                   "time_limit_stops": limit_stops(soak.faults, led)}
         (RESULTS / ".chaos-details.json").write_text(json.dumps(details, indent=1) + "\n")
     finally:
+        flag.unlink(missing_ok=True)  # (a storage fault cut short)
         for host in soak.frozen:
             subprocess.run([str(SCRIPT), "thaw", host], capture_output=True)
         spec = truth / "spec.json"
@@ -252,6 +541,8 @@ def main() -> list[Metric]:
         run([str(SCRIPT), "down"], timeout=600, check=False)  # (first: the views sit on the disk)
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
         subprocess.run(["rm", "-rf", str(tmp)])
+        subprocess.run(["cp", str(flag) + ".refused", str(RESULTS / ".chaos-refused")], capture_output=True)
+        subprocess.run(["rm", "-rf", str(hook)])
     return report(details, RESULTS / ".chaos-run")
 
 
@@ -261,6 +552,45 @@ def healthy_declared_bad(faults: list[dict[str, Any]], led: list[dict[str, Any]]
     touched = {f["slurm_node"] for f in faults if f["kind"] in NODE_KINDS}
     bad = {r["slurm_node"] for r in led if r["event"] == "bad_node" and r.get("slurm_node")}
     return sorted(bad - touched)
+
+
+def saves_failed(run_dir: Path) -> list[dict[str, Any]]:
+    """The ledger's failed saves (rank 0's save_failed records): step, error, probe."""
+    return [{k: r[k] for k in ("step", "error", "probe")} for r in ledger.read(run_dir)
+            if r["event"] == "save_failed"]
+
+
+def duration(text: str) -> float:
+    """Seconds of a Slurm duration as scontrol prints it ([D-]HH:MM:SS)."""
+    days, _, clock = text.rpartition("-")
+    h, m, sec = (int(x) for x in clock.split(":"))
+    return (int(days) if days else 0) * 86400 + h * 3600 + m * 60 + sec
+
+
+def rank0_node(run_dir: Path, led: list[dict[str, Any]], attempt: int) -> str:
+    """The Slurm node rank 0 trained on in `attempt`'s last start ("" where not known)."""
+    start = next((r for r in reversed(led) if r["event"] == "start" and r["attempt"] == attempt), None)
+    slurm = trained_on(run_dir, led, start) if start else None
+    return slurm[min(slurm)] if slurm else ""
+
+
+def limit_stops(faults: list[dict[str, Any]], led: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each time_limit fault's two stops: how the attempt ended (a stop, its step and saved
+    step), whether the job was requeued, and the steps the next start trained again (its
+    resumed step short of the stop's step: 0, nothing lost)."""
+    out = []
+    for fault in (f for f in faults if f["kind"] == "time_limit"):
+        for attempt in fault["attempts"]:
+            end = next((r for r in reversed(led) if r["event"] == "end" and r["attempt"] == attempt), None)
+            nxt = next((r for r in led if r["event"] == "start" and r["attempt"] == attempt + 1), None)
+            requeued = any(r["event"] in ("requeue", "chain") and r["attempt"] == attempt for r in led)
+            stop = {"attempt": attempt, "reason": end and end["reason"], "step": end and end.get("step"),
+                    "saved_step": end and end.get("saved_step"), "requeued": requeued,
+                    "resumed_step": nxt and nxt.get("resumed_step")}
+            both = isinstance(stop["step"], int) and isinstance(stop["resumed_step"], int)
+            stop["lost"] = stop["step"] - stop["resumed_step"] if both else None
+            out.append(stop)
+    return out
 
 
 def gap(rng: random.Random) -> float:
@@ -276,11 +606,12 @@ def costs(faults: list[dict[str, Any]], run_dir: Path, created: float, finished:
     recovery, the queue, start-up and the steps trained again (`recomputed`, its share);
     a save that fails on a full disk and a preemption's stop save count as saves."""
     pieces, _, _ = timeline(run_dir, created, finished)
-    ends = [f["time"] for f in faults[1:]] + [finished]
-    for fault, end in zip(faults, ends, strict=True):
-        spent = between(pieces, fault["time"], end)
+    # (each fault on the clock of rank 0's node then, which its records are on: `clock_s`)
+    starts = [f["time"] + f.get("clock_s", 0.0) for f in faults]
+    for fault, start, end in zip(faults, starts, [*starts[1:], finished], strict=True):
+        spent = between(pieces, start, end)
         useful = sum(spent.get(k, 0.0) for k in ("training", "checkpoint", "evaluation"))
-        fault["cost"] = max(0.0, end - fault["time"] - useful)
+        fault["cost"] = max(0.0, end - start - useful)
         fault["recomputed"] = spent.get("recomputed", 0.0)
 
 
@@ -371,6 +702,17 @@ def report(d: dict[str, Any], run_dir: Path) -> list[Metric]:
         Metric(NAME, "the run finished without anyone's help", float(d.get("finished", True)), "", "1",
                bool(d.get("finished", True))),
     ]
+    stops = d.get("time_limit_stops", [])
+    if stops:  # (a soak with time_limit faults: each of its stops requeued, nothing trained lost)
+        kept = [s for s in stops if s["requeued"] and s["reason"] == "stop"]
+        lost = sum(s["lost"] or 0 for s in stops)
+        metrics += [
+            Metric(NAME, "time-limit faults' stops saved and sent on (not TIMEOUT)", len(kept), "",
+                   f"{len(stops)}", len(kept) == len(stops),
+                   note=f"{sum(f.get('trained_on', False) for f in d['faults'])} trained on after a "
+                   "notice they planned from durations"),
+            Metric(NAME, "steps trained again after the time-limit stops", lost, "steps", "0", lost == 0),
+        ]
     metrics += [Metric(NAME, f"cost of {kind} (median of {len(c)})", statistics.median(c), "s")
                 for kind, c in sorted(by_kind.items())]
     save(NAME, metrics, {k: v for k, v in d.items() if k != "ledger_events"})
