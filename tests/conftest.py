@@ -205,6 +205,12 @@ def sleeping(pid: int) -> bool:
     return (_status_field(pid, "State") or "").startswith("S")
 
 
+def gone(pid: int) -> bool:
+    """No such process, or one that has exited and waits to be reaped (State Z)."""
+    state = _status_field(pid, "State")
+    return state is None or state.startswith("Z")
+
+
 STEPS = 16
 NOT_ABOUT_HANGS = {"watchdog_floor_s": 60}
 """Settings for a multi-node test whose subject is not the hang watchdog. A rank's wait for a
