@@ -199,7 +199,8 @@ def test_the_helper_acts_only_after_the_launcher_has_exited(tmp_path: Path) -> N
     launcher.stdin.close()
     assert launcher.wait(timeout=30) == 0
     down = "scontrol update NodeName=n2 State=DOWN Reason=why"
-    wait_for(lambda: called.exists() and down in called.read_text(), 60, "the helper's DOWN")  # (AFTER_EXIT_S)
+    # (the helper first waits AFTER_EXIT_S, 10 s, past the launcher's exit)
+    wait_for(lambda: called.exists() and down in called.read_text(), 60, "the helper's DOWN")
     acted = [c for c in called.read_text().splitlines() if not c.startswith("scontrol show job")]
     assert acted == [ALONE, down]  # (asked first: `holds`)
 
