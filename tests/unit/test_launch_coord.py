@@ -101,7 +101,7 @@ def test_a_store_that_stops_answering_is_given_up_for_the_files(tmp_path: Path,
         conn, _ = frozen.accept()
         conn.recv(4096)
         conn.sendall(json.dumps({"id": 0, "instance": "i", "pushed": {}}).encode() + b"\n")
-        time.sleep(5)  # (reads nothing more, answers nothing)
+        time.sleep(60)  # (reads nothing more, answers nothing; its close is not what gives it up)
         conn.close()
 
     threading.Thread(target=hello_then_freeze, daemon=True).start()
@@ -111,7 +111,8 @@ def test_a_store_that_stops_answering_is_given_up_for_the_files(tmp_path: Path,
     assert chan.store is not None  # (not yet: silence is timed)
     began = time.monotonic()
     assert chan.declare_fault(0, 0, {"cause": "node 0 lost"})  # waits, gives up, then the files
-    assert 0.4 < time.monotonic() - began < 3
+    # LOST_S of silence, and not the minute until the frozen store's close: its silence gave it up
+    assert 0.4 < time.monotonic() - began < 30
     assert chan.store is None and "did not answer" in chan.lost_why
     assert launchers.fault(tmp_path, 0, 0)["cause"] == "node 0 lost"  # type: ignore[index]
     chan.beat(0, 1, {"pid": 1, "seq": 2})
@@ -528,7 +529,7 @@ def test_node_0_fenced_closes_its_store_at_once(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(supervise, "kill_below", lambda pid: [])
     began = time.monotonic()
     assert sup.run() == 0
-    assert time.monotonic() - began < 2
+    assert time.monotonic() - began < supervise.LINGER_S / 2  # closed at once, not kept LINGER_S
     until(lambda: still.store is None, 2)
 
 
@@ -718,15 +719,15 @@ def test_a_pushed_fault_or_decision_wakes_a_launcher_between_its_looks(tmp_path:
 
         def look() -> None:
             began = time.monotonic()
-            follower.wait(5.0)
+            follower.wait(60.0)
             woke.append(time.monotonic() - began)
 
         waiting = threading.Thread(target=look)
         waiting.start()
         time.sleep(0.2)
         leader.declare_fault(0, 0, {"cause": "rank 3 died"})
-        waiting.join(10)
-        assert woke and woke[0] < 2.0, woke
+        waiting.join(90)
+        assert woke and woke[0] < 30.0, woke  # (woken by the push: not the whole 60 s interval)
         assert follower.fault(0, 0) is not None
         began = time.monotonic()
         follower.wait(0.3)  # nothing new since: the whole interval
@@ -1036,7 +1037,7 @@ def test_a_store_whose_launcher_died_is_left_for_the_standby_at_once(
         until(lambda: two.client is not None and two.client.closed)
         began = time.monotonic()
         assert two.declare_fault(0, 0, {"cause": "node 0 lost"})
-        assert time.monotonic() - began < 1 and two.host_node == 1
+        assert time.monotonic() - began < coord.LOST_S / 2 and two.host_node == 1  # (no wait for LOST_S)
         assert one.fault(0, 0) is not None and one.server is not None  # (node 1 moved too)
     finally:
         one.close()
