@@ -124,7 +124,7 @@ def test_a_store_whose_launcher_died_is_given_up_at_once(tmp_path: Path) -> None
     server = coord.Server(KEY, 0, "127.0.0.1").start()
     chan = channel(tmp_path, server, 1)
     server.close()  # (its process gone: the kernel closes its connections)
-    until(lambda: chan.store is None, 2)
+    until(lambda: chan.store is None, coord.LOST_S / 2)  # (at once: not after LOST_S of silence)
     assert chan.decision(0, 0) is None and chan.lost_why
 
 
@@ -671,14 +671,14 @@ def test_a_push_right_behind_the_hello_s_answer_is_kept(tmp_path: Path) -> None:
         conn, _ = listening.accept()
         conn.recv(4096)
         conn.sendall(b'{"id":0,"instance":"i","pushed":{}}\n{"push":"fault/0/0","value":{"cause":"x"}}\n')
-        time.sleep(2)
+        time.sleep(60)  # (then nothing more, until long after the test looked)
         conn.close()
 
     threading.Thread(target=store, daemon=True).start()
     chan = coord.Channel(tmp_path, 1)
     try:
         assert chan.open("127.0.0.1", listening.getsockname()[1], KEY, attempt=0, serve=False)
-        until(lambda: chan.fault(0, 0) is not None, 1)
+        until(lambda: chan.fault(0, 0) is not None, 30)  # (the push, not anything after the close)
     finally:
         chan.close()
         listening.close()
