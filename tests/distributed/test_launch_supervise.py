@@ -70,6 +70,7 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_bitwise_equal(unin
     for step, path in mine.items():
         assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
     (back,) = [r for r in ledger.read(run) if r["event"] == "recovered"]
+    # (seconds: not a wait for DOWN_TIMEOUT_S, 120 s, or torchrun's 300 s)
     assert back["cycle"] == 1 and back["step"] == fault["committed"] + 1 and 0 < back["seconds"] < 60
     assert fault["detect_s"] <= 0.2  # a crash is seen within one look
     # The launchers coordinated through node 0's store: no fault or down file, the decision's
