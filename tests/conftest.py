@@ -174,6 +174,43 @@ def wait_for(cond: Callable[[], object], timeout: float = 120, what: str = "cond
         time.sleep(0.05)
 
 
+def _status_field(pid: int, name: str) -> str | None:
+    """One field of /proc/PID/status (None: no such process)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return next((line.split(":", 1)[1].strip() for line in status.splitlines()
+                 if line.startswith(f"{name}:")), None)
+
+
+def catches(pid: int, sig: int) -> bool:
+    """The process has a handler for `sig` (/proc/PID/status SigCgt): what a test waits for
+    before it sends a signal the process must take (a rank past its entry point's first
+    line; until then a notice is lost or kills it), never a delay after its start."""
+    caught = _status_field(pid, "SigCgt") or "0"
+    return bool(int(caught, 16) >> (sig - 1) & 1)
+
+
+def pending(pid: int) -> int:
+    """The signals sent to the process and not yet taken (SigPnd, its thread's, and ShdPnd,
+    the process's), as a mask: a signal sent is here until the process is scheduled to take
+    it, so a test that asserts none was sent looks here too, not only after a delay."""
+    return int(_status_field(pid, "SigPnd") or "0", 16) | int(_status_field(pid, "ShdPnd") or "0", 16)
+
+
+def sleeping(pid: int) -> bool:
+    """The process sleeps (State S): a freshly started `sleep 60` is running (R) until it
+    has exec'd and reached its sleep, which on a loaded machine can take a while."""
+    return (_status_field(pid, "State") or "").startswith("S")
+
+
+def gone(pid: int) -> bool:
+    """No such process, or one that has exited and waits to be reaped (State Z)."""
+    state = _status_field(pid, "State")
+    return state is None or state.startswith("Z")
+
+
 STEPS = 16
 NOT_ABOUT_HANGS = {"watchdog_floor_s": 60}
 """Settings for a multi-node test whose subject is not the hang watchdog. A rank's wait for a

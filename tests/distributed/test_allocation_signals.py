@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from hpcshard.rundir.rankenv import REQUEUE_EXIT
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.slurm import cluster, steps
 from hpcshard.slurm.states import JobState
+from tests.conftest import wait_for
 
 SRUN = """#!/bin/bash
 # a step that takes the notice (USR2: exit 75 once its "ranks" saved, after SAVE_S) and TERM
@@ -55,6 +57,12 @@ def spec_in(tmp_path: Path) -> tuple[RunSpec, Path]:
 SALLOC = {"SLURM_JOB_ID": "41", "SLURM_JOB_NODELIST": "n[1-2]"}
 
 
+def taken(sig: int) -> bool:
+    """run_held has its handler for `sig` (it sets it just after it starts srun): a signal
+    sent to this process before that is the default's (Ctrl-C: KeyboardInterrupt)."""
+    return getattr(signal.getsignal(sig), "__name__", "") == "on_signal"
+
+
 def test_ctrl_c_is_the_notice_and_a_second_one_stops_now(tmp_path: Path,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     log = fake_srun(tmp_path, monkeypatch, save=1)  # (the notice alone does not end it)
@@ -62,14 +70,12 @@ def test_ctrl_c_is_the_notice_and_a_second_one_stops_now(tmp_path: Path,
     spec, run = spec_in(tmp_path)
 
     def press() -> None:
-        # (the second press once the first went out: two within one of run_held's 1 s polls
-        # are "stop now" alone, and a loaded machine may start the stand-in srun that late)
-        for ready in (lambda: log.with_suffix(".argv").exists(),
+        # The first press once run_held has its handler and srun runs; the second once the
+        # first went out (the notice is in srun's log): two before it are "stop now" alone.
+        # (Not 0.5 s after each: a loaded machine may take longer than that to get there.)
+        for ready in (lambda: taken(signal.SIGINT) and log.with_suffix(".argv").exists(),
                       lambda: log.exists() and "USR2" in log.read_text()):
-            wait = time.monotonic() + 10
-            while not ready() and time.monotonic() < wait:
-                time.sleep(0.05)
-            time.sleep(0.5)
+            wait_for(ready, 120, "the press's moment")
             os.kill(os.getpid(), signal.SIGINT)
 
     threading.Thread(target=press, daemon=True).start()
@@ -83,13 +89,15 @@ def test_ctrl_c_is_the_notice_and_a_second_one_stops_now(tmp_path: Path,
 def test_the_allocations_end_sends_the_notice_lead_seconds_before(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     log = fake_srun(tmp_path, monkeypatch, save=0)
-    monkeypatch.setattr(cluster, "time_left", lambda job: 6.0)  # (a duration: no clock of Slurm's)
+    monkeypatch.setattr(cluster, "time_left", lambda job: 20.0)  # (a duration: no clock of Slurm's)
     spec, run = spec_in(tmp_path)
-    end = time.time() + 6
-    code = allocation.run_held(spec, run, "auto", "", lead=3, environ=SALLOC)
+    end = time.time() + 20
+    code = allocation.run_held(spec, run, "auto", "", lead=15, environ=SALLOC)
     assert log.read_text().split() == ["USR2"] and code == REQUEUE_EXIT
     at = float(log.with_suffix(".at").read_text())
-    assert end - 3 <= at < end  # 3 s before the end (within the command's 1 s poll), not at once
+    # Not at once, and before the end: a lead of 15 s (it was 3) leaves a loaded machine's
+    # command 15 s past its 1 s poll to send it, in a test that still waits about 5 s.
+    assert end - 15 <= at < end
 
 
 LATE = """#!/bin/bash
@@ -149,10 +157,9 @@ def test_a_hangup_with_the_terminal_gone_is_still_the_notice(tmp_path: Path,
     monkeypatch.setattr(cluster, "time_left", lambda job: None)
 
     def hang_up() -> None:
-        wait = time.monotonic() + 10
-        while not (run / "launch" / "node-1.pid").exists() and time.monotonic() < wait:
-            time.sleep(0.05)
-        time.sleep(0.3)
+        # once run_held has its handler and the launchers theirs (their pid files)
+        wait_for(lambda: taken(signal.SIGHUP) and (run / "launch" / "node-1.pid").exists(), 120,
+                 "the launchers' pid files")
         monkeypatch.setattr("sys.stderr", _Gone())
         os.kill(os.getpid(), signal.SIGHUP)
 
@@ -198,17 +205,24 @@ def test_a_run_over_with_a_frozen_node_ends_its_step_not_the_allocation(
         os.kill(int(log.with_suffix(".pid").read_text()), signal.SIGTERM)
 
     monkeypatch.setattr(cluster, "scancel", scancel)
+    watching: list[allocation.StepEnd] = []
+
+    class Watched(allocation.StepEnd):  # (the command's own, seen by the test)
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            watching.append(self)
+
+    monkeypatch.setattr(allocation, "StepEnd", Watched)
     ended: list[float] = []
 
     def launchers() -> None:  # what the launchers write: the loss, the end on the spare
-        wait = time.monotonic() + 10
-        while not (run / "launch" / "node-2.pid").exists() and time.monotonic() < wait:
-            time.sleep(0.05)
-        time.sleep(1.5)  # (the run trains on: the command, polling each second, sees their pid files)
+        # The run trains on until the command has seen every launcher's pid file (one it
+        # never saw says nothing of its launcher), not for 1.5 s of its 1 s polls.
+        wait_for(lambda: watching and watching[0].seen == {0, 1, 2}, 120, "the command to see the pid files")
         ledger.append(run, events.BadNode(attempt=0, cycle=0, node=1, slurm_node="n2", reason="lost: silent"))
         ledger.append(run, events.End(attempt=0, reason=EndReason.DONE, saved_step=8, saved="step-8"))
         ended.append(time.monotonic())
-        time.sleep(1.0)  # (the kept launchers' last words)
+        time.sleep(1.0)  # (the kept launchers' last words: their exit a moment after the end, as in a run)
         for k in (0, 2):
             (run / "launch" / f"node-{k}.pid").unlink()
 

@@ -13,7 +13,7 @@ from hpcshard.launch.procs import children
 from hpcshard.rundir import ledger
 from hpcshard.rundir.launchers import launchers
 from hpcshard.rundir.rankenv import REQUEUE_EXIT
-from tests.conftest import hpcshard_bg, sets, wait_for
+from tests.conftest import catches, hpcshard_bg, sets, wait_for
 
 
 def rank_pids(run: Path) -> list[int]:
@@ -21,18 +21,6 @@ def rank_pids(run: Path) -> list[int]:
     the children of each launcher's torchrun."""
     return [rank for launcher in launchers(run) for agent in children(launcher)
             for rank in children(agent)]
-
-
-def catches(pid: int, sig: int) -> bool:
-    """The process has a handler for `sig` (/proc/PID/status SigCgt): past the entry point's
-    first line. Until then the notice is lost: the agent ignores it (SIG_IGN), and its forks
-    keep that until the entry point sets the handler."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return False
-    caught = next((line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), "0")
-    return bool(int(caught, 16) >> (sig - 1) & 1)
 
 
 def test_a_notice_during_start_up_stops_the_run_at_the_first_boundary(tmp_path: Path) -> None:

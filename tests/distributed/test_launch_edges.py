@@ -14,7 +14,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -29,8 +28,10 @@ from tests.conftest import (
     NOT_ABOUT_HANGS,
     ROOT,
     STEPS,
+    gone,
     hpcshard,
     hpcshard_bg,
+    pending,
     quiet_env,
     sets,
     step_records,
@@ -82,10 +83,13 @@ def test_a_notice_during_the_rendezvous_reaches_the_ranks_and_the_run_requeues_b
         os.kill(pid, signal.SIGSTOP)
     try:
         wait_for(lambda: agent(launchers(run)[0]), 60, "node 0's agent")
-        time.sleep(0.5)
         assert not trained_to(run, 1)  # no step anywhere yet: every rank waits for node 1's
         assert hpcshard("preempt", str(run)).returncode == 0
-        time.sleep(1.0)
+        # Node 1 is held until both launchers have taken the notice (it is no longer pending
+        # in either: their handlers ran), so that it came in the rendezvous; not for 1 s,
+        # in which a loaded machine may not have run them at all.
+        wait_for(lambda: not any(pending(pid) >> (signal.SIGUSR2 - 1) & 1 for pid in launchers(run)), 60,
+                 "the launchers to take the notice")
     finally:
         for pid in held:
             os.kill(pid, signal.SIGCONT)
@@ -150,8 +154,10 @@ def test_a_disk_that_fills_during_a_fault_stops_the_run_for_its_storage_and_blam
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == STORAGE_EXIT, out[-4000:]
     assert f"the run directory {run} is full" in out
-    time.sleep(1)
-    assert not [p for p in victims if Path(f"/proc/{p}").exists()]  # every rank was killed
+    # Every rank was killed: each is gone once its end is through (a torch process's exit
+    # takes a while on a loaded machine: waited for, not 1 s). One left behind would wait in
+    # its collective for gloo's 30 minutes, far past this bound.
+    wait_for(lambda: all(gone(p) for p in victims), 60, "every rank's end")
     assert not [r for r in ledger.read(run) if r["event"] == "bad_node"]  # no node blamed
     filler.unlink()
     done = hpcshard("resume", str(run))

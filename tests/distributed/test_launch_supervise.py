@@ -53,7 +53,9 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_bitwise_equal(unin
 
     (fault,) = faults(run)
     assert fault["restart"] and fault["culprit"]["pid"] == victim and "died" in fault["cause"]
-    assert fault["declared"] - killed_at < 5  # seconds, not torchrun's 300 s or gloo's 30 min
+    # seconds, not torchrun's 300 s or gloo's 30 min (not 5: a loaded machine's launcher may
+    # take longer to look, and 60 is still far from either)
+    assert fault["declared"] - killed_at < 60
     starts = [r for r in ledger.read(run) if r["event"] == "start"]
     assert [(s["attempt"], s["cycle"]) for s in starts] == [(0, 0), (0, 1)]
     assert starts[1]["resumed_step"] == fault["committed"] >= 4
@@ -68,6 +70,7 @@ def test_a_killed_rank_is_restarted_in_place_and_the_run_ends_bitwise_equal(unin
     for step, path in mine.items():
         assert_bitwise_equal(load(path), load(reference[step]), f"step {step}")
     (back,) = [r for r in ledger.read(run) if r["event"] == "recovered"]
+    # (seconds: not a wait for DOWN_TIMEOUT_S, 120 s, or torchrun's 300 s)
     assert back["cycle"] == 1 and back["step"] == fault["committed"] + 1 and 0 < back["seconds"] < 60
     assert fault["detect_s"] <= 0.2  # a crash is seen within one look
     # The launchers coordinated through node 0's store: no fault or down file, the decision's

@@ -59,10 +59,11 @@ CLOCK_STEP = '''
 import json, os, subprocess, threading, time
 wall, mono = time.time(), time.monotonic()
 date = int(subprocess.run(["date", "+%s"], capture_output=True, text=True).stdout)
+wall_after = time.time()
 t = time.monotonic(); time.sleep(1); slept = time.monotonic() - t
 t = time.monotonic(); threading.Event().wait(1); waited = time.monotonic() - t
 print(json.dumps({"node": os.environ["SLURMD_NODENAME"], "wall": wall, "mono": mono, "date": date,
-                  "slept": slept, "waited": waited}), flush=True)
+                  "wall_after": wall_after, "slept": slept, "waited": waited}), flush=True)
 '''
 
 
@@ -101,10 +102,13 @@ def test_a_file_one_nfs_node_creates_stays_invisible_to_another_for_its_negative
     assert made["sees_its_own"] and read["missing_at_first"], got
     hidden = float(read["seen"]) - float(made["created"])
     assert hidden >= 0.6 * NFS_CACHE_S, f"the other node saw the new file {hidden:.1f} s after it was made"
-    assert float(read["seen"]) - float(read["missed"]) <= NFS_CACHE_S + 2, got
+    # (at most twice the cache's time, not its time and 2 s: the reader polls on a loaded
+    # machine; a lookup cached as on a real mount, 30 to 60 s, is far past either)
+    assert float(read["seen"]) - float(read["missed"]) <= 2 * NFS_CACHE_S, got
     assert read["first"] == "first"
     assert read["second"] == "second, longer", "a file replaced by a rename was read stale"
-    assert float(read["second_at"]) - float(made["replaced"]) < 1, got
+    # (read once the flag is up: a read held stale would be for the cache's NFS_CACHE_S)
+    assert float(read["second_at"]) - float(made["replaced"]) < NFS_CACHE_S / 2, got
     assert after == "second, longer"
 
 
@@ -129,10 +133,18 @@ def test_a_job_on_a_skewed_node_reads_its_wall_clock_off_and_its_monotonic_clock
         # The offset, measured against the shared monotonic clock: exact but for the time
         # between two readings.
         offset = float(r["wall"]) - float(r["mono"]) - host
+        # (two readings on one line: 2 s is room for a preemption between them, against a
+        # skew of 30 s)
         assert abs(offset - skew) < 2, f"{node}: wall clock {offset:+.1f} s off the host's, not {skew:+g}"
-        assert abs(float(r["date"]) - float(r["wall"])) < 2, f"{node}: date disagrees with python: {r}"
+        # date's second lies between python's readings before and after it (date truncates):
+        # not within 2 s of the first, which a loaded machine's start of `date` could pass
+        assert int(float(r["wall"])) <= int(r["date"]) <= float(r["wall_after"]), (
+            f"{node}: date disagrees with python: {r}")
         assert mono_before <= float(r["mono"]) <= mono_after, f"{node}: monotonic clock off the host's: {r}"
-        assert 0.9 <= float(r["slept"]) < 1.5 and 0.9 <= float(r["waited"]) < 1.5, f"{node}: {r}"
+        # A sleep of 1 s timed on the wrong clock is off by the skew (30 s): the upper bound
+        # is half of that, not 1.5 s, which a loaded machine's late wake-up could pass.
+        late = 1 + min(abs(v) for v in SKEW.values()) / 2
+        assert 0.9 <= float(r["slept"]) < late and 0.9 <= float(r["waited"]) < late, f"{node}: {r}"
     states = slurm("sinfo", "-h", "-N", "-n", ",".join(SKEW), "-o", "%T").split()
     assert len(states) == len(SKEW), states  # neither down, drained nor silent
     assert not any(bad in s for s in states for bad in ("down", "drain", "fail", "*")), states

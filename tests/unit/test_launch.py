@@ -411,7 +411,7 @@ def test_a_launcher_gives_the_attempts_end_record_time_before_it_requeues(
     ledger.append(tmp_path, events.End(attempt=0, reason=EndReason.STOP))
     started = time.monotonic()
     slurm._await_end(tmp_path, 0, 30.0)  # written (by itself, the leader): no wait
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < 10.0  # (far below the 30 s it waits for a record not there)
     started = time.monotonic()
     reads = []
     monkeypatch.setattr(ledger, "end_of", lambda run, attempt: reads.append(attempt))

@@ -15,6 +15,7 @@ from hpcshard.rundir.events import EndReason
 from hpcshard.slurm import cluster
 from hpcshard.slurm.env import SlurmEnv
 from hpcshard.slurm.states import JobState
+from tests.conftest import wait_for
 
 pytestmark = pytest.mark.unit
 
@@ -183,21 +184,34 @@ def test_the_helper_acts_only_after_the_launcher_has_exited(tmp_path: Path) -> N
     launcher killed (137: the job FAILS)."""
     import subprocess
     import sys
-    import time
 
     env, called = fake_slurm(tmp_path)
-    code = ("import time; from hpcshard.launch import release; "
-            "release.after_exit('77', '0', 'n2', 'why'); time.sleep(2)")
-    launcher = subprocess.Popen([sys.executable, "-c", code], env=env)
-    time.sleep(1.5)
+    # The launcher lives until the test closes its stdin (not for a while: on a loaded
+    # machine the test looked after a launcher that had already exited), and says its helper.
+    code = ("import sys; from hpcshard.launch import release; release.after_exit('77', '0', 'n2', 'why'); "
+            "print(release._WAITING[0].pid, flush=True); sys.stdin.read()")
+    launcher = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, text=True)
+    assert launcher.stdin is not None and launcher.stdout is not None
+    helper = int(launcher.stdout.readline())
+    wait_for(lambda: reads_a_pipe(helper), 60, "the helper to wait on its pipe")
     assert not called.exists()  # (the launcher still runs)
+    launcher.stdin.close()
     assert launcher.wait(timeout=30) == 0
-    deadline = time.monotonic() + 30
-    while not called.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    time.sleep(0.5)
+    down = "scontrol update NodeName=n2 State=DOWN Reason=why"
+    # (the helper first waits AFTER_EXIT_S, 10 s, past the launcher's exit)
+    wait_for(lambda: called.exists() and down in called.read_text(), 60, "the helper's DOWN")
     acted = [c for c in called.read_text().splitlines() if not c.startswith("scontrol show job")]
-    assert acted == [ALONE, "scontrol update NodeName=n2 State=DOWN Reason=why"]  # (asked first: `holds`)
+    assert acted == [ALONE, down]  # (asked first: `holds`)
+
+
+def reads_a_pipe(pid: int) -> bool:
+    """The process waits in a read of a pipe (/proc/PID/wchan: pipe_read, anon_pipe_read on
+    newer kernels): the helper has reached its wait for the launcher's exit."""
+    try:
+        return "pipe_read" in Path(f"/proc/{pid}/wchan").read_text()
+    except OSError:
+        return False
 
 
 ALONE = "squeue -h -t R,S,CG -w n2 -o %A"

@@ -19,6 +19,7 @@ from hpcshard.launch.procs import ranks_below
 from hpcshard.launch.watchdog import STARVED_CAP, Limits, Watchdog, started
 from hpcshard.rundir.proc import clock
 from hpcshard.rundir.progress import _SLOT, Board, Slot, board_path, boards
+from tests.conftest import sleeping, wait_for
 
 LIMITS = Limits(factor=3.0, floor_s=5.0, warmup_steps=3, phase_s=100.0)
 
@@ -292,32 +293,50 @@ def test_a_new_phase_or_a_new_process_counts_its_own_wait() -> None:
     assert dog.look([slot(0, 11, "step", t + 60.0, pid=3)], t + 68.6) is not None
 
 
+def ran(pid: int) -> float:
+    """Seconds the process has run on a CPU (/proc/PID/schedstat's first field, in ns)."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0]) / 1e9
+
+
 def test_a_process_run_queue_wait_is_read_from_the_kernel() -> None:
-    """Two busy processes pinned to one core: each waits for it about half the time."""
+    """Two busy processes pinned to one core: while one runs, the other waits for it. Once
+    each has run 0.5 s on that core, each has waited (the other ran while it was ready),
+    and no wait is longer than the process has lived. (Read once each had run, not 1.5 s
+    after their start: on a loaded machine their start alone can take that long.)"""
     from hpcshard.rundir.proc import runqueue_wait
 
     if not Path(f"/proc/{os.getpid()}/schedstat").exists():
         pytest.skip("this kernel keeps no /proc/PID/schedstat")
     core = min(os.sched_getaffinity(0))
-    busy = (f"import os, time\nos.sched_setaffinity(0, {{{core}}})\nend = time.time() + 3\n"
-            "while time.time() < end: pass\n")
-    procs = [subprocess.Popen([sys.executable, "-c", busy]) for _ in range(2)]
+    busy = f"import os\nos.sched_setaffinity(0, {{{core}}})\nprint(flush=True)\nwhile True: pass\n"
+    began = time.monotonic()
+    procs = [subprocess.Popen([sys.executable, "-c", busy], stdout=subprocess.PIPE) for _ in range(2)]
     try:
-        time.sleep(1.5)
+        for p in procs:  # (each pinned: from here on they share one core)
+            assert p.stdout is not None and p.stdout.readline() == b"\n"
+        pinned = [ran(p.pid) for p in procs]
+        wait_for(lambda: all(ran(p.pid) - at > 0.5 for p, at in zip(procs, pinned, strict=True)),
+                 120, "each to run 0.5 s on the shared core")
         waits = [runqueue_wait(p.pid) for p in procs]
+        lived = time.monotonic() - began
     finally:
         for p in procs:
             p.kill()
             p.wait()
-    assert all(0.1 < w < 1.5 for w in waits), waits
+    assert all(0.1 < w < lived for w in waits), (waits, lived)
     assert runqueue_wait(2**22 + 1) == 0.0  # no such pid
 
 
 @pytest.fixture
 def asleep() -> Iterator[list[int]]:
-    """Two pids of sleeping processes (state S: ranks asleep in a collective)."""
+    """Two pids of sleeping processes (state S: ranks asleep in a collective), once both
+    sleep: a `sleep` just started is running (R) until it has exec'd and reached its sleep,
+    and the watchdog names a running rank before a sleeping one. Under load one of the two
+    was still R at the look (measured here at a load of 5: 56 of 200 fresh pairs had one
+    not yet asleep), and that one was named, whatever its wait for a CPU."""
     procs = [subprocess.Popen(["sleep", "60"]) for _ in range(2)]
     try:
+        wait_for(lambda: all(sleeping(p.pid) for p in procs), 60, "both to sleep")
         yield [p.pid for p in procs]
     finally:
         for p in procs:

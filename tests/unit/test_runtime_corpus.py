@@ -652,13 +652,15 @@ def test_randperm_orders_each_source_of_a_mixture_apart() -> None:
 
 def test_the_loader_thread_never_holds_a_rank_at_its_exit() -> None:
     """A fetch blocked on a hung file system kept the process from exiting (the pool's
-    thread was joined at exit)."""
+    thread was joined at exit). Closed once a fetch is blocked in it, not a while after the
+    plan (on a loaded machine the thread may not have begun the fetch by then)."""
     script = """
-import time
+import threading, time
 from hpcshard.runtime.loader import Ahead
-ahead = Ahead(lambda epoch, offset: time.sleep(3600))
+fetching = threading.Event()
+ahead = Ahead(lambda epoch, offset: (fetching.set(), time.sleep(3600)))
 ahead.plan([(0, 0), (0, 8)])
-time.sleep(0.2)
+assert fetching.wait(60)
 ahead.close()
 print("closed")
 """
