@@ -178,6 +178,22 @@ def test_a_launcher_waits_for_the_deciders_wait_on_the_storage(
     assert got == decided
 
 
+def recover_beating(sup: Any, hung: threading.Event, monkeypatch: pytest.MonkeyPatch,
+                    ) -> tuple[list[Decision], list[float]]:
+    """`sup.recover` of a rank's death in a thread, given 20 s, then the hang released: its
+    decision (none: it hung) and the gaps between its beats, from its start."""
+    beats: list[float] = []
+    monkeypatch.setattr(sup, "beat", lambda *_, **__: beats.append(time.monotonic()))
+    done: list[Decision] = []
+    recovering = threading.Thread(target=lambda: done.append(sup.recover(0, Watch(code=1, fault={
+        "cause": "rank 0 died"}))), daemon=True)
+    began = time.monotonic()
+    recovering.start()
+    recovering.join(20)
+    hung.set()
+    return done, [b - a for a, b in zip([began, *beats], beats, strict=False)]
+
+
 def test_every_read_of_the_fault_path_is_bounded_and_the_launcher_beats_meanwhile(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The write probe lands, but the listing of the checkpoints hangs (a Lustre OST that is
@@ -195,20 +211,11 @@ def test_every_read_of_the_fault_path_is_bounded_and_the_launcher_beats_meanwhil
         return []
 
     monkeypatch.setattr(store, "committed", listing)
-    beats: list[float] = []
-    monkeypatch.setattr(sup, "beat", lambda *_, **__: beats.append(time.monotonic()))
-    done: list[Decision] = []
-    recovering = threading.Thread(target=lambda: done.append(sup.recover(0, Watch(code=1, fault={
-        "cause": "rank 0 died"}))), daemon=True)
-    began = time.monotonic()
-    recovering.start()
-    recovering.join(20)
-    hung.set()
+    done, gaps = recover_beating(sup, hung, monkeypatch)
     assert done, "recovery hung with the listing"
     assert done[0].restart, done[0].reason
     assert len(listings) == 1  # (once found hung, not read again: one thread blocked, not one a read)
-    gaps = [b - a for a, b in zip([began, *beats], beats, strict=False)]
-    assert beats and max(gaps) < 1.0, gaps
+    assert gaps and max(gaps) < 1.0, gaps
 
 
 def test_recovery_on_a_hung_mount_is_bounded_and_beats(tmp_path: Path,
@@ -221,18 +228,9 @@ def test_recovery_on_a_hung_mount_is_bounded_and_beats(tmp_path: Path,
     hung = threading.Event()
     monkeypatch.setattr(health, "_probe", lambda run_dir: hung.wait(30) and None)
     monkeypatch.setattr(store, "committed", lambda path: hung.wait(30) and [])
-    beats: list[float] = []
-    monkeypatch.setattr(sup, "beat", lambda *_, **__: beats.append(time.monotonic()))
-    done: list[Decision] = []
-    recovering = threading.Thread(target=lambda: done.append(sup.recover(0, Watch(code=1, fault={
-        "cause": "rank 0 died"}))), daemon=True)
-    began = time.monotonic()
-    recovering.start()
-    recovering.join(20)
-    hung.set()
+    done, gaps = recover_beating(sup, hung, monkeypatch)
     assert done, "recovery hung with the mount"
     assert (done[0].code, done[0].end) == (STORAGE_EXIT, "storage") and "(hung)" in done[0].reason
-    gaps = [b - a for a, b in zip([began, *beats], beats, strict=False)]
     assert max(gaps) < 1.0, gaps
 
 
