@@ -26,7 +26,7 @@ from hpcshard.rundir.rankenv import DEADLINE_VARS, NOTICE, REQUEUE_EXIT, RankEnv
 from hpcshard.rundir.spec import RunSpec
 from hpcshard.slurm import cluster
 from hpcshard.slurm.env import SlurmEnv, expand_nodelist
-from hpcshard.slurm.sbatch import SbatchRequest
+from hpcshard.slurm.sbatch import SbatchRequest, ranged_script
 from hpcshard.slurm.submit import job_paths
 
 __all__ = ["SlurmEnv", "expand_nodelist", "coord_port", "node_env", "node_main", "rdzv_port"]
@@ -74,18 +74,23 @@ def node_env(slurm: SlurmEnv, per_node: int) -> NodeEnv:
                    coord_port=coord_port(slurm.job_id, slurm.restart_count))
 
 
-def _resubmit(run_dir: Path, job_id: str, *args: str) -> str:
+def _resubmit(run_dir: Path, job_id: str, *args: str, ranged: bool = False) -> str:
     """Submit job `job_id`'s script again (with sbatch `args`, a dependency on it among
-    them), excluding the run's bad nodes. Returns the new id."""
+    them), excluding the run's bad nodes. `ranged`: for a range of node counts (`--nodes=N-M`
+    among `args`), without the script's task counts (`sbatch.ranged_script`). Returns the new id."""
     old = job_paths(RunPaths(run_dir).submitit, job_id)
     bad = ledger.bad_slurm_nodes(run_dir)
-    new = cluster.sbatch(*args, *([f"--exclude={','.join(bad)}"] if bad else []), str(old.submission_file))
+    script = Path(old.submission_file)
+    if ranged:
+        script = script.with_name(f"{job_id}_ranged_submission.sh")
+        write_atomic(script, ranged_script(Path(old.submission_file).read_text()))
+    new = cluster.sbatch(*args, *([f"--exclude={','.join(bad)}"] if bad else []), str(script))
     # Under its own id, what submitit wrote for the first job: the pickle it unpickles, and
     # the script the next continuation is submitted from. (It cannot start before they are
     # there: it waits for this job to end (its dependency), or it was submitted held.)
     now = job_paths(old.folder, new)
     shutil.copy(old.submitted_pickle, now.submitted_pickle)
-    shutil.copy(old.submission_file, now.submission_file)
+    shutil.copy(script, now.submission_file)
     return new
 
 
@@ -142,9 +147,11 @@ def guard(run_dir: Path, job_id: str) -> str:
     checkpoint. Returns the guard's id."""
     spec = RunSpec.read(run_dir)
     fewest = min(spec.nodes, spec.min_nodes or spec.nodes)
-    # A node less (the failed one) may leave no room for the spares: fewer are taken then.
+    # A node less (the failed one) may leave no room for the spares: fewer are taken then,
+    # and all of them where they are idle (`sbatch.ranged_script`: Slurm gave a guard the least
+    # count while idle nodes waited, and a run on spares then had none).
     new = _resubmit(run_dir, job_id, f"--dependency=afternotok:{job_id}", "--kill-on-invalid-dep=yes",
-                    f"--nodes={fewest}-{spec.nodes + spec.spares}")
+                    f"--nodes={fewest}-{spec.nodes + spec.spares}", ranged=True)
     write_atomic(launchers.guard_file(run_dir, new), f"{job_id}\n")
     return new
 

@@ -149,6 +149,21 @@ class SbatchRequest:
             _single_line("a module, mount or container option", value)
 
 
+TASK_COUNTS = re.compile(r"^#SBATCH[ \t]+(--ntasks(-per-node)?(=|[ \t])|-n[ \t]*\d).*(\n|$)", re.M)
+"""A script's task-count directives (`--ntasks-per-node`, `--ntasks`, `-n`)."""
+
+
+def ranged_script(script: str) -> str:
+    """A job script for a range of node counts (sbatch `--nodes=N-M`: a guard's), without
+    its task-count directives. With `--ntasks-per-node=1` and no `--ntasks`, sbatch takes
+    the task count to be N (the least node count times it) and Slurm then allocates N
+    nodes however many are idle: measured on Slurm 22.05, `-N2-3 --ntasks-per-node=1` got 2
+    of 5 idle nodes, `-N2-3` alone 3, and both 2 where only 2 were usable. Without them
+    Slurm's default is a task per node; the launch line names its own task count
+    (`srun --nodes=$SLURM_JOB_NUM_NODES --ntasks=$SLURM_JOB_NUM_NODES`)."""
+    return TASK_COUNTS.sub("", script)
+
+
 def search_path(template_dirs: list[str] | list[Path]) -> list[Path]:
     return [*(Path(d) for d in template_dirs), BUILTIN_TEMPLATES]
 

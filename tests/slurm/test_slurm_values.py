@@ -1,15 +1,20 @@
-"""hpcshard.slurm.time against the real sbatch: the values it accepts and refuses for --time
-and --mem are the ones sbatch accepts and refuses (tests/unit/test_slurm_time.py has the
-full table, measured once; this keeps it honest on the Slurm the tests run)."""
+"""hpcshard.slurm against the real sbatch: the values it accepts and refuses for --time and
+--mem are the ones sbatch accepts and refuses (tests/unit/test_slurm_time.py has the full
+table, measured once; this keeps it honest on the Slurm the tests run), and a guard's
+script gets the node count it asks for."""
 
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
+from hpcshard.slurm.env import expand_nodelist
+from hpcshard.slurm.sbatch import SbatchRequest, ranged_script, render
 from hpcshard.slurm.time import parse_limit, parse_mem
 
 TIMES = ["30", "1:30", "1-2:30", "99:99:99", "1-", "0", "UNLIMITED", "infinite",
@@ -47,3 +52,30 @@ def test_parsers_accept_what_sbatch_accepts(cluster: dict[str, str]) -> None:
     assert not disagree, f"(option, value, sbatch accepts) where hpcshard disagrees: {disagree}"
     for option, value in WRAPPED:
         assert _sbatch_takes(cluster, option, value) and not _we_take(parsers[option], value), value
+
+
+def _nodes_sbatch_would_give(cluster: dict[str, str], script: Path, nodes: str) -> int:
+    """How many nodes of partition debug a job of `script` with --nodes=`nodes` would get
+    (sbatch --test-only: Slurm's own pick, nothing run)."""
+    proc = subprocess.run(["sbatch", "--test-only", "--partition", "debug", f"--nodes={nodes}", str(script)],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, **cluster})
+    got = re.search(r"on nodes (\S+)", proc.stderr)
+    assert proc.returncode == 0 and got, proc.stderr
+    return len(expand_nodelist(got.group(1)))
+
+
+@pytest.mark.debug_partition
+def test_a_guard_s_script_gets_every_node_of_its_range_that_is_free(cluster: dict[str, str],
+                                                                    tmp_path: Path) -> None:
+    """A guard asks for N to N+S nodes (`launch.slurm.guard`). The job's own script, rendered
+    from the built-in template, says `--ntasks-per-node=1`: sbatch then counts N tasks and
+    Slurm gives N nodes with N+S free, so a run the guard took over had no spare. The guard's
+    script (`sbatch.ranged_script`) gets all N+S: the debug partition's 3 nodes."""
+    req = SbatchRequest(job_name="guarded", nodes=3, gpus_per_node=2, run_dir=tmp_path / "run")
+    job = tmp_path / "job.sh"
+    job.write_text(render(req, "true", tmp_path / "submitit"))
+    guard = tmp_path / "guard.sh"
+    guard.write_text(ranged_script(job.read_text()))
+    assert _nodes_sbatch_would_give(cluster, job, "2-3") == 2  # (Slurm's way, which the guard avoids)
+    assert _nodes_sbatch_would_give(cluster, guard, "2-3") == 3
+    assert _nodes_sbatch_would_give(cluster, guard, "3") == 3

@@ -379,6 +379,40 @@ def test_a_continuation_starts_from_submitits_own_files_under_its_new_id(
     assert (folder / "42_submission.sh").read_text() == "#!/bin/bash\n"
 
 
+def test_a_guard_is_submitted_for_a_range_of_nodes_without_the_scripts_task_count(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guard asks for N to N+S nodes; with the script's `--ntasks-per-node=1` Slurm gives
+    it N however many are idle (tests/slurm/test_slurm_values.py shows it on the real
+    sbatch): the guard's script is the job's without its task-count directives, and its own
+    continuations are submitted from that one."""
+    from hpcshard.launch import slurm as launch_slurm
+    from hpcshard.rundir.paths import RunPaths
+    from hpcshard.rundir.spec import RunSpec
+
+    RunSpec(job="jobs/charlm.py", sets={}, nodes=2, gpus=2, spares=1, name="g",
+            backend="slurm").write(tmp_path)
+    folder = RunPaths(tmp_path).submitit
+    folder.mkdir()
+    (tmp_path / "launch").mkdir()
+    script = "#!/bin/bash\n#SBATCH --nodes=3\n#SBATCH --ntasks-per-node=1\n#SBATCH --no-kill\nsrun x\n"
+    (folder / "41_submission.sh").write_text(script)
+    (folder / "41_submitted.pkl").write_bytes(b"pickle")
+    asked: list[tuple[str, ...]] = []
+    sent: list[str] = []
+
+    def sbatch(*args: str) -> str:
+        asked.append(args)
+        sent.append(Path(args[-1]).read_text())
+        return "42"
+
+    monkeypatch.setattr(launch_slurm.cluster, "sbatch", sbatch)
+    assert launch_slurm.guard(tmp_path, "41") == "42"
+    assert asked[0][:3] == ("--dependency=afternotok:41", "--kill-on-invalid-dep=yes", "--nodes=2-3")
+    assert sent == ["#!/bin/bash\n#SBATCH --nodes=3\n#SBATCH --no-kill\nsrun x\n"]
+    assert (folder / "42_submission.sh").read_text() == sent[0]
+    assert (folder / "41_submission.sh").read_text() == script
+
+
 def test_listen_ports_are_picked_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:
     """A port from bind(0) is ephemeral: any outgoing connection may take it as its source
     port before the rendezvous listens on it (a torchrun agent exited 1 before its ranks
