@@ -593,12 +593,11 @@ def one_clock(run_dir: Path, skew: dict[str, float], into: Path) -> Path:
             out["startup"] = {k: v - by if isinstance(v, float | int) else v for k, v in r["startup"].items()}
         return out
 
-    by, seen = 0.0, iter(starts)
+    by, seen = 0.0, iter([(s["attempt"], s.get("cycle", 0)) for s in starts])
     metrics = []
     for r in records(run_dir):
         if r.get("event") == "start":
-            start = next(seen, None)
-            by = offset.get((start["attempt"], start.get("cycle", 0)), 0.0) if start else by
+            by = offset.get(next(seen, (-1, 0)), by)
         metrics.append(shifted(r, by))
     (into / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in metrics))
     (into / ledger.LEDGER).write_text("".join(
