@@ -18,7 +18,7 @@ from hpcshard.launch.node import NodeEnv, run_node
 from hpcshard.launch.release import release
 from hpcshard.rundir import events, launchers, lease, ledger
 from hpcshard.rundir.chain import job_exit
-from hpcshard.rundir.files import write_atomic
+from hpcshard.rundir.files import write_atomic, written
 from hpcshard.rundir.launchers import attempt_file
 from hpcshard.rundir.paths import RunPaths
 from hpcshard.rundir.proc import clock
@@ -81,10 +81,14 @@ def _resubmit(run_dir: Path, job_id: str, *args: str, ranged: bool = False) -> s
     old = job_paths(RunPaths(run_dir).submitit, job_id)
     bad = ledger.bad_slurm_nodes(run_dir)
     script = Path(old.submission_file)
-    if ranged:
+    if ranged:  # (byte for byte but for the directives: any encoding, the mode kept)
         script = script.with_name(f"{job_id}_ranged_submission.sh")
-        write_atomic(script, ranged_script(Path(old.submission_file).read_text()))
-    new = cluster.sbatch(*args, *([f"--exclude={','.join(bad)}"] if bad else []), str(script))
+        text = Path(old.submission_file).read_bytes().decode("utf-8", "surrogateescape")
+        with written(script, mode=Path(old.submission_file).stat().st_mode & 0o777) as f:
+            f.write(ranged_script(text).encode("utf-8", "surrogateescape"))
+    # (SBATCH_USE_MIN_NODES, which a user's shell hands the job, would hold a range to N)
+    new = cluster.sbatch(*args, *([f"--exclude={','.join(bad)}"] if bad else []), str(script),
+                         unset=("SBATCH_USE_MIN_NODES",) if ranged else ())
     # Under its own id, what submitit wrote for the first job: the pickle it unpickles, and
     # the script the next continuation is submitted from. (It cannot start before they are
     # there: it waits for this job to end (its dependency), or it was submitted held.)

@@ -20,7 +20,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 TIMEOUT_S = 30.0
@@ -113,15 +113,21 @@ def _ignore_term() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
+def _environ(changes: Mapping[str, str | None]) -> dict[str, str]:
+    """This process's environment with `changes` (a None value: the variable unset)."""
+    out = {**os.environ, **{k: v for k, v in changes.items() if v is not None}}
+    return {k: v for k, v in out.items() if changes.get(k, "") is not None}
+
+
 def run_once(args: list[str], timeout: float, *, ignore_term: bool = False,
-             env: dict[str, str] | None = None) -> Reply:
+             env: Mapping[str, str | None] | None = None) -> Reply:
     """Run one Slurm command under `timeout`. `ignore_term`: the command must outlive a
     TERM (Slurm ends this job's steps with TERM once it is requeued; the commands that
-    follow a requeuehold must still run)."""
+    follow a requeuehold must still run). `env`: variables set for it (None: unset)."""
     _count(args)
     try:
         proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout,
-                              env={**os.environ, **env} if env else None,
+                              env=_environ(env) if env else None,
                               preexec_fn=_ignore_term if ignore_term else None)
     except OSError as err:  # e.g. a container without Slurm's client commands
         return Reply(tuple(args), None, err=f"cannot run {args[0]}: {err.strerror}")
@@ -146,7 +152,7 @@ def _count(args: list[str]) -> None:
 
 def run(args: list[str], *, timeout: float | None = None, tries: int = 1,
         retry: Callable[[Reply], bool] = lambda r: r.transient, deadline: float | None = None,
-        ignore_term: bool = False, env: dict[str, str] | None = None) -> Reply:
+        ignore_term: bool = False, env: Mapping[str, str | None] | None = None) -> Reply:
     """Run a Slurm command; while `retry(reply)` (by default: a transient failure) and
     fewer than `tries` tries were made, wait (BACKOFF_S, doubling) and run it again. The
     default is for what is safe to repeat: a query, or an action whose repeat is harmless

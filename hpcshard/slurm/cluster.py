@@ -27,6 +27,7 @@ import re
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -584,7 +585,8 @@ def requeued_by_other(job_id: str, restart_count: int) -> str:
     return ""
 
 
-def sbatch(*args: str, unique: bool = False, timeout: float | None = None) -> str:
+def sbatch(*args: str, unique: bool = False, timeout: float | None = None,
+           unset: Sequence[str] = ()) -> str:
     """`sbatch --parsable ARGS` (the script last): the new job's id, or SlurmError with
     sbatch's own last line. sbatch's warnings on success go to stderr.
 
@@ -596,9 +598,11 @@ def sbatch(*args: str, unique: bool = False, timeout: float | None = None) -> st
     from this script path: submitit's `.submission_file_<uuid>.sh`) the job is looked for
     in squeue by that path; otherwise, or when it is not there, the error says that a job
     may have been made. (A stray one would not train: only a run's newest recorded job
-    does, `RunSpec.newest_job`.)"""
+    does, `RunSpec.newest_job`.) `unset`: variables of this environment sbatch must not
+    read (its input variables, SBATCH_*, override the script's directives)."""
     reply = client.run(["sbatch", "--parsable", *args], tries=3, retry=lambda r: r.unsent,
-                       timeout=client.SBATCH_TIMEOUT_S if timeout is None else timeout)
+                       timeout=client.SBATCH_TIMEOUT_S if timeout is None else timeout,
+                       env=dict.fromkeys(unset) if unset else None)
     if reply.ok:
         if reply.err:
             print(reply.err, file=sys.stderr)

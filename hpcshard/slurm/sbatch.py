@@ -149,19 +149,71 @@ class SbatchRequest:
             _single_line("a module, mount or container option", value)
 
 
-TASK_COUNTS = re.compile(r"^#SBATCH[ \t]+(--ntasks(-per-node)?(=|[ \t])|-n[ \t]*\d).*(\n|$)", re.M)
-"""A script's task-count directives (`--ntasks-per-node`, `--ntasks`, `-n`)."""
+PINS = {"ntasks-per-node": len("ntasks-per-n"), "tasks-per-node": len("tasks"), "ntasks": len("ntasks"),
+        "use-min-nodes": len("use-")}
+"""The sbatch options that hold a job of N-M nodes to N (name: its shortest prefix sbatch
+takes for it). `--ntasks-per-node` (alias `--tasks-per-node`) without `--ntasks` makes sbatch
+count N tasks; `--ntasks` counts them itself; `--use-min-nodes` says so."""
+TOKEN = re.compile(r"""(?:[^\s"'#]|"[^"]*"|'[^']*')+""")
+"""One option of an #SBATCH line: up to blank space or a comment, quotes kept whole."""
+
+
+def _pins(token: str) -> bool | None:
+    """Whether `token` is one of PINS (True), and None where its value is the next token."""
+    if token.startswith("--"):
+        name, eq, _ = token[2:].partition("=")
+        full = next((f for f, least in PINS.items() if len(name) >= least and f.startswith(name)), None)
+        if full is None:
+            return False
+        return True if eq or full == "use-min-nodes" else None
+    if token.startswith("-n"):
+        return True if len(token) > 2 else None
+    return False
+
+
+def _unpinned(line: str) -> str | None:
+    """An #SBATCH line without its PINS options (their values too); None: nothing else was
+    on it. The other options are left as written."""
+    keep, drop_next, last = [], False, len("#SBATCH")
+    for m in TOKEN.finditer(line, last):
+        if line[last:m.start()].lstrip().startswith("#"):
+            break  # (a comment: the rest of the line)
+        pinned = _pins(m.group())
+        if drop_next or pinned is not False:
+            drop_next = pinned is None and not drop_next
+        else:
+            keep.append(m.group())
+        last = m.end()
+    if last == len("#SBATCH"):
+        return line  # (no option on it)
+    return line[:len("#SBATCH")] + "".join(f" {t}" for t in keep) + line[last:] if keep else None
 
 
 def ranged_script(script: str) -> str:
     """A job script for a range of node counts (sbatch `--nodes=N-M`: a guard's), without
-    its task-count directives. With `--ntasks-per-node=1` and no `--ntasks`, sbatch takes
-    the task count to be N (the least node count times it) and Slurm then allocates N
-    nodes however many are idle: measured on Slurm 22.05, `-N2-3 --ntasks-per-node=1` got 2
-    of 5 idle nodes, `-N2-3` alone 3, and both 2 where only 2 were usable. Without them
-    Slurm's default is a task per node; the launch line names its own task count
-    (`srun --nodes=$SLURM_JOB_NUM_NODES --ntasks=$SLURM_JOB_NUM_NODES`)."""
-    return TASK_COUNTS.sub("", script)
+    the options that hold it to N (PINS). With `--ntasks-per-node=1` and no `--ntasks`,
+    sbatch takes the task count to be N (the least node count times it) and Slurm then
+    allocates N nodes however many are idle: measured on Slurm 22.05, `-N2-3
+    --ntasks-per-node=1` got 2 of 5 idle nodes, `-N2-3` alone 3, and both 2 where only 2
+    were usable. Without them Slurm's default is a task per node; the launch line names its
+    own task count (`srun --nodes=$SLURM_JOB_NUM_NODES --ntasks=$SLURM_JOB_NUM_NODES`).
+    Only the directives sbatch reads are changed: the #SBATCH lines before the script's
+    first command; every other byte is kept (the script is read and written with
+    surrogateescape by the caller)."""
+    lines = script.splitlines(keepends=True)
+    out = []
+    for i, line in enumerate(lines):
+        body = line.rstrip("\r\n")
+        if body.strip() and not body.lstrip().startswith("#"):
+            out.extend(lines[i:])  # (the first command: sbatch reads no directive past it)
+            break
+        if body.startswith("#SBATCH"):
+            edited = _unpinned(body)
+            if edited is None:
+                continue
+            line = edited + line[len(body):]
+        out.append(line)
+    return "".join(out)
 
 
 def search_path(template_dirs: list[str] | list[Path]) -> list[Path]:

@@ -16,6 +16,8 @@ import pytest
 from hpcshard.slurm.env import expand_nodelist
 from hpcshard.slurm.sbatch import SbatchRequest, ranged_script, render
 from hpcshard.slurm.time import parse_limit, parse_mem
+from tests.conftest import wait_for
+from tests.slurm.conftest import NFS_NODES
 
 TIMES = ["30", "1:30", "1-2:30", "99:99:99", "1-", "0", "UNLIMITED", "infinite",
          "1:2:3:4", "1.5", " 30", "", "abc", "1::2", "+5"]
@@ -55,22 +57,31 @@ def test_parsers_accept_what_sbatch_accepts(cluster: dict[str, str]) -> None:
 
 
 def _nodes_sbatch_would_give(cluster: dict[str, str], script: Path, nodes: str) -> int:
-    """How many nodes of partition debug a job of `script` with --nodes=`nodes` would get
+    """How many nodes of partition nfs a job of `script` with --nodes=`nodes` would get
     (sbatch --test-only: Slurm's own pick, nothing run)."""
-    proc = subprocess.run(["sbatch", "--test-only", "--partition", "debug", f"--nodes={nodes}", str(script)],
+    proc = subprocess.run(["sbatch", "--test-only", "--partition", "nfs", f"--nodes={nodes}", str(script)],
                           capture_output=True, text=True, timeout=60, env={**os.environ, **cluster})
     got = re.search(r"on nodes (\S+)", proc.stderr)
     assert proc.returncode == 0 and got, proc.stderr
     return len(expand_nodelist(got.group(1)))
 
 
-@pytest.mark.debug_partition
+def _idle(cluster: dict[str, str], partition: str) -> int:
+    proc = subprocess.run(["sinfo", "-h", "-p", partition, "-t", "idle", "-o", "%D"], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **cluster})
+    return int(proc.stdout.strip() or 0)
+
+
+@pytest.mark.nfs_partition
 def test_a_guard_s_script_gets_every_node_of_its_range_that_is_free(cluster: dict[str, str],
                                                                     tmp_path: Path) -> None:
     """A guard asks for N to N+S nodes (`launch.slurm.guard`). The job's own script, rendered
     from the built-in template, says `--ntasks-per-node=1`: sbatch then counts N tasks and
     Slurm gives N nodes with N+S free, so a run the guard took over had no spare. The guard's
-    script (`sbatch.ranged_script`) gets all N+S: the debug partition's 3 nodes."""
+    script (`sbatch.ranged_script`) gets all N+S: the nfs partition's 3 nodes. (That
+    partition is its group's alone, tests/slurm/conftest.GROUP_PARTITIONS: once the previous
+    test's jobs have ended and its nodes are back, all 3 stay idle while this one asks.)"""
+    wait_for(lambda: _idle(cluster, "nfs") == len(NFS_NODES), 300, "the nfs partition's nodes idle")
     req = SbatchRequest(job_name="guarded", nodes=3, gpus_per_node=2, run_dir=tmp_path / "run")
     job = tmp_path / "job.sh"
     job.write_text(render(req, "true", tmp_path / "submitit"))

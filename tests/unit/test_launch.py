@@ -368,7 +368,7 @@ def test_a_continuation_starts_from_submitits_own_files_under_its_new_id(
     (folder / "41_submitted.pkl").write_bytes(b"pickle")
     asked: list[tuple[str, ...]] = []
 
-    def sbatch(*args: str) -> str:
+    def sbatch(*args: str, **kw: object) -> str:
         asked.append(args)
         return "42"
 
@@ -383,8 +383,9 @@ def test_a_guard_is_submitted_for_a_range_of_nodes_without_the_scripts_task_coun
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A guard asks for N to N+S nodes; with the script's `--ntasks-per-node=1` Slurm gives
     it N however many are idle (tests/slurm/test_slurm_values.py shows it on the real
-    sbatch): the guard's script is the job's without its task-count directives, and its own
-    continuations are submitted from that one."""
+    sbatch): the guard's script is the job's without its task-count directives, every other
+    byte and its mode kept, sbatch does not see SBATCH_USE_MIN_NODES, and the guard's own
+    continuations are submitted from that script."""
     from hpcshard.launch import slurm as launch_slurm
     from hpcshard.rundir.paths import RunPaths
     from hpcshard.rundir.spec import RunSpec
@@ -394,23 +395,59 @@ def test_a_guard_is_submitted_for_a_range_of_nodes_without_the_scripts_task_coun
     folder = RunPaths(tmp_path).submitit
     folder.mkdir()
     (tmp_path / "launch").mkdir()
-    script = "#!/bin/bash\n#SBATCH --nodes=3\n#SBATCH --ntasks-per-node=1\n#SBATCH --no-kill\nsrun x\n"
-    (folder / "41_submission.sh").write_text(script)
+    script = ("#!/bin/bash\n#SBATCH --job-name=r\xe9sum\xe9\n#SBATCH --nodes=3\n#SBATCH --ntasks-per-node=1\n"
+              "#SBATCH --no-kill\nsrun x\n").encode("latin-1")  # (not UTF-8: kept as it is)
+    (folder / "41_submission.sh").write_bytes(script)
+    (folder / "41_submission.sh").chmod(0o700)
     (folder / "41_submitted.pkl").write_bytes(b"pickle")
-    asked: list[tuple[str, ...]] = []
-    sent: list[str] = []
+    asked: list[tuple[tuple[str, ...], dict[str, object]]] = []
+    sent: list[bytes] = []
 
-    def sbatch(*args: str) -> str:
-        asked.append(args)
-        sent.append(Path(args[-1]).read_text())
+    def sbatch(*args: str, **kw: object) -> str:
+        asked.append((args, kw))
+        sent.append(Path(args[-1]).read_bytes())
         return "42"
 
     monkeypatch.setattr(launch_slurm.cluster, "sbatch", sbatch)
     assert launch_slurm.guard(tmp_path, "41") == "42"
-    assert asked[0][:3] == ("--dependency=afternotok:41", "--kill-on-invalid-dep=yes", "--nodes=2-3")
-    assert sent == ["#!/bin/bash\n#SBATCH --nodes=3\n#SBATCH --no-kill\nsrun x\n"]
-    assert (folder / "42_submission.sh").read_text() == sent[0]
-    assert (folder / "41_submission.sh").read_text() == script
+    (args, kw), = asked
+    assert args[:3] == ("--dependency=afternotok:41", "--kill-on-invalid-dep=yes", "--nodes=2-3")
+    assert kw == {"unset": ("SBATCH_USE_MIN_NODES",)}
+    assert sent == [script.replace(b"#SBATCH --ntasks-per-node=1\n", b"")]
+    assert (folder / "42_submission.sh").read_bytes() == sent[0]
+    assert (folder / "42_submission.sh").stat().st_mode & 0o777 == 0o700
+    assert (folder / "41_submission.sh").read_bytes() == script
+
+
+@pytest.mark.parametrize(("directive", "left"), [
+    ("#SBATCH --ntasks-per-node=1", None),
+    ("#SBATCH --tasks-per-node=1", None),  # (Slurm's alias)
+    ("#SBATCH --ntasks-per-n=1", None),  # (an abbreviation sbatch takes)
+    ("#SBATCH --ntasks 4", None),
+    ("#SBATCH -n 4", None),
+    ("#SBATCH -n4", None),
+    ("#SBATCH --use-min-nodes", None),
+    ("#SBATCH   --ntasks=4 # four", None),
+    ("#SBATCH --gpus-per-node=2 --ntasks-per-node=1", "#SBATCH --gpus-per-node=2"),
+    ("#SBATCH -c1 -n2 --constraint=a100", "#SBATCH -c1 --constraint=a100"),
+    ("#SBATCH --job-name='a -n 2' -n 2 --comment=\"x # y\"",
+     "#SBATCH --job-name='a -n 2' --comment=\"x # y\""),
+    ("#SBATCH --nodes=3 # --ntasks-per-node=1", "#SBATCH --nodes=3 # --ntasks-per-node=1"),
+    ("#SBATCH -N 3", "#SBATCH -N 3"),
+    ("#SBATCH --ntasks-per-core=1", "#SBATCH --ntasks-per-core=1"),
+    ("#SBATCH --ntasks-per-gpu=1", "#SBATCH --ntasks-per-gpu=1"),
+    ("#SBATCH --nodelist=n1", "#SBATCH --nodelist=n1"),
+])
+def test_a_ranged_script_loses_only_what_holds_a_range_to_its_least_count(directive: str,
+                                                                          left: str | None) -> None:
+    """`sbatch.ranged_script`, option by option: only the options that hold a job of N-M
+    nodes to N go, the rest of their line stays as written, and only in the directives
+    sbatch reads (none after the first command)."""
+    from hpcshard.slurm.sbatch import ranged_script
+
+    tail = "srun x\n#SBATCH -n 3\n"
+    got = ranged_script(f"#!/bin/bash\n{directive}\r\n{tail}")
+    assert got == f"#!/bin/bash\n{left}\r\n{tail}" if left else got == f"#!/bin/bash\n{tail}"
 
 
 def test_listen_ports_are_picked_below_the_ephemeral_range(monkeypatch: pytest.MonkeyPatch) -> None:

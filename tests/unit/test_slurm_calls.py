@@ -239,6 +239,19 @@ def test_sbatch_is_sent_again_only_when_it_surely_was_not_sent(tmp_path: Path, b
     assert len(calls(log)) == 1
 
 
+def test_sbatch_does_not_see_the_variables_it_is_told_to_leave_out(tmp_path: Path, bin_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A guard's sbatch leaves out SBATCH_USE_MIN_NODES (a user's shell hands it to the job,
+    and it would hold the guard's range of nodes to its least): unset for that call only."""
+    seen = tmp_path / "seen"
+    fake(bin_dir, "sbatch", f'echo "${{SBATCH_USE_MIN_NODES-unset}} $SBATCH_ACCOUNT" >> {seen}; echo 4243\n')
+    monkeypatch.setenv("SBATCH_USE_MIN_NODES", "1")
+    monkeypatch.setenv("SBATCH_ACCOUNT", "ml")
+    assert cluster.sbatch("job.sh", unset=("SBATCH_USE_MIN_NODES",)) == "4243"
+    assert cluster.sbatch("job.sh") == "4243"
+    assert seen.read_text().splitlines() == ["unset ml", "1 ml"]
+
+
 def test_a_submission_whose_answer_was_lost_is_found_by_its_script(tmp_path: Path, bin_dir: Path) -> None:
     script = tmp_path / ".submission_file_0123.sh"
     log = fake(bin_dir, "sbatch", HANG)
